@@ -1,0 +1,70 @@
+"""Resolving ``"package.module:function"`` factories, and shipping the user's own to workers.
+
+A factory in the user's own folder imports on the driver (the folder is on ``sys.path``)
+but not on Ray workers, which start elsewhere. ``local_modules_to_ship`` finds such
+modules so that ``fit`` can send them with the job (Ray's ``py_modules``), as users
+expect from Ray's runtime environments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Callable
+
+
+def is_factory(spec: str) -> bool:
+    return ":" in spec
+
+
+def load_factory(spec: str, field: str) -> Callable:
+    """Import ``module:function``; errors name the field, the module and the fix."""
+    module_name, func_name = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error is the user's to see
+        raise ValueError(
+            f"TrainConfig.{field}={spec!r}: module {module_name!r} does not import "
+            f"({type(exc).__name__}: {exc}). Run from the folder that holds it, add that folder "
+            f"to PYTHONPATH, or install it as a package.") from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"TrainConfig.{field}={spec!r}: module {module_name!r} has no function "
+                         f"{func_name!r}. Check the name after the ':'.")
+    return func
+
+
+def call_with_accepted(func: Callable, **kwargs):
+    """Call ``func`` with the keyword arguments its signature accepts (all if it takes **kw)."""
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return func(**kwargs)
+    return func(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def local_modules_to_ship(*specs: str) -> list:
+    """Top-level packages/modules of user factories that live outside site-packages.
+
+    Returns paths for Ray's ``runtime_env["py_modules"]``: the package folder, or the
+    single ``.py`` file, of each factory module imported from the user's own folders.
+    """
+    installed = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
+    shipped = []
+    for spec in specs:
+        if not is_factory(spec):
+            continue
+        top = spec.split(":", 1)[0].split(".")[0]
+        module = sys.modules.get(top) or importlib.import_module(top)
+        origin = getattr(module, "__file__", None)
+        if origin is None:
+            continue
+        path = Path(origin).resolve()
+        path = path.parent if path.name == "__init__.py" else path
+        if any(parent in installed for parent in path.parents) or top == "raytrain_mgpu":
+            continue
+        if str(path) not in shipped:
+            shipped.append(str(path))
+    return shipped

@@ -1,0 +1,189 @@
+"""The public entry point: ``fit(TrainConfig) -> TrainResult``.
+
+``fit`` checks everything it can before asking Ray for anything (config, data files,
+whether the run fits the cluster, whether an existing run of the same name can be
+resumed), then runs the strategy's runner: Ray Train workers for the data-parallel
+family, the pipeline's own actor group for ``pipeline``/``ddp_pipeline``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+from torch import nn
+
+from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu._factory import is_factory, load_factory, local_modules_to_ship
+from raytrain_mgpu.cluster import check_placeable, connect
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.data import check_data
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.progress import ProgressPrinter, ProgressSink, SinkPump
+from raytrain_mgpu.strategies import get_strategy
+
+logger = logging.getLogger(__name__)
+HISTORY_FILE = "history.parquet"
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind. ``metrics`` is the last epoch's entry of ``history``."""
+
+    config: TrainConfig
+    history: List[dict]
+    checkpoint_path: Optional[str]
+    path: str
+    metrics: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = self.history[-1] if self.history else {}
+
+    def load_model(self) -> nn.Module:
+        """The trained model, weights from the last checkpoint, on CPU, unwrapped."""
+        if self.checkpoint_path is None:
+            raise ValueError(f"run {self.config.name!r} has no checkpoint to load.")
+        with ckpt_format.local_checkpoint(self.checkpoint_path) as directory:
+            meta = ckpt_format.read_meta(directory)
+            state = ckpt_format.load_model_state(directory)
+        model = build_model(self.config.model, tuple(meta["input_shape"]), meta["num_classes"],
+                            self.config.model_kwargs)
+        model.load_state_dict(state)
+        return model.eval()
+
+
+def fit(cfg: TrainConfig, stream=None) -> TrainResult:
+    """Train ``cfg``; resumes if ``cfg.storage_path``/``cfg.name`` already holds a checkpoint."""
+    strategy_cls = get_strategy(cfg.strategy)
+    if is_factory(cfg.model):
+        load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
+    input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
+    started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
+    try:
+        check_placeable(strategy_cls.bundles(cfg), cfg.use_gpu, f"strategy={cfg.strategy!r}")
+        _check_resume(cfg)
+        printer = ProgressPrinter(cfg.epochs, stream)
+        printer.banner(_banner(cfg, strategy_cls, input_shape, num_classes))
+        if strategy_cls.runner == "actor_group":
+            from raytrain_mgpu.pipeline import run_pipeline
+
+            outcome = run_pipeline(cfg, printer)
+            history, checkpoint_path = outcome.history, outcome.checkpoint_path
+        else:
+            history, checkpoint_path = _run_train_workers(cfg, strategy_cls, printer)
+        run_path = _run_path(cfg)
+        _write_history(history, run_path)
+        return TrainResult(cfg, history, checkpoint_path, run_path)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _banner(cfg: TrainConfig, strategy_cls, input_shape, num_classes) -> str:
+    replicas = strategy_cls.data_parallel_size(cfg)
+    micro = cfg.batch_size // (replicas * cfg.grad_accum_steps)
+    device = f"{strategy_cls.devices_per_worker(cfg)} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
+    return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {num_classes} classes | "
+            f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | global batch "
+            f"{cfg.batch_size} = {replicas} replica(s) x {micro} x {cfg.grad_accum_steps} accumulation "
+            f"step(s) | lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {_run_path(cfg)}")
+
+
+def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_mgpu.loop import train_worker
+
+    sink = ProgressSink.remote()
+    shipped = local_modules_to_ship(cfg.model, cfg.dataset)
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"config": cfg, "sink": sink},
+        torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_s)),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker=strategy_cls.worker_resources(cfg),
+                                     placement_strategy=cfg.placement),
+        run_config=RunConfig(
+            name=cfg.name, storage_path=cfg.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            worker_runtime_env={"py_modules": shipped} if shipped else None),
+    )
+    try:
+        with SinkPump(sink, printer):
+            result = trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        raise RuntimeError(_failure_message(cfg, exc)) from exc
+    finally:
+        ray.kill(sink)
+    if result.checkpoint is None:
+        return [], None
+    with result.checkpoint.as_directory() as directory:
+        history = ckpt_format.read_history(directory)
+    return history, result.checkpoint.path if "://" not in cfg.storage_path else _uri(cfg, result.checkpoint.path)
+
+
+def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
+    failures = getattr(exc, "worker_failures", None) or {}
+    causes = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(failures.items()))
+    return (f"training run {cfg.name!r} failed ({causes or exc}). Checkpoints written so far are kept in "
+            f"{_run_path(cfg)}; run again with the same name and storage_path to resume.")
+
+
+def _uri(cfg: TrainConfig, path: str) -> str:
+    scheme = cfg.storage_path.split("://", 1)[0]
+    return f"{scheme}://{path}"
+
+
+def _run_path(cfg: TrainConfig) -> str:
+    return f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
+
+
+def _filesystem(path: str):
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
+def _latest_checkpoint_dir(cfg: TrainConfig) -> Optional[str]:
+    """The checkpoint Ray Train would resume from, read from its snapshot in the run folder."""
+    fs, run = _filesystem(_run_path(cfg))
+    snapshot = f"{run}/checkpoint_manager_snapshot.json"
+    if fs.get_file_info(snapshot).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(snapshot) as f:
+        latest = (json.loads(f.read()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    return f"{_run_path(cfg)}/{latest}" if latest else None
+
+
+def _check_resume(cfg: TrainConfig) -> None:
+    """An existing run of this name must be one this config can continue."""
+    strategy_cls = get_strategy(cfg.strategy)
+    if strategy_cls.runner != "train_workers":
+        return  # the pipeline runner checks its own checkpoints
+    latest = _latest_checkpoint_dir(cfg)
+    if latest is None:
+        return
+    fs, path = _filesystem(f"{latest}/{ckpt_format.META_FILE}")
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise ValueError(f"run folder {_run_path(cfg)!r} holds a checkpoint that is not raytrain-mgpu's "
+                         f"({latest!r} has no meta.json). Use another name or storage_path.")
+    with fs.open_input_stream(path) as f:
+        meta = json.loads(f.read())
+    ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, latest)
+    logger.info("run %s: resuming from %s (epoch %s)", cfg.name, latest, meta.get("epoch"))
+
+
+def _write_history(history: list, run_path: str) -> None:
+    if not history:
+        return
+    fs, path = _filesystem(run_path)
+    fs.create_dir(path, recursive=True)
+    pq.write_table(pa.Table.from_pylist(history), f"{path}/{HISTORY_FILE}", filesystem=fs)

@@ -1,0 +1,99 @@
+"""The checkpoint format shared by every strategy and the pipeline runner.
+
+A checkpoint is one folder (a Ray Train checkpoint in the run's storage):
+
+- ``meta.json``: format version, model, dataset, strategy, epoch, step, the config;
+- ``history.json``: the per-epoch metrics so far (so a resumed run keeps its history);
+- ``model*.pt``: one or more state-dict parts, keys in the *unsplit* model's namespace.
+  Data-parallel strategies write one ``model.pt``; pipeline stages write
+  ``model-stage{i}.pt``. Loading merges every part, so a pipeline checkpoint loads
+  into the plain model and a plain one can be split again;
+- ``train_state*.pt``: optimizer, LR schedule, grad scaler and RNG states.
+
+Ray Train registers a checkpoint only after the whole folder is persisted, so a kill
+during a save leaves the previous checkpoint as the one a resume picks up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+HISTORY_FILE = "history.json"
+
+
+def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: Optional[dict] = None,
+                     train_state: Optional[dict] = None, part: str = "") -> None:
+    """Write one checkpoint part into ``directory`` (``part`` e.g. ``"-stage1"``)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if model_state is not None:
+        torch.save({k: v.detach().cpu() for k, v in model_state.items()}, path / f"model{part}.pt")
+    if train_state is not None:
+        torch.save(train_state, path / f"train_state{part}.pt")
+    if meta is not None:
+        (path / META_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=1))
+    if history is not None:
+        (path / HISTORY_FILE).write_text(json.dumps(history, indent=1))
+
+
+def read_meta(directory: str) -> dict:
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory!r} is not a raytrain-mgpu checkpoint: {META_FILE} is missing.")
+    return json.loads(path.read_text())
+
+
+def read_history(directory: str) -> list:
+    path = Path(directory) / HISTORY_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def load_model_state(directory: str) -> dict:
+    """Merge every ``model*.pt`` part into one state dict of the unsplit model."""
+    parts = sorted(Path(directory).glob("model*.pt"))
+    if not parts:
+        raise ValueError(f"checkpoint {directory!r} holds no model*.pt file; it may be incomplete.")
+    state: dict = {}
+    for part in parts:
+        state.update(torch.load(part, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_train_state(directory: str, part: str = "") -> Optional[dict]:
+    path = Path(directory) / f"train_state{part}.pt"
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+
+def check_resumable(meta: dict, model: str, strategy: str, directory: str) -> None:
+    """A checkpoint of another model or strategy must not be resumed silently."""
+    if meta.get("model") != model:
+        raise ValueError(
+            f"checkpoint {directory!r} was trained with model={meta.get('model')!r}, but this run has "
+            f"model={model!r}. Use another `name` (or storage_path) for a new run, or set model back.")
+    if meta.get("strategy") != strategy:
+        raise ValueError(
+            f"checkpoint {directory!r} was written by strategy={meta.get('strategy')!r}, but this run "
+            f"has strategy={strategy!r}: its optimizer state does not carry over. Use another `name` "
+            f"for a new run (load the weights with TrainResult.load_model()), or set strategy back.")
+
+
+@contextlib.contextmanager
+def local_checkpoint(path: str) -> Iterator[str]:
+    """A local folder with the checkpoint at ``path`` (a local path or a storage URI)."""
+    if "://" not in path and Path(path).is_dir():
+        yield path
+        return
+    from ray.train import Checkpoint
+
+    with Checkpoint(path).as_directory() as directory:
+        yield directory

@@ -1,0 +1,128 @@
+"""``raytrain-mgpu``: the command line mirror of the Python API.
+
+Every ``TrainConfig`` field is an option (``--batch-size``, ``--no-use-gpu``, ...), its help
+taken from the field's docstring; ``--config f.yaml`` supplies defaults that options
+override. Errors print one clear line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import logging
+import sys
+import time
+import typing
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from raytrain_mgpu.config import TrainConfig
+
+
+def _field_docs() -> Dict[str, str]:
+    """The string literal under each field of TrainConfig (attribute docstrings)."""
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _parse_value(kind: str):
+    def parse(text: str) -> Any:
+        if kind == "shape":  # "1,28,28" or "[1, 28, 28]"
+            text = text if text.strip().startswith("[") else f"[{text}]"
+        value = yaml.safe_load(text)
+        if kind == "str" and value is not None:
+            return text  # keep "32", "none"-like strings literally
+        return value
+    return parse
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    docs = _field_docs()
+    hints = typing.get_type_hints(TrainConfig)
+    group = parser.add_argument_group("training options (TrainConfig fields; override --config)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+            continue
+        kind = "str" if hint in (str, Optional[str]) and f.name != "lr_scaling" else "yaml"
+        if f.name in ("input_shape", "balance"):
+            kind = "shape" if f.name == "input_shape" else "yaml"
+        group.add_argument(flag, dest=f.name, type=_parse_value(kind), default=argparse.SUPPRESS,
+                           metavar=f.name.upper(), help=help_text)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain-mgpu", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a model (default: lenet on digits, ddp, 2 CPU workers)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_argument("--config", help="YAML file of TrainConfig fields")
+    _add_config_options(train)
+
+    data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
+    convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
+    convert.add_argument("--dataset", required=True, help="registry name, e.g. fashion_mnist, cifar10, digits")
+    convert.add_argument("--data-root", help="folder with the dataset's files")
+    convert.add_argument("--download", action="store_true", help="download the files with torchvision first")
+    convert.add_argument("--out", required=True, help="output folder or URI")
+    convert.add_argument("--rows-per-file", type=int, default=10000, help="rows per Parquet file")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    overrides = {name: getattr(args, name) for name in TrainConfig.field_names() if hasattr(args, name)}
+    if args.config:
+        return TrainConfig.from_yaml(args.config, **overrides)
+    return TrainConfig.from_dict(overrides, source="command line")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from raytrain_mgpu.api import fit
+
+    cfg = config_from_args(args)
+    start = time.perf_counter()
+    result = fit(cfg)
+    m = result.metrics
+    accuracy = f"test_accuracy {m['test_accuracy']:.4f}, " if m.get("test_accuracy") is not None else ""
+    print(f"done in {time.perf_counter() - start:.0f} s: {accuracy}{m.get('step', 0)} steps\n"
+          f"  checkpoint: {result.checkpoint_path}\n  history:    {result.path}/history.parquet")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from raytrain_mgpu.data.convert import convert_to_parquet
+
+    cfg = TrainConfig(dataset=args.dataset, data_root=args.data_root, download=args.download)
+    paths = convert_to_parquet(cfg.data, args.out, rows_per_file=args.rows_per_file)
+    print(f"wrote {len(paths)} Parquet file(s) under {args.out}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _convert(args)
+    except (ValueError, ConnectionError, RuntimeError) as exc:
+        print(f"raytrain-mgpu: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Run configuration: one flat ``TrainConfig`` for users, small sections for components.
+
+Users write ``TrainConfig(model=..., strategy=..., batch_size=...)`` (or a YAML file with
+the same keys). Each component receives only its own section (``cfg.data``,
+``cfg.optim``, ...), so a data reader cannot come to depend on, say, the LR schedule.
+
+Everything is validated in ``__post_init__``: a bad value fails here, on the driver,
+before Ray is started or any cluster resource is requested. Errors name the field,
+the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+PRECISIONS = ("32", "16-mixed", "bf16-mixed")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "step", "cosine")
+LR_SCALINGS = (None, "linear", "sqrt")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _fail(name: str, value: Any, rule: str, fix: str) -> None:
+    raise ValueError(f"TrainConfig.{name}={value!r}: {rule}. {fix}")
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the data readers need."""
+
+    dataset: str
+    data_root: Optional[str]
+    download: bool
+    num_samples: Optional[int]
+    input_shape: Optional[tuple]
+    num_classes: Optional[int]
+    image_column: str
+    label_column: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """What the optimizer, LR schedule and gradient handling need."""
+
+    optimizer: str
+    lr: float
+    momentum: float
+    weight_decay: float
+    lr_schedule: str
+    warmup_epochs: float
+    lr_step_epochs: int
+    lr_step_gamma: float
+    lr_scaling: Optional[str]
+    base_batch_size: int
+    batch_size: int
+    grad_clip_norm: Optional[float]
+
+    def scaled_lr(self) -> float:
+        """Peak LR after scaling with the global batch (Goyal et al. 2017)."""
+        ratio = self.batch_size / self.base_batch_size
+        if self.lr_scaling == "linear":
+            return self.lr * ratio
+        if self.lr_scaling == "sqrt":
+            return self.lr * ratio**0.5
+        return self.lr
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the work is spread over processes and devices."""
+
+    strategy: str
+    num_workers: int
+    use_gpu: bool
+    gpus_per_worker: int
+    cpus_per_worker: int
+    batch_size: int
+    grad_accum_steps: int
+    precision: str
+    # model / pipeline parallel
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    balance: Union[str, tuple]
+    placement: str
+    output_device: Optional[int]
+    # DDP pass-through options
+    find_unused_parameters: bool
+    static_graph: bool
+    bucket_cap_mb: Optional[float]
+    gradient_as_bucket_view: bool
+    sync_batchnorm: bool
+    compile: bool
+    channels_last: bool
+    collective_timeout_s: float
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where results go and how failures are handled."""
+
+    name: str
+    storage_path: str
+    epochs: int
+    max_steps: Optional[int]
+    max_failures: int
+    num_checkpoints_to_keep: int
+    eval_every_epochs: int
+    seed: int
+    address: Optional[str]
+    verbose: bool
+
+
+# ----------------------------------------------------------------------------- user config
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. Every field can be set from YAML or the CLI."""
+
+    # --- model and data
+    model: str = "lenet"
+    """Registry name (``lenet``, ``resnet18``, ``mlp``, ``transformer_lm``) or ``pkg.module:function``."""
+    model_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments for the model factory, e.g. ``{"widths": [256, 256]}`` for ``mlp``."""
+    dataset: str = "digits"
+    """Registry name (``digits``, ``fashion_mnist``, ``cifar10``, ``synthetic``, ``parquet``, ...) or ``pkg.module:function``."""
+    data_root: Optional[str] = None
+    """Folder (or, for ``parquet``, a file, folder or ``s3://``/``gs://`` URI) holding the dataset files."""
+    download: bool = False
+    """Download ``fashion_mnist``/``cifar10`` into ``data_root`` with torchvision when files are missing."""
+    num_samples: Optional[int] = None
+    """``synthetic*`` datasets: number of training samples (the test split is a quarter of it)."""
+    input_shape: Optional[tuple] = None
+    """``synthetic*`` datasets: shape of one sample, e.g. ``[3, 32, 32]`` or ``[128]`` (sequence length)."""
+    num_classes: Optional[int] = None
+    """``synthetic*`` datasets: number of classes (vocabulary size for text)."""
+    image_column: str = "image"
+    """``parquet``: the column with the images."""
+    label_column: str = "label"
+    """``parquet``: the column with the integer labels."""
+
+    # --- parallelism
+    strategy: str = "ddp"
+    """How the work is split; ``raytrain-mgpu train --help`` lists them."""
+    num_workers: int = 2
+    """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``."""
+    use_gpu: bool = False
+    """Give each worker GPUs (``gpus_per_worker``); otherwise train on CPU with gloo."""
+    gpus_per_worker: int = 1
+    """Devices one worker holds (``dp``, ``dp_balanced``, ``mp``, ``ddp_mp``, ``ddp2``)."""
+    cpus_per_worker: int = 1
+    """CPU slots (and torch threads) per worker."""
+    num_stages: int = 2
+    """``pipeline``/``ddp_pipeline``: number of pipeline stages (one actor and device each)."""
+    num_microbatches: int = 4
+    """``pipeline``/``ddp_pipeline``: micro-batches per step and replica."""
+    schedule: str = "1f1b"
+    """``pipeline``: micro-batch schedule, one of gpipe, 1f1b, interleaved_1f1b."""
+    balance: Union[str, tuple] = "params"
+    """How blocks are split over stages/devices: ``params``, ``time`` or a list of block counts."""
+    placement: str = "PACK"
+    """Placement group strategy for workers or stages (``PACK``, ``SPREAD``, ``STRICT_*``)."""
+    output_device: Optional[int] = None
+    """``dp``: local index of the device that gathers outputs (default: the first)."""
+
+    # --- batch and optimisation
+    epochs: int = 8
+    """Passes over the training split."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps in total (benchmarks, quick checks)."""
+    batch_size: int = 128
+    """GLOBAL batch: samples per optimizer step, all workers together."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step on each worker; gradients sync only on the last."""
+    optimizer: str = "adamw"
+    """``adamw`` or ``sgd`` (with ``momentum``)."""
+    lr: float = 0.02
+    """Peak learning rate (before ``lr_scaling``)."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 (SGD) or decoupled (AdamW) weight decay."""
+    lr_schedule: str = "constant"
+    """``constant``, ``step`` or ``cosine``; each after ``warmup_epochs`` of linear warm-up."""
+    warmup_epochs: float = 0.0
+    """Linear warm-up from 0 to the peak LR, in epochs (fractions allowed)."""
+    lr_step_epochs: int = 30
+    """``step`` schedule: multiply the LR by ``lr_step_gamma`` every this many epochs."""
+    lr_step_gamma: float = 0.1
+    """``step`` schedule: the factor."""
+    lr_scaling: Optional[str] = None
+    """Scale ``lr`` with ``batch_size / base_batch_size``: ``linear``, ``sqrt`` or None."""
+    base_batch_size: int = 256
+    """The batch size at which ``lr`` was tuned (for ``lr_scaling``)."""
+    grad_clip_norm: Optional[float] = None
+    """Clip the global gradient norm to this value."""
+    precision: str = "32"
+    """``32``, ``16-mixed`` (fp16 autocast + GradScaler, CUDA only) or ``bf16-mixed``."""
+
+    # --- DDP and model options
+    find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step."""
+    static_graph: bool = False
+    """DDP: the set of used parameters never changes (enables more overlap)."""
+    bucket_cap_mb: Optional[float] = None
+    """DDP: gradient bucket size (torch default 25)."""
+    gradient_as_bucket_view: bool = False
+    """DDP: gradients are views into the buckets (saves one copy)."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm to SyncBatchNorm (statistics over the global batch)."""
+    compile: bool = False
+    """Wrap the model in ``torch.compile``."""
+    channels_last: bool = False
+    """Use the channels-last memory format for 4-D inputs and the model."""
+    collective_timeout_s: float = 1800.0
+    """A collective that waits longer than this fails (names the stuck rank) instead of hanging."""
+
+    # --- run, storage and failures
+    seed: int = 0
+    """Seeds initial weights, shuffling and synthetic data."""
+    name: Optional[str] = None
+    """Run name; a run started again with the same name and ``storage_path`` resumes."""
+    storage_path: str = "~/raytrain_results"
+    """Where checkpoints and history go: a shared folder or a ``s3://``/``gs://`` URI for multi-node."""
+    max_failures: int = 0
+    """Restarts of the worker group after a failure (each resumes from the last checkpoint)."""
+    num_checkpoints_to_keep: int = 2
+    """Older checkpoints are deleted."""
+    eval_every_epochs: int = 1
+    """Evaluate on the test split every this many epochs (and always after the last)."""
+    address: Optional[str] = None
+    """Ray cluster to use; default ``RAY_ADDRESS`` or a new local instance."""
+    verbose: bool = False
+    """Show Ray's own per-worker logs on the driver."""
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        self._check_values()
+        if self.name is None:
+            self.name = f"{self.model}-{self.dataset.replace(':', '.')}-{self.strategy}"
+        # Registries are imported here, not at module top, so `config` stays importable
+        # from every other module without cycles.
+        from raytrain_mgpu.data import check_dataset_name
+        from raytrain_mgpu.models import check_model_name
+        from raytrain_mgpu.strategies import get_strategy
+
+        check_model_name(self.model)
+        check_dataset_name(self.dataset)
+        get_strategy(self.strategy).validate(self)
+
+    # ------------------------------------------------------------------ checks
+
+    def _coerce(self) -> None:
+        for name in ("input_shape",):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                setattr(self, name, tuple(value))
+        if isinstance(self.balance, list):
+            self.balance = tuple(self.balance)
+        if isinstance(self.precision, int):
+            self.precision = str(self.precision)
+        if self.storage_path is not None and "://" not in str(self.storage_path):
+            self.storage_path = str(Path(self.storage_path).expanduser().resolve())
+
+    def _check_values(self) -> None:
+        positive = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages",
+                    "num_microbatches", "epochs", "batch_size", "grad_accum_steps",
+                    "base_batch_size", "lr_step_epochs", "num_checkpoints_to_keep",
+                    "eval_every_epochs")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "must be a positive integer", f"Set {name} to 1 or more.")
+        for name in ("max_steps", "num_samples", "num_classes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                _fail(name, value, "must be a positive integer or None", f"Set {name} to 1 or more, or leave it unset.")
+        if not isinstance(self.max_failures, int) or self.max_failures < -1:
+            _fail("max_failures", self.max_failures, "must be -1 (retry forever) or a count >= 0",
+                  "Set max_failures to 0 to fail fast.")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            _fail("lr", self.lr, "must be a positive number", "Set lr to e.g. 0.05.")
+        if not 0 <= self.momentum < 1:
+            _fail("momentum", self.momentum, "must be in [0, 1)", "Set momentum to e.g. 0.9.")
+        if self.weight_decay < 0:
+            _fail("weight_decay", self.weight_decay, "must be >= 0", "Set weight_decay to 0 or a small positive value.")
+        if self.warmup_epochs < 0:
+            _fail("warmup_epochs", self.warmup_epochs, "must be >= 0", "Set warmup_epochs to 0 for no warm-up.")
+        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+            _fail("grad_clip_norm", self.grad_clip_norm, "must be positive or None", "Leave it unset to turn clipping off.")
+        if self.collective_timeout_s <= 0:
+            _fail("collective_timeout_s", self.collective_timeout_s, "must be positive", "Set it to e.g. 600.")
+        choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
+                   "lr_scaling": LR_SCALINGS, "schedule": SCHEDULES, "placement": PLACEMENTS}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                _fail(name, getattr(self, name), f"is not one of {list(valid)}", f"Set {name} to one of them.")
+        self._check_balance()
+        if not isinstance(self.model_kwargs, dict):
+            _fail("model_kwargs", self.model_kwargs, "must be a mapping", "Write it as {key: value}.")
+        if self.input_shape is not None and not all(isinstance(d, int) and d > 0 for d in self.input_shape):
+            _fail("input_shape", self.input_shape, "must be a list of positive integers", "E.g. [1, 28, 28].")
+        for name in ("model", "dataset"):
+            value = getattr(self, name)
+            if ":" in value and not _FACTORY_RE.match(value):
+                _fail(name, value, "is not of the form 'package.module:function'",
+                      "Write e.g. 'my_models:build' for build() in my_models.py.")
+
+    def _check_balance(self) -> None:
+        if isinstance(self.balance, tuple):
+            if not self.balance or not all(isinstance(n, int) and n > 0 for n in self.balance):
+                _fail("balance", self.balance, "an explicit split must list a positive block count per stage",
+                      "E.g. [3, 2] puts 3 blocks on the first stage and 2 on the second.")
+        elif self.balance not in ("params", "time"):
+            _fail("balance", self.balance, "must be 'params', 'time' or a list of block counts",
+                  "Use balance='params' for the default split.")
+
+    # ------------------------------------------------------------------ sections
+
+    @property
+    def data(self) -> DataConfig:
+        return DataConfig(self.dataset, self.data_root, self.download, self.num_samples,
+                          self.input_shape, self.num_classes, self.image_column,
+                          self.label_column, self.seed)
+
+    @property
+    def optim(self) -> OptimConfig:
+        return OptimConfig(self.optimizer, float(self.lr), self.momentum, self.weight_decay,
+                           self.lr_schedule, self.warmup_epochs, self.lr_step_epochs,
+                           self.lr_step_gamma, self.lr_scaling, self.base_batch_size,
+                           self.batch_size, self.grad_clip_norm)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.strategy, self.num_workers, self.use_gpu, self.gpus_per_worker,
+            self.cpus_per_worker, self.batch_size, self.grad_accum_steps, self.precision,
+            self.num_stages, self.num_microbatches, self.schedule, self.balance,
+            self.placement, self.output_device, self.find_unused_parameters,
+            self.static_graph, self.bucket_cap_mb, self.gradient_as_bucket_view,
+            self.sync_batchnorm, self.compile, self.channels_last, self.collective_timeout_s)
+
+    @property
+    def run(self) -> RunConfig:
+        return RunConfig(self.name, self.storage_path, self.epochs, self.max_steps,
+                         self.max_failures, self.num_checkpoints_to_keep,
+                         self.eval_every_epochs, self.seed, self.address, self.verbose)
+
+    # ------------------------------------------------------------------ I/O
+
+    @classmethod
+    def field_names(cls) -> list:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "TrainConfig":
+        """Build from a mapping; unknown keys are an error that lists the valid ones."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: expected a mapping of TrainConfig fields, got "
+                             f"{type(values).__name__}. Write one `key: value` per line.")
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}. Valid keys: {', '.join(cls.field_names())}.")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path], **overrides: Any) -> "TrainConfig":
+        """Read a YAML mapping of fields; ``overrides`` win over the file."""
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file.")
+        try:
+            values = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ValueError(f"config file {str(path)!r}: expected a mapping of TrainConfig fields, got "
+                             f"{type(values).__name__}. Write one `key: value` per line.")
+        return cls.from_dict({**values, **overrides}, source=str(path))
+
+    def to_dict(self) -> dict:
+        values = dataclasses.asdict(self)
+        for key, value in values.items():
+            if isinstance(value, tuple):
+                values[key] = list(value)
+        return values
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,243 @@
+"""The training loop each Ray Train worker runs, the same for every data-parallel strategy.
+
+Batch arithmetic: the global batch B is split over R data-parallel replicas and A
+accumulation micro-steps, so each micro-batch holds B / (R * A) samples. The
+``DistributedSampler`` (``drop_last=True``) gives replica r the positions r, r+R, ...
+of one seeded permutation per epoch, so optimizer step s always sees positions
+[s*B, (s+1)*B) of that permutation: the samples of a step do not depend on R.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ray.train
+from ray.train.torch import get_devices
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.progress import WorkerReporter
+from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+@dataclass
+class _State:
+    """What survives a restart (saved in every checkpoint)."""
+
+    epoch: int = 0            # epochs completed
+    step: int = 0             # optimizer steps completed
+    attempt: int = 0          # 0 on the first start, +1 for each resume
+    history: list = field(default_factory=list)
+
+
+def _context(cfg: TrainConfig) -> WorkerContext:
+    ctx = ray.train.get_context()
+    num_devices = get_strategy(cfg.strategy).devices_per_worker(cfg)
+    if cfg.use_gpu:
+        devices = tuple(get_devices())
+    else:
+        devices = (torch.device("cpu"),) * num_devices
+    return WorkerContext(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
+                         ctx.get_local_world_size(), ctx.get_node_rank(), devices)
+
+
+def train_worker(payload: dict) -> dict:
+    """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "sink": actor}."""
+    cfg: TrainConfig = payload["config"]
+    torch.set_num_threads(cfg.cpus_per_worker)
+    ctx = _context(cfg)
+    strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx)
+    reporter = WorkerReporter(payload.get("sink") if ctx.world_rank == 0 else None)
+
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every worker
+    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
+    if cfg.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+
+    state, restored = _restore(cfg, strategy, model)
+    model = strategy.setup_model(model)
+    if cfg.compile:
+        model = torch.compile(model)
+
+    shard, num_shards = strategy.data_shard()
+    micro_batch = cfg.batch_size // (num_shards * cfg.grad_accum_steps)
+    sampler = DistributedSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(data.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                        pin_memory=strategy.device.type == "cuda")
+    steps_per_epoch = len(loader) // cfg.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
+                         f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
+    scaler = torch.amp.GradScaler(strategy.device.type, enabled=cfg.precision == "16-mixed")
+    if restored is not None:
+        optimizer.load_state_dict(restored["optimizer"])
+        scheduler.load_state_dict(restored["scheduler"])
+        scaler.load_state_dict(restored["scaler"])
+
+    shape_info = {"input_shape": list(data.input_shape), "num_classes": data.num_classes}
+    loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
+    test_loader = _test_loader(data.test, shard, num_shards, micro_batch * cfg.grad_accum_steps)
+    for epoch in range(state.epoch, cfg.epochs):
+        if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            break
+        sampler.set_epoch(epoch)
+        if hasattr(data.train, "prefetch"):  # Parquet: load exactly this worker's rows once
+            data.train.prefetch(list(sampler))
+        metrics = loop.train_epoch(epoch, state)
+        last = epoch + 1 == cfg.epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        if last or (epoch + 1) % cfg.eval_every_epochs == 0:
+            metrics.update(loop.evaluate(test_loader))
+        state.epoch = epoch + 1
+        state.history.append(metrics)
+        reporter.epoch(metrics)
+        _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info)
+    return {"epochs": state.epoch, "steps": state.step}
+
+
+class _Loop:
+    """One epoch of training and one pass of evaluation, with their metrics."""
+
+    def __init__(self, cfg, strategy: Strategy, model, optimizer, scheduler, scaler, loader, reporter,
+                 steps_per_epoch: int):
+        self.cfg, self.strategy, self.model = cfg, strategy, model
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.loader, self.reporter, self.steps_per_epoch = loader, reporter, steps_per_epoch
+        self.device = strategy.device
+        dtype = _DTYPES.get(cfg.precision)
+        self.autocast = lambda: torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _to_device(self, x, y):
+        x = x.to(self.device, non_blocking=True)
+        if self.cfg.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+    def train_epoch(self, epoch: int, state: _State) -> dict:
+        cfg, accum = self.cfg, self.cfg.grad_accum_steps
+        self.model.train()
+        reset_peak_memory(self.strategy.memory_devices())
+        meter = EpochMeter(self.device)
+        batches = iter(self.loader)
+        steps = 0
+        for _ in range(self.steps_per_epoch):
+            if cfg.max_steps is not None and state.step >= cfg.max_steps:
+                break
+            for micro in range(accum):
+                wait_start = time.perf_counter()
+                x, y = next(batches)
+                meter.data_wait_s += time.perf_counter() - wait_start
+                x, y = self._to_device(x, y)
+                # Gradients are all-reduced only on the last micro-step of a step.
+                sync = contextlib.nullcontext() if micro == accum - 1 else self.strategy.no_sync(self.model)
+                with sync:
+                    with self.autocast():
+                        loss, logits = self.strategy.compute_loss(self.model, x, y)
+                    self.scaler.scale(loss / accum).backward()
+                meter.add(loss, logits, y)
+            self._optimizer_step()
+            state.step += 1
+            steps += 1
+            self.reporter.step(steps, self.steps_per_epoch, epoch + 1)
+        return self._epoch_metrics(epoch, state, meter, steps)
+
+    def _optimizer_step(self) -> None:
+        if self.cfg.grad_clip_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _epoch_metrics(self, epoch: int, state: _State, meter: EpochMeter, steps: int) -> dict:
+        elapsed = meter.elapsed()
+        totals = all_reduce_sum(torch.cat([meter.sums, torch.tensor(
+            [meter.data_wait_s, elapsed], dtype=torch.float64, device=meter.sums.device)])).tolist()
+        loss_sum, correct, samples, wait_sum, elapsed_sum = totals
+        workers = self.strategy.ctx.world_size
+        peaks = all_gather_list(peak_memory_bytes(self.strategy.memory_devices()))
+        return {
+            "epoch": epoch + 1, "step": state.step, "attempt": state.attempt,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "train_loss": loss_sum / max(samples, 1), "train_accuracy": correct / max(samples, 1),
+            # samples here count targets (tokens for LMs); throughput uses the mean worker's time
+            "samples_per_s": samples / max(elapsed_sum / workers, 1e-9),
+            "step_time_s": elapsed_sum / workers / max(steps, 1),
+            "data_wait_share": wait_sum / max(elapsed_sum, 1e-9),
+            "peak_memory_bytes": peaks,
+            "test_loss": None, "test_accuracy": None,
+        }
+
+    @torch.no_grad()
+    def evaluate(self, loader: DataLoader) -> dict:
+        """Loss and accuracy over the whole test split: every worker takes a disjoint shard."""
+        self.model.eval()
+        meter = EpochMeter(self.device)
+        for x, y in loader:
+            x, y = self._to_device(x, y)
+            with self.autocast():
+                loss, logits = self.strategy.compute_loss(self.model, x, y)
+            meter.add(loss.float(), logits, y)
+        loss_sum, correct, samples = all_reduce_sum(meter.sums).tolist()
+        return {"test_loss": loss_sum / max(samples, 1), "test_accuracy": correct / max(samples, 1)}
+
+
+def _test_loader(test, shard: int, num_shards: int, batch_size: int) -> DataLoader:
+    # A strided shard without padding: each test sample is counted exactly once overall.
+    return DataLoader(Subset(test, range(shard, len(test), num_shards)), batch_size=max(batch_size, 64))
+
+
+def _restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
+    """Load the last checkpoint of this run, if Ray Train has one (resume or restart)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return _State(), None
+    with checkpoint.as_directory() as directory:
+        meta = ckpt_format.read_meta(directory)
+        ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
+        model.load_state_dict(ckpt_format.load_model_state(directory))
+        train_state = ckpt_format.load_train_state(directory)
+        history = ckpt_format.read_history(directory)
+    torch.set_rng_state(train_state["torch_rng"])
+    state = _State(epoch=meta["epoch"], step=meta["step"], attempt=meta.get("attempt", 0) + 1, history=history)
+    if strategy.ctx.world_rank == 0:
+        logger.info("resuming %s from epoch %d, step %d", cfg.name, state.epoch, state.step)
+    return state, train_state
+
+
+def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
+                     state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict) -> None:
+    """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint."""
+    model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
+    with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
+        checkpoint: Optional[ray.train.Checkpoint] = None
+        if ctx.world_rank == 0:
+            meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy,
+                    "epoch": state.epoch, "step": state.step, "attempt": state.attempt,
+                    **shape_info, "config": cfg.to_dict()}
+            train_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                           "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+            ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
+                                         model_state=model_state, train_state=train_state)
+            checkpoint = ray.train.Checkpoint.from_directory(directory)
+        ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=checkpoint)

@@ -1,0 +1,124 @@
+"""What the user sees on the driver: a start banner, a live bar, one line per epoch.
+
+Workers never print. Rank 0 sends events to a zero-CPU ``ProgressSink`` actor; a driver
+thread drains it and renders. Runners that live on the driver (the pipeline's actor
+group) call the same ``ProgressPrinter`` directly.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Optional
+
+import ray
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+class ProgressPrinter:
+    """Renders progress to a stream (the CLI's stdout by default)."""
+
+    def __init__(self, total_epochs: int, stream=None, live: Optional[bool] = None):
+        self.stream = stream or sys.stdout
+        self.total_epochs = total_epochs
+        self.live = self.stream.isatty() if live is None else live
+        self._bar_shown = False
+
+    def banner(self, text: str) -> None:
+        self._write(text + "\n")
+
+    def step(self, step: int, total: int, epoch: int = 0) -> None:
+        if not self.live or total <= 0:
+            return
+        width = 30
+        done = int(width * min(step, total) / total)
+        self._write(f"\r  epoch {epoch} [{'#' * done}{'.' * (width - done)}] {step}/{total} steps")
+        self._bar_shown = True
+
+    def epoch(self, m: dict) -> None:
+        if self._bar_shown:
+            self._write("\r" + " " * 70 + "\r")
+            self._bar_shown = False
+        memory = m.get("peak_memory_bytes") or []
+        mem = f"mem/device {_mib(max(memory))}" + (f" (min {_mib(min(memory))})" if len(memory) > 1 else "") if memory else ""
+        test = (f"test_loss {m['test_loss']:.4f}  test_acc {m['test_accuracy']:.4f}  "
+                if m.get("test_loss") is not None else "")
+        restart = f"  [restart {m['attempt']}]" if m.get("attempt") else ""
+        self._write(f"epoch {m['epoch']:>3}/{self.total_epochs}  step {m['step']:>6}  "
+                    f"loss {m['train_loss']:.4f}  {test}"
+                    f"{m['samples_per_s']:,.0f} samples/s  {mem}{restart}\n")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+@ray.remote(num_cpus=0)
+class ProgressSink:
+    """A mailbox between rank 0 and the driver."""
+
+    def __init__(self):
+        self.events = []
+
+    def put(self, kind: str, payload) -> None:
+        self.events.append((kind, payload))
+
+    def drain(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+
+class WorkerReporter:
+    """Used by rank 0 on a worker: fire-and-forget, step events throttled."""
+
+    def __init__(self, sink, min_interval_s: float = 0.5):
+        self.sink = sink
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def step(self, step: int, total: int, epoch: int = 0) -> None:
+        now = time.monotonic()
+        if self.sink is not None and now - self._last >= self.min_interval_s:
+            self._last = now
+            self.sink.put.remote("step", (step, total, epoch))
+
+    def epoch(self, metrics: dict) -> None:
+        if self.sink is not None:
+            self.sink.put.remote("epoch", metrics)
+
+
+class SinkPump:
+    """Driver thread: moves events from the sink to the printer until stopped."""
+
+    def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25):
+        self.sink, self.printer, self.interval_s = sink, printer, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrain-mgpu-progress", daemon=True)
+
+    def __enter__(self) -> "SinkPump":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pump()  # the last epoch's line
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._pump()
+
+    def _pump(self) -> None:
+        try:
+            events = ray.get(self.sink.drain.remote(), timeout=10)
+        except Exception:  # progress must never break training
+            return
+        for kind, payload in events:
+            if kind == "epoch":
+                self.printer.epoch(payload)
+            else:
+                self.printer.step(*payload)

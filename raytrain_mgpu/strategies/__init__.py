@@ -1,0 +1,33 @@
+"""Strategies: one class per file, registered under one name.
+
+``get_strategy(name)`` is the only lookup; an unknown name lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from raytrain_mgpu.strategies.base import Strategy, WorkerContext, check_batch_divisible
+from raytrain_mgpu.strategies.ddp import DDPStrategy
+
+STRATEGIES: Dict[str, Type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        DDPStrategy,
+    )
+}
+
+
+def strategy_names() -> list:
+    return sorted(STRATEGIES)
+
+
+def get_strategy(name: str) -> Type[Strategy]:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"TrainConfig.strategy={name!r} is not a known strategy. "
+                         f"Valid names: {', '.join(strategy_names())}.") from None
+
+
+__all__ = ["Strategy", "WorkerContext", "STRATEGIES", "get_strategy", "strategy_names", "check_batch_divisible"]

@@ -1,0 +1,96 @@
+"""Data-parallel training through the public API on a shared Ray instance (CPU, gloo)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.cli import main
+
+pytestmark = pytest.mark.ray
+
+# An MLP without BatchNorm or dropout: runs with the same global batch must agree exactly.
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1, seed=3)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage):
+    # Reference: one worker, three epochs in one go.
+    one = rtm.fit(rtm.TrainConfig(**MLP, num_workers=1, epochs=3, name="one", storage_path=storage))
+    # Two workers with accumulation, stopped after two epochs, then resumed for the third.
+    two_cfg = rtm.TrainConfig(**MLP, num_workers=2, grad_accum_steps=2, epochs=2, name="two", storage_path=storage)
+    first = rtm.fit(two_cfg)
+    assert [h["epoch"] for h in first.history] == [1, 2]
+    resumed = rtm.fit(two_cfg.replace(epochs=3))
+
+    # Resume trained only the third epoch and kept the history before it.
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
+    assert [h["attempt"] for h in resumed.history] == [0, 0, 1]
+    assert resumed.history[:2] == first.history
+    assert resumed.metrics["step"] == one.metrics["step"] == 3 * (1438 // 64)
+
+    # Same samples per global step => same weights, whatever the worker count.
+    w_one, w_two = _weights(one.load_model()), _weights(resumed.load_model())
+    for key in w_one:
+        torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-4, atol=1e-5)
+    # Evaluation covers the whole test split on both.
+    assert resumed.metrics["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-4)
+
+    # Metrics, history file, per-device memory.
+    m = resumed.metrics
+    for key in ("epoch", "step", "train_loss", "test_loss", "test_accuracy", "samples_per_s",
+                "step_time_s", "data_wait_share", "peak_memory_bytes"):
+        assert key in m, key
+    assert len(m["peak_memory_bytes"]) == 2 and min(m["peak_memory_bytes"]) > 10 * 2**20
+    assert m["samples_per_s"] > 0 and 0 <= m["data_wait_share"] < 1
+    table = pq.read_table(f"{resumed.path}/history.parquet")
+    assert table.num_rows == 3 and table.column("epoch").to_pylist() == [1, 2, 3]
+
+
+def test_cli_default_run_learns_digits(ray_session, storage, capsys):
+    # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers.
+    assert main(["train", "--storage-path", storage]) == 0
+    out = capsys.readouterr().out
+    assert "global batch 128 = 2 replica(s) x 64 x 1 accumulation step(s)" in out
+    epoch_lines = [line for line in out.splitlines() if line.startswith("epoch")]
+    assert len(epoch_lines) == rtm.TrainConfig().epochs
+    assert "samples/s" in epoch_lines[-1] and "mem/device" in epoch_lines[-1]
+    accuracy = float(out.split("test_accuracy ")[-1].split(",")[0])
+    assert accuracy > 0.9
+
+
+def test_user_model_from_own_folder_is_shipped_to_workers(ray_session, storage, tmp_path, monkeypatch):
+    folder = tmp_path / "userproj"
+    folder.mkdir()
+    (folder / "my_models.py").write_text(textwrap.dedent("""
+        from torch import nn
+        def tiny(input_shape, num_classes, hidden=16):
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+    """))
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    cfg = rtm.TrainConfig(model="my_models:tiny", model_kwargs={"hidden": 8}, num_workers=2, epochs=1,
+                          name="user", storage_path=storage)
+    result = rtm.fit(cfg)
+    assert result.load_model()[1].out_features == 8
+    # The same run name with another model must not resume silently.
+    with pytest.raises(ValueError, match=r"trained with model='my_models:tiny', but this run has model='lenet'"):
+        rtm.fit(cfg.replace(model="lenet", model_kwargs={}))
+    sys.modules.pop("my_models", None)
+
+
+def test_cluster_checks_fail_before_scheduling(ray_session, storage):
+    with pytest.raises(ValueError, match=r"use_gpu=True, but the Ray cluster has no GPU \(node 0: 4 CPU"):
+        rtm.fit(rtm.TrainConfig(use_gpu=True, storage_path=storage))
+    with pytest.raises(ValueError, match=r"needs 8 x \{'CPU': 1\}.*cannot place \(node 0: 4 CPU, 0 GPU\)"):
+        rtm.fit(rtm.TrainConfig(num_workers=8, storage_path=storage))
+    with pytest.raises(ValueError, match=r"module 'no_such_module' does not import"):
+        rtm.fit(rtm.TrainConfig(model="no_such_module:build", storage_path=storage))
