@@ -68,3 +68,23 @@ def local_modules_to_ship(*specs: str) -> list:
         if str(path) not in shipped:
             shipped.append(str(path))
     return shipped
+
+
+def upload_modules(paths: list) -> list:
+    """Upload local module paths to the cluster; returns ``gcs://`` URIs for ``py_modules``.
+
+    Ray accepts local paths in ``py_modules`` only in the job-level runtime env given to
+    ``ray.init``; a per-run ``worker_runtime_env`` needs URIs. This does the upload step
+    ``ray.init`` does (a private Ray function, so it is kept to this one place).
+    """
+    import ray
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+
+    try:
+        scratch = ray._private.worker.global_worker.node.get_runtime_env_dir_path()
+        env = upload_py_modules_if_needed({"py_modules": list(paths)}, include_gitignore=True, scratch_dir=scratch)
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not ship your modules {paths} to the Ray workers ({type(exc).__name__}: {exc}). "
+            f"Install them as a package on every node, or submit with `ray job submit --working-dir .`.") from exc
+    return env["py_modules"]

@@ -20,7 +20,7 @@ import ray
 from torch import nn
 
 from raytrain_mgpu import checkpoint as ckpt_format
-from raytrain_mgpu._factory import is_factory, load_factory, local_modules_to_ship
+from raytrain_mgpu._factory import is_factory, load_factory, local_modules_to_ship, upload_modules
 from raytrain_mgpu.cluster import check_placeable, connect
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
@@ -114,7 +114,7 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
             name=cfg.name, storage_path=cfg.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env={"py_modules": shipped} if shipped else None),
+            worker_runtime_env={"py_modules": upload_modules(shipped)} if shipped else None),
     )
     try:
         with SinkPump(sink, printer):
