@@ -1,0 +1,61 @@
+"""``digits``: scikit-learn's bundled handwritten digits (1797 images, 8x8, values 0..16).
+
+The offline default: it ships inside scikit-learn, so it needs no download. Pixels are
+kept as ``uint8`` 0..16 and normalised as ``(p / 16 - MEAN) / STD``.
+
+The train/test split (80/20) comes from a fixed permutation with seed 0, independent of
+``cfg.seed``, so the test set is the same in every run and accuracies are comparable.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from raytrain_mgpu.data import Datasets, ImageArrayDataset, PixelNormaliser
+
+if TYPE_CHECKING:
+    from raytrain_mgpu.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+INPUT_SHAPE = (1, 8, 8)
+NUM_CLASSES = 10
+MAX_VALUE = 16
+# Mean and std of the train split's pixels scaled to [0, 1] (tests recompute them).
+MEAN = (0.3054,)
+STD = (0.3760,)
+TRAIN_FRACTION = 0.8
+SPLIT_SEED = 0
+
+
+def normaliser() -> PixelNormaliser:
+    return PixelNormaliser(MAX_VALUE, MEAN, STD, INPUT_SHAPE)
+
+
+def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(train_images, train_labels, test_images, test_labels)`` as uint8 / int64 arrays."""
+    from sklearn.datasets import load_digits  # ~0.5 s import; only when digits is used
+
+    bunch = load_digits()
+    images = bunch.images.astype(np.uint8).reshape(-1, *INPUT_SHAPE)  # values are whole 0..16
+    labels = bunch.target.astype(np.int64)
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(labels))
+    num_train = int(round(TRAIN_FRACTION * len(labels)))
+    train, test = order[:num_train], order[num_train:]
+    return images[train], labels[train], images[test], labels[test]
+
+
+def build(cfg: "DataConfig") -> Datasets:
+    train_x, train_y, test_x, test_y = load_split()
+    logger.debug("digits: %d train / %d test images", len(train_y), len(test_y))
+    norm = normaliser()
+    return Datasets(ImageArrayDataset(train_x, train_y, norm), ImageArrayDataset(test_x, test_y, norm),
+                    INPUT_SHAPE, NUM_CLASSES)
+
+
+def check(cfg: "DataConfig") -> tuple[tuple, int]:
+    """Nothing to read: the data ships with scikit-learn."""
+    return INPUT_SHAPE, NUM_CLASSES
