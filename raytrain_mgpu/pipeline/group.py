@@ -1,0 +1,102 @@
+"""The stage actor group of one attempt: placement group, actors, SPMD calls, teardown.
+
+Lifecycle: :meth:`StageGroup.start` reserves one bundle per actor in a placement group
+(``cfg.placement``: PACK keeps stages on one node's fast links, SPREAD puts them on
+different nodes) and starts the actors; :meth:`setup` forms the process group
+(rendezvous at actor 0's address, found through Ray); :meth:`call` runs one method on
+every actor at once; :meth:`shutdown` (always, from a ``finally``) kills the actors and
+removes the placement group, also after a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.pipeline.partition import Partition
+from raytrain_mgpu.pipeline.worker import StageWorker, num_replicas
+from raytrain_mgpu.strategies import get_strategy
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+"""How long to wait for the cluster to grant every stage's bundle."""
+CLOSE_TIMEOUT_S = 10.0
+
+
+def wait_all(refs: list) -> list:
+    """Results of every ref; the first failure is raised as soon as it happens.
+
+    A stage that dies leaves its peers blocked in a receive: waiting for all refs would
+    hang until the collective timeout, so the caller's ``finally`` must kill them.
+    """
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
+class StageGroup:
+    """``num_replicas x num_stages`` :class:`StageWorker` actors, rank = replica * stages + stage."""
+
+    def __init__(self, cfg: TrainConfig, fail_at_step: Optional[int] = None):
+        self.cfg = cfg
+        self.world_size = cfg.num_stages * num_replicas(cfg)
+        self.fail_at_step = fail_at_step
+        self.actors: list = []
+        self.pg = None
+
+    def start(self) -> None:
+        cfg = self.cfg
+        bundles = get_strategy(cfg.strategy).bundles(cfg)
+        self.pg = placement_group(bundles, strategy=cfg.placement)
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"strategy={cfg.strategy!r} could not reserve {len(bundles)} x {bundles[0]} with "
+                f"placement={cfg.placement!r} within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has "
+                f"{ray.cluster_resources()} of which {ray.available_resources()} are free. Wait for other runs "
+                f"to finish, lower num_stages/num_workers/cpus_per_worker, or use placement='PACK' or "
+                f"'SPREAD' instead of a STRICT_ one.") from None
+        actor_class = ray.remote(StageWorker)
+        self.actors = [
+            actor_class.options(
+                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(cfg, rank, self.fail_at_step)
+            for rank in range(self.world_size)
+        ]
+        logger.debug("started %d stage actors", self.world_size)
+
+    def profile(self) -> List[float]:
+        """Per-block forward+backward seconds, measured by actor 0 on its device."""
+        return ray.get(self.actors[0].profile_blocks.remote())
+
+    def setup(self, partition: Partition, resume_dir: Optional[str], start_step: int) -> List[dict]:
+        address, port = ray.get(self.actors[0].address.remote())
+        return self.call("setup", address, port, partition, resume_dir, start_step)
+
+    def call(self, method: str, *args) -> list:
+        """``method(*args)`` on every actor at once (SPMD); results in rank order."""
+        return wait_all([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def shutdown(self, graceful: bool = False) -> None:
+        """Kill the actors and release their resources; safe to call more than once."""
+        if graceful and self.actors:
+            try:  # destroy the process groups cleanly when every actor is idle
+                ray.get([actor.close.remote() for actor in self.actors], timeout=CLOSE_TIMEOUT_S)
+            except Exception as exc:  # teardown continues: the kill below frees everything
+                logger.debug("stage actors did not close cleanly: %s", exc)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

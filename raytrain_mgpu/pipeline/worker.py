@@ -1,0 +1,298 @@
+"""What one stage process does: build its part of the model, read its data, train,
+evaluate and save. Plain Python: the Ray actor (``group.py``) and the local process
+runner (``local.py``) call the same methods in the same order on every rank (SPMD).
+
+Ranks: global rank ``g = replica * num_stages + pipeline_rank``. Pipeline rank 0 reads
+the inputs, the last pipeline rank the targets (it computes the loss); the others only
+pass activations. Actors holding the same pipeline rank in different replicas average
+their gradients every step.
+
+Batch arithmetic (nanoGPT style): global batch B = D replicas x b per replica, and
+b = m micro-batches x B / (D m) rows. The ``DistributedSampler`` gives replica r the
+positions r, r+D, ... of one seeded permutation per epoch, so step s always trains on
+positions [sB, (s+1)B) of it, whatever D is: the run matches one process with batch B.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data._utils.collate import default_collate
+
+from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.metrics import EpochMeter, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.pipeline.executor import PipelineExecutor
+from raytrain_mgpu.pipeline.partition import Partition, blocks_of, build_stage_modules, profile_costs
+from raytrain_mgpu.pipeline.schedule import (Order, build_order, channel_sequences, forward_only,
+                                             num_virtual_stages, stage_rank)
+
+logger = logging.getLogger(__name__)
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def num_replicas(cfg: TrainConfig) -> int:
+    """Pipeline replicas D: ``num_workers`` for ``ddp_pipeline``, 1 for ``pipeline``."""
+    return cfg.num_workers if cfg.strategy == "ddp_pipeline" else 1
+
+
+def microbatch_rows(size: int, num_microbatches: int) -> List[int]:
+    """Rows of each micro-batch when ``size`` rows are split like ``Tensor.tensor_split``."""
+    chunks = min(num_microbatches, size)
+    base, extra = divmod(size, chunks)
+    return [base + 1] * extra + [base] * (chunks - extra)
+
+
+def free_address() -> tuple:
+    """``(ip, port)`` this process can listen on, for the process group rendezvous."""
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except Exception:  # Ray not installed or not connected: local processes
+        ip = "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return ip, sock.getsockname()[1]
+
+
+class StageWorker:
+    """One pipeline rank of one replica."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, fail_at_step: Optional[int] = None):
+        torch.set_num_threads(cfg.cpus_per_worker)
+        self.cfg, self.rank, self.fail_at_step = cfg, rank, fail_at_step
+        self.num_ranks = cfg.num_stages
+        self.num_replicas = num_replicas(cfg)
+        self.replica, self.prank = divmod(rank, self.num_ranks)
+        self.num_stages = num_virtual_stages(cfg.schedule, self.num_ranks)
+        self.is_first = self.prank == stage_rank(0, self.num_ranks)
+        self.is_last = self.prank == stage_rank(self.num_stages - 1, self.num_ranks)
+        self.device = torch.device("cuda", 0) if cfg.use_gpu else torch.device("cpu")
+        self.replica_batch = cfg.batch_size // self.num_replicas
+        self.rows = [self.replica_batch // cfg.num_microbatches] * cfg.num_microbatches
+
+    # ------------------------------------------------------------------ setup
+
+    def address(self) -> tuple:
+        return free_address()
+
+    def profile_blocks(self) -> List[float]:
+        """Forward+backward seconds per block on one training micro-batch (``balance="time"``)."""
+        data = build_datasets(self.cfg.data)
+        torch.manual_seed(self.cfg.seed)
+        model = build_model(self.cfg.model, data.input_shape, data.num_classes, self.cfg.model_kwargs)
+        x, _ = default_collate([data.train[i] for i in range(min(self.rows[0], len(data.train)))])
+        return profile_costs(blocks_of(model), x, self.device)
+
+    def setup(self, master_addr: str, master_port: int, partition: Partition, resume_dir: Optional[str],
+              start_step: int) -> dict:
+        """Join the process group, build this rank's stages, data and optimizer; restore if resuming."""
+        cfg = self.cfg
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if cfg.use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.num_ranks * self.num_replicas,
+                                timeout=timedelta(seconds=cfg.collective_timeout_s))
+        self.train_order = build_order(cfg.schedule, self.num_ranks, cfg.num_microbatches)
+        self._build_groups()
+        self.data = build_datasets(cfg.data)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank as in one process
+        model = build_model(cfg.model, self.data.input_shape, self.data.num_classes, cfg.model_kwargs)
+        stages = build_stage_modules(model, partition)
+        self.stages = {s: stages[s].to(self.device) for s in range(self.num_stages)
+                       if stage_rank(s, self.num_ranks) == self.prank}
+        del model, stages  # other ranks' blocks are freed here
+        self.params = [p for stage in self.stages.values() for p in stage.parameters()]
+        self.executor = PipelineExecutor(self.stages, self.prank, self.num_ranks, self.num_stages,
+                                         [self.replica * self.num_ranks + r for r in range(self.num_ranks)],
+                                         self.channels, self.device, _AUTOCAST.get(cfg.precision))
+        self._build_data()
+        from raytrain_mgpu.optim import build_optimizer, build_scheduler
+
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps_per_epoch, cfg.epochs)
+        torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between replicas
+        if resume_dir is not None:
+            self._restore(resume_dir)
+        self.step = start_step
+        self._eval_orders: Dict[int, Order] = {}
+        return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
+                "steps_per_epoch": self.steps_per_epoch, "device": str(self.device)}
+
+    def _build_groups(self) -> None:
+        """Every rank creates every group in the same order (a torch.distributed rule)."""
+        P, D = self.num_ranks, self.num_replicas
+        keys = sorted(k for k in channel_sequences(self.train_order, self.num_stages) if k[1] != k[2])
+        self.channels = {}
+        for replica in range(D):
+            for kind, src, dst in keys:
+                group = dist.new_group([replica * P + src, replica * P + dst])
+                if replica == self.replica:
+                    self.channels[(kind, src, dst)] = group
+        self.stage_group = self.replica_group = None
+        if D > 1:
+            for prank in range(P):
+                group = dist.new_group([r * P + prank for r in range(D)])
+                if prank == self.prank:
+                    self.stage_group = group
+        if P > 1:
+            for replica in range(D):
+                group = dist.new_group([replica * P + p for p in range(P)])
+                if replica == self.replica:
+                    self.replica_group = group
+
+    def _build_data(self) -> None:
+        cfg, D = self.cfg, self.num_replicas
+        self.steps_per_epoch = len(self.data.train) // D // self.replica_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
+                             f"({len(self.data.train)} samples): no full step fits in an epoch. Lower batch_size.")
+        self.sampler = DistributedSampler(self.data.train, num_replicas=D, rank=self.replica, shuffle=True,
+                                          seed=cfg.seed, drop_last=True)
+        self.loader = DataLoader(self.data.train, batch_size=self.replica_batch, sampler=self.sampler,
+                                 drop_last=True, pin_memory=self.device.type == "cuda")
+        self.test_shard = Subset(self.data.test, range(self.replica, len(self.data.test), D))
+        self.test_batch = max(self.replica_batch, 64)
+
+    def _restore(self, directory: str) -> None:
+        state = ckpt_format.load_model_state(directory)
+        for stage in self.stages.values():
+            stage.load_model_state_dict(state)
+        train_state = ckpt_format.load_train_state(directory, f"-stage{self.prank}")
+        if train_state is None:
+            raise ValueError(f"checkpoint {directory!r} has no train_state-stage{self.prank}.pt; it was not "
+                             f"written by a pipeline run with this many stages. Use another `name`.")
+        self.optimizer.load_state_dict(train_state["optimizer"])
+        self.scheduler.load_state_dict(train_state["scheduler"])
+        torch.set_rng_state(train_state["torch_rng"])
+
+    # ------------------------------------------------------------------ training
+
+    def start_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+        self._batches = iter(self.loader) if (self.is_first or self.is_last) else None
+        for stage in self.stages.values():
+            stage.train()
+        reset_peak_memory([self.device])
+        self.meter = EpochMeter(self.device)
+        self.totals = dict(steps=0, busy_s=0.0, schedule_s=0.0, step_s=0.0, data_wait_s=0.0, bytes_sent=0)
+
+    def train_steps(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            self._train_step()
+
+    def _train_step(self) -> None:
+        if self.fail_at_step is not None and self.step == self.fail_at_step and self.rank == self.num_ranks - 1:
+            logger.error("failing on purpose at step %d (fault-injection hook)", self.step)
+            os._exit(1)
+        start = time.perf_counter()
+        inputs = targets = None
+        if self._batches is not None:
+            x, y = next(self._batches)  # the time here is the data wait: loading is synchronous
+            self.totals["data_wait_s"] += time.perf_counter() - start
+            inputs = list(x.chunk(self.cfg.num_microbatches)) if self.is_first else None
+            targets = list(y.chunk(self.cfg.num_microbatches)) if self.is_last else None
+        stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self.meter)
+        self._average_gradients()
+        if self.cfg.grad_clip_norm is not None:
+            self._clip_gradients(self.cfg.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        totals = self.totals
+        totals["steps"] += 1
+        totals["busy_s"] += stats.busy_s
+        totals["schedule_s"] += stats.wall_s
+        totals["bytes_sent"] += stats.bytes_sent
+        totals["step_s"] += time.perf_counter() - start
+
+    def _grads(self) -> List[torch.Tensor]:
+        for p in self.params:
+            if p.grad is None:  # a parameter unused this step still takes part in the all-reduce
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]
+
+    def _average_gradients(self) -> None:
+        """Mean over the replicas holding this stage: one flat all-reduce per step."""
+        if self.stage_group is None:
+            return
+        grads = self._grads()
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.stage_group)
+        flat /= self.num_replicas
+        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(synced)
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Clip by the norm over the whole model: the squared norms of all stages are summed."""
+        grads = self._grads()
+        squared = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), device=self.device)
+        if self.replica_group is not None:
+            dist.all_reduce(squared, group=self.replica_group)
+        coef = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+
+    def finish_epoch(self) -> dict:
+        """This rank's sums for the epoch; the driver combines the ranks."""
+        loss_sum, correct, targets = self.meter.sums.tolist() if self.is_last else (0.0, 0.0, 0.0)
+        return {**self.totals, "rank": self.rank, "prank": self.prank, "replica": self.replica,
+                "is_last": self.is_last, "loss_sum": loss_sum, "correct": correct, "targets": targets,
+                "peak_memory_bytes": peak_memory_bytes([self.device])[0],
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> Optional[List[float]]:
+        """Loss and accuracy sums over this replica's test shard (from the last rank; others None)."""
+        for stage in self.stages.values():
+            stage.eval()
+        meter = EpochMeter(self.device)
+        size, bs = len(self.test_shard), self.test_batch
+        batches = iter(DataLoader(self.test_shard, batch_size=bs)) if (self.is_first or self.is_last) else None
+        for start in range(0, size, bs):
+            rows = microbatch_rows(min(bs, size - start), self.cfg.num_microbatches)
+            order = self._eval_orders.setdefault(len(rows), forward_only(self.num_ranks, len(rows), self.num_stages))
+            inputs = targets = None
+            if batches is not None:
+                x, y = next(batches)
+                inputs, targets = list(x.tensor_split(len(rows))), list(y.tensor_split(len(rows)))
+            self.executor.eval_step(order, inputs, targets, rows, meter)
+        for stage in self.stages.values():
+            stage.train()
+        return meter.sums.tolist() if self.is_last else None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def model_state(self) -> dict:
+        """This rank's weights under the unsplit model's names."""
+        state = {}
+        for stage in self.stages.values():
+            state.update(stage.model_state_dict())
+        return state
+
+    def save(self, directory: str) -> None:
+        """Replica 0 writes ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` (replicas are identical)."""
+        if self.replica != 0:
+            return
+        train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                       "torch_rng": torch.get_rng_state()}
+        ckpt_format.write_checkpoint(directory, meta=None, history=None, model_state=self.model_state(),
+                                     train_state=train_state, part=f"-stage{self.prank}")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
