@@ -72,6 +72,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of TrainConfig fields")
     _add_config_options(train)
 
+    bench = commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun")
+    bench.add_argument("--num-samples", type=int, default=None, help="training samples per epoch")
+    bench.add_argument("--epochs", type=int, default=None, help="epochs per measurement (the first is warm-up)")
+
     data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
     convert.add_argument("--dataset", required=True, help="registry name, e.g. fashion_mnist, cifar10, digits")
@@ -111,6 +115,15 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from raytrain_mgpu import bench
+
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k in ("num_samples", "epochs") and v is not None]
+    sys.argv = ["raytrain-mgpu bench", *argv]
+    return bench.main()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
@@ -118,6 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "bench":
+            return _bench(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         print(f"raytrain-mgpu: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
+from raytrain_mgpu.data.convert import convert_to_parquet
 
 pytestmark = pytest.mark.ray
 
@@ -67,7 +68,10 @@ def test_cli_default_run_learns_digits(ray_session, storage, capsys):
     assert accuracy > 0.9
 
 
-def test_user_model_from_own_folder_is_shipped_to_workers(ray_session, storage, tmp_path, monkeypatch):
+def test_user_model_from_own_folder_trains_on_parquet(ray_session, storage, tmp_path, monkeypatch):
+    # Digits written as Parquet shards: the workers read it through pyarrow, each only its rows.
+    parquet = tmp_path / "digits-parquet"
+    convert_to_parquet(rtm.TrainConfig().data, str(parquet))
     folder = tmp_path / "userproj"
     folder.mkdir()
     (folder / "my_models.py").write_text(textwrap.dedent("""
@@ -77,10 +81,11 @@ def test_user_model_from_own_folder_is_shipped_to_workers(ray_session, storage, 
     """))
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
-    cfg = rtm.TrainConfig(model="my_models:tiny", model_kwargs={"hidden": 8}, num_workers=2, epochs=1,
-                          name="user", storage_path=storage)
+    cfg = rtm.TrainConfig(model="my_models:tiny", model_kwargs={"hidden": 8}, num_workers=2, epochs=2,
+                          dataset="parquet", data_root=str(parquet), name="user", storage_path=storage)
     result = rtm.fit(cfg)
     assert result.load_model()[1].out_features == 8
+    assert result.metrics["test_accuracy"] > 0.5  # learnt from the Parquet copy of digits
     # The same run name with another model must not resume silently.
     with pytest.raises(ValueError, match=r"trained with model='my_models:tiny', but this run has model='lenet'"):
         rtm.fit(cfg.replace(model="lenet", model_kwargs={}))

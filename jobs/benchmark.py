@@ -1,0 +1,11 @@
+"""Data-parallel benchmark for `ray job submit` or a shell: see raytrain_mgpu/bench.py.
+
+    python jobs/benchmark.py [--num-samples N] [--epochs E]
+"""
+
+import sys
+
+from raytrain_mgpu.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Data-parallel benchmark: ``fit`` against a plain PyTorch loop and ``torchrun``, side by side.
+
+    raytrain-mgpu bench            # or: python jobs/benchmark.py
+
+One invocation runs, on the same model, data, global batch and thread count per process:
+
+1. a plain single-process PyTorch loop vs ``fit`` with 1 worker (target >= 0.97x);
+2. ``torchrun`` DDP with 2 processes vs ``fit`` with 2 workers (target >= 1.0x);
+3. ``fit`` with 2 workers vs 1 worker (target >= 1.8x on a compute-bound model).
+
+Throughput is steady state: the median samples/s of the epochs after the first (the
+first pays for warm-up). ``fit``'s start-up (Ray, worker group) is reported separately.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+
+from raytrain_mgpu.config import TrainConfig
+
+BENCH_CONFIG = dict(model="mlp", model_kwargs={"widths": [2048, 2048]}, dataset="synthetic",
+                    input_shape=(1, 28, 28), num_samples=8192, batch_size=256, epochs=4,
+                    optimizer="sgd", lr=0.01, cpus_per_worker=1, eval_every_epochs=100)
+
+
+@dataclass
+class Measured:
+    label: str
+    samples_per_s: float
+    startup_s: float = 0.0
+
+
+def steady(per_epoch: list) -> float:
+    """Median of every epoch but the first (or the only one)."""
+    return statistics.median(per_epoch[1:] or per_epoch)
+
+
+def plain_loop(cfg: TrainConfig) -> Measured:
+    """The baseline: what a user writes without Ray, one process, one thread per worker slot."""
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.models import build_model
+
+    torch.set_num_threads(cfg.cpus_per_worker)
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
+    rates = []
+    for _ in range(cfg.epochs):
+        start, samples = time.perf_counter(), 0
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            samples += len(y)
+        rates.append(samples / (time.perf_counter() - start))
+    return Measured("plain PyTorch loop, 1 process", steady(rates))
+
+
+def torchrun_ddp(cfg: TrainConfig, nproc: int) -> Measured:
+    """The same DDP loop launched by ``torchrun`` (see ``raytrain_mgpu._torchrun_ddp``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cpus_per_worker)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "raytrain_mgpu._torchrun_ddp", json.dumps(cfg.to_dict())]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"torchrun failed:\n{out.stderr[-3000:]}")
+    rates = json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
+    return Measured(f"torchrun DDP, {nproc} processes", steady(rates))
+
+
+def ray_fit(cfg: TrainConfig, storage: str) -> Measured:
+    from raytrain_mgpu.api import fit
+
+    start = time.perf_counter()
+    result = fit(cfg.replace(storage_path=storage), stream=open(os.devnull, "w"))
+    wall = time.perf_counter() - start
+    rates = [h["samples_per_s"] for h in result.history]
+    train_s = sum(h["step_time_s"] * (cfg.num_samples // cfg.batch_size) for h in result.history)
+    return Measured(f"raytrain-mgpu fit, ddp, {cfg.num_workers} worker(s)", steady(rates), wall - train_s)
+
+
+def run(num_samples: int = BENCH_CONFIG["num_samples"], epochs: int = BENCH_CONFIG["epochs"]) -> list:
+    """Run every measurement; returns rows of (comparison, ours, baseline, ratio, target)."""
+    import ray
+
+    base = TrainConfig(**{**BENCH_CONFIG, "num_samples": num_samples, "epochs": epochs})
+    one, two = base.replace(num_workers=1, name="bench-1"), base.replace(num_workers=2, name="bench-2")
+    plain = plain_loop(one)
+    torchrun = torchrun_ddp(two, 2)
+    ray.init(log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as storage:
+            fit1, fit2 = ray_fit(one, storage), ray_fit(two, storage)
+    finally:
+        ray.shutdown()
+    return [(fit1, plain, 0.97), (fit2, torchrun, 1.0), (fit2, fit1, 1.8)]
+
+
+def report(rows: list) -> str:
+    lines = [f"{'ours':<40} {'samples/s':>10}   {'baseline':<34} {'samples/s':>10}  {'ratio':>6}  target",
+             "-" * 118]
+    for ours, baseline, target in rows:
+        ratio = ours.samples_per_s / baseline.samples_per_s
+        flag = "ok" if ratio >= target else "BELOW"
+        lines.append(f"{ours.label:<40} {ours.samples_per_s:>10,.0f}   {baseline.label:<34} "
+                     f"{baseline.samples_per_s:>10,.0f}  {ratio:>5.2f}x  >= {target} {flag}")
+    startups = {r[0].label: r[0].startup_s for r in rows}
+    lines.append("start-up (Ray + worker group + checkpoints, outside the steady state): " +
+                 ", ".join(f"{label}: {s:.1f} s" for label, s in startups.items()))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-samples", type=int, default=BENCH_CONFIG["num_samples"])
+    parser.add_argument("--epochs", type=int, default=BENCH_CONFIG["epochs"])
+    args = parser.parse_args()
+    print(f"model mlp 784-2048-2048-10, synthetic 1x28x28, global batch {BENCH_CONFIG['batch_size']}, "
+          f"1 torch thread per process, {os.cpu_count()} CPU cores")
+    print(report(run(args.num_samples, args.epochs)))
+    return 0

@@ -1,0 +1,46 @@
+"""The CLI mirrors TrainConfig: every field is an option, YAML < options, errors exit 2."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from raytrain_mgpu import TrainConfig
+from raytrain_mgpu.cli import _build_parser, config_from_args, main
+from raytrain_mgpu.data import check_data
+
+
+def test_help_documents_every_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for name in TrainConfig.field_names():
+        assert "--" + name.replace("_", "-") in out, name
+    assert "GLOBAL batch: samples per optimizer step" in out
+
+
+def test_options_override_yaml_and_parse_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: mlp\nlr: 0.1\nepochs: 2\n")
+    args = _build_parser().parse_args([
+        "train", "--config", str(path), "--lr", "0.3", "--model-kwargs", "{widths: [16, 8]}",
+        "--input-shape", "1,8,8", "--no-use-gpu", "--precision", "bf16-mixed", "--balance", "[1, 2]"])
+    cfg = config_from_args(args)
+    assert (cfg.model, cfg.lr, cfg.epochs, cfg.use_gpu) == ("mlp", 0.3, 2, False)
+    assert cfg.model_kwargs == {"widths": [16, 8]} and cfg.input_shape == (1, 8, 8)
+    assert cfg.precision == "bf16-mixed" and cfg.balance == (1, 2)
+
+
+def test_bad_input_exits_2_with_the_message(capsys):
+    assert main(["train", "--batch-size", "100", "--num-workers", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raytrain-mgpu: error: TrainConfig.batch_size=100 (global) does not split evenly")
+
+
+def test_data_convert_writes_parquet_that_trains(tmp_path, capsys):
+    out = tmp_path / "digits-parquet"
+    assert main(["data", "convert", "--dataset", "digits", "--out", str(out)]) == 0
+    assert "Parquet file(s)" in capsys.readouterr().out
+    assert pq.read_table(out / "train").num_rows == 1438
+    shape, classes = check_data(TrainConfig(dataset="parquet", data_root=str(out)).data)
+    assert (tuple(shape), classes) == ((1, 8, 8), 10)
