@@ -1,0 +1,172 @@
+"""Checks that fail in seconds, before Ray Train schedules anything.
+
+``ray.init(address=...)`` retries for minutes when nothing answers at the address (over
+5 minutes measured with Ray 2.60), and a cluster that refuses the client's token shows
+up as the same generic "Failed to connect" after 20 s. A local ``storage_path`` that only
+the head node has is noticed by Ray Train when the first checkpoint is uploaded, after a
+whole epoch of work. The checks here say what is wrong at once:
+
+- :func:`probe_ray_address`: one gRPC call to the cluster's GCS (3 s at most) tells
+  "nothing there" from "wrong or missing token";
+- :func:`check_storage_reachable`: one zero-CPU task per alive node checks that the node
+  sees a marker file the driver just wrote, and can write next to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from typing import List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["probe_ray_address", "check_storage_reachable"]
+
+_PROBE_TIMEOUT_S = 3.0
+_TOKEN_FIX = ("The cluster runs with token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH "
+              "to a file holding the cluster's token (on the head, `ray get-auth-token` prints it), or "
+              "RAY_AUTH_TOKEN to the token itself.")
+
+
+def probe_ray_address(address: Optional[str], timeout_s: float = _PROBE_TIMEOUT_S) -> None:
+    """Raise ``ConnectionError`` within ``timeout_s`` if no Ray cluster answers at
+    ``address`` or it refuses this process's token. ``None``/``auto``/``local`` pass."""
+    if not address or address in ("auto", "local"):
+        return
+    if address.startswith("ray://"):  # Ray Client: a plain TCP check of the client server
+        _tcp_probe(address, address[len("ray://"):], timeout_s)
+        return
+    if "://" in address:
+        raise ConnectionError(
+            f"Ray address {address!r} (TrainConfig.address or RAY_ADDRESS) is not a cluster address. Use "
+            f"the head's host:port (e.g. 10.0.0.1:6379) or ray://host:10001; an http:// address is the "
+            f"dashboard, which `ray job submit --address` takes.")
+    try:
+        import grpc
+        from ray._private.authentication.grpc_authentication_client_interceptor import (
+            _get_authentication_metadata_tuple)
+        from ray._private import ray_constants
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError as exc:  # private Ray modules moved: fall back to ray.init's own checks
+        logger.debug("skipping the Ray address probe: %s", exc)
+        return
+    try:
+        metadata = _get_authentication_metadata_tuple()
+    except Exception as exc:  # ray.exceptions.AuthenticationError: token mode, but no token here
+        raise ConnectionError(f"cannot connect to the Ray cluster at {address!r}: token authentication is "
+                              f"on (RAY_AUTH_MODE=token) but this process has no token. {_TOKEN_FIX}") from None
+    # Ray's own channel options (HTTP proxies off unless RAY_grpc_enable_http_proxy=1).
+    options = list(getattr(ray_constants, "GLOBAL_GRPC_OPTIONS", ()))
+    with grpc.insecure_channel(address, options=options) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                sent = "a token that it does not accept" if metadata else "no token"
+                raise ConnectionError(f"the Ray cluster at {address!r} refused the connection: this process "
+                                      f"sent {sent} ({details}). {_TOKEN_FIX}") from None
+            raise ConnectionError(
+                f"no Ray cluster answers at {address!r} (TrainConfig.address or RAY_ADDRESS) within "
+                f"{timeout_s:g} s ({code.name}: {details}). Check the address and that the cluster is "
+                f"running (`ray status --address {address}`), or unset RAY_ADDRESS and "
+                f"TrainConfig.address to start a local Ray instance.") from None
+
+
+def _tcp_probe(address: str, host_port: str, timeout_s: float) -> None:
+    host, _, port = host_port.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"no Ray client server answers at {address!r} within {timeout_s:g} s ({exc}). "
+                              f"Check the address and that the cluster is running.") from None
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+def check_storage_reachable(storage_path: str, timeout_s: float = 120.0) -> None:
+    """Raise ``ValueError`` if some alive node cannot read and write ``storage_path``.
+
+    Needs a connected Ray. On a single node there is nothing to check (Ray Train writes
+    the path on the first report). Nodes that join later (autoscaling) are checked by Ray
+    Train itself when they first upload a checkpoint.
+    """
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) <= 1:
+        return
+    fs, root = _filesystem(storage_path)
+    marker = f"{root.rstrip('/')}/.raytrain-mgpu-reach-{uuid.uuid4().hex[:12]}"
+    fs.create_dir(root, recursive=True)
+    with fs.open_output_stream(marker) as f:
+        f.write(b"written by the driver; each node checks that it sees this file\n")
+    try:
+        problems = _probe_nodes(nodes, storage_path, marker, timeout_s)
+    finally:
+        fs.delete_file(marker)
+    if problems:
+        where = "; ".join(f"node {ip}: {why}" for ip, why in problems)
+        raise ValueError(
+            f"TrainConfig.storage_path={storage_path!r} is not reachable from every node of the Ray cluster "
+            f"({where}). Workers there could not save checkpoints; Ray Train would only notice after the "
+            f"first epoch. Use a folder that every node mounts at the same path (NFS, EFS, a shared disk) "
+            f"or a bucket URI such as s3://bucket/runs that every node has credentials for.")
+
+
+def _filesystem(path: str):
+    import pyarrow.fs as pafs
+
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
+def _probe_nodes(nodes: list, storage_path: str, marker: str, timeout_s: float) -> List[Tuple[str, str]]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(_node_sees_storage)
+    refs = {n["NodeManagerAddress"] + (f" ({n['NodeID'][:8]})" if _duplicate_ips(nodes) else ""):
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                 .remote(storage_path, marker)
+            for n in nodes}
+    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    problems = []
+    for name, ref in refs.items():
+        if ref in pending:
+            logger.warning("storage check: node %s did not answer within %.0f s; not checked", name, timeout_s)
+            ray.cancel(ref, force=True)
+            continue
+        why = ray.get(ref)
+        if why:
+            problems.append((name, why))
+    return problems
+
+
+def _duplicate_ips(nodes: list) -> bool:
+    ips = [n["NodeManagerAddress"] for n in nodes]
+    return len(set(ips)) < len(ips)
+
+
+def _node_sees_storage(storage_path: str, marker: str) -> Optional[str]:
+    """Runs on one node: None if it sees ``marker`` and can write beside it, else why not."""
+    try:
+        fs, _ = _filesystem(storage_path)
+        import pyarrow.fs as pafs
+
+        if fs.get_file_info(marker).type != pafs.FileType.File:
+            return (f"does not see {marker} that the driver wrote (a local folder on the driver's machine, "
+                    f"or a different mount)")
+        probe = f"{marker}.{socket.gethostname()}.{os.getpid()}"
+        with fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        fs.delete_file(probe)
+        return None
+    except Exception as exc:  # permissions, credentials, a missing bucket: all worth reporting
+        return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,134 @@
+"""Ray nodes started with ``ray start`` for tests, and torn down without ``ray stop``.
+
+``ray stop`` kills every Ray process on the machine by name, including other test
+sessions' instances (and the processes in other network namespaces: namespaces do not
+separate PIDs). So each node started here carries a marker in its environment
+(``RTM_TEST_NODE=<unique>``), every process Ray forks for it inherits the marker, and
+teardown signals exactly the processes whose ``/proc/<pid>/environ`` holds it.
+
+Each node also gets its own ``--temp-dir``: ``ray start`` records the cluster address in
+``<temp-dir>/ray_current_cluster``, and a plain ``ray.init()`` elsewhere on the machine
+joins whatever the default ``/tmp/ray/ray_current_cluster`` names. A private temp dir
+keeps other sessions from joining a test's head by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+VENV_BIN = str(Path(sys.executable).parent)
+RAY = str(Path(VENV_BIN) / "ray")
+MARKER = "RTM_TEST_NODE"
+
+# Ports the head opens besides the worker range; each gets a free one on the host
+# (another Ray instance there already holds the defaults, e.g. 10001 and 52365).
+_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+               "--dashboard-agent-grpc-port", "--metrics-export-port", "--node-manager-port",
+               "--object-manager-port", "--runtime-env-agent-port")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_flags(skip: Sequence[str] = ()) -> Dict[str, int]:
+    """A free port for every port flag of ``ray start`` (except those in ``skip``)."""
+    return {flag: free_port() for flag in _PORT_FLAGS if flag not in skip}
+
+
+def marked_pids(marker: str) -> List[int]:
+    """PIDs of processes whose environment holds ``RTM_TEST_NODE=<marker>``."""
+    needle = f"{MARKER}={marker}".encode() + b"\0"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
+
+
+def kill_marked(marker: str, grace_s: float = 3.0) -> None:
+    """SIGTERM the marked processes, then SIGKILL what is left after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        for pid in marked_pids(marker):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while marked_pids(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not marked_pids(marker):
+            return
+
+
+class RayNode:
+    """One ``ray start`` node: its marker, temp dir, environment and log."""
+
+    def __init__(self, temp_dir: Path, env: Dict[str, str], prefix: Sequence[str] = ()):
+        self.marker = uuid.uuid4().hex[:12]
+        self.temp_dir = Path(temp_dir)
+        self.env = {**env, MARKER: self.marker}
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", "ns"]
+        self.log = self.temp_dir.parent / f"{self.temp_dir.name}.start.log"
+
+    def start(self, args: Sequence[str], timeout_s: float = 120) -> None:
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [*self.prefix, RAY, "start", "--temp-dir", str(self.temp_dir), "--disable-usage-stats", *args]
+        with open(self.log, "a") as log:
+            done = subprocess.run(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed ({done.returncode}):\n{self.log.read_text()[-3000:]}")
+
+    def alive(self) -> bool:
+        return bool(marked_pids(self.marker))
+
+    def stop(self) -> None:
+        kill_marked(self.marker)
+
+    def run(self, cmd: Sequence[str], timeout_s: float, extra_env: Optional[Dict[str, str]] = None,
+            cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+        """Run ``cmd`` with this node's environment (and namespace), output captured.
+        ``extra_env`` values of None remove the variable."""
+        env = _merge_env(self.env, extra_env)
+        return subprocess.run([*self.prefix, *cmd], env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout_s)
+
+    def popen(self, cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+              **kwargs) -> subprocess.Popen:
+        env = _merge_env(self.env, extra_env)
+        return subprocess.Popen([*self.prefix, *cmd], env=env, cwd=cwd, **kwargs)
+
+
+def _merge_env(env: Dict[str, str], extra: Optional[Dict[str, Optional[str]]]) -> Dict[str, str]:
+    merged = dict(env)
+    for key, value in (extra or {}).items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+def base_env(home: Path, **extra: str) -> Dict[str, str]:
+    """A clean environment: the venv first on PATH (so a job's ``python`` is the venv's), a
+    temporary HOME, no inherited Ray settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RTM_"))}
+    env.update(HOME=str(home), PATH=f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
+               PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
+    env.update(extra)
+    return env
