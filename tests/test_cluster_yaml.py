@@ -1,0 +1,90 @@
+"""cluster.yaml passes Ray's own validator, and keeps the promises its comments make."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+
+# Parameters of EC2 RunInstances that a node_config here may use: Ray passes node_config
+# to boto3 unchecked, so a typo would only fail at `ray up`.
+EC2_RUN_INSTANCES_KEYS = {"InstanceType", "ImageId", "BlockDeviceMappings", "InstanceMarketOptions",
+                          "IamInstanceProfile", "KeyName", "SubnetIds", "SecurityGroupIds", "TagSpecifications",
+                          "Placement", "NetworkInterfaces", "CapacityReservationSpecification", "UserData"}
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    return yaml.safe_load(CLUSTER_YAML.read_text())
+
+
+def _validate(config: dict) -> dict:
+    """What `ray up` does before it talks to AWS: merge the provider defaults, then validate."""
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+def test_ray_validator_accepts_it_and_rejects_unknown_keys_and_fractional_resources(raw):
+    prepared = _validate(raw)
+    assert prepared["provider"]["type"] == "aws"
+
+    mutations = {
+        "unknown top-level key": lambda c: c.update(idle_timeout_minute=5),
+        "unknown node-type key": lambda c: c["available_node_types"]["gpu_spot"].update(min_worker=1),
+        "fractional GPU": lambda c: c["available_node_types"]["gpu_spot"]["resources"].update(GPU=0.5),
+        "resources as a string": lambda c: c["available_node_types"]["head"]["resources"].update(CPU="0"),
+    }
+    for what, mutate in mutations.items():
+        bad = copy.deepcopy(raw)
+        mutate(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(bad)
+            pytest.fail(f"the validator accepted a config with an {what}")
+
+
+def test_head_trains_nothing_and_gpu_workers_scale_from_zero(raw):
+    types = raw["available_node_types"]
+    head = types[raw["head_node_type"]]
+    assert head["resources"] == {"CPU": 0}
+    workers = {name: t for name, t in types.items() if name != raw["head_node_type"]}
+    for name, node_type in workers.items():
+        resources = node_type["resources"]
+        assert all(isinstance(v, int) and not isinstance(v, bool) for v in resources.values()), name
+        assert resources.get("GPU", 0) >= 1 and node_type["min_workers"] == 0, name
+        assert set(node_type["node_config"]) <= EC2_RUN_INSTANCES_KEYS, name
+    markets = {t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on-demand") for t in workers.values()}
+    assert markets == {"on-demand", "spot"}
+    assert raw["idle_timeout_minutes"] > 0
+    assert all(1 <= t["max_workers"] <= raw["max_workers"] for t in workers.values())
+
+
+def test_installs_this_project_with_token_auth_and_a_private_dashboard(raw):
+    assert raw["file_mounts"]["~/raytrain-mgpu"] == "."
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    setup = " ; ".join(raw["setup_commands"])
+    assert "pip install -q -c ~/raytrain-mgpu/constraints.txt -e ~/raytrain-mgpu" in setup
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = " ".join(raw[key])
+        assert "export RAY_AUTH_MODE=token" in start, key
+    head_start = " ".join(raw["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start
+    text = CLUSTER_YAML.read_text()
+    assert "0.0.0.0" not in text and "IpPermissions" not in text  # nothing opened beyond SSH
+
+
+def test_holds_no_credentials():
+    text = CLUSTER_YAML.read_text()
+    patterns = [r"AKIA[0-9A-Z]{16}", r"aws_secret_access_key", r"aws_access_key_id", r"-----BEGIN",
+                r"RAY_AUTH_TOKEN=", r"ssh_private_key:\s*\S"]
+    for pattern in patterns:
+        # Commented examples are fine; live keys are not.
+        live = [line for line in text.splitlines() if re.search(pattern, line) and not line.lstrip().startswith("#")]
+        assert not live, (pattern, live)
