@@ -8,7 +8,11 @@ A strategy decides three things, and nothing else:
 2. on a worker: where the model lives and how it is wrapped (``setup_model``), which
    shard of the data this worker reads (``data_shard``), and how a loss is computed
    (``compute_loss``, overridden by ``dp_balanced``);
-3. how to get the plain model back for checkpoints (``unwrap``/``state_dict``).
+3. how to get the plain model back for checkpoints (``unwrap``/``state_dict``, and the
+   optimizer's state for sharded strategies).
+
+Options a strategy does not read are warned about in ``validate`` (``options_used``),
+so ``bucket_cap_mb`` with ``dp`` does not pass silently.
 
 The training loop (``raytrain_mgpu.loop``) is the same for every Ray Train strategy.
 Strategies with their own runtime (the pipeline's actor group) set ``runner``.
@@ -18,13 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
+import sys
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, ContextManager, List, Tuple
+from typing import TYPE_CHECKING, ClassVar, ContextManager, FrozenSet, Iterator, List, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import ParallelConfig, TrainConfig
@@ -44,11 +53,50 @@ class WorkerContext:
     devices: Tuple[torch.device, ...]  # the devices this worker owns (CPU: one cpu device)
 
 
+class Predictions:
+    """Predicted class indices standing in for logits, for strategies that never gather logits.
+
+    ``dp_balanced`` and model-parallel outputs live on other devices than the meter; moving
+    ``argmax`` indices (one int per target) is far cheaper than moving the logits (one float
+    per class and target). ``EpochMeter.add`` only reads ``logits.device`` and
+    ``logits.detach().argmax(dim=1)``, which this class answers.
+    """
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def detach(self) -> "Predictions":
+        return self
+
+    def argmax(self, dim: int = 1) -> torch.Tensor:
+        return self.indices
+
+
+class ModelWrapper(nn.Module):
+    """Marker base of this package's own wrappers (``unwrap`` peels them like DDP)."""
+
+    module: nn.Module
+
+
+# Options some strategies read and others ignore; the value is the strategy-neutral default.
+# Pipeline-only options are checked by the pipeline runner itself.
+_OPTIONAL = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
+             "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
+             "num_microbatches", "schedule")
+DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
+
+
 class Strategy(ABC):
     """One way of spreading training over processes and devices."""
 
     name: ClassVar[str]
     runner: ClassVar[str] = "train_workers"  # or "actor_group" (own runtime, see pipeline/)
+    options_used: ClassVar[FrozenSet[str]] = DDP_OPTIONS | {"sync_batchnorm"}
+    """Which of the optional TrainConfig fields this strategy reads; others set are warned about."""
 
     def __init__(self, cfg: "ParallelConfig", ctx: WorkerContext):
         self.cfg = cfg
@@ -64,6 +112,16 @@ class Strategy(ABC):
             raise ValueError(
                 "TrainConfig.precision='16-mixed' needs CUDA (fp16 autocast with a GradScaler), but "
                 "use_gpu=False. Use precision='bf16-mixed' on CPU, or set use_gpu=True.")
+        if cls.runner == "train_workers":
+            warn_unused_options(cfg, cls.name, cls.options_used)
+
+    @classmethod
+    def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
+        """Checks that need the model's structure (e.g. a split over devices), before Ray.
+
+        Called by ``fit`` once the data's shapes are known. Strategies that need the model
+        build it on the ``meta`` device (no memory, no weights). Default: nothing to check.
+        """
 
     @classmethod
     def data_parallel_size(cls, cfg: "TrainConfig") -> int:
@@ -107,12 +165,25 @@ class Strategy(ABC):
         return contextlib.nullcontext()
 
     def compute_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(mean loss, logits)`` for one micro-batch."""
-        logits = model(x)
-        return F.cross_entropy(logits, y.to(logits.device)), logits
+        """``(mean loss, logits)`` for one micro-batch, both on ``self.device``.
+
+        When the model's output lands on another device (model parallel, ``output_device``),
+        the loss is computed there and only the scalar loss and the argmax indices come back
+        (as :class:`Predictions`), never the logits.
+        """
+        with explain_ddp_errors(self.unwrap(model)):
+            logits = model(x)
+        loss = F.cross_entropy(logits, y.to(logits.device))
+        if logits.device == self.device:
+            return loss, logits
+        return loss.to(self.device), Predictions(logits.detach().argmax(dim=1).to(self.device))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
+        """The user's model inside ``torch.compile``, DDP, DataParallel and our own wrappers."""
+        model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+        while isinstance(model, (DistributedDataParallel, DataParallel, ModelWrapper)):
+            model = model.module
+        return model
 
     def state_dict(self, model: nn.Module) -> dict:
         """Full state dict of the plain model (collective for sharded strategies)."""
@@ -120,6 +191,14 @@ class Strategy(ABC):
 
     def load_state_dict(self, model: nn.Module, state: dict) -> None:
         self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer state rank 0 saves (collective for sharded strategies: all ranks call)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load what ``optimizer_state_dict`` returned on rank 0 (every rank calls it)."""
+        optimizer.load_state_dict(state)
 
     def memory_devices(self) -> List[torch.device]:
         """Devices whose peak memory this worker reports."""
@@ -135,3 +214,65 @@ def check_batch_divisible(cfg: "TrainConfig", replicas: int) -> None:
             f"TrainConfig.batch_size={cfg.batch_size} (global) does not split evenly over "
             f"{replicas} data-parallel replica(s) x grad_accum_steps={cfg.grad_accum_steps} = {parts} "
             f"micro-batches. Use a multiple of {parts}, e.g. batch_size={lower} or {lower + parts}.")
+
+
+def warn_unused_options(cfg: "TrainConfig", strategy: str, used: FrozenSet[str]) -> None:
+    """Warn, naming the option, about each optional field set that ``strategy`` never reads."""
+    from dataclasses import fields
+
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.strategies import STRATEGIES
+
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in _OPTIONAL}
+    for option in _OPTIONAL:
+        value = getattr(cfg, option)
+        if option in used or value == defaults[option]:
+            continue
+        users = sorted(name for name, cls in STRATEGIES.items() if option in cls.options_used)
+        warnings.warn(f"TrainConfig.{option}={value!r} has no effect with strategy={strategy!r}; it is "
+                      f"read by {', '.join(users) or 'no registered strategy'}. Remove it, or pick one "
+                      f"of those strategies.", UserWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` that points a warning at the first frame outside this package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")):
+        frame, level = frame.f_back, level + 1  # the second test: a dataclass's generated __init__
+    return level
+
+
+def require_one_worker(cfg: "TrainConfig", strategy: str, instead: str) -> None:
+    """Single-process strategies (``dp``, ``dp_balanced``, ``mp``) cannot span workers or nodes."""
+    if cfg.num_workers != 1:
+        raise ValueError(
+            f"TrainConfig.num_workers={cfg.num_workers}: strategy={strategy!r} runs in one worker process "
+            f"on one node, over its gpus_per_worker devices. Set num_workers=1, or {instead}.")
+
+
+_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
+
+
+@contextlib.contextmanager
+def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
+    """Re-raise DDP's unused-parameter error with the TrainConfig option that fixes it.
+
+    DDP raises it in the forward *after* a step in which some parameters got no gradient;
+    torch lists their indices, which we translate into names.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if _DDP_UNUSED not in str(exc):
+            raise
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
+        unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
+        which = f" Parameters that got no gradient: {', '.join(unused)}." if unused else ""
+        raise RuntimeError(
+            f"DDP: some parameters were not used in producing the loss, so their gradients were never "
+            f"all-reduced.{which} Set TrainConfig.find_unused_parameters=True (costs one autograd-graph "
+            f"walk per step), or static_graph=True if the same parameters are unused in every step; "
+            f"or make every output of forward() take part in the loss. (torch: {exc})") from exc
