@@ -1,0 +1,98 @@
+"""``dp``: ``nn.DataParallel`` over the devices of one worker (the seeds' "one line").
+
+Every step scatters the batch from the first device, replicates the model onto every
+device, runs the replicas in threads and gathers all outputs onto ``output_device``,
+where the loss is computed. That gather is why the first GPU fills up first (seed 001);
+``output_device`` moves it elsewhere, ``dp_balanced`` avoids it, and ``ddp`` (one process
+per GPU) is faster still.
+
+Autocast state is thread-local and ``parallel_apply`` restores only "enabled", not the
+dtype, so plain ``nn.DataParallel`` runs bf16-mixed replicas in fp16 on CUDA. The
+subclass here hands each replica the caller's autocast dtype.
+
+On CPU, ``nn.DataParallel`` calls the module once on the whole batch (torch does no
+scatter without CUDA), so CPU devices train the plain single-process model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.parallel import parallel_apply
+
+from raytrain_mgpu.strategies.base import Strategy, require_one_worker
+
+logger = logging.getLogger(__name__)
+
+
+def autocast_state(device_type: str) -> Tuple[str, torch.dtype, bool]:
+    """The calling thread's autocast setting for ``device_type``, to hand to worker threads."""
+    return device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
+
+
+def call_with_autocast(module, state: Tuple[str, torch.dtype, bool], *args, **kwargs):
+    """Call ``module`` under the autocast ``state`` captured in another thread."""
+    device_type, dtype, enabled = state
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        return module(*args, **kwargs)
+
+
+class AutocastDataParallel(nn.DataParallel):
+    """``nn.DataParallel`` whose replica threads use the caller's autocast dtype."""
+
+    def parallel_apply(self, replicas, inputs, kwargs) -> List:
+        state = autocast_state(self.src_device_obj.type)
+        calls = [functools.partial(call_with_autocast, replica, state) for replica in replicas]
+        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
+
+
+def check_output_device(cfg) -> None:
+    if cfg.output_device is not None and not 0 <= cfg.output_device < cfg.gpus_per_worker:
+        raise ValueError(
+            f"TrainConfig.output_device={cfg.output_device}: must be the local index of one of the "
+            f"worker's gpus_per_worker={cfg.gpus_per_worker} devices (0 to {cfg.gpus_per_worker - 1}). "
+            f"Leave it unset to gather on the first device.")
+
+
+def wrap_data_parallel(model: nn.Module, devices, output_device) -> nn.Module:
+    """``model`` on ``devices[0]``, wrapped to run on all ``devices``; on CPU the model itself.
+
+    Without CUDA, ``nn.DataParallel`` only calls the module; on a CUDA machine training on
+    CPU it would claim every GPU, so CPU devices get the plain model.
+    """
+    model = model.to(devices[0])
+    if devices[0].type != "cuda":
+        return model
+    return AutocastDataParallel(model, device_ids=list(devices), output_device=devices[output_device])
+
+
+class DPStrategy(Strategy):
+    """``nn.DataParallel`` in one worker holding ``gpus_per_worker`` devices."""
+
+    name = "dp"
+    options_used = frozenset({"gpus_per_worker", "output_device"})
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        require_one_worker(cfg, cls.name, "use strategy='ddp2' (DataParallel per node, DDP across "
+                                          "nodes) or 'ddp' (one worker per GPU, usually faster)")
+        check_output_device(cfg)
+        super().validate(cfg)
+
+    @classmethod
+    def devices_per_worker(cls, cfg) -> int:
+        return cfg.gpus_per_worker
+
+    @property
+    def device(self) -> torch.device:
+        """Inputs, targets and the loss live on the output device (DP scatters from there)."""
+        return self.ctx.devices[self.cfg.output_device or 0]
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        if self.ctx.devices[0].type != "cuda" and len(self.ctx.devices) > 1 and self.ctx.world_rank == 0:
+            logger.info("dp on CPU: nn.DataParallel runs the module once on the whole batch.")
+        return wrap_data_parallel(model, self.ctx.devices, self.cfg.output_device or 0)
