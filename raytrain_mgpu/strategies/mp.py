@@ -1,0 +1,117 @@
+"""``mp``: naive model parallel in one worker (seed 000's ``sub_net1`` on gpu0, ``sub_net2`` on gpu1).
+
+The model's blocks (the children of an ``nn.Sequential``, or what its ``blocks()``
+returns: see ``raytrain_mgpu.pipeline.partition``) are split into contiguous groups, one
+per device, balanced by parameter count or by ``balance=[n0, n1, ...]`` blocks per device.
+Activations hop from device to device; only one device works at a time (that idle time
+is what the pipeline strategies remove), but a model too big for one device fits.
+
+A model that places itself is accepted too: if it has a ``place(devices)`` method, ``mp``
+calls it with the worker's devices (a list of ``torch.device``) instead of splitting it,
+and the model moves its layers and, in ``forward``, its activations:
+
+    class Net(nn.Module):
+        def place(self, devices):
+            self.devices = devices
+            self.sub_net1.to(devices[0]); self.sub_net2.to(devices[-1])
+        def forward(self, x):
+            return self.sub_net2(self.sub_net1(x.to(self.devices[0])).to(self.devices[-1]))
+
+The loss is computed where the output lands; only the scalar loss and the argmax indices
+move back to the first device (``Strategy.compute_loss``). On CPU every "device" is the
+CPU, so the split and the hops run (as no-ops) and the tests check them.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+from torch import nn
+
+from raytrain_mgpu.pipeline.partition import blocks_of, plan_partition
+from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, require_one_worker
+
+
+class SplitModel(ModelWrapper):
+    """The user's model with its blocks spread over devices; ``forward`` moves activations."""
+
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], devices: Sequence[torch.device]):
+        super().__init__()
+        self.module = module
+        # Kept in a plain list: the blocks are already registered (and named) inside ``module``.
+        self._stages = list(zip(blocks, devices))
+        self.block_devices = list(devices)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, device in self._stages:
+            x = block(x.to(device, non_blocking=True))  # a device-to-device copy per hop
+        return x
+
+
+def places_itself(model: nn.Module) -> bool:
+    return callable(getattr(model, "place", None))
+
+
+def place_model(model: nn.Module, devices: Sequence[torch.device], balance) -> nn.Module:
+    """``model`` spread over ``devices``: by its own ``place``, or split at its blocks."""
+    if places_itself(model):
+        model.place(list(devices))
+        return model
+    blocks = blocks_of(model)
+    partition = plan_partition(blocks, len(devices), balance, what="gpus_per_worker")
+    block_devices: List[torch.device] = []
+    for (start, end), device in zip(partition.bounds(), devices):
+        for block in blocks[start:end]:
+            block.to(device)
+        block_devices += [device] * (end - start)
+    return SplitModel(model, blocks, block_devices)
+
+
+def validate_split(cfg) -> None:
+    """Pure checks of the split options (the model-dependent ones are in ``check_split``)."""
+    if cfg.balance == "time":
+        raise ValueError(
+            f"TrainConfig.balance='time' with strategy={cfg.strategy!r}: timing the blocks needs a sample "
+            f"micro-batch, which only the pipeline runner profiles. Use balance='params' or a list of "
+            f"block counts per device, e.g. [3, 2].")
+    if isinstance(cfg.balance, tuple) and len(cfg.balance) != cfg.gpus_per_worker:
+        raise ValueError(
+            f"TrainConfig.balance={list(cfg.balance)} lists {len(cfg.balance)} block counts, but "
+            f"gpus_per_worker={cfg.gpus_per_worker} devices hold the model. Give one count per device, "
+            f"or set gpus_per_worker={len(cfg.balance)}.")
+
+
+def check_split(cfg, input_shape: tuple, num_classes: int) -> None:
+    """Build the model on the ``meta`` device (no memory) and check that the split works."""
+    from raytrain_mgpu.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    if not places_itself(model):
+        plan_partition(blocks_of(model), cfg.gpus_per_worker, cfg.balance, what="gpus_per_worker")
+
+
+class MPStrategy(Strategy):
+    """One worker, the model split over its ``gpus_per_worker`` devices."""
+
+    name = "mp"
+    options_used = frozenset({"gpus_per_worker", "balance"})
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        require_one_worker(cfg, cls.name, "use strategy='ddp_mp' (DDP over workers, each holding "
+                                          "the split model)")
+        validate_split(cfg)
+        super().validate(cfg)
+
+    @classmethod
+    def check_model(cls, cfg, input_shape: tuple, num_classes: int) -> None:
+        check_split(cfg, input_shape, num_classes)
+
+    @classmethod
+    def devices_per_worker(cls, cfg) -> int:
+        return cfg.gpus_per_worker
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        return place_model(model, self.ctx.devices, self.cfg.balance)
