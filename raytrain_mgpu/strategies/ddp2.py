@@ -1,0 +1,64 @@
+"""``ddp2``: one worker per node, DataParallel over the node's GPUs, DDP across nodes.
+
+Lightning's ``ddp2`` (removed in Lightning 1.7), rebuilt on torch: each worker wraps the
+model in DataParallel over its ``gpus_per_worker`` devices, and DDP (``device_ids=None``)
+all-reduces the gathered gradients between workers. The loss of a step sees the whole
+node's batch at once, which is what losses with in-batch negatives (contrastive
+learning) want; otherwise ``ddp`` with one worker per GPU is faster.
+
+With GPUs, more than one worker must use ``placement='STRICT_SPREAD'`` so that Ray puts
+each on its own node. On CPU the workers stand in for nodes on one machine, so any
+placement is accepted and the tests run the whole logic there.
+"""
+
+from __future__ import annotations
+
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy
+from raytrain_mgpu.strategies.ddp import ddp_kwargs
+from raytrain_mgpu.strategies.dp import check_output_device, wrap_data_parallel
+
+
+class DDP2Strategy(Strategy):
+    """DataParallel inside each worker (node), DDP between workers."""
+
+    name = "ddp2"
+    options_used = DDP_OPTIONS | {"gpus_per_worker", "output_device"}
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        check_output_device(cfg)
+        if cfg.use_gpu and cfg.num_workers > 1 and cfg.placement != "STRICT_SPREAD":
+            raise ValueError(
+                f"TrainConfig.placement={cfg.placement!r} with strategy='ddp2' and num_workers="
+                f"{cfg.num_workers}: ddp2 runs one worker per node, holding that node's GPUs. Set "
+                f"placement='STRICT_SPREAD' (and gpus_per_worker to the GPUs of a node), or use "
+                f"strategy='ddp' for several workers on one node.")
+        if cfg.sync_batchnorm:
+            raise ValueError(
+                "TrainConfig.sync_batchnorm=True with strategy='ddp2': each DataParallel replica would "
+                "start SyncBatchNorm's collectives from its own thread, which deadlocks or mixes them up. "
+                "Use strategy='ddp' (one worker per GPU) for SyncBatchNorm, or set sync_batchnorm=False.")
+        super().validate(cfg)
+
+    @classmethod
+    def devices_per_worker(cls, cfg) -> int:
+        return cfg.gpus_per_worker
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.devices[self.cfg.output_device or 0]
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = wrap_data_parallel(model, self.ctx.devices, self.cfg.output_device or 0)
+        if self.ctx.world_size == 1:
+            return model
+        return DistributedDataParallel(model, **ddp_kwargs(self.cfg, None))
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
