@@ -9,11 +9,25 @@ from typing import Dict, Type
 
 from raytrain_mgpu.strategies.base import Strategy, WorkerContext, check_batch_divisible
 from raytrain_mgpu.strategies.ddp import DDPStrategy
+from raytrain_mgpu.strategies.ddp2 import DDP2Strategy
+from raytrain_mgpu.strategies.ddp_mp import DDPMPStrategy
+from raytrain_mgpu.strategies.dp import DPStrategy
+from raytrain_mgpu.strategies.dp_balanced import DPBalancedStrategy
+from raytrain_mgpu.strategies.fsdp import FSDPStrategy
+from raytrain_mgpu.strategies.mp import MPStrategy
+from raytrain_mgpu.strategies.pipeline import DDPPipelineStrategy, PipelineStrategy
 
 STRATEGIES: Dict[str, Type[Strategy]] = {
     cls.name: cls
     for cls in (
         DDPStrategy,
+        DPStrategy,
+        DPBalancedStrategy,
+        MPStrategy,
+        DDPMPStrategy,
+        DDP2Strategy,
+        FSDPStrategy,
+        PipelineStrategy, DDPPipelineStrategy,
     )
 }
 
