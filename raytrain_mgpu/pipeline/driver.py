@@ -21,7 +21,7 @@ from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.pipeline.partition import Partition
-from raytrain_mgpu.pipeline.plan import choose_partition, partition_from_checkpoint
+from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
 from raytrain_mgpu.pipeline.schedule import ideal_bubble_fraction
 from raytrain_mgpu.pipeline.worker import num_replicas
 
@@ -73,14 +73,24 @@ def finished(cfg: TrainConfig, state: RunState) -> bool:
 
 def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Optional[int]) -> Tuple[str, list]:
     """Start the actor group, train the remaining epochs, checkpoint each; always tear down."""
+    # Plan before any actor starts, so a model that cannot be split fails at once; only
+    # balance="time" needs the actors (to profile on their device), after a cheap check.
+    partition = None
+    if state.checkpoint is not None and state.partition is not None:
+        partition = partition_from_checkpoint(cfg, state.partition, state.checkpoint)
+    elif cfg.balance == "time":
+        check_splittable(cfg)
+    else:
+        partition = choose_partition(cfg)
     group = StageGroup(cfg, fail_at_step)
     try:
+        started = time.perf_counter()
         group.start()
-        if state.checkpoint is not None and state.partition is not None:
-            partition = partition_from_checkpoint(cfg, state.partition, state.checkpoint)
-        else:
+        logger.debug("actor group placed in %.1f s", time.perf_counter() - started)
+        if partition is None:
             partition = choose_partition(cfg, profile=group.profile)
         infos = group.setup(partition, state.checkpoint, state.step)
+        logger.debug("actor group set up after %.1f s", time.perf_counter() - started)
         steps_per_epoch = infos[0]["steps_per_epoch"]
         total = cfg.epochs * steps_per_epoch if cfg.max_steps is None else min(cfg.epochs * steps_per_epoch,
                                                                                 cfg.max_steps)

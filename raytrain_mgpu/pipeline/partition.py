@@ -172,13 +172,15 @@ class Partition(NamedTuple):
         lines = []
         for i, ((start, end), cost, params) in enumerate(zip(self.bounds(), self.costs, self.params)):
             share = f"{100 * cost / total_cost:.1f}% of {what}, " if what and what != "parameters" else ""
-            lines.append(f"stage {i}: blocks {start}-{end - 1} ({end - start} blocks, {share}"
+            blocks = f"block {start} (1 block" if end - start == 1 else f"blocks {start}-{end - 1} ({end - start} blocks"
+            lines.append(f"stage {i}: {blocks}, {share}"
                          f"{100 * params / total_params:.1f}% of parameters)")
         return "; ".join(lines)
 
 
 def plan_partition(blocks: Sequence[nn.Module], num_parts: int, balance: Union[str, Sequence[int]],
-                   time_costs: Optional[Callable[[], List[float]]] = None, what: str = "num_stages") -> Partition:
+                   time_costs: Optional[Callable[[], List[float]]] = None, what: str = "num_stages",
+                   log: bool = True) -> Partition:
     """Choose the split. ``time_costs`` is called only for ``balance="time"``."""
     n = len(blocks)
     if num_parts > n:
@@ -207,7 +209,8 @@ def plan_partition(blocks: Sequence[nn.Module], num_parts: int, balance: Union[s
     kind = balance if isinstance(balance, str) else "explicit"
     partition = Partition(tuple(counts), _sum_parts(costs, counts), tuple(int(p) for p in _sum_parts(params, counts)),
                           kind)
-    logger.info("partition %s (balance=%s): %s", list(partition.counts), kind, partition.describe())
+    if log:
+        logger.info("partition %s (balance=%s): %s", list(partition.counts), kind, partition.describe())
     return partition
 
 

@@ -20,7 +20,7 @@ from raytrain_mgpu.pipeline.schedule import num_virtual_stages
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["meta_blocks", "choose_partition", "partition_from_checkpoint"]
+__all__ = ["meta_blocks", "check_splittable", "choose_partition", "partition_from_checkpoint"]
 
 
 def meta_blocks(cfg: TrainConfig) -> list:
@@ -31,7 +31,13 @@ def meta_blocks(cfg: TrainConfig) -> list:
     return blocks_of(model)
 
 
-def choose_partition(cfg: TrainConfig, profile: Optional[Callable[[], List[float]]] = None) -> Partition:
+def check_splittable(cfg: TrainConfig) -> None:
+    """The checks of :func:`choose_partition` that need no profiling."""
+    choose_partition(cfg, profile=lambda: [1.0] * len(meta_blocks(cfg)), log=False)
+
+
+def choose_partition(cfg: TrainConfig, profile: Optional[Callable[[], List[float]]] = None,
+                     log: bool = True) -> Partition:
     """Blocks per stage (per model chunk for ``interleaved_1f1b``) for ``cfg.balance``.
 
     ``profile`` measures the blocks' forward+backward times on a real device; it is
@@ -39,9 +45,14 @@ def choose_partition(cfg: TrainConfig, profile: Optional[Callable[[], List[float
     """
     blocks = meta_blocks(cfg)
     num_parts = num_virtual_stages(cfg.schedule, cfg.num_stages)
-    what = "num_stages" if num_parts == cfg.num_stages else \
-        f"num_stages x {num_parts // cfg.num_stages} chunks (interleaved_1f1b) = {num_parts}; num_stages"
-    return plan_partition(blocks, num_parts, cfg.balance, time_costs=profile, what=what)
+    if num_parts > len(blocks):
+        chunks = num_parts // cfg.num_stages
+        extra = f" x {chunks} model chunks per stage (schedule='interleaved_1f1b')" if chunks > 1 else ""
+        raise ValueError(
+            f"TrainConfig.num_stages={cfg.num_stages}{extra} needs {num_parts} parts, more than the {len(blocks)} "
+            f"blocks model {cfg.model!r} can be split into: every part needs at least one block. Set num_stages "
+            f"to at most {len(blocks) // chunks}, or use a model with more blocks (e.g. more layers).")
+    return plan_partition(blocks, num_parts, cfg.balance, time_costs=profile, log=log)
 
 
 def partition_from_checkpoint(cfg: TrainConfig, counts: List[int], directory: str) -> Partition:

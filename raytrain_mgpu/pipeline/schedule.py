@@ -220,7 +220,7 @@ def simulate(order: Order, num_stages: Optional[int] = None, forward_cost: int =
     num_stages = num_stages or num_ranks
     # forward-only orders (evaluation) are checked too
     kinds = (FORWARD, BACKWARD) if any(a.kind == BACKWARD for r in order for a in r) else (FORWARD,)
-    num_microbatches = sum(len(a) for a in order) // (len(kinds) * num_stages)
+    num_microbatches = 1 + max((a.microbatch for r in order for a in r), default=-1)
     _check_complete(order, num_stages, num_microbatches, kinds)
     cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
     position = [0] * num_ranks
