@@ -48,6 +48,20 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, ray.exceptions.RayError) and not isinstance(exc, ValueError)
 
 
+def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
+    """One device (GPU, or ``cpus_per_worker`` CPUs) per stage actor, or a clear error."""
+    have = ray.cluster_resources()
+    for key in ("GPU", "CPU"):
+        needed = sum(b.get(key, 0) for b in bundles)
+        if needed > have.get(key, 0):
+            raise ValueError(
+                f"strategy={cfg.strategy!r} needs {needed:g} {key} ({bundles[0][key]:g} per stage actor x "
+                f"{replicas} replica(s) x num_stages={cfg.num_stages}), but the Ray cluster has "
+                f"{have.get(key, 0):g} {key}. "
+                f"Lower num_stages" + (" or num_workers" if replicas > 1 else "")
+                + (" or cpus_per_worker" if key == "CPU" else "") + f", or add {key}s to the cluster.")
+
+
 def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
     """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of
     ``{storage_path}/{name}`` if there is one, restart after failures (``max_failures``).
@@ -64,6 +78,7 @@ def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
     if strategy.runner != "actor_group":
         raise ValueError(f"TrainConfig.strategy={cfg.strategy!r} is not a pipeline strategy; fit() runs it "
                          f"with Ray Train workers.")
+    _check_resources(cfg, strategy.bundles(cfg), num_replicas(cfg))
     check_placeable(strategy.bundles(cfg), cfg.use_gpu,
                     f"strategy={cfg.strategy!r} with {num_replicas(cfg)} replica(s) x num_stages={cfg.num_stages}")
     fail_at: Optional[int] = int(os.environ[FAIL_AT_STEP_ENV]) if os.environ.get(FAIL_AT_STEP_ENV) else None

@@ -1,0 +1,101 @@
+"""The pipeline actor group on the shared Ray instance: train, checkpoint, resume, restart.
+
+Few runs on purpose: each actor group costs seconds to start on a small machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_mgpu.checkpoint import load_model_state, read_meta
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.pipeline import FAIL_AT_STEP_ENV, run_pipeline
+from test_pipeline_equivalence import train_in_one_process
+
+pytestmark = pytest.mark.ray
+
+MLP = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
+           model_kwargs={"widths": [24, 24, 24]}, batch_size=24, num_microbatches=4, optimizer="sgd", lr=0.1,
+           seed=5)  # 3 steps per epoch
+EPOCH_KEYS = {"epoch", "step", "lr", "train_loss", "test_loss", "test_accuracy", "samples_per_s", "step_time_s",
+              "data_wait_share", "peak_memory_bytes", "attempt", "stage_step_time_s", "bubble_fraction",
+              "ideal_bubble_fraction", "bytes_between_stages_per_step", "partition"}
+
+
+class Reporter:
+    def __init__(self):
+        self.epochs, self.steps = [], []
+
+    def epoch(self, metrics):
+        self.epochs.append(metrics)
+
+    def step(self, step, total):
+        self.steps.append((step, total))
+
+
+def assert_same_weights(path: str, cfg: TrainConfig, steps: int) -> None:
+    model = build_model(cfg.model, tuple(cfg.input_shape), cfg.num_classes, cfg.model_kwargs)
+    model.load_state_dict(load_model_state(path))  # strict: the stage parts make the whole model
+    for key, value in train_in_one_process(cfg, steps).items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-4, atol=2e-5)
+
+
+def test_pipeline_trains_checkpoints_and_resumes(ray_session, storage):
+    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, storage_path=storage,
+                      name="pipe")
+    reporter = Reporter()
+    outcome = run_pipeline(cfg, reporter)
+
+    assert [m["epoch"] for m in outcome.history] == [1, 2] and reporter.epochs == outcome.history
+    metrics = outcome.history[-1]
+    assert EPOCH_KEYS <= metrics.keys()
+    assert metrics["step"] == 6 and reporter.steps[-1] == (6, 6)
+    assert metrics["partition"] == [3, 2] and len(metrics["peak_memory_bytes"]) == 2
+    assert metrics["ideal_bubble_fraction"] == pytest.approx(1 / 5)
+    assert 0 <= metrics["bubble_fraction"] < 1 and metrics["test_accuracy"] is not None
+    # 4 micro-batches x 6 rows x 24 floats x 4 bytes, forward and back, per step
+    assert metrics["bytes_between_stages_per_step"] == 2 * 4 * 6 * 24 * 4
+    folder = Path(outcome.checkpoint_path)
+    assert folder.name == "checkpoint_epoch000002"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "history.json", "meta.json", "model-stage0.pt", "model-stage1.pt", "train_state-stage0.pt",
+        "train_state-stage1.pt"]
+    assert not list(folder.parent.glob(".tmp*"))
+    assert read_meta(str(folder))["partition"] == [3, 2]
+    assert_same_weights(outcome.checkpoint_path, cfg, 6)
+
+    # the same name and storage: resumes after epoch 2 with the optimizer state
+    longer = cfg.replace(epochs=3)
+    outcome = run_pipeline(longer, Reporter())
+    assert [m["epoch"] for m in outcome.history] == [1, 2, 3]
+    assert [m["attempt"] for m in outcome.history] == [0, 0, 1]
+    assert_same_weights(outcome.checkpoint_path, longer, 9)
+
+
+def test_ddp_pipeline_restarts_after_a_stage_dies_and_matches_one_process(ray_session, storage, monkeypatch):
+    cfg = TrainConfig(**MLP, strategy="ddp_pipeline", num_workers=2, num_stages=2, schedule="gpipe", epochs=2,
+                      max_failures=1, storage_path=storage, name="ddp-pipe")
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, "4")  # the second step of epoch 2
+    outcome = run_pipeline(cfg, Reporter())
+    assert [m["attempt"] for m in outcome.history] == [0, 1]  # epoch 2 ran again, restored from epoch 1
+    assert len(outcome.history[-1]["peak_memory_bytes"]) == 4
+    assert_same_weights(outcome.checkpoint_path, cfg, 6)
+
+
+def test_not_enough_cpus_for_the_stages_names_the_cluster(ray_session, storage):
+    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=6, schedule="gpipe", storage_path=storage)
+    with pytest.raises(ValueError, match=r"strategy='pipeline' needs 6 CPU \(1 per stage actor x 1 replica\(s\) x "
+                                         r"num_stages=6\), but the Ray cluster has 4 CPU. Lower num_stages"):
+        run_pipeline(cfg, Reporter())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a 2-stage pipeline needs 2 CUDA GPUs (one per stage)")
+def test_pipeline_on_gpus(ray_session, storage):
+    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, use_gpu=True, epochs=1, storage_path=storage)
+    outcome = run_pipeline(cfg, Reporter())
+    assert all(peak > 0 for peak in outcome.history[-1]["peak_memory_bytes"])
