@@ -1,0 +1,319 @@
+"""``strategy="auto"``: choose a strategy and its layout before training, from what is cheap to know.
+
+The seeds' advice, made into a rule over a memory estimate (:mod:`raytrain_mgpu.memory`)
+and the devices the cluster has:
+
+1. the model, its optimizer state and its share of the batch fit on one device
+   -> ``ddp`` over every device (one device: ``ddp`` with one worker, the plain model).
+   Large outputs are why not ``dp``: it gathers every device's logits on the first one.
+2. they do not fit -> ``fsdp`` (shards the model state; one node) or ``pipeline``
+   (splits the model; first choice across nodes, where only activations cross the
+   network), whichever the estimate says fits;
+3. nothing fits -> a ``ValueError`` with the largest batch that would.
+
+With ``auto_measure=True`` the strategies that fit are also timed in a short
+:func:`raytrain_mgpu.compare.compare` run and the fastest wins.
+
+:func:`choose_strategy` is pure given a :class:`ClusterInfo`; :func:`resolve_auto` reads
+the cluster (Ray must be connected) and returns the config to train.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional, Tuple
+
+from raytrain_mgpu.memory import (ModelProfile, batch_granularity, device_memory, format_bytes,
+                                  max_batch_within_budget, profile_config)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ClusterInfo", "cluster_info", "plan_config", "choose_strategy", "resolve_auto"]
+
+_PIPELINE_OPTIONS = frozenset({"num_stages", "num_microbatches", "schedule", "balance"})
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """The devices a run can use.
+
+    On GPU a device is a GPU; on CPU it is a worker process (``TrainConfig.num_workers``
+    of them: CPU cores are shared, so more processes are no more devices).
+    """
+
+    devices_per_node: Tuple[int, ...]
+    use_gpu: bool
+    device_memory_bytes: Optional[int] = None
+    """Memory of one device (GPU); None on CPU."""
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.devices_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.devices_per_node)
+
+    def describe(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU worker"
+        memory = f" of {format_bytes(self.device_memory_bytes)}" if self.device_memory_bytes else ""
+        return f"{self.num_devices} {kind}(s){memory} on {self.num_nodes} node(s)"
+
+
+def cluster_info(cfg) -> ClusterInfo:
+    """Read the connected Ray cluster (GPU memory from torch here, or from a one-GPU probe task)."""
+    import ray
+
+    if not cfg.use_gpu:
+        return ClusterInfo((cfg.num_workers,), False)
+    gpus = tuple(int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
+                 if n.get("Alive") and n["Resources"].get("GPU", 0) >= 1)
+    return ClusterInfo(gpus or (0,), True, _gpu_memory_bytes() if gpus else None)
+
+
+def _gpu_memory_bytes() -> Optional[int]:
+    import ray
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def probe() -> int:
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+
+    try:
+        return ray.get(probe.remote(), timeout=120)
+    except Exception as exc:  # every GPU busy, or the probe failed: estimate without a limit
+        logger.warning("could not read the GPUs' memory (%s); set memory_budget_bytes", exc)
+        return None
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _microbatches(cfg, stages: int, replicas: int) -> int:
+    """``cfg.num_microbatches`` if it works with ``stages``, else the smallest count that does."""
+    need_multiple = stages if cfg.schedule == "interleaved_1f1b" else 1
+    low = max(cfg.num_microbatches, stages if cfg.schedule != "gpipe" else 1)
+    for m in range(low, cfg.batch_size // replicas + 1):
+        if cfg.batch_size % (replicas * m) == 0 and m % need_multiple == 0:
+            return m
+    raise ValueError(f"global batch {cfg.batch_size} does not split into {replicas} replica(s) x at least "
+                     f"{low} micro-batches. Use a batch_size that is a multiple of {replicas * low}")
+
+
+def _num_blocks(cfg) -> int:
+    """Blocks the model splits into (built on ``meta``: no memory); ValueError if it cannot be split."""
+    from raytrain_mgpu.pipeline.plan import meta_blocks
+
+    return len(meta_blocks(cfg))
+
+
+def _layout(name: str, cfg, info: ClusterInfo) -> dict:
+    """Worker, device and stage counts for ``name`` on ``info``'s devices (ValueError: why not).
+
+    A model split over devices (``mp``) or stages gets at most one part per block.
+    """
+    n, nodes, per_node = info.num_devices, info.num_nodes, min(info.devices_per_node)
+    if n < 1:
+        raise ValueError("the cluster has no device to train on")
+    if name in ("ddp", "fsdp"):
+        return {"num_workers": n}
+    if name in ("dp", "dp_balanced"):
+        return {"num_workers": 1, "gpus_per_worker": max(info.devices_per_node)}
+    if name == "mp":
+        return {"num_workers": 1, "gpus_per_worker": min(max(info.devices_per_node), _num_blocks(cfg))}
+    if name == "ddp2":
+        if nodes > 1:
+            return {"num_workers": nodes, "gpus_per_worker": per_node, "placement": "STRICT_SPREAD"}
+        if info.use_gpu or n < 2:
+            raise ValueError("ddp2 runs one worker per node and needs at least 2 nodes; on one node it is dp")
+        return {"num_workers": 2, "gpus_per_worker": n // 2}  # CPU workers stand in for nodes
+    if name == "ddp_mp":
+        workers = nodes if nodes > 1 else n // 2
+        devices = min(per_node, _num_blocks(cfg)) if nodes > 1 else 2
+        if workers < 2 or devices < 2:
+            raise ValueError(f"ddp_mp needs at least 2 workers x 2 devices; with {n} device(s) it is mp or ddp")
+        return {"num_workers": workers, "gpus_per_worker": devices}
+    if name in ("pipeline", "ddp_pipeline"):
+        replicas = 1 if name == "pipeline" else n // 2
+        stages = min(n, _num_blocks(cfg)) if name == "pipeline" else 2
+        if stages < 2 or replicas < 1 or (name == "ddp_pipeline" and replicas < 2):
+            raise ValueError(f"{name} needs at least {2 if name == 'pipeline' else 4} devices; the cluster has {n}")
+        return {"num_workers": replicas, "num_stages": stages,
+                "num_microbatches": _microbatches(cfg, stages, replicas)}
+    return {}  # a strategy registered by a user: run it as configured
+
+
+def plan_config(cfg, name: str, info: ClusterInfo):
+    """``cfg`` for strategy ``name`` laid out on ``info``'s devices, validated (ValueError: why not).
+
+    Options the strategy does not read go back to their defaults (no warnings); the model
+    checks that need its structure (a split over devices or stages) run here, before Ray.
+    """
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.data import check_data
+    from raytrain_mgpu.strategies import get_strategy
+    from raytrain_mgpu.strategies.base import _OPTIONAL
+
+    cls = get_strategy(name)
+    used = cls.options_used | (_PIPELINE_OPTIONS if cls.runner == "actor_group" else frozenset())
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in _OPTIONAL}
+    changes = {option: value for option, value in defaults.items() if option not in used}
+    if not isinstance(cfg.balance, str):
+        changes["balance"] = "params"  # an explicit split was for another device count
+    changes["strategy"] = name
+    changes.update(_layout(name, cfg, info))
+    planned = cfg.replace(**changes)
+    input_shape, num_classes = check_data(planned.data)
+    cls.check_model(planned, input_shape, num_classes)
+    if cls.runner == "actor_group":
+        from raytrain_mgpu.pipeline.plan import check_splittable
+
+        check_splittable(planned)
+    return planned
+
+
+def describe_layout(cfg) -> str:
+    """``"2 workers"``, ``"1 worker x 2 devices"``, ``"2 stages x 4 micro-batches"``."""
+    from raytrain_mgpu.strategies import get_strategy
+
+    cls = get_strategy(cfg.strategy)
+    if cls.runner == "actor_group":
+        replicas = cls.data_parallel_size(cfg)
+        prefix = f"{replicas} x " if replicas > 1 else ""
+        return f"{prefix}{cfg.num_stages} stages, {cfg.num_microbatches} micro-batches"
+    devices = cls.devices_per_worker(cfg)
+    workers = f"{cfg.num_workers} worker{'s' if cfg.num_workers > 1 else ''}"
+    return f"{workers} x {devices} devices" if devices > 1 else workers
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def _peak(name: str, cfg, profile: ModelProfile) -> int:
+    return max(d.at(cfg.batch_size) for d in device_memory(name, cfg, profile))
+
+
+def _output_note(profile: ModelProfile, cfg) -> str:
+    """Seed 001: DataParallel gathers every output on one device; say whether that would matter."""
+    gathered = profile.output_bytes * cfg.batch_size
+    ratio = gathered / max(profile.param_bytes, 1)
+    size = "large" if ratio > 1 else "small"
+    return (f"outputs {format_bytes(gathered)} per step are {size} next to the model's "
+            f"{format_bytes(profile.param_bytes)} ({ratio:.1f}x), "
+            f"{'so dp (which gathers them on one device) is out' if ratio > 1 else 'and ddp beats dp anyway'}")
+
+
+def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] = None,
+                    profile: Optional[ModelProfile] = None) -> Tuple[str, str]:
+    """``(strategy name, one-line reason)`` for ``cfg`` on ``info``'s devices; pure given ``info``.
+
+    ``memory_budget_bytes`` (default: the device's memory) is what one device may hold;
+    on CPU without a budget the model is taken to fit.
+    """
+    profile = profile or profile_config(cfg)
+    budget = memory_budget_bytes or info.device_memory_bytes
+    where = info.describe()
+    ddp = plan_config(cfg, "ddp", info)
+    need = _peak("ddp", ddp, profile)
+    per_device = cfg.batch_size // (ddp.num_workers * cfg.grad_accum_steps)
+    if budget is None or need <= budget:
+        fits = (f"fits one device ({format_bytes(need)} at {per_device} samples per device"
+                + (f" <= budget {format_bytes(budget)})" if budget else "; no memory budget known on CPU)"))
+        spread = "ddp with one worker (the plain model)" if info.num_devices == 1 else \
+            f"ddp over all {info.num_devices} devices"
+        return "ddp", f"{spread}: the model {fits}; {_output_note(profile, cfg)} [{where}]"
+    if info.num_devices == 1:
+        raise ValueError(_nothing_fits(cfg, profile, budget, ["ddp"], info))
+    order = ("pipeline", "fsdp") if info.num_nodes > 1 else ("fsdp", "pipeline")
+    needs = {}
+    for name in order:
+        try:
+            needs[name] = _peak(name, plan_config(cfg, name, info), profile)
+        except ValueError as exc:
+            logger.debug("auto: %s is not possible here: %s", name, exc)
+            continue
+        if needs[name] <= budget:
+            why = ("shards parameters, gradients and optimizer state over the devices" if name == "fsdp"
+                   else "splits the model into stages; only activations cross between devices")
+            return name, (f"{name}: ddp would need {format_bytes(need)} per device, over the budget "
+                          f"{format_bytes(budget)}; {name} {why} and needs {format_bytes(needs[name])} [{where}]")
+    raise ValueError(_nothing_fits(cfg, profile, budget, ["ddp", *needs], info))
+
+
+def _nothing_fits(cfg, profile: ModelProfile, budget: int, tried: list, info: ClusterInfo) -> str:
+    hints = []
+    for name in tried:
+        planned = plan_config(cfg, name, info)
+        try:
+            hints.append(f"{name} up to batch_size={max_batch_within_budget(name, planned, profile, budget)}")
+        except ValueError:
+            hints.append(f"{name} at no batch size (model state alone: "
+                         f"{format_bytes(max(d.fixed for d in device_memory(name, planned, profile)))})")
+    return (f"TrainConfig.strategy='auto': no strategy fits batch_size={cfg.batch_size} into "
+            f"{format_bytes(budget)} per device on {info.describe()}. The estimate allows {'; '.join(hints)}. "
+            f"Lower batch_size, raise grad_accum_steps, or add devices.")
+
+
+def _previous_strategy(cfg) -> Optional[dict]:
+    """The strategy and layout a run of this name started with (a resume must keep them)."""
+    if "://" in str(cfg.storage_path):
+        return None  # remote storage: choose again (a mismatch fails the resume check, loudly)
+    metas = sorted(Path(cfg.storage_path, cfg.name).glob("checkpoint*/meta.json"), key=lambda p: p.stat().st_mtime)
+    if not metas:
+        return None
+    saved = json.loads(metas[-1].read_text()).get("config", {})
+    keys = ("strategy", "num_workers", "gpus_per_worker", "num_stages", "num_microbatches", "schedule",
+            "balance", "placement")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keys}
+
+
+def resolve_auto(cfg, info: Optional[ClusterInfo] = None) -> Tuple[object, dict]:
+    """The config ``fit`` trains for ``strategy="auto"``, and the record it adds to each history row.
+
+    Ray must be connected (the cluster is read unless ``info`` is given). A run that
+    already has checkpoints keeps the strategy it started with.
+    """
+    budget = getattr(cfg, "memory_budget_bytes", None)
+    info = info or cluster_info(cfg)
+    previous = _previous_strategy(cfg)
+    if previous and previous.get("strategy"):
+        name, reason = previous["strategy"], "resuming: the run keeps the strategy it started with"
+        resolved = cfg.replace(**previous)
+    else:
+        profile = profile_config(cfg)
+        name, reason = choose_strategy(cfg, info, budget, profile)
+        if getattr(cfg, "auto_measure", False):
+            name, reason = _measure(cfg, info, budget, profile, name, reason)
+        resolved = plan_config(cfg, name, info)
+    logger.info("strategy=auto chose %s: %s", name, reason)
+    return resolved, {"auto_strategy": name, "auto_reason": reason}
+
+
+def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str) -> Tuple[str, str]:
+    """Time the strategies the estimate lets fit in a short compare run; the fastest wins."""
+    from raytrain_mgpu.compare import compare
+
+    fitting = []
+    for candidate in ("ddp", "fsdp", "pipeline", "ddp_pipeline", "dp_balanced", "dp"):
+        try:
+            planned = plan_config(cfg, candidate, info)
+        except ValueError:
+            continue
+        if budget is None or _peak(candidate, planned, profile) <= budget:
+            fitting.append(candidate)
+    if len(fitting) < 2:
+        return name, reason + " (auto_measure: nothing else fits to compare with)"
+    report = compare(cfg, strategies=fitting, steps=10, warmup_steps=2, memory_budget_bytes=budget,
+                     storage_path=f"{cfg.storage_path.rstrip('/')}/{cfg.name}-auto-measure")
+    best = report.recommendation
+    if best.strategy is None:
+        return name, reason + f" (auto_measure: {best.reason})"
+    return best.strategy, f"measured: {best.reason}"

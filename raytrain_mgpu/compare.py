@@ -1,0 +1,457 @@
+"""``compare``: the same model, data, global batch and seed under each strategy, side by side.
+
+    raytrain-mgpu compare --model lenet --dataset digits --memory-budget 64MiB
+    report = rtm.compare(cfg, strategies=["ddp", "dp", "mp", "pipeline"])
+
+One Ray connection for all runs; the strategies run one after another, each a fresh run
+(its own name under ``<storage>/compare-<time>/runs``) laid out on the devices the
+cluster has (:func:`raytrain_mgpu.auto.plan_config`); those that cannot run here are
+reported with the reason. Each run trains ``warmup_steps`` and then ``steps`` optimizer
+steps. The worker loop reports per epoch, so the warm-up is rounded up to whole epochs
+and throughput is measured over the epochs after it.
+
+The speed-up is over one device: ``ddp`` with one worker (the plain model, one process,
+the whole global batch). Peak memory is the CUDA allocator's peak on GPU and each
+process's peak RSS on CPU. The largest batch within a per-device memory budget comes
+from the estimate in :mod:`raytrain_mgpu.memory`, or, with ``batch_search="try"`` (the
+default on GPU), from short trial runs that start at the estimate.
+
+Strategies that compute the same function of the same samples (every built-in one, for a
+model without BatchNorm or dropout, in fp32) must end with the same loss; the report
+flags any that differ by more than ``LOSS_RTOL``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+from raytrain_mgpu.auto import ClusterInfo, cluster_info, describe_layout, plan_config
+from raytrain_mgpu.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
+                                  profile_config)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["compare", "CompareReport", "RunRow", "Recommendation", "LOSS_RTOL"]
+
+LOSS_RTOL = 1e-3
+REFERENCE = "1 device"
+"""Label of the single-device run every speed-up is measured against."""
+
+
+@dataclass
+class RunRow:
+    """One strategy's line of the report."""
+
+    label: str
+    strategy: str
+    layout: str = ""
+    status: str = "ok"                         # ok | skipped | failed
+    reason: str = ""
+    samples_per_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    speedup: Optional[float] = None
+    peak_memory_bytes: List[int] = field(default_factory=list)
+    estimated_peak_bytes: Optional[int] = None  # busiest device at the configured batch (estimate)
+    estimated_min_bytes: Optional[int] = None   # least used device at the configured batch (estimate)
+    train_loss: Optional[float] = None          # mean over the last epoch's steps
+    test_loss: Optional[float] = None           # whole test split, after the last step
+    loss_agrees: Optional[bool] = None          # None: not comparable or no reference
+    max_batch: Optional[int] = None             # largest global batch within the budget
+    max_batch_method: str = ""                  # estimate | tried | "" (no budget)
+    wall_s: Optional[float] = None
+    config: Optional[object] = field(default=None, repr=False)
+
+    @property
+    def memory_max(self) -> Optional[int]:
+        return max(self.peak_memory_bytes) if self.peak_memory_bytes else None
+
+    @property
+    def memory_min(self) -> Optional[int]:
+        return min(self.peak_memory_bytes) if self.peak_memory_bytes else None
+
+    @property
+    def imbalance(self) -> Optional[float]:
+        return self.memory_max / max(1, self.memory_min) if self.peak_memory_bytes else None
+
+    def record(self) -> dict:
+        row = {k: v for k, v in asdict(self).items() if k != "config"}
+        row.update(memory_max_bytes=self.memory_max, memory_min_bytes=self.memory_min,
+                   memory_imbalance=self.imbalance)
+        return row
+
+
+@dataclass
+class Recommendation:
+    strategy: Optional[str]
+    label: Optional[str]
+    reason: str
+    config: Optional[object] = field(default=None, repr=False)
+
+    def line(self) -> str:
+        return f"Recommendation: {self.reason}"
+
+
+@dataclass
+class CompareReport:
+    """What :func:`compare` found; ``table()`` and ``markdown()`` render it."""
+
+    title: str
+    rows: List[RunRow]
+    loss_check: str
+    recommendation: Recommendation
+    memory_budget_bytes: Optional[int] = None
+    paths: dict = field(default_factory=dict)
+
+    def measured(self) -> List[RunRow]:
+        return [r for r in self.rows if r.status == "ok"]
+
+    def table(self) -> str:
+        from raytrain_mgpu.compare_report import render_text
+
+        return render_text(self)
+
+    def markdown(self) -> str:
+        from raytrain_mgpu.compare_report import render_markdown
+
+        return render_markdown(self)
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def summarize_history(history: List[dict], warmup_steps: int) -> dict:
+    """Throughput, step time, peaks and losses of the epochs after the warm-up.
+
+    Each epoch's time is its mean step time x its steps; throughput is weighted by time,
+    so a short last epoch counts for what it is.
+    """
+    if not history:
+        raise ValueError("the run reported no epoch")
+    measured, previous = [], 0
+    for entry in history:
+        steps = entry["step"] - previous
+        previous = entry["step"]
+        if entry["step"] > warmup_steps and steps > 0:
+            measured.append((entry, steps, entry["step_time_s"] * steps))
+    if not measured:  # everything was warm-up: report the last epoch rather than nothing
+        last = history[-1]
+        measured = [(last, 1, last["step_time_s"])]
+    seconds = sum(t for _, _, t in measured)
+    peaks = [max(values) for values in zip(*(e["peak_memory_bytes"] for e, _, _ in measured))]
+    return {"samples_per_s": sum(e["samples_per_s"] * t for e, _, t in measured) / max(seconds, 1e-12),
+            "step_time_s": seconds / sum(s for _, s, _ in measured),
+            "peak_memory_bytes": [int(p) for p in peaks],
+            "train_loss": history[-1]["train_loss"], "test_loss": history[-1].get("test_loss")}
+
+
+def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float = LOSS_RTOL) -> str:
+    """Mark each measured row's ``loss_agrees`` against the first one; one line saying what was found."""
+    measured = [r for r in rows if r.status == "ok" and r.test_loss is not None]
+    if not comparable or len(measured) < 2:
+        return f"losses not compared: {why_not}" if not comparable else "losses not compared: fewer than 2 runs"
+    reference = measured[0]
+    bad = []
+    for row in measured:
+        diffs = [abs(a - b) / max(abs(b), 1e-12)
+                 for a, b in ((row.test_loss, reference.test_loss), (row.train_loss, reference.train_loss))]
+        row.loss_agrees = max(diffs) <= rtol
+        if not row.loss_agrees:
+            bad.append(f"{row.label} (test loss {row.test_loss:.6f} vs {reference.test_loss:.6f}, "
+                       f"rel. diff {max(diffs):.1e})")
+    if bad:
+        return (f"LOSSES DISAGREE (> {rtol:g} relative to {reference.label}): {'; '.join(bad)}. These strategies "
+                f"should compute the same function: treat this as a bug.")
+    spread = max(abs(r.test_loss - reference.test_loss) / max(abs(reference.test_loss), 1e-12) for r in measured)
+    return (f"losses agree: {len(measured)} runs within {rtol:g} relative (largest difference {spread:.1e}, "
+            f"test loss {reference.test_loss:.6f})")
+
+
+def losses_comparable(cfg, model) -> tuple:
+    """``(True, "")`` if every strategy computes the same thing for this model and config."""
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if cfg.precision != "32":
+        return False, f"precision={cfg.precision!r} rounds differently per split; use precision='32'"
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            return False, f"the model has BatchNorm ({name}): its statistics depend on each device's share of the batch"
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return False, f"the model has dropout ({name}, p={module.p}): random per process"
+    return True, ""
+
+
+def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int]) -> Recommendation:
+    """The fastest measured strategy that fits the budget at the configured batch and agrees on the loss."""
+    measured = [r for r in rows if r.status == "ok" and r.samples_per_s]
+    left_out = []
+    usable = []
+    for row in measured:
+        if row.loss_agrees is False:
+            left_out.append(f"{row.label} (loss disagrees)")
+        elif budget is not None and row.max_batch is not None and row.max_batch < batch_size:
+            left_out.append(f"{row.label} (batch {batch_size} does not fit {format_bytes(budget)})")
+        else:
+            usable.append(row)
+    if not usable:
+        return Recommendation(None, None, "no strategy ran and fit: " + ("; ".join(left_out) or "none ran"))
+    excluded = f" (left out: {'; '.join(left_out)})" if left_out else ""
+    ranked = sorted(usable, key=lambda r: r.samples_per_s, reverse=True)
+    best = ranked[0]
+    others = [r for r in ranked[1:]]
+    if best.label == REFERENCE:
+        runner = others[0] if others else None
+        beat = f" (the best, {runner.label}, reaches {runner.speedup:.2f}x)" if runner and runner.speedup else ""
+        return Recommendation("ddp", best.label, f"train on one device: no multi-device strategy beat it on this "
+                              f"cluster{beat}{excluded}", best.config)
+    versus = (f", {100 * (best.samples_per_s / others[0].samples_per_s - 1):.0f}% faster than {others[0].label}"
+              if others else "")
+    memory = (f", peak {format_bytes(best.memory_max)} per device (max/min {best.imbalance:.2f})"
+              if best.peak_memory_bytes else "")
+    fits = (f", fits batches up to {best.max_batch} in {format_bytes(budget)}"
+            if budget is not None and best.max_batch else "")
+    speed = f" = {best.speedup:.2f}x one device" if best.speedup else ""
+    return Recommendation(best.strategy, best.label,
+                          f"use {best.label} ({best.layout}): {best.samples_per_s:,.0f} samples/s{speed}{versus}"
+                          f"{memory}{fits}{excluded}", best.config)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _check_arguments(strategies: Optional[Sequence[str]], steps: int, warmup_steps: int,
+                     batch_search: Optional[str]) -> List[str]:
+    from raytrain_mgpu.strategies import strategy_names
+
+    valid = strategy_names()
+    names = list(strategies) if strategies is not None else valid
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise ValueError(f"compare: strategies={list(names)} has unknown name(s) {unknown}. Valid names: "
+                         f"{', '.join(valid)}." if unknown else "compare: strategies=[] is empty. Name at "
+                         f"least one, or pass None for all.")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"compare: steps={steps!r} must be a positive integer (measured optimizer steps). Use e.g. 20.")
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"compare: warmup_steps={warmup_steps!r} must be an integer >= 0. Use e.g. 5.")
+    if batch_search not in (None, "estimate", "try"):
+        raise ValueError(f"compare: batch_search={batch_search!r} must be 'estimate' or 'try'.")
+    return list(dict.fromkeys(names))
+
+
+def _steps_per_epoch(cfg, num_train: int) -> int:
+    """Optimizer steps in one epoch for ``cfg``'s strategy (the samplers drop the remainder)."""
+    from raytrain_mgpu.strategies import get_strategy
+
+    cls = get_strategy(cfg.strategy)
+    replicas = cls.data_parallel_size(cfg)
+    if cls.runner == "actor_group":
+        return num_train // replicas // (cfg.batch_size // replicas)
+    micro = cfg.batch_size // (replicas * cfg.grad_accum_steps)
+    return (num_train // replicas // micro) // cfg.grad_accum_steps
+
+
+def _run_settings(planned, num_train: int, steps: int, warmup_steps: int, storage: str, label: str):
+    """``planned`` set up to stop after the rounded warm-up plus ``steps``; returns (config, warm-up steps)."""
+    per_epoch = _steps_per_epoch(planned, num_train)
+    if per_epoch < 1:
+        raise ValueError(f"batch_size={planned.batch_size} is larger than the training split ({num_train} samples)")
+    warm = math.ceil(warmup_steps / per_epoch) * per_epoch
+    total = warm + steps
+    epochs = max(planned.epochs, math.ceil(total / per_epoch))
+    name = label.replace(" ", "-")
+    return planned.replace(name=name, storage_path=storage, max_steps=total, epochs=epochs, max_failures=0,
+                           num_checkpoints_to_keep=1, eval_every_epochs=epochs + 1), warm
+
+
+def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
+    """One row per run: the single-device reference first, then each name laid out on ``info``."""
+    from dataclasses import replace
+
+    reference = plan_config(cfg, "ddp", replace(info, devices_per_node=(1,)))
+    rows = [RunRow(REFERENCE, "ddp", describe_layout(reference), config=reference)]
+    for name in names:
+        try:
+            candidate = plan_config(cfg, name, info)
+        except ValueError as exc:
+            rows.append(RunRow(name, name, status="skipped", reason=str(exc)))
+            continue
+        if name == "ddp" and candidate.num_workers == 1:
+            rows.append(RunRow(name, name, "1 worker", status="skipped", reason=f"the same run as '{REFERENCE}'"))
+            continue
+        rows.append(RunRow(name, name, describe_layout(candidate), config=candidate))
+    return rows
+
+
+def _skip_unplaceable(rows: List[RunRow], use_gpu: bool) -> None:
+    from raytrain_mgpu.cluster import check_placeable
+    from raytrain_mgpu.strategies import get_strategy
+
+    for row in rows:
+        if row.config is None:
+            continue
+        try:
+            check_placeable(get_strategy(row.strategy).bundles(row.config), use_gpu,
+                            f"strategy={row.strategy!r} ({row.layout})")
+        except ValueError as exc:
+            row.status, row.reason, row.config = "skipped", str(exc), None
+
+
+def _estimate_columns(rows: List[RunRow], profile, budget: Optional[int], batch_limit: int) -> None:
+    """Estimated peak at the configured batch, and (with a budget) the largest batch by the estimate.
+
+    Raises ValueError before anything runs when the budget fits no strategy at any batch.
+    """
+    smallest = []
+    for row in rows:
+        if row.config is None:
+            continue
+        try:
+            devices = device_memory(row.strategy, row.config, profile)
+        except ValueError as exc:  # a user strategy without a memory model
+            logger.debug("no estimate for %s: %s", row.strategy, exc)
+            continue
+        row.estimated_peak_bytes = max(d.at(row.config.batch_size) for d in devices)
+        row.estimated_min_bytes = min(d.at(row.config.batch_size) for d in devices)
+        if budget is None:
+            continue
+        granularity = batch_granularity(row.strategy, row.config)
+        row.max_batch = largest_batch(lambda b: max(d.at(b) for d in devices) <= budget, granularity, batch_limit)
+        row.max_batch_method = "estimate"
+        smallest.append((max(d.at(granularity) for d in devices), row.label, granularity))
+    if smallest and all(row.max_batch == 0 for row in rows if row.max_batch is not None):
+        need, label, granularity = min(smallest)
+        raise ValueError(
+            f"compare: memory_budget_bytes={budget} ({format_bytes(budget)} per device) is too small for any "
+            f"batch: the smallest need is {need} bytes ({format_bytes(need)}, {label} at global batch "
+            f"{granularity}). Raise the budget to at least {format_bytes(need)}.")
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, warmup_steps: int = 5,
+            memory_budget_bytes: Optional[int] = None, out_dir: Optional[str] = None, *,
+            storage_path: Optional[str] = None, batch_search: Optional[str] = None,
+            stream=None) -> CompareReport:
+    """Run ``cfg`` under each strategy (default: all that can run here) and report side by side.
+
+    ``memory_budget_bytes``: per-device budget for the largest-batch column (default: the
+    GPU's memory; none on CPU). ``out_dir``: where the Markdown, Parquet and PNG go
+    (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
+    lines go (default: nowhere).
+    """
+    from raytrain_mgpu.cluster import connect
+    from raytrain_mgpu.data import build_datasets
+
+    names = _check_arguments(strategies, steps, warmup_steps, batch_search)
+    # Everything that can fail without Ray fails here: the model, the data, the budget (CPU).
+    profile = profile_config(cfg)
+    num_train = len(build_datasets(cfg.data).train)
+    info = None if cfg.use_gpu else cluster_info(cfg)
+    rows = _prepare(cfg, names, info, profile, memory_budget_bytes, num_train) if info else None
+    root = f"{(storage_path or cfg.storage_path).rstrip('/')}/compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
+    sink = stream or open(os.devnull, "w")
+    try:
+        if info is None:
+            info = cluster_info(cfg)
+            rows = _prepare(cfg, names, info, profile, memory_budget_bytes, num_train)
+        _skip_unplaceable(rows, cfg.use_gpu)
+        budget = memory_budget_bytes or info.device_memory_bytes
+        warm = 0
+        for row in rows:
+            if row.config is not None:
+                warm = _run(row, num_train, steps, warmup_steps, f"{root}/runs", sink)
+        if budget is not None and (batch_search or ("try" if cfg.use_gpu else "estimate")) == "try":
+            for row in rows:
+                if row.status == "ok":
+                    _try_max_batch(row, budget, num_train, f"{root}/runs", sink)
+    finally:
+        if stream is None:
+            sink.close()
+        if started:
+            import ray
+
+            ray.shutdown()
+    report = _finish(cfg, rows, info, budget, steps, warm, profile)
+    from raytrain_mgpu.compare_report import write_outputs
+
+    report.paths = write_outputs(report, out_dir or root)
+    logger.info("compare: %s", report.recommendation.line())
+    return report
+
+
+def _prepare(cfg, names, info: ClusterInfo, profile, budget: Optional[int], num_train: int) -> List[RunRow]:
+    rows = _plan(cfg, names, info)
+    _estimate_columns(rows, profile, budget or info.device_memory_bytes, num_train)
+    return rows
+
+
+def _run(row: RunRow, num_train: int, steps: int, warmup_steps: int, storage: str, stream) -> int:
+    """Train ``row``'s config; fills the row in (or marks it failed). Returns the warm-up steps used."""
+    from raytrain_mgpu.api import fit
+
+    run_cfg, warm = _run_settings(row.config, num_train, steps, warmup_steps, storage, row.label)
+    logger.info("compare: %s (%s), %d warm-up + %d measured steps", row.label, row.layout, warm, steps)
+    start = time.perf_counter()
+    try:
+        result = fit(run_cfg, stream=stream)
+        summary = summarize_history(result.history, warm)
+    except Exception as exc:  # one strategy failing must not lose the others' results
+        row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}"
+        logger.warning("compare: %s failed: %s", row.label, row.reason)
+        return warm
+    for key, value in summary.items():
+        setattr(row, key, value)
+    row.wall_s = time.perf_counter() - start
+    return warm
+
+
+def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, stream) -> None:
+    """The largest batch by trial runs (2 steps each), starting from the estimate's answer."""
+    from raytrain_mgpu.api import fit
+
+    def fits(batch: int) -> bool:
+        trial, _ = _run_settings(row.config.replace(batch_size=batch), num_train, 2, 0, storage,
+                                 f"{row.label}-try-{batch}")
+        try:
+            result = fit(trial, stream=stream)
+        except Exception as exc:
+            if "out of memory" in str(exc).lower() or "OutOfMemoryError" in str(exc):
+                return False
+            raise
+        return max(result.metrics["peak_memory_bytes"]) <= budget
+
+    try:
+        row.max_batch = largest_batch(fits, batch_granularity(row.strategy, row.config), num_train,
+                                      start=row.max_batch or None, resolution=1 / 8)
+        row.max_batch_method = "tried"
+    except Exception as exc:
+        logger.warning("compare: trying batch sizes for %s failed (%s); keeping the estimate", row.label, exc)
+
+
+def _finish(cfg, rows: List[RunRow], info: ClusterInfo, budget: Optional[int], steps: int, warm: int,
+            profile) -> CompareReport:
+    import torch
+
+    from raytrain_mgpu.data import check_data
+    from raytrain_mgpu.models import build_model
+
+    reference = next((r for r in rows if r.label == REFERENCE and r.status == "ok"), None)
+    for row in rows:
+        if row.status == "ok" and reference is not None:
+            row.speedup = row.samples_per_s / reference.samples_per_s
+    input_shape, num_classes = check_data(cfg.data)
+    with torch.device("meta"):
+        model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    comparable, why_not = losses_comparable(cfg, model)
+    loss_check = check_losses(rows, comparable, why_not)
+    title = (f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}, "
+             f"seed {cfg.seed}: {steps} measured steps after {warm} warm-up, {info.describe()}")
+    return CompareReport(title, rows, loss_check, recommend(rows, cfg.batch_size, budget), budget)

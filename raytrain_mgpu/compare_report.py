@@ -1,0 +1,204 @@
+"""Rendering a :class:`~raytrain_mgpu.compare.CompareReport`: terminal table, Markdown, Parquet, PNG.
+
+The chart puts throughput (with the speed-up over one device) and per-device peak memory
+(max and min, so an unbalanced strategy such as ``dp`` stands out) side by side, one row
+per strategy, fastest first, the recommended one highlighted.
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+
+from raytrain_mgpu.memory import format_bytes
+
+if TYPE_CHECKING:
+    from raytrain_mgpu.compare import CompareReport, RunRow
+
+__all__ = ["render_text", "render_markdown", "write_outputs", "draw_chart"]
+
+MARKDOWN_FILE, PARQUET_FILE, CHART_FILE = "compare.md", "compare.parquet", "compare.png"
+
+
+def _num(fmt: str) -> Callable:
+    return lambda v: "-" if v is None else format(v, fmt)
+
+
+def _columns(report: "CompareReport") -> List[Tuple[str, Callable[["RunRow"], str]]]:
+    columns = [
+        ("strategy", lambda r: r.label),
+        ("layout", lambda r: r.layout),
+        ("samples/s", lambda r: _num(",.0f")(r.samples_per_s)),
+        ("step ms", lambda r: _num(".1f")(None if r.step_time_s is None else 1000 * r.step_time_s)),
+        ("speed-up", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"),
+        ("mem max", lambda r: format_bytes(r.memory_max)),
+        ("mem min", lambda r: format_bytes(r.memory_min)),
+        ("max/min", lambda r: _num(".2f")(r.imbalance)),
+        ("est. peak", lambda r: format_bytes(r.estimated_peak_bytes)),
+        ("train loss", lambda r: _num(".5f")(r.train_loss)),
+        ("test loss", lambda r: _num(".5f")(r.test_loss) + (" !" if r.loss_agrees is False else "")),
+    ]
+    if report.memory_budget_bytes is not None:
+        columns.append((f"max batch @{format_bytes(report.memory_budget_bytes)}",
+                        lambda r: "-" if r.max_batch is None else
+                        (f"{r.max_batch}" + ("" if r.max_batch_method != "tried" else " (tried)")
+                         if r.max_batch else "none fits")))
+    return columns
+
+
+def _not_run(report: "CompareReport") -> List[str]:
+    return [f"{r.label}: {r.status}: {r.reason}" for r in report.rows if r.status != "ok"]
+
+
+def render_text(report: "CompareReport") -> str:
+    """The terminal table, then what did not run, the loss check and the recommendation."""
+    columns = _columns(report)
+    rows = [[fmt(r) for _, fmt in columns] for r in report.measured()]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, (h, _) in enumerate(columns)]
+    left = {0, 1}
+
+    def line(cells: List[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [report.title, line([h for h, _ in columns]), "  ".join("-" * w for w in widths)]
+    out += [line(row) for row in rows]
+    out += [f"not run: {item}" for item in _not_run(report)]
+    out += [report.loss_check, report.recommendation.line()]
+    return "\n".join(out)
+
+
+def render_markdown(report: "CompareReport") -> str:
+    columns = _columns(report)
+    out = [f"### {report.title}", "", "| " + " | ".join(h for h, _ in columns) + " |",
+           "|" + "|".join("---" if i < 2 else "---:" for i in range(len(columns))) + "|"]
+    out += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in report.measured()]
+    out.append("")
+    out += [f"- not run: {item}" for item in _not_run(report)]
+    out += [f"- {report.loss_check}", "", f"**{report.recommendation.line()}**"]
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- chart
+
+
+def _memory_unit(values: List[float]) -> Tuple[str, float]:
+    top = max(values or [1.0])
+    return ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20) if top >= 2**20 else ("KiB", 2**10)
+
+
+def _memory_panel(ax, rows: list, highs: List[Optional[float]], lows: List[Optional[float]], title: str,
+                  budget: Optional[int], notes: List[str]) -> None:
+    """Max and min bars per strategy (one pair per row), with the budget as a dashed line."""
+    values = [v for v in highs + lows if v] + ([budget] if budget else [])
+    unit, scale = _memory_unit(values)
+    y = range(len(rows))
+    high = [(v or 0) / scale for v in highs]
+    ax.barh([v + 0.16 for v in y], high, height=0.3, color="#c44e52", label="busiest device (max)")
+    ax.barh([v - 0.16 for v in y], [(v or 0) / scale for v in lows], height=0.3, color="#f4a6a6",
+            label="least used device (min)")
+    for yi, value, note in zip(y, high, notes):
+        ax.text(value, yi + 0.16, f" {note}", va="center", fontsize=8)
+    if budget:
+        ax.axvline(budget / scale, color="black", ls="--", lw=1, label=f"budget {format_bytes(budget)}")
+    ax.set_xlim(0, max(high + ([budget / scale] if budget else []) + [1e-9]) * 1.45)
+    ax.set_xlabel(f"{unit} per device")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=7, framealpha=0.9)
+
+
+def draw_chart(report: "CompareReport") -> bytes:
+    """A PNG: throughput (speed-up annotated), measured and estimated per-device memory (max/min)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = sorted(report.measured(), key=lambda r: r.samples_per_s or 0)  # fastest at the top
+    best = report.recommendation.label
+    reference = next((r for r in rows if r.speedup is not None and abs(r.speedup - 1) < 1e-12), None)
+    fig, (ax_speed, ax_mem, ax_est) = plt.subplots(
+        1, 3, figsize=(16, 2.8 + 0.6 * max(len(rows), 1)), sharey=True, gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    y = list(range(len(rows)))
+    colors = ["#2a9d55" if r.label == best else "#8c8c8c" if r is reference else "#4c72b0" for r in rows]
+    speeds = [r.samples_per_s or 0 for r in rows]
+    ax_speed.barh(y, speeds, color=colors, height=0.6)
+    for yi, row in zip(y, rows):
+        note = f" {row.samples_per_s:,.0f}/s" + (f"  {row.speedup:.2f}x" if row.speedup else "")
+        ax_speed.text(row.samples_per_s or 0, yi, note, va="center", fontsize=9)
+    if reference is not None:
+        ax_speed.axvline(reference.samples_per_s, color="#555555", ls=":", lw=1)
+    ax_speed.set_yticks(y, [f"{r.label}\n({r.layout})" for r in rows], fontsize=9)
+    ax_speed.set_xlim(0, max(speeds or [1]) * 1.4)
+    ax_speed.set_xlabel("samples/s (dotted line: one device; green: recommended)")
+    ax_speed.set_title("Throughput and speed-up over one device", fontsize=10)
+
+    on_gpu = any(r.config is not None and r.config.use_gpu for r in rows)
+    _memory_panel(ax_mem, rows, [r.memory_max for r in rows], [r.memory_min for r in rows],
+                  "Measured peak per device" + ("" if on_gpu else " (process RSS on CPU)"),
+                  report.memory_budget_bytes if on_gpu else None,
+                  [f"max/min {r.imbalance:.2f}" if r.imbalance else "" for r in rows])
+    batch = rows[0].config.batch_size if rows and rows[0].config is not None else None
+    _memory_panel(ax_est, rows, [r.estimated_peak_bytes for r in rows], [r.estimated_min_bytes for r in rows],
+                  f"Estimated per device at batch {batch}" if batch else "Estimated per device",
+                  report.memory_budget_bytes,
+                  [(f"max batch {r.max_batch}" if r.max_batch else "none fits") if r.max_batch is not None else ""
+                   for r in rows])
+    for ax in (ax_speed, ax_mem, ax_est):
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(axis="x", alpha=0.3)
+
+    fig.suptitle(textwrap.shorten(report.title, 200), fontsize=10, y=0.995)
+    foot = [(report.recommendation.line(), "#1a6b3c", "bold"),
+            (report.loss_check, "#b00000" if "DISAGREE" in report.loss_check else "#222222", "normal")]
+    foot += [(f"not run: {item}", "#555555", "normal") for item in _not_run(report)]
+    for i, (text, color, weight) in enumerate(reversed(foot)):
+        fig.text(0.01, 0.01 + 0.03 * i * 4 / max(fig.get_size_inches()[1], 1), textwrap.shorten(text, 230),
+                 fontsize=8, color=color, weight=weight, va="bottom")
+    fig.tight_layout(rect=(0, 0.02 + 0.13 * len(foot) / max(fig.get_size_inches()[1], 1), 1, 0.96))
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _write(path: str, data: bytes) -> None:
+    if "://" in path:
+        import pyarrow.fs as pafs
+
+        fs, inner = pafs.FileSystem.from_uri(path)
+        fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(inner) as f:
+            f.write(data)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(data)
+
+
+def write_outputs(report: "CompareReport", out_dir: str) -> dict:
+    """``compare.md``, ``compare.parquet`` (one row per strategy, skipped ones too) and ``compare.png``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    base = out_dir.rstrip("/")
+    paths = {"markdown": f"{base}/{MARKDOWN_FILE}", "parquet": f"{base}/{PARQUET_FILE}", "chart": f"{base}/{CHART_FILE}"}
+    _write(paths["markdown"], render_markdown(report).encode())
+    table = pa.Table.from_pylist([row.record() for row in report.rows])
+    table = table.replace_schema_metadata({"title": report.title, "loss_check": report.loss_check,
+                                           "recommendation": report.recommendation.line()})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    _write(paths["parquet"], buffer.getvalue())
+    _write(paths["chart"], draw_chart(report))
+    return paths
+
+
+def load_rows(path: str) -> Optional[list]:
+    """The Parquet file's rows as dicts (for tests and notebooks)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()

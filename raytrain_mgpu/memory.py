@@ -1,0 +1,382 @@
+"""Per-device memory estimates for each strategy, and the largest batch a budget allows.
+
+The estimate is what a device must hold at the peak of a step, as a straight line in the
+global batch ``b``:
+
+    bytes(device) = fixed + per_sample * b
+
+``fixed`` is the device's share of the model state: parameters, gradients and optimizer
+state (AdamW keeps two tensors per parameter, SGD with momentum one). ``per_sample`` is
+the activation memory autograd keeps for the backward, measured once with
+``torch.autograd.graph.saved_tensors_hooks`` over a forward (and the loss) of a small
+batch, per block of the model, times the share of the batch a device sees. The forward
+runs on the ``meta`` device when the model allows it: shapes only, no memory and no
+time, so a model larger than the driver's memory is still estimated.
+
+It is an upper bound of the steady state in fp32 (gradients and the saved activations
+are counted as if alive together; in the backward, activations are freed as gradients
+appear) and leaves out the framework's own memory (the CUDA context, about 0.5 GiB, and
+allocator fragmentation): keep a margin, or let ``compare`` find the batch by trying.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelProfile", "DeviceMemory", "profile_model", "profile_config", "device_memory",
+           "batch_granularity", "largest_batch", "max_batch_within_budget", "parse_bytes", "format_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(text) -> int:
+    """``"24GiB"``, ``"512 MiB"``, ``"8e9"`` or an int -> bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    found = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not found or found.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory budget {text!r} is not a size. Write e.g. 24GiB, 512MiB or 8e9 (bytes).")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+
+
+def format_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}" if unit != "MiB" else f"{n / size:,.0f} {unit}"
+    return f"{n:,.0f} B"
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the estimates need from a model, measured once on the driver."""
+
+    block_param_bytes: Tuple[int, ...]
+    """Parameter bytes of each block (the whole model is one block if it cannot be split)."""
+    block_activation_bytes: Tuple[float, ...]
+    """Bytes autograd saves per sample in each block's forward."""
+    output_bytes: float
+    """Per sample: the logits and what the loss saves (log-probabilities, targets)."""
+    input_bytes: float
+    """Per sample: the input batch as it arrives on the first device."""
+    optimizer_state_factor: float
+    """Optimizer state bytes per parameter byte: 2 for AdamW, 1 for SGD with momentum, else 0."""
+    splittable: bool
+    """Whether the model splits into blocks (``mp``, ``pipeline``); otherwise one block."""
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.block_param_bytes)
+
+    @property
+    def activation_bytes(self) -> float:
+        return sum(self.block_activation_bytes)
+
+    def state_bytes(self, blocks: Optional[Sequence[int]] = None) -> float:
+        """Parameters + gradients + optimizer state of ``blocks`` (default: all)."""
+        params = self.param_bytes if blocks is None else sum(self.block_param_bytes[i] for i in blocks)
+        return params * (2 + self.optimizer_state_factor)
+
+
+def _optimizer_state_factor(optimizer: str, momentum: float) -> float:
+    if optimizer == "adamw":
+        return 2.0  # exp_avg and exp_avg_sq
+    return 1.0 if momentum else 0.0  # the momentum buffer
+
+
+def _targets_for(out: torch.Tensor) -> torch.Tensor:
+    # (B, C) logits -> (B,) targets; (B, V, T) logits (language models) -> (B, T)
+    return torch.zeros((out.shape[0], *out.shape[2:]), dtype=torch.long, device=out.device)
+
+
+def _saved_bytes(blocks: Sequence[nn.Module], x: torch.Tensor, params: set) -> Tuple[List[int], int, int]:
+    """Bytes saved for backward per block, by the loss, and the logits' bytes, for batch ``x``.
+
+    Each storage is counted once, by the first block that saves it (a ReLU's output saved
+    again by the next Linear is one tensor), and parameters (and views of them) not at all.
+    """
+    seen, per_block, current = set(), [0] * (len(blocks) + 1), [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in seen and id(base) not in params and base is not x:
+            seen.add(id(base))
+            per_block[current[0]] += base.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = x
+        for index, block in enumerate(blocks):
+            current[0] = index
+            h = block(h)
+        current[0] = len(blocks)
+        loss = F.cross_entropy(h, _targets_for(h))
+    del loss  # the graph (and the saved tensors the ids refer to) lived until here
+    return per_block[:-1], per_block[-1], h.untyped_storage().nbytes()
+
+
+def _forward_bytes(blocks: Sequence[nn.Module], input_shape: tuple, batch: int, device: str) -> tuple:
+    params = {id(p) for block in blocks for p in block.parameters()}
+    errors = []
+    for dtype in (torch.float32, torch.long):  # images, then token ids
+        x = torch.zeros((batch, *input_shape), dtype=dtype, device=device)
+        try:
+            return (*_saved_bytes(blocks, x, params), x.untyped_storage().nbytes())
+        except (RuntimeError, TypeError, IndexError) as exc:
+            errors.append(exc)
+    raise errors[0]
+
+
+def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw", momentum: float = 0.9,
+                  batches: Tuple[int, int] = (2, 4)) -> ModelProfile:
+    """Measure ``model`` (on the device its parameters are on: ``meta`` or CPU).
+
+    Two batch sizes separate what grows with the batch from what does not (the scalar
+    loss, position indices); only the growing part is kept, per sample.
+    """
+    from raytrain_mgpu.pipeline.partition import blocks_of
+
+    try:
+        blocks, splittable = blocks_of(model), True
+    except ValueError:
+        blocks, splittable = [model], False
+    device = next(model.parameters(), torch.empty(0)).device.type
+    model.train()
+    small, large = (_forward_bytes(blocks, tuple(input_shape), b, device) for b in batches)
+    span = batches[1] - batches[0]
+    per_sample = [max(0.0, (l - s) / span) for s, l in zip(small[0], large[0])]
+    return ModelProfile(
+        block_param_bytes=tuple(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks),
+        block_activation_bytes=tuple(per_sample),
+        output_bytes=max(0.0, (large[1] - small[1]) / span) + (large[2] - small[2]) / span,
+        input_bytes=(large[3] - small[3]) / span,
+        optimizer_state_factor=_optimizer_state_factor(optimizer, momentum),
+        splittable=splittable)
+
+
+def profile_config(cfg) -> ModelProfile:
+    """The profile of ``cfg``'s model and data shapes, built on ``meta`` (CPU if that fails)."""
+    from raytrain_mgpu.data import check_data
+    from raytrain_mgpu.models import build_model
+
+    input_shape, num_classes = check_data(cfg.data)
+    for device in ("meta", "cpu"):
+        torch.manual_seed(cfg.seed)
+        with torch.device(device):
+            model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+        try:
+            return profile_model(model, input_shape, cfg.optimizer, cfg.momentum)
+        except (RuntimeError, NotImplementedError) as exc:
+            if device == "cpu":
+                raise
+            logger.debug("profiling on meta failed (%s); profiling on CPU", exc)
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------- per strategy
+
+
+class DeviceMemory(NamedTuple):
+    """One device's estimate as a line in the global batch ``b``: ``fixed + per_sample * b``."""
+
+    fixed: float
+    per_sample: float
+
+    def at(self, batch: int) -> int:
+        return int(math.ceil(self.fixed + self.per_sample * batch))
+
+
+def _split_parts(profile: ModelProfile, num_parts: int, balance) -> List[range]:
+    """Block ranges of each part, as the strategies split (``balance="time"`` estimated by parameters)."""
+    from raytrain_mgpu.pipeline.partition import balanced_split
+
+    n = len(profile.block_param_bytes)
+    if not profile.splittable and num_parts > 1:
+        raise ValueError("the model cannot be split into blocks (not an nn.Sequential, no blocks())")
+    if num_parts > n:
+        raise ValueError(f"{num_parts} parts need at least {num_parts} blocks; the model has {n}")
+    counts = list(balance) if isinstance(balance, (tuple, list)) else balanced_split(profile.block_param_bytes, num_parts)
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append(range(start, start + count))
+        start += count
+    return bounds
+
+
+def _replica_on(profile: ModelProfile, parts: List[range], share: float, inflight: Sequence[float],
+                loaded: float) -> List[DeviceMemory]:
+    """A replica split into ``parts`` (one per device) seeing ``share`` of the global batch.
+
+    ``inflight[j]``: how many of its own batch shares device j keeps activations for (1 for
+    a plain forward, more for pipeline micro-batches); ``loaded``: the share of the global
+    batch the first device loads as input.
+    """
+    last = len(parts) - 1
+    devices = []
+    for j, blocks in enumerate(parts):
+        per = sum(profile.block_activation_bytes[i] for i in blocks) * share * inflight[j]
+        per += profile.input_bytes * loaded if j == 0 else 0.0
+        per += profile.output_bytes * share * inflight[j] if j == last else 0.0
+        devices.append(DeviceMemory(profile.state_bytes(blocks), per))
+    return devices
+
+
+def _data_parallel_node(profile: ModelProfile, num_devices: int, share: float, balanced: bool,
+                        output_device: int) -> List[DeviceMemory]:
+    """``nn.DataParallel`` (``balanced=False``) or ``dp_balanced`` over ``num_devices`` devices.
+
+    Device 0 holds the module, its gradients and the optimizer state; the others hold a
+    replica of the weights each step. The whole batch arrives on the output device before
+    the scatter; plain DP also gathers every device's outputs there and computes the loss
+    on them (seed 001's full GPU 0).
+    """
+    devices = []
+    for d in range(num_devices):
+        state = profile.state_bytes() if d == 0 else profile.param_bytes
+        per = profile.activation_bytes * share / num_devices
+        per += profile.input_bytes * share * (1.0 if d == output_device else 1.0 / num_devices)
+        gathered = not balanced and d == output_device
+        per += profile.output_bytes * share * (1.0 if gathered else (0.0 if not balanced else 1.0 / num_devices))
+        devices.append(DeviceMemory(state, per))
+    return devices
+
+
+def device_memory(strategy: str, cfg, profile: ModelProfile) -> List[DeviceMemory]:
+    """The estimate for every device the run of ``cfg`` with ``strategy`` uses."""
+    from raytrain_mgpu.pipeline.schedule import num_virtual_stages
+
+    accum = cfg.grad_accum_steps
+    if strategy in ("ddp", "fsdp"):
+        workers = cfg.num_workers
+        replica = _replica_on(profile, [range(len(profile.block_param_bytes))], 1 / (workers * accum), [1.0],
+                              1 / (workers * accum))
+        if strategy == "fsdp" and workers > 1:
+            # 1/W of the state, plus one block gathered whole with its unsharded gradients.
+            gathered = 2 * max(profile.block_param_bytes)
+            replica = [DeviceMemory(profile.state_bytes() / workers + gathered, replica[0].per_sample)]
+        return replica * workers
+    if strategy in ("dp", "dp_balanced", "ddp2"):
+        workers = cfg.num_workers if strategy == "ddp2" else 1
+        node = _data_parallel_node(profile, cfg.gpus_per_worker, 1 / (workers * accum), strategy == "dp_balanced",
+                                   cfg.output_device or 0)
+        return node * workers
+    if strategy in ("mp", "ddp_mp"):
+        workers = cfg.num_workers if strategy == "ddp_mp" else 1
+        parts = _split_parts(profile, cfg.gpus_per_worker, cfg.balance)
+        share = 1 / (workers * accum)
+        return _replica_on(profile, parts, share, [1.0] * len(parts), share) * workers
+    if strategy in ("pipeline", "ddp_pipeline"):
+        replicas = cfg.num_workers if strategy == "ddp_pipeline" else 1
+        stages, m = cfg.num_stages, cfg.num_microbatches
+        chunks = num_virtual_stages(cfg.schedule, stages) // stages
+        parts = _split_parts(profile, stages * chunks, cfg.balance)
+        micro = 1 / (replicas * m)
+        # Micro-batches whose activations a stage holds at once: all of them for GPipe,
+        # at most (stages - rank) for 1F1B; the interleaved schedule is bounded by m.
+        inflight = [float(min(stages - j, m)) if cfg.schedule == "1f1b" else float(m) for j in range(stages)]
+        per_part = _replica_on(profile, parts, micro, [inflight[j % stages] for j in range(len(parts))],
+                               1 / replicas)
+        merged = [DeviceMemory(0.0, 0.0)] * stages  # interleaved: part j lives on rank j % stages
+        for j, part in enumerate(per_part):
+            rank = j % stages
+            merged[rank] = DeviceMemory(merged[rank].fixed + part.fixed, merged[rank].per_sample + part.per_sample)
+        return merged * replicas
+    raise ValueError(f"no memory model for strategy {strategy!r}; estimates exist for ddp, dp, dp_balanced, "
+                     f"mp, ddp_mp, ddp2, fsdp, pipeline and ddp_pipeline.")
+
+
+def batch_granularity(strategy: str, cfg) -> int:
+    """The global batch must be a multiple of this (replicas x micro-batches or accumulation steps)."""
+    from raytrain_mgpu.strategies import get_strategy
+
+    cls = get_strategy(strategy)
+    parts = cfg.num_microbatches if cls.runner == "actor_group" else cfg.grad_accum_steps
+    return cls.data_parallel_size(cfg) * parts
+
+
+# ----------------------------------------------------------------------------- batch search
+
+
+def largest_batch(fits: Callable[[int], bool], granularity: int, limit: Optional[int] = None,
+                  start: Optional[int] = None, resolution: float = 0.0) -> int:
+    """The largest multiple of ``granularity`` (at most ``limit``) for which ``fits`` holds; 0 if none.
+
+    ``fits`` must be monotone (a batch that fits means every smaller one does). Doubling
+    from ``start`` (default: ``granularity``) brackets the boundary, then bisection: about
+    2 log2(answer / start) calls, which matters when each call is a trial run on a GPU:
+    ``resolution`` (e.g. 1/8) stops the bisection once the bracket is that close, relative
+    to the answer, and returns the lower end.
+    """
+    if granularity < 1:
+        raise ValueError(f"granularity must be >= 1, got {granularity}")
+    top = (limit if limit is not None else 2**40) // granularity  # in units of granularity
+    if top < 1:
+        return 0
+    k = min(max(1, (start or granularity) // granularity), top)
+    if fits(k * granularity):
+        lo, hi = k, None
+        while hi is None:
+            if lo == top:
+                return lo * granularity
+            nxt = min(2 * lo, top)
+            if fits(nxt * granularity):
+                lo = nxt
+            else:
+                hi = nxt
+    else:
+        lo, hi = 0, k
+        while hi > 1:
+            nxt = hi // 2
+            if fits(nxt * granularity):
+                lo = nxt
+                break
+            hi = nxt
+        if lo == 0:
+            return 0
+    while hi - lo > max(1, int(lo * resolution)):
+        mid = (lo + hi) // 2
+        if fits(mid * granularity):
+            lo = mid
+        else:
+            hi = mid
+    return lo * granularity
+
+
+def max_batch_within_budget(strategy: str, cfg, profile: ModelProfile, budget_bytes: int,
+                            limit: Optional[int] = None) -> int:
+    """Largest global batch whose busiest device stays within ``budget_bytes`` (estimate).
+
+    Raises ``ValueError`` naming the budget and the smallest need when not even the
+    smallest batch (one sample per micro-batch) fits.
+    """
+    devices = device_memory(strategy, cfg, profile)
+    granularity = batch_granularity(strategy, cfg)
+
+    def need(batch: int) -> int:
+        return max(d.at(batch) for d in devices)
+
+    best = largest_batch(lambda b: need(b) <= budget_bytes, granularity, limit)
+    if best == 0:
+        smallest = need(granularity)
+        state = max(d.fixed for d in devices)
+        raise ValueError(
+            f"memory_budget_bytes={budget_bytes} ({format_bytes(budget_bytes)} per device) is too small for "
+            f"strategy={strategy!r} at its smallest global batch {granularity}: the busiest device needs "
+            f"{smallest} bytes ({format_bytes(smallest)}; model state {format_bytes(state)}). Raise the budget "
+            f"to at least {format_bytes(smallest)}, or use a strategy that splits the model (fsdp, pipeline).")
+    return best
