@@ -1,0 +1,171 @@
+"""A user dataset factory for fault and multi-node tests: digits, plus instrumentation.
+
+``dataset="_probe_data:digits"`` with ``data_root=<probe dir>``. Inside a Ray Train worker
+it writes ``worker-<rank>-<pid>.json`` (world/node/local rank, node IP, PID) into the
+probe dir, appends every training index it serves to ``indices-<rank>-<pid>.txt``, and
+carries out the faults listed in ``plan.json``::
+
+    [{"action": "kill_process", "rank": 1, "after_samples": 1056},
+     {"action": "kill_in_save", "rank": 0, "after_saves": 1, "after": "kill_process"}]
+
+Each fault happens once per probe dir (a ``done-<action>`` file records it) and is armed
+in a worker process only if the fault named by ``after`` has already happened when that
+process starts. Actions, after ``after_samples`` training samples served by this process:
+``kill_process`` (SIGKILL itself), ``kill_node`` (SIGKILL every process of its Ray node,
+those carrying its ``RTM_TEST_NODE`` marker from ``_ray_nodes.py``: a lost machine),
+``stall`` (sleep an hour). ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
+this process through, then writes the next checkpoint's files into storage cut to half
+their bytes (JSON files whole), records the folder in ``done-kill_in_save`` and SIGKILLs
+itself: a kill in the middle of a save.
+
+``fit`` ships this file to the workers (a user module outside site-packages), so it must
+not import other test helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from raytrain_mgpu.data import Datasets, digits as _digits
+
+
+def digits(cfg) -> Datasets:
+    data = _digits.build(cfg)
+    info = _worker_info()
+    if info is None or not cfg.data_root:  # on the driver (check_data), or not instrumented
+        return data
+    probe = Path(cfg.data_root)
+    (probe / f"worker-{info['world_rank']}-{info['pid']}.json").write_text(json.dumps(info))
+    sample_fault = None
+    for fault in _armed(probe, info["world_rank"]):
+        if fault["action"] == "kill_in_save":
+            _arm_kill_in_save(probe, fault["after_saves"])
+        else:
+            sample_fault = fault
+    train = _Recording(data.train, probe / f"indices-{info['world_rank']}-{info['pid']}.txt", probe, sample_fault)
+    return data._replace(train=train)
+
+
+def _armed(probe: Path, rank: int) -> list:
+    plan_file = probe / "plan.json"
+    if not plan_file.is_file():
+        return []
+    plan = json.loads(plan_file.read_text())
+    return [f for f in (plan if isinstance(plan, list) else [plan])
+            if f["rank"] == rank and not (probe / f"done-{f['action']}").exists()
+            and (not f.get("after") or (probe / f"done-{f['after']}").exists())]
+
+
+def _worker_info():
+    try:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        return {"world_rank": ctx.get_world_rank(), "world_size": ctx.get_world_size(),
+                "node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+    except Exception:  # not inside a Ray Train worker
+        return None
+
+
+class _Recording(Dataset):
+    def __init__(self, inner, log: Path, probe: Path, plan):
+        self.inner, self.log, self.probe, self.plan = inner, log, probe, plan
+        self.served = 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices):
+        with open(self.log, "a") as f:
+            f.write(" ".join(str(int(i)) for i in indices) + "\n")
+        self.served += len(indices)
+        if self.plan and self.served > self.plan["after_samples"]:
+            self._act()
+        return self.inner.__getitems__(indices)
+
+    def _act(self):
+        action = self.plan["action"]
+        try:  # once per probe dir, whichever process gets here first
+            os.close(os.open(self.probe / f"done-{action}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            self.plan = None
+            return
+        if action == "stall":
+            time.sleep(3600)
+        elif action == "kill_process":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "kill_node":
+            _kill_own_node()
+
+
+def _arm_kill_in_save(probe: Path, after_saves: int) -> None:
+    # Ray Train V2 uploads a reported checkpoint with this function, from the worker.
+    from ray.train.v2._internal.execution import storage
+
+    upload = storage._pyarrow_fs_copy_files
+    saves = {"n": 0}
+
+    def upload_then_die(source, destination, source_filesystem=None, destination_filesystem=None, **kwargs):
+        saves["n"] += 1
+        if saves["n"] <= after_saves:
+            return upload(source, destination, source_filesystem=source_filesystem,
+                          destination_filesystem=destination_filesystem, **kwargs)
+        fd = os.open(probe / "done-kill_in_save", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, str(destination).encode())
+        os.close(fd)
+        for name in sorted(os.listdir(source)):
+            data = Path(source, name).read_bytes()
+            with destination_filesystem.open_output_stream(f"{destination}/{name}") as f:
+                f.write(data if name.endswith(".json") else data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage._pyarrow_fs_copy_files = upload_then_die
+
+
+def _kill_own_node():
+    marker = os.environ.get("RTM_TEST_NODE")
+    if not marker:
+        raise RuntimeError("kill_node needs a node started by _ray_nodes.RayNode (RTM_TEST_NODE unset)")
+    needle = f"RTM_TEST_NODE={marker}".encode() + b"\0"
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def guarded_train_worker(payload: dict):
+    """``raytrain_mgpu.loop.train_worker`` with the hooks of ``raytrain_mgpu.faults`` that
+    ``loop.py`` does not apply itself yet (a plain pass-through once it does)."""
+    import inspect
+
+    import ray.train
+
+    from raytrain_mgpu import faults, loop
+
+    train_worker = loop.train_worker
+    if not hasattr(train_worker, "__wrapped__"):
+        train_worker = faults.name_stuck_ranks(train_worker)
+    if "wait_until_report_collected" not in inspect.getsource(loop._save_and_report):
+        report = ray.train.report
+
+        def report_and_wait(*args, **kwargs):
+            report(*args, **kwargs)
+            faults.wait_until_report_collected()
+
+        ray.train.report = report_and_wait  # this worker process only
+    return train_worker(payload)
