@@ -82,7 +82,8 @@ def test_same_order_as_torch_pipelining():
 def test_deadlocked_order_is_reported_with_the_grid():
     order = build_order("gpipe", 2, 2)
     order[1] = [Action(1, BACKWARD, 0), Action(1, FORWARD, 0), Action(1, FORWARD, 1), Action(1, BACKWARD, 1)]
-    with pytest.raises(ScheduleError, match=r"deadlock at time 2: every rank waits \(next actions \[.0B0., .1B0.\]\)\nstep \| rank 0"):
+    message = r"deadlock at time 2: every rank waits \(next actions \[.0B0., .1B0.\]\)\nstep \| rank 0"
+    with pytest.raises(ScheduleError, match=message):
         simulate(order)
 
 

@@ -35,11 +35,41 @@ from torch.nn import functional as F
 
 from raytrain_mgpu.pipeline.schedule import BACKWARD, FORWARD, Action, Order, format_grid, stage_rank
 
-__all__ = ["PipelineExecutor", "PipelineStepError", "StepStats", "HEADER_LEN"]
+__all__ = ["PipelineExecutor", "PipelineStepError", "StepStats", "HEADER_LEN", "isend_with_header",
+           "recv_with_header"]
 
 HEADER_LEN = 10  # [ndim, up to 8 sizes, dtype code]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 Channel = Tuple[str, int, int]  # (kind, src pipeline rank, dst pipeline rank)
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > HEADER_LEN - 2:
+        raise ValueError(f"a {tensor.dim()}-d tensor cannot pass between stages: at most {HEADER_LEN - 2} dimensions")
+    sizes = list(tensor.shape) + [0] * (HEADER_LEN - 2 - tensor.dim())
+    return torch.tensor([tensor.dim()] + sizes + [_DTYPES.index(tensor.dtype)], dtype=torch.int64,
+                        device=tensor.device)
+
+
+def _parse_header(header: torch.Tensor) -> tuple:
+    values = header.tolist()
+    return tuple(values[1:1 + values[0]]), _DTYPES[values[-1]]
+
+
+def isend_with_header(tensor: torch.Tensor, dst: int, group) -> list:
+    """Send a tensor of any shape (two messages); returns ``(work, tensor)`` pairs to wait on."""
+    tensor = tensor.contiguous()
+    header = _header(tensor)
+    return [(dist.isend(header, dst=dst, group=group), header), (dist.isend(tensor, dst=dst, group=group), tensor)]
+
+
+def recv_with_header(src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    shape, dtype = _parse_header(header)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
 
 
 class PipelineStepError(RuntimeError):
@@ -271,8 +301,7 @@ class PipelineExecutor:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         dist.recv(header, src=self.peers[msg.src], group=self.channels[(msg.kind, msg.src, self.rank)],
                   tag=self._tag(msg.kind, msg.stage, msg.microbatch, header=True))
-        values = header.tolist()
-        meta = (tuple(values[1:1 + values[0]]), _DTYPES[values[-1]])
+        meta = _parse_header(header)
         rows = self._rows[msg.microbatch]
         (self._in_meta if msg.kind == FORWARD else self._out_meta)[(msg.stage, rows)] = meta
 
@@ -287,12 +316,7 @@ class PipelineExecutor:
         group = self.channels[(kind, self.rank, dst)]
         rows = self._rows[mb]
         if kind == FORWARD and (stage, rows) not in self._sent_meta:
-            if tensor.dim() > HEADER_LEN - 2:
-                raise ValueError(f"stage {stage - 1} outputs a {tensor.dim()}-d tensor; at most "
-                                 f"{HEADER_LEN - 2} dimensions can pass between stages")
-            sizes = list(tensor.shape) + [0] * (HEADER_LEN - 2 - tensor.dim())
-            header = torch.tensor([tensor.dim()] + sizes + [_DTYPES.index(tensor.dtype)], dtype=torch.int64,
-                                  device=self.device)
+            header = _header(tensor)
             self._sends.append((dist.isend(header, dst=self.peers[dst], group=group,
                                            tag=self._tag(kind, stage, mb, header=True)), header))
             self._sent_meta.add((stage, rows))

@@ -172,7 +172,8 @@ class Partition(NamedTuple):
         lines = []
         for i, ((start, end), cost, params) in enumerate(zip(self.bounds(), self.costs, self.params)):
             share = f"{100 * cost / total_cost:.1f}% of {what}, " if what and what != "parameters" else ""
-            blocks = f"block {start} (1 block" if end - start == 1 else f"blocks {start}-{end - 1} ({end - start} blocks"
+            count = end - start
+            blocks = f"block {start} (1 block" if count == 1 else f"blocks {start}-{end - 1} ({count} blocks"
             lines.append(f"stage {i}: {blocks}, {share}"
                          f"{100 * params / total_params:.1f}% of parameters)")
         return "; ".join(lines)

@@ -3,9 +3,9 @@ evaluate and save. Plain Python: the Ray actor (``group.py``) and the local proc
 runner (``local.py``) call the same methods in the same order on every rank (SPMD).
 
 Ranks: global rank ``g = replica * num_stages + pipeline_rank``. Pipeline rank 0 reads
-the inputs, the last pipeline rank the targets (it computes the loss); the others only
-pass activations. Actors holding the same pipeline rank in different replicas average
-their gradients every step.
+the data and sends the targets to the last pipeline rank, which computes the loss (so
+only one rank pays for data loading); the others only pass activations. Actors holding
+the same pipeline rank in different replicas average their gradients every step.
 
 Batch arithmetic (nanoGPT style): global batch B = D replicas x b per replica, and
 b = m micro-batches x B / (D m) rows. The ``DistributedSampler`` gives replica r the
@@ -32,7 +32,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.metrics import EpochMeter, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.pipeline.executor import PipelineExecutor
+from raytrain_mgpu.pipeline.executor import PipelineExecutor, isend_with_header, recv_with_header
 from raytrain_mgpu.pipeline.partition import Partition, blocks_of, build_stage_modules, profile_costs
 from raytrain_mgpu.pipeline.schedule import (Order, build_order, channel_sequences, forward_only,
                                              num_virtual_stages, stage_rank)
@@ -140,7 +140,14 @@ class StageWorker:
                 group = dist.new_group([replica * P + src, replica * P + dst])
                 if replica == self.replica:
                     self.channels[(kind, src, dst)] = group
-        self.stage_group = self.replica_group = None
+        self.stage_group = self.replica_group = self.targets_group = None
+        first, last = stage_rank(0, P), stage_rank(self.num_stages - 1, P)
+        if first != last:
+            for replica in range(D):
+                group = dist.new_group([replica * P + first, replica * P + last])
+                if replica == self.replica:
+                    self.targets_group = group
+        self.first_peer, self.last_peer = self.replica * P + first, self.replica * P + last
         if D > 1:
             for prank in range(P):
                 group = dist.new_group([r * P + prank for r in range(D)])
@@ -181,7 +188,7 @@ class StageWorker:
 
     def start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
-        self._batches = iter(self.loader) if (self.is_first or self.is_last) else None
+        self._batches = iter(self.loader) if self.is_first else None
         for stage in self.stages.values():
             stage.train()
         reset_peak_memory([self.device])
@@ -197,13 +204,12 @@ class StageWorker:
             logger.error("failing on purpose at step %d (fault-injection hook)", self.step)
             os._exit(1)
         start = time.perf_counter()
-        inputs = targets = None
-        if self._batches is not None:
-            x, y = next(self._batches)  # the time here is the data wait: loading is synchronous
-            self.totals["data_wait_s"] += time.perf_counter() - start
-            inputs = list(x.chunk(self.cfg.num_microbatches)) if self.is_first else None
-            targets = list(y.chunk(self.cfg.num_microbatches)) if self.is_last else None
+        inputs, targets, sends = self._read_batch(self._batches, self.cfg.num_microbatches)
+        if self.is_first:
+            self.totals["data_wait_s"] += time.perf_counter() - start  # loading is synchronous
         stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self.meter)
+        for work, _ in sends:
+            work.wait()
         self._average_gradients()
         if self.cfg.grad_clip_norm is not None:
             self._clip_gradients(self.cfg.grad_clip_norm)
@@ -217,6 +223,24 @@ class StageWorker:
         totals["schedule_s"] += stats.wall_s
         totals["bytes_sent"] += stats.bytes_sent
         totals["step_s"] += time.perf_counter() - start
+
+    def _read_batch(self, batches, num_chunks: int) -> tuple:
+        """``(input micro-batches, target micro-batches, sends to wait for)`` for this rank.
+
+        The first rank reads and sends the targets to the last rank: one small message per
+        step instead of a second rank loading (and, for images, decoding) every sample.
+        """
+        if self.is_first:
+            x, y = next(batches)
+            sends = []
+            if self.targets_group is not None:
+                sends = isend_with_header(y.to(self.device), self.last_peer, self.targets_group)
+            targets = list(y.tensor_split(num_chunks)) if self.is_last else None
+            return list(x.tensor_split(num_chunks)), targets, sends
+        if self.is_last:
+            y = recv_with_header(self.first_peer, self.targets_group, self.device)
+            return None, list(y.tensor_split(num_chunks)), []
+        return None, None, []
 
     def _grads(self) -> List[torch.Tensor]:
         for p in self.params:
@@ -262,15 +286,14 @@ class StageWorker:
             stage.eval()
         meter = EpochMeter(self.device)
         size, bs = len(self.test_shard), self.test_batch
-        batches = iter(DataLoader(self.test_shard, batch_size=bs)) if (self.is_first or self.is_last) else None
+        batches = iter(DataLoader(self.test_shard, batch_size=bs)) if self.is_first else None
         for start in range(0, size, bs):
             rows = microbatch_rows(min(bs, size - start), self.cfg.num_microbatches)
             order = self._eval_orders.setdefault(len(rows), forward_only(self.num_ranks, len(rows), self.num_stages))
-            inputs = targets = None
-            if batches is not None:
-                x, y = next(batches)
-                inputs, targets = list(x.tensor_split(len(rows))), list(y.tensor_split(len(rows)))
+            inputs, targets, sends = self._read_batch(batches, len(rows))
             self.executor.eval_step(order, inputs, targets, rows, meter)
+            for work, _ in sends:
+                work.wait()
         for stage in self.stages.values():
             stage.train()
         return meter.sums.tolist() if self.is_last else None
