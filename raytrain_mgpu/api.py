@@ -64,6 +64,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
+    strategy_cls.check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
     started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
     try:
         check_placeable(strategy_cls.bundles(cfg), cfg.use_gpu, f"strategy={cfg.strategy!r}")

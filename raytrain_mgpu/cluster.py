@@ -65,6 +65,17 @@ def _fits(bundles: List[dict], nodes: List[Dict[str, float]]) -> bool:
     return True
 
 
+def _check_one_bundle_fits_a_node(bundles: List[dict], nodes: List[Dict[str, float]], what: str) -> None:
+    """A worker cannot span nodes: say so when one bundle is bigger than every node."""
+    for key, option in (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker")):
+        need = max((b.get(key, 0) for b in bundles), default=0)
+        largest = max((n.get(key, 0) for n in nodes), default=0)
+        if need > largest:
+            raise ValueError(f"{what}: one worker needs {need:g} {key}, but the largest node has {largest:g} "
+                             f"({_describe(nodes)}), and a worker cannot span nodes. Set {option} to at most "
+                             f"{largest:g}, or add a node with {need:g} {key}.")
+
+
 def check_placeable(bundles: List[dict], use_gpu: bool, what: str) -> None:
     """Raise ValueError if ``bundles`` can never be placed on this cluster."""
     try:
@@ -84,6 +95,7 @@ def check_placeable(bundles: List[dict], use_gpu: bool, what: str) -> None:
     if use_gpu and total_gpu == 0:
         raise ValueError(f"TrainConfig.use_gpu=True, but the Ray cluster has no GPU ({_describe(nodes)}). "
                          f"Set use_gpu=False, or connect to a cluster with GPUs.")
+    _check_one_bundle_fits_a_node(bundles, nodes, what)
     if not _fits(bundles, nodes):
         shape = bundles[0] if bundles else {}
         raise ValueError(f"{what} needs {len(bundles)} x {shape} ({needed['CPU']:g} CPU, {needed['GPU']:g} GPU), "

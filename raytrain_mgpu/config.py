@@ -152,7 +152,7 @@ class TrainConfig:
 
     # --- parallelism
     strategy: str = "ddp"
-    """How the work is split; ``raytrain-mgpu train --help`` lists them."""
+    """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (README: choosing a strategy)."""
     num_workers: int = 2
     """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``."""
     use_gpu: bool = False
@@ -172,7 +172,7 @@ class TrainConfig:
     placement: str = "PACK"
     """Placement group strategy for workers or stages (``PACK``, ``SPREAD``, ``STRICT_*``)."""
     output_device: Optional[int] = None
-    """``dp``: local index of the device that gathers outputs (default: the first)."""
+    """``dp``/``ddp2``: local index of the device that gathers outputs (default: the first)."""
 
     # --- batch and optimisation
     epochs: int = 8

@@ -90,7 +90,7 @@ def train_worker(payload: dict) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
     scaler = torch.amp.GradScaler(strategy.device.type, enabled=cfg.precision == "16-mixed")
     if restored is not None:
-        optimizer.load_state_dict(restored["optimizer"])
+        strategy.load_optimizer_state_dict(model, optimizer, restored["optimizer"])
         scheduler.load_state_dict(restored["scheduler"])
         scaler.load_state_dict(restored["scaler"])
 
@@ -229,13 +229,14 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
                      state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict) -> None:
     """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint."""
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
+    optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
         checkpoint: Optional[ray.train.Checkpoint] = None
         if ctx.world_rank == 0:
             meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy,
                     "epoch": state.epoch, "step": state.step, "attempt": state.attempt,
                     **shape_info, "config": cfg.to_dict()}
-            train_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                            "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state()}
             ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
                                          model_state=model_state, train_state=train_state)
