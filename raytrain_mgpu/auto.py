@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional, Tuple
 
-from raytrain_mgpu.memory import (ModelProfile, batch_granularity, device_memory, format_bytes,
-                                  max_batch_within_budget, profile_config)
+from raytrain_mgpu.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
+                                  profile_config)
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,9 @@ def _layout(name: str, cfg, info: ClusterInfo) -> dict:
     if n < 1:
         raise ValueError("the cluster has no device to train on")
     if name in ("ddp", "fsdp"):
-        return {"num_workers": n}
+        # The most workers that split the global batch evenly (100 samples on 8 GPUs: 5 workers).
+        parts = cfg.batch_size // cfg.grad_accum_steps if cfg.batch_size % cfg.grad_accum_steps == 0 else 1
+        return {"num_workers": max(w for w in range(1, n + 1) if parts % w == 0)}
     if name in ("dp", "dp_balanced"):
         return {"num_workers": 1, "gpus_per_worker": max(info.devices_per_node)}
     if name == "mp":
@@ -253,13 +255,14 @@ def _nothing_fits(cfg, profile: ModelProfile, budget: int, tried: list, info: Cl
     for name in tried:
         planned = plan_config(cfg, name, info)
         try:
-            hints.append(f"{name} up to batch_size={max_batch_within_budget(name, planned, profile, budget)}")
+            hints.append(f"{name} fits up to batch_size={max_batch_within_budget(name, planned, profile, budget)}")
         except ValueError:
-            hints.append(f"{name} at no batch size (model state alone: "
+            hints.append(f"{name} fits no batch (its model state alone needs "
                          f"{format_bytes(max(d.fixed for d in device_memory(name, planned, profile)))})")
     return (f"TrainConfig.strategy='auto': no strategy fits batch_size={cfg.batch_size} into "
-            f"{format_bytes(budget)} per device on {info.describe()}. The estimate allows {'; '.join(hints)}. "
-            f"Lower batch_size, raise grad_accum_steps, or add devices.")
+            f"{format_bytes(budget)} per device on {info.describe()}. By the estimate: {'; '.join(hints)}. "
+            f"Lower batch_size, raise grad_accum_steps, or add devices (fsdp and pipeline spread the model "
+            f"over them).")
 
 
 def _previous_strategy(cfg) -> Optional[dict]:
@@ -290,15 +293,16 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None) -> Tuple[object, dict]
     else:
         profile = profile_config(cfg)
         name, reason = choose_strategy(cfg, info, budget, profile)
-        if getattr(cfg, "auto_measure", False):
-            name, reason = _measure(cfg, info, budget, profile, name, reason)
         resolved = plan_config(cfg, name, info)
+        if getattr(cfg, "auto_measure", False):
+            name, reason, measured = _measure(cfg, info, budget, profile, name, reason)
+            resolved = measured if measured is not None else resolved
     logger.info("strategy=auto chose %s: %s", name, reason)
     return resolved, {"auto_strategy": name, "auto_reason": reason}
 
 
-def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str) -> Tuple[str, str]:
-    """Time the strategies the estimate lets fit in a short compare run; the fastest wins."""
+def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str) -> tuple:
+    """Time the strategies the estimate lets fit in a short compare run: ``(name, reason, config)``."""
     from raytrain_mgpu.compare import compare
 
     fitting = []
@@ -309,11 +313,11 @@ def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, r
             continue
         if budget is None or _peak(candidate, planned, profile) <= budget:
             fitting.append(candidate)
-    if len(fitting) < 2:
-        return name, reason + " (auto_measure: nothing else fits to compare with)"
+    if not fitting:
+        return name, reason, None
     report = compare(cfg, strategies=fitting, steps=10, warmup_steps=2, memory_budget_bytes=budget,
                      storage_path=f"{cfg.storage_path.rstrip('/')}/{cfg.name}-auto-measure")
     best = report.recommendation
     if best.strategy is None:
-        return name, reason + f" (auto_measure: {best.reason})"
-    return best.strategy, f"measured: {best.reason}"
+        return name, f"{reason} (auto_measure found nothing better: {best.reason})", None
+    return best.strategy, f"measured in {report.paths.get('markdown', 'a compare run')}: {best.reason}", best.config

@@ -1,4 +1,7 @@
-"""Rendering a :class:`~raytrain_mgpu.compare.CompareReport`: terminal table, Markdown, Parquet, PNG.
+"""The report of :func:`raytrain_mgpu.compare.compare`: its rows, the loss check, the
+recommendation, and its renderings: terminal table, Markdown, Parquet, PNG.
+
+Everything here is pure (no Ray): the tests build reports by hand.
 
 The chart puts throughput (with the speed-up over one device) and per-device peak memory
 (max and min, so an unbalanced strategy such as ``dp`` stands out) side by side, one row
@@ -9,24 +12,203 @@ from __future__ import annotations
 
 import io
 import textwrap
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from raytrain_mgpu.memory import format_bytes
 
-if TYPE_CHECKING:
-    from raytrain_mgpu.compare import CompareReport, RunRow
-
-__all__ = ["render_text", "render_markdown", "write_outputs", "draw_chart"]
+__all__ = ["RunRow", "Recommendation", "CompareReport", "summarize_history", "check_losses", "losses_comparable",
+           "recommend", "render_text", "render_markdown", "write_outputs", "draw_chart", "LOSS_RTOL", "REFERENCE"]
 
 MARKDOWN_FILE, PARQUET_FILE, CHART_FILE = "compare.md", "compare.parquet", "compare.png"
+LOSS_RTOL = 1e-3
+REFERENCE = "1 device"
+"""Label of the single-device run every speed-up is measured against."""
+
+
+@dataclass
+class RunRow:
+    """One strategy's line of the report."""
+
+    label: str
+    strategy: str
+    layout: str = ""
+    status: str = "ok"                         # ok | skipped | failed
+    reason: str = ""
+    samples_per_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    speedup: Optional[float] = None
+    peak_memory_bytes: List[int] = field(default_factory=list)
+    estimated_peak_bytes: Optional[int] = None  # busiest device at the configured batch (estimate)
+    estimated_min_bytes: Optional[int] = None   # least used device at the configured batch (estimate)
+    train_loss: Optional[float] = None          # mean over the last epoch's steps
+    test_loss: Optional[float] = None           # whole test split, after the last step
+    loss_agrees: Optional[bool] = None          # None: not comparable or no reference
+    max_batch: Optional[int] = None             # largest global batch within the budget
+    max_batch_method: str = ""                  # estimate | tried | "" (no budget)
+    wall_s: Optional[float] = None
+    config: Optional[object] = field(default=None, repr=False)
+
+    @property
+    def memory_max(self) -> Optional[int]:
+        return max(self.peak_memory_bytes) if self.peak_memory_bytes else None
+
+    @property
+    def memory_min(self) -> Optional[int]:
+        return min(self.peak_memory_bytes) if self.peak_memory_bytes else None
+
+    @property
+    def imbalance(self) -> Optional[float]:
+        return self.memory_max / max(1, self.memory_min) if self.peak_memory_bytes else None
+
+    def record(self) -> dict:
+        row = {k: v for k, v in asdict(self).items() if k != "config"}
+        row.update(memory_max_bytes=self.memory_max, memory_min_bytes=self.memory_min,
+                   memory_imbalance=self.imbalance)
+        return row
+
+
+@dataclass
+class Recommendation:
+    strategy: Optional[str]
+    label: Optional[str]
+    reason: str
+    config: Optional[object] = field(default=None, repr=False)
+
+    def line(self) -> str:
+        return f"Recommendation: {self.reason}"
+
+
+@dataclass
+class CompareReport:
+    """What :func:`compare` found; ``table()`` and ``markdown()`` render it."""
+
+    title: str
+    rows: List[RunRow]
+    loss_check: str
+    recommendation: Recommendation
+    memory_budget_bytes: Optional[int] = None
+    paths: dict = field(default_factory=dict)
+
+    def measured(self) -> List[RunRow]:
+        return [r for r in self.rows if r.status == "ok"]
+
+    def table(self) -> str:
+        return render_text(self)
+
+    def markdown(self) -> str:
+        return render_markdown(self)
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def summarize_history(history: List[dict], warmup_steps: int) -> dict:
+    """Throughput, step time, peaks and losses of the epochs after the warm-up.
+
+    Each epoch's time is its mean step time x its steps; throughput is weighted by time,
+    so a short last epoch counts for what it is.
+    """
+    if not history:
+        raise ValueError("the run reported no epoch")
+    measured, previous = [], 0
+    for entry in history:
+        steps = entry["step"] - previous
+        previous = entry["step"]
+        if entry["step"] > warmup_steps and steps > 0:
+            measured.append((entry, steps, entry["step_time_s"] * steps))
+    if not measured:  # everything was warm-up: report the last epoch rather than nothing
+        last = history[-1]
+        measured = [(last, 1, last["step_time_s"])]
+    seconds = sum(t for _, _, t in measured)
+    peaks = [max(values) for values in zip(*(e["peak_memory_bytes"] for e, _, _ in measured))]
+    return {"samples_per_s": sum(e["samples_per_s"] * t for e, _, t in measured) / max(seconds, 1e-12),
+            "step_time_s": seconds / sum(s for _, s, _ in measured),
+            "peak_memory_bytes": [int(p) for p in peaks],
+            "train_loss": history[-1]["train_loss"], "test_loss": history[-1].get("test_loss")}
+
+
+def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float = LOSS_RTOL) -> str:
+    """Mark each measured row's ``loss_agrees`` against the first one; one line saying what was found."""
+    measured = [r for r in rows if r.status == "ok" and r.test_loss is not None]
+    if not comparable or len(measured) < 2:
+        return f"losses not compared: {why_not}" if not comparable else "losses not compared: fewer than 2 runs"
+    reference = measured[0]
+    bad = []
+    for row in measured:
+        diffs = [abs(a - b) / max(abs(b), 1e-12)
+                 for a, b in ((row.test_loss, reference.test_loss), (row.train_loss, reference.train_loss))]
+        row.loss_agrees = max(diffs) <= rtol
+        if not row.loss_agrees:
+            bad.append(f"{row.label} (test loss {row.test_loss:.6f} vs {reference.test_loss:.6f}, "
+                       f"rel. diff {max(diffs):.1e})")
+    if bad:
+        return (f"LOSSES DISAGREE (> {rtol:g} relative to {reference.label}): {'; '.join(bad)}. These strategies "
+                f"should compute the same function: treat this as a bug.")
+    spread = max(abs(r.test_loss - reference.test_loss) / max(abs(reference.test_loss), 1e-12) for r in measured)
+    return (f"losses agree: {len(measured)} runs within {rtol:g} relative (largest difference {spread:.1e}, "
+            f"test loss {reference.test_loss:.6f})")
+
+
+def losses_comparable(cfg, model) -> tuple:
+    """``(True, "")`` if every strategy computes the same thing for this model and config."""
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if cfg.precision != "32":
+        return False, f"precision={cfg.precision!r} rounds differently per split; use precision='32'"
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            return False, f"the model has BatchNorm ({name}): its statistics depend on each device's share of the batch"
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return False, f"the model has dropout ({name}, p={module.p}): random per process"
+    return True, ""
+
+
+def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int]) -> Recommendation:
+    """The fastest measured strategy that fits the budget at the configured batch and agrees on the loss."""
+    measured = [r for r in rows if r.status == "ok" and r.samples_per_s]
+    left_out = []
+    usable = []
+    for row in measured:
+        if row.loss_agrees is False:
+            left_out.append(f"{row.label} (loss disagrees)")
+        elif budget is not None and row.max_batch is not None and row.max_batch < batch_size:
+            left_out.append(f"{row.label} (batch {batch_size} does not fit {format_bytes(budget)})")
+        else:
+            usable.append(row)
+    if not usable:
+        return Recommendation(None, None, "no strategy ran and fit: " + ("; ".join(left_out) or "none ran"))
+    excluded = f" (left out: {'; '.join(left_out)})" if left_out else ""
+    ranked = sorted(usable, key=lambda r: r.samples_per_s, reverse=True)
+    best = ranked[0]
+    others = [r for r in ranked[1:]]
+    if best.label == REFERENCE:
+        runner = others[0] if others else None
+        beat = f" (the best, {runner.label}, reaches {runner.speedup:.2f}x)" if runner and runner.speedup else ""
+        return Recommendation("ddp", best.label, f"train on one device: no multi-device strategy beat it on this "
+                              f"cluster{beat}{excluded}", best.config)
+    versus = (f", {100 * (best.samples_per_s / others[0].samples_per_s - 1):.0f}% faster than {others[0].label}"
+              if others else "")
+    memory = (f", peak {format_bytes(best.memory_max)} per device (max/min {best.imbalance:.2f})"
+              if best.peak_memory_bytes else "")
+    fits = (f", fits batches up to {best.max_batch} in {format_bytes(budget)}"
+            if budget is not None and best.max_batch else "")
+    speed = f" = {best.speedup:.2f}x one device" if best.speedup else ""
+    return Recommendation(best.strategy, best.label,
+                          f"use {best.label} ({best.layout}): {best.samples_per_s:,.0f} samples/s{speed}{versus}"
+                          f"{memory}{fits}{excluded}", best.config)
+
+
+# ----------------------------------------------------------------------------- rendering
 
 
 def _num(fmt: str) -> Callable:
     return lambda v: "-" if v is None else format(v, fmt)
 
 
-def _columns(report: "CompareReport") -> List[Tuple[str, Callable[["RunRow"], str]]]:
+def _columns(report: CompareReport) -> List[Tuple[str, Callable[[RunRow], str]]]:
     columns = [
         ("strategy", lambda r: r.label),
         ("layout", lambda r: r.layout),
@@ -48,11 +230,11 @@ def _columns(report: "CompareReport") -> List[Tuple[str, Callable[["RunRow"], st
     return columns
 
 
-def _not_run(report: "CompareReport") -> List[str]:
+def _not_run(report: CompareReport) -> List[str]:
     return [f"{r.label}: {r.status}: {r.reason}" for r in report.rows if r.status != "ok"]
 
 
-def render_text(report: "CompareReport") -> str:
+def render_text(report: CompareReport) -> str:
     """The terminal table, then what did not run, the loss check and the recommendation."""
     columns = _columns(report)
     rows = [[fmt(r) for _, fmt in columns] for r in report.measured()]
@@ -69,7 +251,7 @@ def render_text(report: "CompareReport") -> str:
     return "\n".join(out)
 
 
-def render_markdown(report: "CompareReport") -> str:
+def render_markdown(report: CompareReport) -> str:
     columns = _columns(report)
     out = [f"### {report.title}", "", "| " + " | ".join(h for h, _ in columns) + " |",
            "|" + "|".join("---" if i < 2 else "---:" for i in range(len(columns))) + "|"]
@@ -108,7 +290,7 @@ def _memory_panel(ax, rows: list, highs: List[Optional[float]], lows: List[Optio
     ax.legend(loc="lower right", fontsize=7, framealpha=0.9)
 
 
-def draw_chart(report: "CompareReport") -> bytes:
+def draw_chart(report: CompareReport) -> bytes:
     """A PNG: throughput (speed-up annotated), measured and estimated per-device memory (max/min)."""
     import matplotlib
 
@@ -179,7 +361,7 @@ def _write(path: str, data: bytes) -> None:
     Path(path).write_bytes(data)
 
 
-def write_outputs(report: "CompareReport", out_dir: str) -> dict:
+def write_outputs(report: CompareReport, out_dir: str) -> dict:
     """``compare.md``, ``compare.parquet`` (one row per strategy, skipped ones too) and ``compare.png``."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.compare import (REFERENCE, CompareReport, RunRow, check_losses, compare, recommend,
-                                   summarize_history)
-from raytrain_mgpu.compare_report import CHART_FILE, MARKDOWN_FILE, PARQUET_FILE, write_outputs
+from raytrain_mgpu.compare import compare
+from raytrain_mgpu.compare_report import (CHART_FILE, MARKDOWN_FILE, PARQUET_FILE, REFERENCE, CompareReport, RunRow,
+                                          check_losses, recommend, summarize_history, write_outputs)
 from raytrain_mgpu.memory import (device_memory, largest_batch, max_batch_within_budget, parse_bytes,
                                   profile_model)
 
