@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Dict, List, Optional
@@ -64,6 +66,46 @@ def free_address() -> tuple:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return ip, sock.getsockname()[1]
+
+
+class Prefetcher:
+    """Reads the next batch in a background thread while the stage computes.
+
+    On the first stage, loading sits on the critical path: the pipeline cannot fill until
+    micro-batch 0 exists. Read ahead, it runs in the stage's idle slots (the bubble) instead.
+    The thread holds at most one batch ahead and stops with :meth:`close`.
+    """
+
+    def __init__(self, iterator):
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iterator,), daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _run(self, iterator) -> None:
+        while not self._stop.is_set():
+            try:
+                item = next(iterator)
+            except BaseException as exc:  # StopIteration or a reader error: hand it to the consumer
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def __next__(self):
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class StageWorker:
@@ -188,7 +230,9 @@ class StageWorker:
 
     def start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
-        self._batches = iter(self.loader) if self.is_first else None
+        if getattr(self, "_batches", None) is not None:
+            self._batches.close()
+        self._batches = Prefetcher(iter(self.loader)) if self.is_first else None
         for stage in self.stages.values():
             stage.train()
         reset_peak_memory([self.device])
@@ -317,5 +361,7 @@ class StageWorker:
                                      train_state=train_state, part=f"-stage{self.prank}")
 
     def close(self) -> None:
+        if getattr(self, "_batches", None) is not None:
+            self._batches.close()
         if dist.is_initialized():
             dist.destroy_process_group()
