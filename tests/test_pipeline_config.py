@@ -81,7 +81,7 @@ def test_a_model_that_cannot_be_split_says_why():
     cfg = pipeline_cfg(model=f"{__name__}:residual_model", dataset="synthetic", input_shape=[4], num_classes=4,
                        model_kwargs={})
     with pytest.raises(ValueError, match=r"model Residual cannot be split into stages: it is not an nn.Sequential"):
-        choose_partition(cfg)
+        get_strategy("pipeline").check_model(cfg, (4,), 4)  # what fit() calls before Ray
 
 
 def test_partition_by_params_on_the_meta_device():

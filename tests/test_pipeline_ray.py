@@ -33,8 +33,8 @@ class Reporter:
     def epoch(self, metrics):
         self.epochs.append(metrics)
 
-    def step(self, step, total):
-        self.steps.append((step, total))
+    def step(self, step, total, epoch=0):
+        self.steps.append((step, total, epoch))
 
 
 def assert_same_weights(path: str, cfg: TrainConfig, steps: int) -> None:
@@ -53,7 +53,7 @@ def test_pipeline_trains_checkpoints_and_resumes(ray_session, storage):
     assert [m["epoch"] for m in outcome.history] == [1, 2] and reporter.epochs == outcome.history
     metrics = outcome.history[-1]
     assert EPOCH_KEYS <= metrics.keys()
-    assert metrics["step"] == 6 and reporter.steps[-1] == (6, 6)
+    assert metrics["step"] == 6 and reporter.steps[-1] == (3, 3, 2)
     assert metrics["partition"] == [3, 2] and len(metrics["peak_memory_bytes"]) == 2
     assert metrics["ideal_bubble_fraction"] == pytest.approx(1 / 5)
     assert 0 <= metrics["bubble_fraction"] < 1 and metrics["test_accuracy"] is not None
@@ -65,7 +65,8 @@ def test_pipeline_trains_checkpoints_and_resumes(ray_session, storage):
         "history.json", "meta.json", "model-stage0.pt", "model-stage1.pt", "train_state-stage0.pt",
         "train_state-stage1.pt"]
     assert not list(folder.parent.glob(".tmp*"))
-    assert read_meta(str(folder))["partition"] == [3, 2]
+    meta = read_meta(str(folder))
+    assert meta["partition"] == [3, 2] and meta["input_shape"] == [12] and meta["num_classes"] == 5
     assert_same_weights(outcome.checkpoint_path, cfg, 6)
 
     # the same name and storage: resumes after epoch 2 with the optimizer state

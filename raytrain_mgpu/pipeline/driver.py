@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 
 from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.pipeline.partition import Partition
 from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
@@ -92,23 +93,23 @@ def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Opt
         infos = group.setup(partition, state.checkpoint, state.step)
         logger.debug("actor group set up after %.1f s", time.perf_counter() - started)
         steps_per_epoch = infos[0]["steps_per_epoch"]
-        total = cfg.epochs * steps_per_epoch if cfg.max_steps is None else min(cfg.epochs * steps_per_epoch,
-                                                                                cfg.max_steps)
         D, m = num_replicas(cfg), cfg.num_microbatches
         logger.info("%s: %d replica(s) x %d stages (%s, partition %s); global batch %d = %d x %d micro-batches "
                     "x %d rows; %d steps per epoch", cfg.strategy, D, cfg.num_stages, cfg.schedule,
                     list(partition.counts), cfg.batch_size, D, m, cfg.batch_size // (D * m), steps_per_epoch)
+        input_shape, num_classes = check_data(cfg.data)
+        shape_info = {"input_shape": list(input_shape), "num_classes": num_classes}  # for load_model()
         path = state.checkpoint
         for epoch in range(state.epoch, cfg.epochs):
             if finished(cfg, state):
                 break
-            metrics = _train_epoch(cfg, group, state, epoch, steps_per_epoch, total, reporter, partition)
+            metrics = _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition)
             last = epoch + 1 == cfg.epochs or finished(cfg, state)
             if last or (epoch + 1) % cfg.eval_every_epochs == 0:
                 metrics.update(_evaluate(group))
             state.epoch = epoch + 1
             state.history.append(metrics)
-            path = _save(cfg, group, state, partition)
+            path = _save(cfg, group, state, partition, shape_info)
             reporter.epoch(metrics)
         group.shutdown(graceful=True)
         return path, state.history
@@ -117,7 +118,7 @@ def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Opt
 
 
 def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: int, steps_per_epoch: int,
-                 total: int, reporter, partition: Partition) -> dict:
+                 reporter, partition: Partition) -> dict:
     group.call("start_epoch", epoch)
     steps = steps_per_epoch if cfg.max_steps is None else min(steps_per_epoch, cfg.max_steps - state.step)
     start, done, chunk = time.perf_counter(), 0, 1
@@ -128,7 +129,7 @@ def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: in
         elapsed = time.perf_counter() - call_start
         done += n
         state.step += n
-        reporter.step(state.step, total)
+        reporter.step(done, steps, epoch + 1)  # as the data-parallel loop reports: within the epoch
         chunk = max(1, int(n * TARGET_CALL_S / max(elapsed, 1e-3)))
     elapsed = time.perf_counter() - start
     return epoch_metrics(cfg, group.call("finish_epoch"), epoch, state, elapsed, partition)
@@ -165,7 +166,7 @@ def _evaluate(group: StageGroup) -> dict:
     return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1)}
 
 
-def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Partition) -> str:
+def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Partition, shape_info: dict) -> str:
     folder = run_dir(cfg)
     final = folder / f"{CHECKPOINT_PREFIX}{state.epoch:06d}"
     tmp = folder / f".tmp-{CHECKPOINT_PREFIX}{state.epoch:06d}"
@@ -174,7 +175,7 @@ def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Parti
     group.call("save", str(tmp))
     meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy, "epoch": state.epoch,
             "step": state.step, "attempt": state.attempt, "partition": list(partition.counts),
-            "num_stages": cfg.num_stages, "schedule": cfg.schedule, "config": cfg.to_dict()}
+            "num_stages": cfg.num_stages, "schedule": cfg.schedule, **shape_info, "config": cfg.to_dict()}
     ckpt_format.write_checkpoint(str(tmp), meta=meta, history=state.history)  # last: marks it complete
     if final.exists():
         shutil.rmtree(final)

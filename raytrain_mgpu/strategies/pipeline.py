@@ -4,8 +4,8 @@ Both run in their own Ray actor group, not as Ray Train workers (``runner =
 "actor_group"``): one actor per stage and replica, see :mod:`raytrain_mgpu.pipeline`.
 These classes only hold the driver-side rules: what a config must satisfy and which
 resources it needs. The checks that need the model (more stages than blocks, a model
-that cannot be split) run in :func:`raytrain_mgpu.pipeline.plan.choose_partition`,
-still before any actor starts.
+that cannot be split) run in :meth:`PipelineStrategy.check_model`, on the meta device,
+before Ray is touched.
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ class PipelineStrategy(Strategy):
         if cfg.compile:
             raise ValueError(f"TrainConfig.compile=True is not supported by strategy={cls.name!r} yet. "
                              f"Set compile=False.")
+
+    @classmethod
+    def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
+        """More stages than blocks, a model that cannot be split, a wrong balance list."""
+        from raytrain_mgpu.pipeline.plan import check_splittable
+
+        check_splittable(cfg)
 
     @classmethod
     def _check_batch(cls, cfg: "TrainConfig") -> None:
