@@ -33,7 +33,7 @@ from raytrain_mgpu.auto import ClusterInfo, cluster_info, describe_layout, plan_
 from raytrain_mgpu.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
-from raytrain_mgpu.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
+from raytrain_mgpu.memory import (batch_granularity, device_memory, format_bytes, largest_batch, parse_bytes,
                                   profile_config)
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _skip_unplaceable(rows: List[RunRow], use_gpu: bool) -> None:
             row.status, row.reason, row.config = "skipped", str(exc), None
 
 
-def _estimate_columns(rows: List[RunRow], profile, budget: Optional[int], batch_limit: int) -> None:
+def _estimate_columns(rows: List[RunRow], profile, budget: Optional[int]) -> None:
     """Estimated peak at the configured batch, and (with a budget) the largest batch by the estimate.
 
     Raises ValueError before anything runs when the budget fits no strategy at any batch.
@@ -141,7 +141,7 @@ def _estimate_columns(rows: List[RunRow], profile, budget: Optional[int], batch_
         if budget is None:
             continue
         granularity = batch_granularity(row.strategy, row.config)
-        row.max_batch = largest_batch(lambda b: max(d.at(b) for d in devices) <= budget, granularity, batch_limit)
+        row.max_batch = largest_batch(lambda b: max(d.at(b) for d in devices) <= budget, granularity)
         row.max_batch_method = "estimate"
         smallest.append((max(d.at(granularity) for d in devices), row.label, granularity))
     if smallest and all(row.max_batch == 0 for row in rows if row.max_batch is not None):
@@ -161,8 +161,9 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
             stream=None) -> CompareReport:
     """Run ``cfg`` under each strategy (default: all that can run here) and report side by side.
 
-    ``memory_budget_bytes``: per-device budget for the largest-batch column (default: the
-    GPU's memory; none on CPU). ``out_dir``: where the Markdown, Parquet and PNG go
+    ``memory_budget_bytes``: per-device budget for the largest-batch column, bytes or a
+    size such as ``"24GiB"`` (default: ``cfg.memory_budget_bytes``, else the GPU's memory;
+    none on CPU). ``out_dir``: where the Markdown, Parquet and PNG go
     (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
     lines go (default: nowhere).
     """
@@ -170,18 +171,22 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)
+    if memory_budget_bytes is None:
+        memory_budget_bytes = getattr(cfg, "memory_budget_bytes", None)
+    if memory_budget_bytes is not None:
+        memory_budget_bytes = parse_bytes(memory_budget_bytes, "compare: memory_budget_bytes")
     # Everything that can fail without Ray fails here: the model, the data, the budget (CPU).
     profile = profile_config(cfg)
     num_train = len(build_datasets(cfg.data).train)
     info = None if cfg.use_gpu else cluster_info(cfg)
-    rows = _prepare(cfg, names, info, profile, memory_budget_bytes, num_train) if info else None
+    rows = _prepare(cfg, names, info, profile, memory_budget_bytes) if info else None
     root = f"{(storage_path or cfg.storage_path).rstrip('/')}/compare-{time.strftime('%Y%m%d-%H%M%S')}"
     started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
     sink = stream or open(os.devnull, "w")
     try:
         if info is None:
             info = cluster_info(cfg)
-            rows = _prepare(cfg, names, info, profile, memory_budget_bytes, num_train)
+            rows = _prepare(cfg, names, info, profile, memory_budget_bytes)
         _skip_unplaceable(rows, cfg.use_gpu)
         budget = memory_budget_bytes or info.device_memory_bytes
         warm = 0
@@ -205,9 +210,9 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     return report
 
 
-def _prepare(cfg, names, info: ClusterInfo, profile, budget: Optional[int], num_train: int) -> List[RunRow]:
+def _prepare(cfg, names, info: ClusterInfo, profile, budget: Optional[int]) -> List[RunRow]:
     rows = _plan(cfg, names, info)
-    _estimate_columns(rows, profile, budget or info.device_memory_bytes, num_train)
+    _estimate_columns(rows, profile, budget or info.device_memory_bytes)
     return rows
 
 
@@ -247,9 +252,10 @@ def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, strea
         return max(result.metrics["peak_memory_bytes"]) <= budget
 
     try:
-        row.max_batch = largest_batch(fits, batch_granularity(row.strategy, row.config), num_train,
-                                      start=row.max_batch or None, resolution=1 / 8)
+        granularity = batch_granularity(row.strategy, row.config)
+        row.max_batch = largest_batch(fits, granularity, num_train, start=row.max_batch or None, resolution=1 / 8)
         row.max_batch_method = "tried"
+        row.max_batch_capped = row.max_batch == num_train // granularity * granularity
     except Exception as exc:
         logger.warning("compare: trying batch sizes for %s failed (%s); keeping the estimate", row.label, exc)
 
@@ -269,7 +275,7 @@ def _finish(cfg, rows: List[RunRow], info: ClusterInfo, budget: Optional[int], s
     with torch.device("meta"):
         model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
     comparable, why_not = losses_comparable(cfg, model)
-    loss_check = check_losses(rows, comparable, why_not)
+    loss_check = check_losses(rows, comparable, why_not, optimizer=cfg.optimizer)
     title = (f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}, "
              f"seed {cfg.seed}: {steps} measured steps after {warm} warm-up, {info.describe()}")
     return CompareReport(title, rows, loss_check, recommend(rows, cfg.batch_size, budget), budget)

@@ -170,10 +170,11 @@ def test_losses_that_differ_are_flagged_and_left_out_of_the_recommendation():
     assert agree.loss_check.startswith("losses agree: 3 runs")
     assert agree.recommendation.strategy == "ddp" and "1.80x one device" in agree.recommendation.reason
     differ = fake_report(test_losses=(0.9, 0.95, 0.9))
-    assert differ.loss_check.startswith("LOSSES DISAGREE") and "ddp (test loss 0.950000" in differ.loss_check
+    assert differ.loss_check.startswith("LOSSES DISAGREE") and "ddp (0.950000 vs 0.900000" in differ.loss_check
     assert [r.loss_agrees for r in differ.rows[:3]] == [True, False, True]
     assert differ.recommendation.label == REFERENCE  # ddp is out; dp is slower than one device
     assert "! " not in differ.table() and "0.95000 !" in differ.table()
+    assert "if they shrink with optimizer='sgd', it is rounding" in check_losses(differ.rows, True, "", optimizer="adamw")
     assert "losses not compared: the model has BatchNorm" in check_losses(differ.rows, False,
                                                                          "the model has BatchNorm (bn1)")
 
