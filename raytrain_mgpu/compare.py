@@ -17,8 +17,9 @@ from the estimate in :mod:`raytrain_mgpu.memory`, or, with ``batch_search="try"`
 default on GPU), from short trial runs that start at the estimate.
 
 Strategies that compute the same function of the same samples (every built-in one, for a
-model without BatchNorm or dropout, in fp32) must end with the same loss; the report
-flags any that differ by more than ``LOSS_RTOL``.
+model without BatchNorm or dropout, in fp32) must have the same loss over the first
+epoch; the report flags any that differ by more than ``LOSS_RTOL`` (later losses drift
+apart by rounding alone: see :func:`raytrain_mgpu.compare_report.check_losses`).
 """
 
 from __future__ import annotations

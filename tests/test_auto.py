@@ -92,3 +92,29 @@ def test_a_resumed_run_keeps_the_strategy_it_started_with(tmp_path):
     assert (resolved.strategy, resolved.num_stages) == ("pipeline", 3)
     assert record == {"auto_strategy": "pipeline",
                       "auto_reason": "resuming: the run keeps the strategy it started with"}
+
+
+# ----------------------------------------------------------------------------- once config/api/cli carry "auto"
+
+INTEGRATED = "auto_measure" in rtm.TrainConfig.field_names()
+needs_integration = pytest.mark.skipif(not INTEGRATED, reason="TrainConfig has no auto_measure/memory_budget_bytes "
+                                                              "yet (config.py/api.py changes of issue 6)")
+
+
+@needs_integration
+def test_config_accepts_auto_and_a_budget_with_units():
+    cfg = rtm.TrainConfig(strategy="auto", memory_budget_bytes="4MiB")
+    assert cfg.name == "lenet-digits-auto" and cfg.memory_budget_bytes == 4 * MiB
+    with pytest.raises(ValueError, match=r"TrainConfig.memory_budget_bytes='lots' is not a size"):
+        rtm.TrainConfig(strategy="auto", memory_budget_bytes="lots")
+
+
+@needs_integration
+@pytest.mark.ray
+def test_fit_with_auto_records_the_choice_in_the_history(ray_session, storage):
+    import pyarrow.parquet as pq
+
+    result = rtm.fit(rtm.TrainConfig(strategy="auto", num_workers=2, epochs=1, max_steps=2, storage_path=storage))
+    assert result.config.strategy == "ddp" and result.config.num_workers == 2
+    assert result.metrics["auto_strategy"] == "ddp" and result.metrics["auto_reason"].startswith("ddp over all 2")
+    assert pq.read_table(f"{result.path}/history.parquet").column("auto_strategy").to_pylist() == ["ddp"]
