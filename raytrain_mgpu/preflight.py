@@ -9,11 +9,17 @@ whole epoch of work. The checks here say what is wrong at once:
 - :func:`probe_ray_address`: one gRPC call to the cluster's GCS (3 s at most) tells
   "nothing there" from "wrong or missing token";
 - :func:`check_storage_reachable`: one zero-CPU task per alive node checks that the node
-  sees a marker file the driver just wrote, and can write next to it.
+  sees a marker file the driver just wrote, and can write next to it;
+- :func:`check_run_folder`: a run folder holding checkpoints of another model or strategy
+  is refused whichever runner wrote them. Each runner only looks for its own checkpoints
+  (Ray Train's snapshot, the pipeline's ``checkpoint_epoch*``), so without this a
+  ``pipeline`` run started over silently in a ``ddp`` run's folder and replaced its
+  ``history.parquet``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -22,7 +28,7 @@ from typing import List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["probe_ray_address", "check_storage_reachable"]
+__all__ = ["probe_ray_address", "check_storage_reachable", "check_run_folder"]
 
 _PROBE_TIMEOUT_S = 3.0
 _TOKEN_FIX = ("The cluster runs with token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH "
@@ -170,3 +176,30 @@ def _node_sees_storage(storage_path: str, marker: str) -> Optional[str]:
         return None
     except Exception as exc:  # permissions, credentials, a missing bucket: all worth reporting
         return f"{type(exc).__name__}: {exc}"
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+def check_run_folder(cfg) -> None:
+    """Raise ``ValueError`` if ``{storage_path}/{name}`` holds a checkpoint of another model
+    or strategy (any ``checkpoint*/meta.json``, whichever runner wrote it)."""
+    import pyarrow.fs as pafs
+
+    from raytrain_mgpu import checkpoint as ckpt_format
+
+    run = f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
+    fs, path = _filesystem(run)
+    entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    folders = sorted(e.path for e in entries
+                     if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint"))
+    for folder in folders:
+        meta_path = f"{folder}/{ckpt_format.META_FILE}"
+        if fs.get_file_info(meta_path).type != pafs.FileType.File:
+            continue  # not a complete checkpoint: no runner resumes from it
+        try:
+            with fs.open_input_stream(meta_path) as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError):  # cut short by a kill: no runner resumes from it either
+            continue
+        ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, f"{run}/{folder.rsplit('/', 1)[-1]}")

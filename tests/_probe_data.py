@@ -1,16 +1,18 @@
 """A user dataset factory for fault and multi-node tests: digits, plus instrumentation.
 
 ``dataset="_probe_data:digits"`` with ``data_root=<probe dir>``. Inside a Ray Train worker
-it writes ``worker-<rank>-<pid>.json`` (world/node/local rank, node IP, PID) into the
+it writes ``worker-<rank>-<pid>.json`` (world/node/local rank, node IP, PID, start time) into the
 probe dir, appends every training index it serves to ``indices-<rank>-<pid>.txt``, and
 carries out the faults listed in ``plan.json``::
 
     [{"action": "kill_process", "rank": 1, "after_samples": 1056},
-     {"action": "kill_in_save", "rank": 0, "after_saves": 1, "after": "kill_process"}]
+     {"action": "kill_in_save", "rank": 0, "after_saves": 1, "after": "kill_process"},
+     {"action": "kill_node", "node_ip": "10.213.77.2", "after_samples": 1056}]
 
-Each fault happens once per probe dir (a ``done-<action>`` file records it) and is armed
-in a worker process only if the fault named by ``after`` has already happened when that
-process starts. Actions, after ``after_samples`` training samples served by this process:
+A fault applies to the workers whose world ``rank`` and ``node_ip`` match (either may be
+left out). It happens once per probe dir (a ``done-<action>`` file records it) and is
+armed in a worker process only if the fault named by ``after`` has already happened
+when that process starts. Actions, after ``after_samples`` training samples served by this process:
 ``kill_process`` (SIGKILL itself), ``kill_node`` (SIGKILL every process of its Ray node,
 those carrying its ``RTM_TEST_NODE`` marker from ``_ray_nodes.py``: a lost machine),
 ``stall`` (sleep an hour). ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
@@ -43,7 +45,7 @@ def digits(cfg) -> Datasets:
     probe = Path(cfg.data_root)
     (probe / f"worker-{info['world_rank']}-{info['pid']}.json").write_text(json.dumps(info))
     sample_fault = None
-    for fault in _armed(probe, info["world_rank"]):
+    for fault in _armed(probe, info):
         if fault["action"] == "kill_in_save":
             _arm_kill_in_save(probe, fault["after_saves"])
         else:
@@ -52,13 +54,17 @@ def digits(cfg) -> Datasets:
     return data._replace(train=train)
 
 
-def _armed(probe: Path, rank: int) -> list:
+def _armed(probe: Path, info: dict) -> list:
+    """The faults of plan.json that this worker process carries out: those whose ``rank``
+    (world rank) and ``node_ip``, where given, match it, not done yet, and ready."""
     plan_file = probe / "plan.json"
     if not plan_file.is_file():
         return []
     plan = json.loads(plan_file.read_text())
     return [f for f in (plan if isinstance(plan, list) else [plan])
-            if f["rank"] == rank and not (probe / f"done-{f['action']}").exists()
+            if f.get("rank", info["world_rank"]) == info["world_rank"]
+            and f.get("node_ip", info["node_ip"]) == info["node_ip"]
+            and not (probe / f"done-{f['action']}").exists()
             and (not f.get("after") or (probe / f"done-{f['after']}").exists())]
 
 
@@ -69,7 +75,7 @@ def _worker_info():
         ctx = ray.train.get_context()
         return {"world_rank": ctx.get_world_rank(), "world_size": ctx.get_world_size(),
                 "node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
-                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "started": time.time(),
                 "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
     except Exception:  # not inside a Ray Train worker
         return None

@@ -46,13 +46,9 @@ def _probe(tmp_path: Path, **plan) -> Path:
 
 def _served(probe: Path, rank: int) -> list:
     """Per worker process of ``rank`` (in start order): the training indices it served."""
-    starts = sorted(probe.glob(f"worker-{rank}-*.json"), key=lambda p: p.stat().st_mtime)
-    runs = []
-    for start in starts:
-        pid = json.loads(start.read_text())["pid"]
-        lines = (probe / f"indices-{rank}-{pid}.txt").read_text().split()
-        runs.append([int(i) for i in lines])
-    return runs
+    infos = sorted((json.loads(p.read_text()) for p in probe.glob(f"worker-{rank}-*.json")),
+                   key=lambda info: info["started"])
+    return [[int(i) for i in (probe / f"indices-{rank}-{info['pid']}.txt").read_text().split()] for info in infos]
 
 
 @pytest.fixture
@@ -175,6 +171,17 @@ def test_resume_from_a_checkpoint_of_another_strategy_is_refused_and_keeps_the_r
         rtm.fit(ref.config.replace(strategy="fsdp", epochs=4))
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written, nothing deleted
     assert ref.load_model() is not None
+
+    # The pipeline runner keeps checkpoints of its own and does not look at Ray Train's:
+    # the run-folder check refuses for it, whichever runner wrote the checkpoints.
+    pipeline = ref.config.replace(strategy="pipeline", num_stages=2)
+    with pytest.raises(ValueError, match=r"written by strategy='ddp', but this run has strategy='pipeline'"):
+        preflight.check_run_folder(pipeline)
+    preflight.check_run_folder(ref.config.replace(epochs=4))  # the same run may go on
+    if _wired(api, "check_run_folder"):
+        with pytest.raises(ValueError, match=r"strategy='pipeline'"):
+            rtm.fit(pipeline)
+        assert sorted(p.name for p in run.iterdir()) == before
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not parquet"])

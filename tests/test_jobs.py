@@ -114,3 +114,23 @@ def test_submission_without_or_with_a_wrong_token_is_refused(head):
     # None of them got in: the job list is readable with the token and holds no `echo`.
     listed = _ray(head, "job", "list", "--address", head.dashboard)
     assert listed.returncode == 0 and "'echo hi'" not in listed.stdout
+
+
+def test_training_against_the_cluster_with_a_wrong_token_is_refused_at_once(head):
+    # The check fit runs before ray.init (which would retry for 20 s, then blame the network).
+    probe = f"from raytrain_mgpu.preflight import probe_ray_address; probe_ray_address({head.gcs!r})"
+    python = str(Path(RAY).parent / "python")
+    assert head.run([python, "-c", probe], timeout_s=120).returncode == 0  # the right token
+    wrong = head.run([python, "-c", probe], timeout_s=120, extra_env={"RAY_AUTH_TOKEN": "not-the-token"})
+    assert wrong.returncode != 0
+    assert "refused the connection: this process sent a token that it does not accept" in wrong.stderr
+    assert "RAY_AUTH_TOKEN_PATH" in wrong.stderr  # the fix
+    import raytrain_mgpu.cluster
+
+    if "probe_ray_address" not in Path(raytrain_mgpu.cluster.__file__).read_text():
+        pytest.skip("cluster.connect does not call preflight.probe_ray_address yet")
+    start = time.monotonic()
+    done = head.run([python, "jobs/train.py", "--address", head.gcs, "--epochs", "1"], timeout_s=120,
+                    extra_env={"RAY_AUTH_TOKEN": "not-the-token"}, cwd=str(REPO))
+    assert done.returncode == 2 and "refused the connection" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - start < 60

@@ -1,0 +1,66 @@
+"""A driver process for tests that run ``fit`` from elsewhere (another network namespace).
+
+    RAY_ADDRESS=host:port python tests/_fit_driver.py plan.json results.json
+
+``plan.json`` lists steps, run in order in one Ray connection::
+
+    {"steps": [{"kind": "check_storage", "storage_path": "/x"},
+               {"kind": "fit", "config": {TrainConfig fields}, "weights": "/out/w.pt",
+                "fault_hooks": true}]}
+
+``fault_hooks`` runs the workers through ``_probe_data.guarded_train_worker`` (the hooks of
+``raytrain_mgpu.faults`` that loop.py may not apply itself yet).
+
+After every step ``results.json`` holds one entry per finished step: ``ok``, ``seconds``,
+``error`` ("Type: message") or, for a fit, ``history``, ``path``, ``checkpoint_path``
+(and the trained weights saved to ``weights``).
+"""
+
+import json
+import os
+import sys
+import time
+
+import ray
+import torch
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu import preflight
+
+
+def _run(step: dict) -> dict:
+    if step["kind"] == "check_storage":
+        preflight.check_storage_reachable(step["storage_path"])
+        return {}
+    if step.get("fault_hooks"):
+        import _probe_data
+        import raytrain_mgpu.loop
+
+        raytrain_mgpu.loop.train_worker = _probe_data.guarded_train_worker
+    result = rtm.fit(rtm.TrainConfig(**step["config"]))
+    if step.get("weights"):
+        torch.save(result.load_model().state_dict(), step["weights"])
+    return {"history": result.history, "path": result.path, "checkpoint_path": result.checkpoint_path}
+
+
+def main(plan_path: str, results_path: str) -> None:
+    steps = json.loads(open(plan_path).read())["steps"]
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    results = []
+    try:
+        for step in steps:
+            start = time.monotonic()
+            try:
+                entry = {"ok": True, **_run(step)}
+            except Exception as exc:  # reported to the test, which decides
+                entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            entry["seconds"] = round(time.monotonic() - start, 1)
+            results.append(entry)
+            with open(results_path, "w") as f:
+                json.dump(results, f)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
