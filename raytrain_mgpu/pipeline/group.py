@@ -42,6 +42,23 @@ def wait_all(refs: list) -> list:
     return ray.get(refs)
 
 
+def _runtime_env(cfg: TrainConfig) -> dict:
+    """What the stage actors' processes need beyond Ray's defaults.
+
+    - Ray starts worker processes at nice 15: on a node where anything else runs, every
+      stage would yield to it, and a pipeline runs at the pace of its slowest stage. A
+      stage owns its bundle, so it runs at normal priority (as Ray's job drivers do).
+    - the user's own model/dataset modules, when they live outside installed packages.
+    """
+    from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
+
+    env: dict = {"env_vars": {"RAY_worker_niceness": "0"}}
+    shipped = local_modules_to_ship(cfg.model, cfg.dataset)
+    if shipped:
+        env["py_modules"] = upload_modules(shipped)
+    return env
+
+
 class StageGroup:
     """``num_replicas x num_stages`` :class:`StageWorker` actors, rank = replica * stages + stage."""
 
@@ -68,7 +85,7 @@ class StageGroup:
         actor_class = ray.remote(StageWorker)
         self.actors = [
             actor_class.options(
-                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
+                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0, runtime_env=_runtime_env(cfg),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(cfg, rank, self.fail_at_step)
             for rank in range(self.world_size)
