@@ -94,8 +94,10 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
     """One row per run: the single-device reference first, then each name laid out on ``info``."""
     from dataclasses import replace
 
+    from raytrain_mgpu.strategies import get_strategy
+
     reference = plan_config(cfg, "ddp", replace(info, devices_per_node=(1,)))
-    rows = [RunRow(REFERENCE, "ddp", describe_layout(reference), config=reference)]
+    rows = [RunRow(REFERENCE, "ddp", describe_layout(reference), config=reference, num_processes=1)]
     for name in names:
         try:
             candidate = plan_config(cfg, name, info)
@@ -105,7 +107,8 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
         if name == "ddp" and candidate.num_workers == 1:
             rows.append(RunRow(name, name, "1 worker", status="skipped", reason=f"the same run as '{REFERENCE}'"))
             continue
-        rows.append(RunRow(name, name, describe_layout(candidate), config=candidate))
+        rows.append(RunRow(name, name, describe_layout(candidate), config=candidate,
+                           num_processes=len(get_strategy(name).bundles(candidate))))
     return rows
 
 
@@ -279,4 +282,4 @@ def _finish(cfg, rows: List[RunRow], info: ClusterInfo, budget: Optional[int], s
     loss_check = check_losses(rows, comparable, why_not, optimizer=cfg.optimizer)
     title = (f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}, "
              f"seed {cfg.seed}: {steps} measured steps after {warm} warm-up, {info.describe()}")
-    return CompareReport(title, rows, loss_check, recommend(rows, cfg.batch_size, budget), budget)
+    return CompareReport(title, rows, loss_check, recommend(rows, cfg.batch_size, budget, cfg.use_gpu), budget)

@@ -51,6 +51,7 @@ class RunRow:
     max_batch_method: str = ""                  # estimate | tried | "" (no budget)
     max_batch_capped: bool = False              # tried up to the whole training split, and it fit
     wall_s: Optional[float] = None
+    num_processes: Optional[int] = None         # worker or stage processes the run used
     config: Optional[object] = field(default=None, repr=False)
 
     @property
@@ -181,13 +182,20 @@ def losses_comparable(cfg, model) -> tuple:
     return True, ""
 
 
-def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int]) -> Recommendation:
-    """The fastest measured strategy that fits the budget at the configured batch and agrees on the loss."""
+def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int], on_gpu: bool = True) -> Recommendation:
+    """The fastest measured strategy that fits the budget at the configured batch and agrees on the loss.
+
+    On CPU a strategy in one process (``dp``, ``dp_balanced``, ``mp``: their "devices" are
+    the same CPU) does the work of one device; it can only look faster by noise, so it is
+    not recommended over one device.
+    """
     measured = [r for r in rows if r.status == "ok" and r.samples_per_s]
     left_out = []
     usable = []
     for row in measured:
-        if row.loss_agrees is False:
+        if not on_gpu and row.label != REFERENCE and row.num_processes == 1:
+            left_out.append(f"{row.label} (one process on CPU: one device's work)")
+        elif row.loss_agrees is False:
             left_out.append(f"{row.label} (loss disagrees)")
         elif budget is not None and row.max_batch is not None and row.max_batch < batch_size:
             left_out.append(f"{row.label} (batch {batch_size} does not fit {format_bytes(budget)})")
@@ -394,9 +402,3 @@ def write_outputs(report: CompareReport, out_dir: str) -> dict:
     _write(paths["chart"], draw_chart(report))
     return paths
 
-
-def load_rows(path: str) -> Optional[list]:
-    """The Parquet file's rows as dicts (for tests and notebooks)."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()
