@@ -60,7 +60,8 @@ def test_head_trains_nothing_and_gpu_workers_scale_from_zero(raw):
         assert all(isinstance(v, int) and not isinstance(v, bool) for v in resources.values()), name
         assert resources.get("GPU", 0) >= 1 and node_type["min_workers"] == 0, name
         assert set(node_type["node_config"]) <= EC2_RUN_INSTANCES_KEYS, name
-    markets = {t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on-demand") for t in workers.values()}
+    markets = {t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on-demand")
+               for t in workers.values()}
     assert markets == {"on-demand", "spot"}
     assert raw["idle_timeout_minutes"] > 0
     assert all(1 <= t["max_workers"] <= raw["max_workers"] for t in workers.values())

@@ -86,7 +86,8 @@ def test_job_trains_and_leaves_checkpoint_and_history(head, tmp_path):
 
     # What --working-dir uploaded, as unpacked on the head: the source tree without .venv
     # or .git (Ray skips both by default, and whatever .gitignore lists), so it stays small.
-    unpacked = [p for p in (head.temp_dir / "session_latest" / "runtime_resources" / "working_dir_files").glob("_ray_pkg_*") if p.is_dir()]
+    packages = head.temp_dir / "session_latest" / "runtime_resources" / "working_dir_files"
+    unpacked = [p for p in packages.glob("_ray_pkg_*") if p.is_dir()]
     assert len(unpacked) == 1 and (unpacked[0] / "jobs" / "train.py").is_file()
     assert not (unpacked[0] / ".venv").exists() and not (unpacked[0] / ".git").exists()
     size_mib = sum(p.stat().st_size for p in unpacked[0].rglob("*") if p.is_file()) / 2**20
