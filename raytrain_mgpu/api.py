@@ -8,13 +8,11 @@ family, the pipeline's own actor group for ``pipeline``/``ddp_pipeline``.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 from torch import nn
@@ -25,6 +23,7 @@ from raytrain_mgpu.cluster import check_placeable, connect
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.preflight import check_run_folder, check_storage_reachable
 from raytrain_mgpu.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.strategies import get_strategy
 
@@ -65,10 +64,11 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
     strategy_cls.check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
+    check_run_folder(cfg)  # checkpoints of another model/strategy, whichever runner wrote them
     started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
     try:
         check_placeable(strategy_cls.bundles(cfg), cfg.use_gpu, f"strategy={cfg.strategy!r}")
-        _check_resume(cfg)
+        check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         printer = ProgressPrinter(cfg.epochs, stream)
         printer.banner(_banner(cfg, strategy_cls, input_shape, num_classes))
         if strategy_cls.runner == "actor_group":
@@ -147,44 +147,9 @@ def _run_path(cfg: TrainConfig) -> str:
     return f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
 
 
-def _filesystem(path: str):
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), path
-
-
-def _latest_checkpoint_dir(cfg: TrainConfig) -> Optional[str]:
-    """The checkpoint Ray Train would resume from, read from its snapshot in the run folder."""
-    fs, run = _filesystem(_run_path(cfg))
-    snapshot = f"{run}/checkpoint_manager_snapshot.json"
-    if fs.get_file_info(snapshot).type != pafs.FileType.File:
-        return None
-    with fs.open_input_stream(snapshot) as f:
-        latest = (json.loads(f.read()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
-    return f"{_run_path(cfg)}/{latest}" if latest else None
-
-
-def _check_resume(cfg: TrainConfig) -> None:
-    """An existing run of this name must be one this config can continue."""
-    strategy_cls = get_strategy(cfg.strategy)
-    if strategy_cls.runner != "train_workers":
-        return  # the pipeline runner checks its own checkpoints
-    latest = _latest_checkpoint_dir(cfg)
-    if latest is None:
-        return
-    fs, path = _filesystem(f"{latest}/{ckpt_format.META_FILE}")
-    if fs.get_file_info(path).type != pafs.FileType.File:
-        raise ValueError(f"run folder {_run_path(cfg)!r} holds a checkpoint that is not raytrain-mgpu's "
-                         f"({latest!r} has no meta.json). Use another name or storage_path.")
-    with fs.open_input_stream(path) as f:
-        meta = json.loads(f.read())
-    ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, latest)
-    logger.info("run %s: resuming from %s (epoch %s)", cfg.name, latest, meta.get("epoch"))
-
-
 def _write_history(history: list, run_path: str) -> None:
     if not history:
         return
-    fs, path = _filesystem(run_path)
+    fs, path = ckpt_format.filesystem(run_path)
     fs.create_dir(path, recursive=True)
     pq.write_table(pa.Table.from_pylist(history), f"{path}/{HISTORY_FILE}", filesystem=fs)

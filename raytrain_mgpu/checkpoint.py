@@ -87,6 +87,15 @@ def check_resumable(meta: dict, model: str, strategy: str, directory: str) -> No
             f"for a new run (load the weights with TrainResult.load_model()), or set strategy back.")
 
 
+def filesystem(path: str):
+    """``(pyarrow FileSystem, path in it)`` for a local path or a storage URI."""
+    import pyarrow.fs as pafs
+
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
 @contextlib.contextmanager
 def local_checkpoint(path: str) -> Iterator[str]:
     """A local folder with the checkpoint at ``path`` (a local path or a storage URI)."""

@@ -13,6 +13,8 @@ from typing import Dict, List, Optional
 
 import ray
 
+from raytrain_mgpu.preflight import probe_ray_address
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,6 +23,7 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
+    probe_ray_address(address)  # seconds instead of ray.init's minutes, and a refused token named
     if address is None and local_has_gpu_check:
         import torch
 

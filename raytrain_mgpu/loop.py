@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.faults import name_stuck_ranks, wait_until_report_collected
 from raytrain_mgpu.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
@@ -55,6 +56,7 @@ def _context(cfg: TrainConfig) -> WorkerContext:
                          ctx.get_local_world_size(), ctx.get_node_rank(), devices)
 
 
+@name_stuck_ranks
 def train_worker(payload: dict) -> dict:
     """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "sink": actor}."""
     cfg: TrainConfig = payload["config"]
@@ -242,3 +244,6 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
                                          model_state=model_state, train_state=train_state)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
         ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=checkpoint)
+    # A rank that dies before Ray Train's controller has taken its report would drop this
+    # checkpoint although it is uploaded; waiting costs up to one controller poll (2 s).
+    wait_until_report_collected()

@@ -26,6 +26,8 @@ import socket
 import uuid
 from typing import List, Optional, Tuple
 
+from raytrain_mgpu.checkpoint import filesystem
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["probe_ray_address", "check_storage_reachable", "check_run_folder"]
@@ -107,7 +109,7 @@ def check_storage_reachable(storage_path: str, timeout_s: float = 120.0) -> None
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) <= 1:
         return
-    fs, root = _filesystem(storage_path)
+    fs, root = filesystem(storage_path)
     marker = f"{root.rstrip('/')}/.raytrain-mgpu-reach-{uuid.uuid4().hex[:12]}"
     fs.create_dir(root, recursive=True)
     with fs.open_output_stream(marker) as f:
@@ -123,14 +125,6 @@ def check_storage_reachable(storage_path: str, timeout_s: float = 120.0) -> None
             f"({where}). Workers there could not save checkpoints; Ray Train would only notice after the "
             f"first epoch. Use a folder that every node mounts at the same path (NFS, EFS, a shared disk) "
             f"or a bucket URI such as s3://bucket/runs that every node has credentials for.")
-
-
-def _filesystem(path: str):
-    import pyarrow.fs as pafs
-
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), path
 
 
 def _probe_nodes(nodes: list, storage_path: str, marker: str, timeout_s: float) -> List[Tuple[str, str]]:
@@ -163,7 +157,7 @@ def _duplicate_ips(nodes: list) -> bool:
 def _node_sees_storage(storage_path: str, marker: str) -> Optional[str]:
     """Runs on one node: None if it sees ``marker`` and can write beside it, else why not."""
     try:
-        fs, _ = _filesystem(storage_path)
+        fs, _ = filesystem(storage_path)
         import pyarrow.fs as pafs
 
         if fs.get_file_info(marker).type != pafs.FileType.File:
@@ -189,7 +183,7 @@ def check_run_folder(cfg) -> None:
     from raytrain_mgpu import checkpoint as ckpt_format
 
     run = f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
-    fs, path = _filesystem(run)
+    fs, path = filesystem(run)
     entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     folders = sorted(e.path for e in entries
                      if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint"))
