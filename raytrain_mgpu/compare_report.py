@@ -203,7 +203,7 @@ def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int], on_gpu
             usable.append(row)
     if not usable:
         return Recommendation(None, None, "no strategy ran and fit: " + ("; ".join(left_out) or "none ran"))
-    excluded = f" (left out: {'; '.join(left_out)})" if left_out else ""
+    excluded = f"; left out: {', '.join(left_out)}" if left_out else ""
     ranked = sorted(usable, key=lambda r: r.samples_per_s, reverse=True)
     best = ranked[0]
     others = [r for r in ranked[1:]]

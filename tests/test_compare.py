@@ -186,14 +186,14 @@ def test_on_cpu_a_one_process_strategy_is_not_recommended_over_one_device():
     rows = fake_report().rows
     rows[2].samples_per_s, rows[2].num_processes = 5000, 1  # dp "beats" everything: noise, on CPU
     cpu = recommend(rows, 128, None, on_gpu=False)
-    assert cpu.label == "ddp" and "left out: dp (one process on CPU: one device's work)" in cpu.reason
+    assert cpu.label == "ddp" and "; left out: dp (one process on CPU: one device's work)" in cpu.reason
     assert recommend(rows, 128, None, on_gpu=True).label == "dp"
 
 
 def test_budget_rules_out_strategies_whose_batch_does_not_fit():
     report = fake_report(budget=64 << 20)  # ddp fits at most 64 samples: not the configured 128
     assert report.recommendation.label == REFERENCE  # dp fits but is slower than one device
-    assert "left out: ddp (batch 128 does not fit 64 MiB)" in report.recommendation.reason
+    assert "; left out: ddp (batch 128 does not fit 64 MiB)" in report.recommendation.reason
     assert "max batch @64 MiB" in report.table()
 
 
