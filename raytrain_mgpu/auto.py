@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Optional, Tuple
 
 from raytrain_mgpu.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
@@ -266,13 +265,26 @@ def _nothing_fits(cfg, profile: ModelProfile, budget: int, tried: list, info: Cl
 
 
 def _previous_strategy(cfg) -> Optional[dict]:
-    """The strategy and layout a run of this name started with (a resume must keep them)."""
-    if "://" in str(cfg.storage_path):
-        return None  # remote storage: choose again (a mismatch fails the resume check, loudly)
-    metas = sorted(Path(cfg.storage_path, cfg.name).glob("checkpoint*/meta.json"), key=lambda p: p.stat().st_mtime)
+    """The strategy and layout a run of this name started with (a resume must keep them).
+
+    Read from the newest complete ``checkpoint*/meta.json`` of ``{storage_path}/{name}``,
+    local or remote, whichever runner wrote it (both store the whole config).
+    """
+    import pyarrow.fs as pafs
+
+    from raytrain_mgpu.checkpoint import META_FILE, filesystem
+
+    fs, run = filesystem(f"{cfg.storage_path.rstrip('/')}/{cfg.name}")
+    entries = fs.get_file_info(pafs.FileSelector(run, allow_not_found=True))
+    metas = [info for info in fs.get_file_info([f"{e.path}/{META_FILE}" for e in entries
+                                                if e.type == pafs.FileType.Directory
+                                                and e.base_name.startswith("checkpoint")])
+             if info.type == pafs.FileType.File]
     if not metas:
         return None
-    saved = json.loads(metas[-1].read_text()).get("config", {})
+    newest = max(metas, key=lambda info: info.mtime_ns or 0)
+    with fs.open_input_stream(newest.path) as f:
+        saved = json.loads(f.read()).get("config", {})
     keys = ("strategy", "num_workers", "gpus_per_worker", "num_stages", "num_microbatches", "schedule",
             "balance", "placement")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keys}
