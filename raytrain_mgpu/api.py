@@ -58,18 +58,31 @@ class TrainResult:
 
 
 def fit(cfg: TrainConfig, stream=None) -> TrainResult:
-    """Train ``cfg``; resumes if ``cfg.storage_path``/``cfg.name`` already holds a checkpoint."""
-    strategy_cls = get_strategy(cfg.strategy)
+    """Train ``cfg``; resumes if ``cfg.storage_path``/``cfg.name`` already holds a checkpoint.
+
+    ``strategy="auto"`` is resolved once Ray is connected (it reads the cluster's devices);
+    the choice and its reason are printed, logged, and added to every history row.
+    """
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
-    strategy_cls.check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
-    check_run_folder(cfg)  # checkpoints of another model/strategy, whichever runner wrote them
+    if cfg.strategy != "auto":  # auto: the same checks run on its choice, below
+        get_strategy(cfg.strategy).check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
+        check_run_folder(cfg)  # checkpoints of another model/strategy, whichever runner wrote them
     started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
     try:
+        auto_record = {}
+        if cfg.strategy == "auto":
+            from raytrain_mgpu.auto import resolve_auto
+
+            cfg, auto_record = resolve_auto(cfg)  # validated and model-checked; a resumed run keeps its strategy
+            check_run_folder(cfg)
+        strategy_cls = get_strategy(cfg.strategy)
         check_placeable(strategy_cls.bundles(cfg), cfg.use_gpu, f"strategy={cfg.strategy!r}")
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         printer = ProgressPrinter(cfg.epochs, stream)
+        if auto_record:
+            printer.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         printer.banner(_banner(cfg, strategy_cls, input_shape, num_classes))
         if strategy_cls.runner == "actor_group":
             from raytrain_mgpu.pipeline import run_pipeline
@@ -78,6 +91,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
         else:
             history, checkpoint_path = _run_train_workers(cfg, strategy_cls, printer)
+        history = [{**row, **auto_record} for row in history]
         run_path = _run_path(cfg)
         _write_history(history, run_path)
         return TrainResult(cfg, history, checkpoint_path, run_path)

@@ -72,6 +72,22 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of TrainConfig fields")
     _add_config_options(train)
 
+    compare = commands.add_parser(
+        "compare", help="run the same model, data and batch under each strategy; table, chart, recommendation",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    compare.add_argument("--config", help="YAML file of TrainConfig fields")
+    compare.add_argument("--strategies", help="comma-separated strategy names (default: every one that can "
+                                              "run on this cluster)")
+    compare.add_argument("--steps", type=int, default=20, help="measured optimizer steps per strategy")
+    compare.add_argument("--warmup-steps", type=int, default=5,
+                         help="optimizer steps before measuring (rounded up to whole epochs)")
+    compare.add_argument("--out-dir", help="folder or URI for compare.md, compare.parquet and compare.png "
+                                           "(default: <storage-path>/compare-<time>)")
+    compare.add_argument("--batch-search", choices=("estimate", "try"),
+                         help="largest batch within --memory-budget-bytes from the memory estimate or from "
+                              "trial runs (default: try on GPU, estimate on CPU)")
+    _add_config_options(compare)
+
     bench = commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun")
     bench.add_argument("--num-samples", type=int, default=None, help="training samples per epoch")
     bench.add_argument("--epochs", type=int, default=None, help="epochs per measurement (the first is warm-up)")
@@ -106,6 +122,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from raytrain_mgpu.compare import compare
+
+    cfg = config_from_args(args)
+    strategies = [name.strip() for name in args.strategies.split(",")] if args.strategies else None
+    report = compare(cfg, strategies=strategies, steps=args.steps, warmup_steps=args.warmup_steps,
+                     out_dir=args.out_dir, batch_search=args.batch_search, stream=sys.stdout)
+    print(f"\n{report.table()}\n  markdown: {report.paths['markdown']}\n  parquet:  {report.paths['parquet']}"
+          f"\n  chart:    {report.paths['chart']}")
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from raytrain_mgpu.data.convert import convert_to_parquet
 
@@ -133,6 +161,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _train(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "compare":
+            return _compare(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         print(f"raytrain-mgpu: error: {exc}", file=sys.stderr)

@@ -152,7 +152,7 @@ class TrainConfig:
 
     # --- parallelism
     strategy: str = "ddp"
-    """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (README: choosing a strategy)."""
+    """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (README: choosing a strategy), or auto: chosen with its worker and stage counts from a memory estimate and the cluster's devices when fit starts."""
     num_workers: int = 2
     """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``."""
     use_gpu: bool = False
@@ -173,6 +173,10 @@ class TrainConfig:
     """Placement group strategy for workers or stages (``PACK``, ``SPREAD``, ``STRICT_*``)."""
     output_device: Optional[int] = None
     """``dp``/``ddp2``: local index of the device that gathers outputs (default: the first)."""
+    auto_measure: bool = False
+    """``strategy="auto"``: also time the strategies whose estimate fits in a short compare run (about one short run each) and take the fastest."""
+    memory_budget_bytes: Optional[int] = None
+    """Memory one device may use, e.g. ``24GiB`` or ``24e9``: ``strategy="auto"`` and ``compare`` check their estimates against it (default: the GPU's memory; none on CPU)."""
 
     # --- batch and optimisation
     epochs: int = 8
@@ -257,7 +261,8 @@ class TrainConfig:
 
         check_model_name(self.model)
         check_dataset_name(self.dataset)
-        get_strategy(self.strategy).validate(self)
+        if self.strategy != "auto":  # "auto" is resolved, and its choice validated, in fit()
+            get_strategy(self.strategy).validate(self)
 
     # ------------------------------------------------------------------ checks
 
@@ -270,6 +275,10 @@ class TrainConfig:
             self.balance = tuple(self.balance)
         if isinstance(self.precision, int):
             self.precision = str(self.precision)
+        if isinstance(self.memory_budget_bytes, (str, float)):
+            from raytrain_mgpu.memory import parse_bytes
+
+            self.memory_budget_bytes = parse_bytes(self.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
         if self.storage_path is not None and "://" not in str(self.storage_path):
             self.storage_path = str(Path(self.storage_path).expanduser().resolve())
 
@@ -282,7 +291,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "must be a positive integer", f"Set {name} to 1 or more.")
-        for name in ("max_steps", "num_samples", "num_classes"):
+        for name in ("max_steps", "num_samples", "num_classes", "memory_budget_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 _fail(name, value, "must be a positive integer or None", f"Set {name} to 1 or more, or leave it unset.")
