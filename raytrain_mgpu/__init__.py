@@ -6,8 +6,9 @@
 """
 
 from raytrain_mgpu.api import TrainResult, fit
+from raytrain_mgpu.compare import compare
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import Datasets
 
-__all__ = ["TrainConfig", "TrainResult", "fit", "Datasets"]
+__all__ = ["TrainConfig", "TrainResult", "fit", "compare", "Datasets"]
 __version__ = "0.1.0"
