@@ -80,6 +80,13 @@ def train_config(bench: BenchConfig, schedule: str, microbatches: int, storage: 
         name=f"bench-{schedule}-m{microbatches}")
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """The reader polls for ``path``: it must never see it half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _loader(cfg: TrainConfig, data) -> DataLoader:
     sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
     return DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
@@ -184,13 +191,13 @@ class TorchrunPipeline:
         self._wait_for("ready")
 
     def run(self, steps: int) -> float:
-        (self.control / f"go-{self.round}").write_text(str(steps))
+        _write_atomically(self.control / f"go-{self.round}", str(steps))
         result = float(self._wait_for(f"done-{self.round}"))
         self.round += 1
         return result
 
     def close(self) -> None:
-        (self.control / f"go-{self.round}").write_text("0")  # 0 steps: exit
+        _write_atomically(self.control / f"go-{self.round}", "0")  # 0 steps: exit
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -233,7 +240,7 @@ def _torchrun_worker(spec: dict) -> None:
         for _ in range(spec["warmup"]):
             step()
         if rank == 0:
-            (control / "ready").write_text("1")
+            _write_atomically(control / "ready", "1")
         for round_index in range(10**6):
             steps = torch.zeros(1, dtype=torch.int64)
             if rank == 0:
@@ -249,7 +256,7 @@ def _torchrun_worker(spec: dict) -> None:
                 step()
             dist.barrier()
             if rank == 0:
-                (control / f"done-{round_index}").write_text(str((time.perf_counter() - start) / steps.item()))
+                _write_atomically(control / f"done-{round_index}", str((time.perf_counter() - start) / steps.item()))
     finally:
         dist.destroy_process_group()
 
