@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,7 +173,8 @@ class TorchrunPipeline:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.num_stages}",
                  f"--master_port={free_address()[1]}", "-m", "raytrain_mgpu.pipeline.bench", "--torchrun-worker",
-                 spec], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+                 spec], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # its own process group: close() can end the ranks too
         self.round = 0
 
     def _wait_for(self, name: str) -> str:
@@ -197,11 +199,12 @@ class TorchrunPipeline:
         return result
 
     def close(self) -> None:
-        _write_atomically(self.control / f"go-{self.round}", "0")  # 0 steps: exit
+        for index in (self.round, self.round + 1):  # whichever round the ranks wait for: 0 steps, exit
+            _write_atomically(self.control / f"go-{index}", "0")
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def _torchrun_worker(spec: dict) -> None:
