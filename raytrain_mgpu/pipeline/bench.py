@@ -63,7 +63,7 @@ class BenchConfig:
     steps: int = 4
     rounds: int = 5
     warmup: int = 2
-    schedules: tuple = ("gpipe", "1f1b")
+    schedules: tuple = ("gpipe", "1f1b", "interleaved_1f1b")
     torchrun: bool = True
 
     @property
@@ -210,9 +210,10 @@ class TorchrunPipeline:
 def _torchrun_worker(spec: dict) -> None:
     """One torchrun rank: the stage of ``counts`` it owns, run by torch's own schedule."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from raytrain_mgpu.pipeline.partition import blocks_of, build_stage_modules, plan_partition
+    from raytrain_mgpu.pipeline.schedule import num_virtual_stages
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -221,11 +222,16 @@ def _torchrun_worker(spec: dict) -> None:
     data = build_datasets(cfg.data)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
-    module = build_stage_modules(model, plan_partition(blocks_of(model), world, spec["counts"], log=False))[rank]
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
-    schedule = schedule_class(stage, cfg.num_microbatches, loss_fn=F.cross_entropy)
-    optimizer = build_optimizer(module.parameters(), cfg.optim)
+    num_stages = num_virtual_stages(cfg.schedule, world)  # chunk s lives on rank s % world, as in ours
+    parts = build_stage_modules(model, plan_partition(blocks_of(model), num_stages, spec["counts"], log=False))
+    mine = list(range(rank, num_stages, world))
+    stages = [PipelineStage(parts[s], s, num_stages, torch.device("cpu")) for s in mine]
+    if cfg.schedule == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, cfg.num_microbatches, loss_fn=F.cross_entropy)
+    else:
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
+        schedule = schedule_class(stages[0], cfg.num_microbatches, loss_fn=F.cross_entropy)
+    optimizer = build_optimizer([p for s in mine for p in parts[s].parameters()], cfg.optim)
     batches = iter(_loader(cfg, data))
 
     def step():
@@ -345,13 +351,13 @@ def format_report(results: dict) -> str:
         f"process, gloo; fastest of {bench['rounds']} interleaved rounds of {bench['steps']} steps",
         f"one process, {m} micro-batches with gradient accumulation: {results['single_step_s']:.3f} s/step; "
         f"ideal pipeline = that x (m+p-1)/(m p) = {results['ideal_step_s']:.3f} s/step",
-        f"{'schedule':<9} {'ours s/step':>12} {'efficiency':>11} {'bubble':>7} {'torchrun s/step':>16} "
+        f"{'schedule':<16} {'ours s/step':>12} {'efficiency':>11} {'bubble':>7} {'torchrun s/step':>16} "
         f"{'efficiency':>11} {'ours/torchrun':>14}",
     ]
     for schedule, e in results["schedules"].items():
         theirs = (f"{e['torchrun_step_s']:>16.3f} {e['torchrun_efficiency']:>11.2f} {e['ours_vs_torchrun']:>13.2f}x"
                   if "torchrun_step_s" in e else f"{'-':>16} {'-':>11} {'-':>14}")
-        lines.append(f"{schedule:<9} {e['step_s']:>12.3f} {e['efficiency']:>11.2f} "
+        lines.append(f"{schedule:<16} {e['step_s']:>12.3f} {e['efficiency']:>11.2f} "
                      f"{e['bubble_fraction']:>7.2f} {theirs}")
     lines.append(f"naive model parallel (m=1, ours): {results['naive_step_s']:.3f} s/step; pipelined (best "
                  f"schedule) speed-up {results['pipelined_speedup']:.2f}x")
