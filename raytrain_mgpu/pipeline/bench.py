@@ -14,8 +14,8 @@ over twice as much per row), one torch thread per process, gloo.
 3. naive model parallelism (m=1: the whole batch as one micro-batch, stages take turns)
    against the pipelined run with the same global batch.
 
-Every variant reads the same synthetic data through a ``DataLoader`` and takes an SGD
-step. All variants are started and warmed up first, then timed in interleaved rounds
+Every variant reads the same in-memory random data through a ``DataLoader`` and takes
+an SGD step. All variants are started and warmed up first, then timed in interleaved rounds
 (each round times every variant for ``steps`` steps), and each variant's fastest round
 counts: on a shared machine other processes only ever add time, and interleaving exposes
 every variant to the same background load.
@@ -38,10 +38,10 @@ from typing import Dict, List, Optional
 
 import torch
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer
 
@@ -71,10 +71,39 @@ class BenchConfig:
         return self.rows * self.microbatches
 
 
+class _Rows(Dataset):
+    """Rows of two in-memory tensors: reading costs a gather, so the runtime is what is timed."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+    def __getitems__(self, indices) -> list:
+        index = torch.as_tensor(indices)  # one gather for the batch, as DataLoader allows
+        return list(zip(self.x[index].unbind(0), self.y[index].unbind(0)))
+
+
+def in_memory_data(cfg) -> Datasets:
+    """``dataset="raytrain_mgpu.pipeline.bench:in_memory_data"``: seeded random rows held in memory.
+
+    The registry's ``synthetic`` dataset draws every sample on access (~35 ms for a batch
+    of 1024 x 1024 here), which would time the data generator more than the pipeline.
+    """
+    generator = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(cfg.num_samples, *cfg.input_shape, generator=generator)
+    y = torch.randint(cfg.num_classes, (cfg.num_samples,), generator=generator)
+    return Datasets(_Rows(x, y), _Rows(x[:64], y[:64]), tuple(cfg.input_shape), cfg.num_classes)
+
+
 def train_config(bench: BenchConfig, schedule: str, microbatches: int, storage: str) -> TrainConfig:
     steps = bench.warmup + bench.rounds * bench.steps + 1
     return TrainConfig(
-        model="mlp", model_kwargs={"widths": [bench.width] * bench.depth}, dataset="synthetic",
+        model="mlp", model_kwargs={"widths": [bench.width] * bench.depth}, dataset="raytrain_mgpu.pipeline.bench:in_memory_data",
         input_shape=[bench.width], num_classes=10, num_samples=bench.batch_size * steps, strategy="pipeline",
         num_stages=bench.stages, num_microbatches=microbatches, schedule=schedule, batch_size=bench.batch_size,
         optimizer="sgd", lr=0.01, momentum=0.9, cpus_per_worker=1, epochs=1, storage_path=storage,
