@@ -18,8 +18,8 @@ import ray
 from torch import nn
 
 from raytrain_mgpu import checkpoint as ckpt_format
-from raytrain_mgpu._factory import is_factory, load_factory, local_modules_to_ship, upload_modules
-from raytrain_mgpu.cluster import check_placeable, connect
+from raytrain_mgpu._factory import is_factory, load_factory
+from raytrain_mgpu.cluster import check_placeable, connect, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
@@ -117,7 +117,6 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
     from raytrain_mgpu.loop import train_worker
 
     sink = ProgressSink.remote()
-    shipped = local_modules_to_ship(cfg.model, cfg.dataset)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg, "sink": sink},
@@ -129,7 +128,7 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
             name=cfg.name, storage_path=cfg.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env={"py_modules": upload_modules(shipped)} if shipped else None),
+            worker_runtime_env=worker_runtime_env(cfg.model, cfg.dataset)),
     )
     try:
         with SinkPump(sink, printer):

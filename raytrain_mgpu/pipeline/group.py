@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raytrain_mgpu.cluster import worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.pipeline.partition import Partition
 from raytrain_mgpu.pipeline.worker import StageWorker, num_replicas
@@ -40,23 +41,6 @@ def wait_all(refs: list) -> list:
         done, pending = ray.wait(pending, num_returns=1)
         ray.get(done)
     return ray.get(refs)
-
-
-def _runtime_env(cfg: TrainConfig) -> dict:
-    """What the stage actors' processes need beyond Ray's defaults.
-
-    - Ray starts worker processes at nice 15: on a node where anything else runs, every
-      stage would yield to it, and a pipeline runs at the pace of its slowest stage. A
-      stage owns its bundle, so it runs at normal priority (as Ray's job drivers do).
-    - the user's own model/dataset modules, when they live outside installed packages.
-    """
-    from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
-
-    env: dict = {"env_vars": {"RAY_worker_niceness": "0"}}
-    shipped = local_modules_to_ship(cfg.model, cfg.dataset)
-    if shipped:
-        env["py_modules"] = upload_modules(shipped)
-    return env
 
 
 class StageGroup:
@@ -85,7 +69,8 @@ class StageGroup:
         actor_class = ray.remote(StageWorker)
         self.actors = [
             actor_class.options(
-                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0, runtime_env=_runtime_env(cfg),
+                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
+                runtime_env=worker_runtime_env(cfg.model, cfg.dataset),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(cfg, rank, self.fail_at_step)
             for rank in range(self.world_size)
