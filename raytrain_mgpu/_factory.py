@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -23,13 +24,19 @@ def is_factory(spec: str) -> bool:
 def load_factory(spec: str, field: str) -> Callable:
     """Import ``module:function``; errors name the field, the module and the fix."""
     module_name, func_name = spec.split(":", 1)
+    # Console scripts do not put the working directory on sys.path; appending it (not
+    # prepending: it must not shadow installed packages) makes "run from the folder
+    # holding my_models.py" work.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time error is the user's to see
         raise ValueError(
-            f"TrainConfig.{field}={spec!r}: module {module_name!r} does not import "
-            f"({type(exc).__name__}: {exc}). Run from the folder that holds it, add that folder "
-            f"to PYTHONPATH, or install it as a package.") from exc
+            f"TrainConfig.{field}={spec!r}: cannot import module {module_name!r} "
+            f"({type(exc).__name__}: {exc}). Run from the folder that holds "
+            f"{module_name.replace('.', '/')}.py, or install the package that provides it (or add "
+            f"its folder to PYTHONPATH).") from exc
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ValueError(f"TrainConfig.{field}={spec!r}: module {module_name!r} has no function "

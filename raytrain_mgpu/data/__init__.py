@@ -203,24 +203,9 @@ def check_dataset_name(name: str) -> None:
 
 
 def _import_factory(spec: str) -> Callable:
-    module_name, _, function_name = spec.partition(":")
-    # Console scripts do not put the working directory on sys.path; appending it (not
-    # prepending: it must not shadow installed packages) makes "run from the folder
-    # holding my_data.py" work.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"TrainConfig.dataset={spec!r}: cannot import module {module_name!r} "
-            f"({type(exc).__name__}: {exc}). Run from the folder that holds "
-            f"{module_name.replace('.', '/')}.py, or install the package that provides it.") from exc
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ValueError(f"TrainConfig.dataset={spec!r}: module {module_name!r} has no function "
-                         f"{function_name!r}. Define {function_name}(cfg) returning Datasets, or fix the name.")
-    return function
+    from raytrain_mgpu._factory import load_factory
+
+    return load_factory(spec, "dataset")
 
 
 def build_datasets(cfg: "DataConfig") -> Datasets:
