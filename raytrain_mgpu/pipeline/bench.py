@@ -15,10 +15,10 @@ over twice as much per row), one torch thread per process, gloo.
    against the pipelined run with the same global batch.
 
 Every variant reads the same in-memory random data through a ``DataLoader`` and takes
-an SGD step. All variants are started and warmed up first, then timed in interleaved rounds
-(each round times every variant for ``steps`` steps), and each variant's fastest round
-counts: on a shared machine other processes only ever add time, and interleaving exposes
-every variant to the same background load.
+an SGD step. Variants are started and warmed up, then timed in interleaved rounds (each round
+times the single process and the phase's variants for ``steps`` steps), and each
+variant's fastest round counts: on a shared machine other processes only ever add time,
+and interleaving exposes every variant to the same background load.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class SingleProcess:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        data = build_datasets(cfg.data)
+        self.data = data = build_datasets(cfg.data)
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -138,7 +138,11 @@ class SingleProcess:
 
     def _step(self) -> None:
         m = self.cfg.num_microbatches
-        x, y = next(self.batches)
+        try:
+            x, y = next(self.batches)
+        except StopIteration:  # timed in every phase: more steps than one epoch holds
+            self.batches = iter(_loader(self.cfg, self.data))
+            x, y = next(self.batches)
         for xs, ys in zip(x.chunk(m), y.chunk(m)):
             (F.cross_entropy(self.model(xs), ys) / m).backward()
         self.optimizer.step()
@@ -284,7 +288,7 @@ def _torchrun_worker(spec: dict) -> None:
             if rank == 0:
                 go, deadline = control / f"go-{round_index}", time.monotonic() + START_TIMEOUT_S
                 while not go.exists() and time.monotonic() < deadline:  # an orphan gives up
-                    time.sleep(POLL_S)
+                    time.sleep(5 * POLL_S)  # not timed: polls only need to be cheap
                 steps[0] = int(go.read_text() or 0) if go.exists() else 0
             dist.broadcast(steps, src=0)  # also the start line: every rank begins together
             if steps.item() == 0:
@@ -320,52 +324,66 @@ def run_benchmark(bench: BenchConfig) -> dict:
 
 
 def _run_variants(bench: BenchConfig, storage: str) -> dict:
-    variants: Dict[str, object] = {}
-    try:
-        m = bench.microbatches
-        configs = {s: train_config(bench, s, m, storage) for s in bench.schedules}
-        for schedule, cfg in configs.items():
-            variants[f"ours-{schedule}"] = RayPipeline(cfg)
+    """One phase per schedule (ours and torchrun's), then one for naive MP; the single
+    process is timed in every round of every phase. Only the variants of one phase are
+    alive at a time: an idle Ray actor or torchrun rank still costs ~2% of a core."""
+    m = bench.microbatches
+    configs = {s: train_config(bench, s, m, storage) for s in bench.schedules}
+    single = SingleProcess(configs[bench.schedules[0]])
+    single.run(bench.warmup)
+    times: Dict[str, List[float]] = {"single": []}
+    results = {"bench": asdict(bench), "schedules": {}}
+    for schedule, cfg in configs.items():
+        ours = RayPipeline(cfg)
+        phase = {f"ours-{schedule}": ours}
+        try:
             if bench.torchrun:
-                variants[f"torchrun-{schedule}"] = TorchrunPipeline(
-                    cfg, list(variants[f"ours-{schedule}"].partition.counts), bench.warmup,
-                    Path(storage) / f"control-{schedule}")
-        variants["naive"] = RayPipeline(train_config(bench, "gpipe", 1, storage))
-        variants["single"] = SingleProcess(configs[bench.schedules[0]])
-        for variant in variants.values():
-            if isinstance(variant, TorchrunPipeline):
-                variant.ready()
-            else:
-                variant.run(bench.warmup)
-        for variant in variants.values():  # restart the busy-time counters after warm-up
-            if isinstance(variant, RayPipeline):
-                variant.group.call("start_epoch", 0)
-        times: Dict[str, List[float]] = {name: [] for name in variants}
-        for _ in range(bench.rounds):
-            for name, variant in variants.items():
-                times[name].append(variant.run(bench.steps))
-        return _summarise(bench, variants, {name: min(t) for name, t in times.items()})
+                phase[f"torchrun-{schedule}"] = TorchrunPipeline(cfg, list(ours.partition.counts), bench.warmup,
+                                                                 Path(storage) / f"control-{schedule}")
+            _time_phase(bench, single, phase, times)
+            results["schedules"][schedule] = {"bubble_fraction": ours.bubble_fraction(),
+                                              "partition": list(ours.partition.counts)}
+        finally:
+            _close(phase)
+    naive = {"naive": RayPipeline(train_config(bench, "gpipe", 1, storage))}
+    try:
+        _time_phase(bench, single, naive, times)
     finally:
-        for variant in variants.values():
-            try:
-                variant.close()
-            except Exception as exc:  # teardown of the others continues
-                logger.warning("closing a benchmark variant failed: %s", exc)
+        _close(naive)
+    return _summarise(bench, results, {name: min(t) for name, t in times.items()})
 
 
-def _summarise(bench: BenchConfig, variants: dict, best: Dict[str, float]) -> dict:
+def _time_phase(bench: BenchConfig, single: SingleProcess, phase: dict, times: Dict[str, List[float]]) -> None:
+    for variant in phase.values():
+        if isinstance(variant, TorchrunPipeline):
+            variant.ready()
+        else:
+            variant.run(bench.warmup)
+            variant.group.call("start_epoch", 0)  # restart the busy-time counters after warm-up
+    for _ in range(bench.rounds):
+        times["single"].append(single.run(bench.steps))
+        for name, variant in phase.items():
+            times.setdefault(name, []).append(variant.run(bench.steps))
+
+
+def _close(phase: dict) -> None:
+    for variant in phase.values():
+        try:
+            variant.close()
+        except Exception as exc:  # teardown of the others continues
+            logger.warning("closing a benchmark variant failed: %s", exc)
+
+
+def _summarise(bench: BenchConfig, results: dict, best: Dict[str, float]) -> dict:
     m, p = bench.microbatches, bench.stages
     ideal = best["single"] * (m + p - 1) / (m * p)
-    results = {"bench": asdict(bench), "single_step_s": best["single"], "ideal_step_s": ideal, "schedules": {}}
-    for schedule in bench.schedules:
+    results.update(single_step_s=best["single"], ideal_step_s=ideal)
+    for schedule, entry in results["schedules"].items():
         ours = best[f"ours-{schedule}"]
-        entry = {"step_s": ours, "efficiency": ideal / ours,
-                 "bubble_fraction": variants[f"ours-{schedule}"].bubble_fraction(),
-                 "partition": list(variants[f"ours-{schedule}"].partition.counts)}
+        entry.update(step_s=ours, efficiency=ideal / ours)
         if f"torchrun-{schedule}" in best:
             theirs = best[f"torchrun-{schedule}"]
             entry.update(torchrun_step_s=theirs, torchrun_efficiency=ideal / theirs, ours_vs_torchrun=theirs / ours)
-        results["schedules"][schedule] = entry
     results["naive_step_s"] = best["naive"]
     results["pipelined_speedup"] = best["naive"] / min(e["step_s"] for e in results["schedules"].values())
     return results
