@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from statistics import median
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -331,7 +332,7 @@ def _run_variants(bench: BenchConfig, storage: str) -> dict:
     configs = {s: train_config(bench, s, m, storage) for s in bench.schedules}
     single = SingleProcess(configs[bench.schedules[0]])
     single.run(bench.warmup)
-    times: Dict[str, List[float]] = {"single": []}
+    rounds: List[Dict[str, float]] = []  # every round: seconds per step of single and the phase's variants
     results = {"bench": asdict(bench), "schedules": {}}
     for schedule, cfg in configs.items():
         ours = RayPipeline(cfg)
@@ -340,30 +341,33 @@ def _run_variants(bench: BenchConfig, storage: str) -> dict:
             if bench.torchrun:
                 phase[f"torchrun-{schedule}"] = TorchrunPipeline(cfg, list(ours.partition.counts), bench.warmup,
                                                                  Path(storage) / f"control-{schedule}")
-            _time_phase(bench, single, phase, times)
+            rounds += _time_phase(bench, single, phase)
             results["schedules"][schedule] = {"bubble_fraction": ours.bubble_fraction(),
                                               "partition": list(ours.partition.counts)}
         finally:
             _close(phase)
     naive = {"naive": RayPipeline(train_config(bench, "gpipe", 1, storage))}
     try:
-        _time_phase(bench, single, naive, times)
+        rounds += _time_phase(bench, single, naive)
     finally:
         _close(naive)
-    return _summarise(bench, results, {name: min(t) for name, t in times.items()})
+    return _summarise(bench, results, rounds)
 
 
-def _time_phase(bench: BenchConfig, single: SingleProcess, phase: dict, times: Dict[str, List[float]]) -> None:
+def _time_phase(bench: BenchConfig, single: SingleProcess, phase: dict) -> List[Dict[str, float]]:
     for variant in phase.values():
         if isinstance(variant, TorchrunPipeline):
             variant.ready()
         else:
             variant.run(bench.warmup)
             variant.group.call("start_epoch", 0)  # restart the busy-time counters after warm-up
+    rounds = []
     for _ in range(bench.rounds):
-        times["single"].append(single.run(bench.steps))
+        times = {"single": single.run(bench.steps)}
         for name, variant in phase.items():
-            times.setdefault(name, []).append(variant.run(bench.steps))
+            times[name] = variant.run(bench.steps)
+        rounds.append(times)
+    return rounds
 
 
 def _close(phase: dict) -> None:
@@ -374,18 +378,28 @@ def _close(phase: dict) -> None:
             logger.warning("closing a benchmark variant failed: %s", exc)
 
 
-def _summarise(bench: BenchConfig, results: dict, best: Dict[str, float]) -> dict:
+def _summarise(bench: BenchConfig, results: dict, rounds: List[Dict[str, float]]) -> dict:
+    """Step times: the fastest round. Ratios: the median over rounds of the ratio within a
+    round, whose variants ran seconds apart, so slow drifts of the machine cancel."""
     m, p = bench.microbatches, bench.stages
-    ideal = best["single"] * (m + p - 1) / (m * p)
-    results.update(single_step_s=best["single"], ideal_step_s=ideal)
+    factor = (m + p - 1) / (m * p)
+
+    def best(name: str) -> float:
+        return min(r[name] for r in rounds if name in r)
+
+    def ratio(top: str, bottom: str, scale: float = 1.0) -> float:
+        return median(scale * r[top] / r[bottom] for r in rounds if top in r and bottom in r)
+
+    results.update(single_step_s=best("single"), ideal_step_s=best("single") * factor, rounds=rounds)
     for schedule, entry in results["schedules"].items():
-        ours = best[f"ours-{schedule}"]
-        entry.update(step_s=ours, efficiency=ideal / ours)
-        if f"torchrun-{schedule}" in best:
-            theirs = best[f"torchrun-{schedule}"]
-            entry.update(torchrun_step_s=theirs, torchrun_efficiency=ideal / theirs, ours_vs_torchrun=theirs / ours)
-    results["naive_step_s"] = best["naive"]
-    results["pipelined_speedup"] = best["naive"] / min(e["step_s"] for e in results["schedules"].values())
+        ours = f"ours-{schedule}"
+        entry.update(step_s=best(ours), efficiency=ratio("single", ours, factor))
+        if any(f"torchrun-{schedule}" in r for r in rounds):
+            theirs = f"torchrun-{schedule}"
+            entry.update(torchrun_step_s=best(theirs), torchrun_efficiency=ratio("single", theirs, factor),
+                         ours_vs_torchrun=ratio(theirs, ours))
+    results["naive_step_s"] = best("naive")
+    results["pipelined_speedup"] = best("naive") / min(e["step_s"] for e in results["schedules"].values())
     return results
 
 
@@ -395,7 +409,8 @@ def format_report(results: dict) -> str:
     lines = [
         f"pipeline benchmark: MLP {bench['depth']} x Linear({bench['width']}, {bench['width']}), P={p} stages, "
         f"m={m} micro-batches of {bench['rows']} rows (global batch {bench['rows'] * m}), 1 torch thread per "
-        f"process, gloo; fastest of {bench['rounds']} interleaved rounds of {bench['steps']} steps",
+        f"process, gloo; s/step: fastest of {bench['rounds']} rounds of {bench['steps']} steps; efficiency and "
+        f"ours/torchrun: median over rounds of the ratios within a round",
         f"one process, {m} micro-batches with gradient accumulation: {results['single_step_s']:.3f} s/step; "
         f"ideal pipeline = that x (m+p-1)/(m p) = {results['ideal_step_s']:.3f} s/step",
         f"{'schedule':<16} {'ours s/step':>12} {'efficiency':>11} {'bubble':>7} {'torchrun s/step':>16} "
