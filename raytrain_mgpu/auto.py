@@ -32,9 +32,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ClusterInfo", "cluster_info", "plan_config", "choose_strategy", "resolve_auto"]
 
-_PIPELINE_OPTIONS = frozenset({"num_stages", "num_microbatches", "schedule", "balance"})
-
-
 @dataclass(frozen=True)
 class ClusterInfo:
     """The devices a run can use.
@@ -161,12 +158,11 @@ def plan_config(cfg, name: str, info: ClusterInfo):
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.data import check_data
     from raytrain_mgpu.strategies import get_strategy
-    from raytrain_mgpu.strategies.base import _OPTIONAL
+    from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
 
     cls = get_strategy(name)
-    used = cls.options_used | (_PIPELINE_OPTIONS if cls.runner == "actor_group" else frozenset())
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in _OPTIONAL}
-    changes = {option: value for option, value in defaults.items() if option not in used}
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in OPTIONAL_FIELDS}
+    changes = {option: value for option, value in defaults.items() if option not in cls.options_used}
     if not isinstance(cfg.balance, str):
         changes["balance"] = "params"  # an explicit split was for another device count
     changes["strategy"] = name

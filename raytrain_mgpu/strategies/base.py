@@ -82,11 +82,11 @@ class ModelWrapper(nn.Module):
     module: nn.Module
 
 
-# Options some strategies read and others ignore; the value is the strategy-neutral default.
-# Pipeline-only options are checked by the pipeline runner itself.
-_OPTIONAL = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
-             "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
-             "num_microbatches", "schedule")
+# TrainConfig fields some strategies read and others ignore (each strategy's ``options_used``);
+# a value other than the field's default with a strategy that ignores it gets a warning.
+OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
+                   "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
+                   "num_microbatches", "schedule")
 DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
 
 
@@ -112,8 +112,7 @@ class Strategy(ABC):
             raise ValueError(
                 "TrainConfig.precision='16-mixed' needs CUDA (fp16 autocast with a GradScaler), but "
                 "use_gpu=False. Use precision='bf16-mixed' on CPU, or set use_gpu=True.")
-        if cls.runner == "train_workers":
-            warn_unused_options(cfg, cls.name, cls.options_used)
+        warn_unused_options(cfg, cls.name, cls.options_used)
 
     @classmethod
     def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
@@ -223,8 +222,8 @@ def warn_unused_options(cfg: "TrainConfig", strategy: str, used: FrozenSet[str])
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.strategies import STRATEGIES
 
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in _OPTIONAL}
-    for option in _OPTIONAL:
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in OPTIONAL_FIELDS}
+    for option in OPTIONAL_FIELDS:
         value = getattr(cfg, option)
         if option in used or value == defaults[option]:
             continue

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, List
 from torch import nn
 
 from raytrain_mgpu.pipeline.schedule import check_schedule, num_virtual_stages
-from raytrain_mgpu.strategies.base import Strategy
+from raytrain_mgpu.strategies.base import Strategy, warn_unused_options
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import TrainConfig
@@ -26,6 +26,7 @@ class PipelineStrategy(Strategy):
 
     name = "pipeline"
     runner = "actor_group"
+    options_used = frozenset({"num_stages", "num_microbatches", "schedule", "balance"})
 
     @classmethod
     def data_parallel_size(cls, cfg: "TrainConfig") -> int:
@@ -64,6 +65,7 @@ class PipelineStrategy(Strategy):
         if cfg.compile:
             raise ValueError(f"TrainConfig.compile=True is not supported by strategy={cls.name!r} yet. "
                              f"Set compile=False.")
+        warn_unused_options(cfg, cls.name, cls.options_used)
 
     @classmethod
     def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
