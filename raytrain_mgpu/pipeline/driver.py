@@ -95,8 +95,9 @@ def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Opt
         steps_per_epoch = infos[0]["steps_per_epoch"]
         D, m = num_replicas(cfg), cfg.num_microbatches
         logger.info("%s: %d replica(s) x %d stages (%s, partition %s); global batch %d = %d x %d micro-batches "
-                    "x %d rows; %d steps per epoch", cfg.strategy, D, cfg.num_stages, cfg.schedule,
-                    list(partition.counts), cfg.batch_size, D, m, cfg.batch_size // (D * m), steps_per_epoch)
+                    "x %d rows; %d steps per epoch; rank: node %s", cfg.strategy, D, cfg.num_stages, cfg.schedule,
+                    list(partition.counts), cfg.batch_size, D, m, cfg.batch_size // (D * m), steps_per_epoch,
+                    ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos))
         input_shape, num_classes = check_data(cfg.data)
         shape_info = {"input_shape": list(input_shape), "num_classes": num_classes}  # for load_model()
         path = state.checkpoint
@@ -152,6 +153,7 @@ def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunSta
         "step_time_s": elapsed / steps,
         "data_wait_share": sum(s["data_wait_s"] for s in readers) / max(sum(s["step_s"] for s in readers), 1e-9),
         "peak_memory_bytes": [int(s["peak_memory_bytes"]) for s in stats],
+        "node_ip_per_rank": [s["node_ip"] for s in stats],  # rank = replica x num_stages + stage
         "stage_step_time_s": stage_times,
         "bubble_fraction": mean(1 - s["busy_s"] / max(s["schedule_s"], 1e-9) for s in stats),
         "ideal_bubble_fraction": ideal_bubble_fraction(cfg.schedule, cfg.num_stages, cfg.num_microbatches),

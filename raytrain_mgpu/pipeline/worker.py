@@ -55,17 +55,21 @@ def microbatch_rows(size: int, num_microbatches: int) -> List[int]:
     return [base + 1] * extra + [base] * (chunks - extra)
 
 
-def free_address() -> tuple:
-    """``(ip, port)`` this process can listen on, for the process group rendezvous."""
+def node_ip() -> str:
+    """The IP of the Ray node this process runs on (loopback outside Ray)."""
     try:
         import ray
 
-        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     except Exception:  # Ray not installed or not connected: local processes
-        ip = "127.0.0.1"
+        return "127.0.0.1"
+
+
+def free_address() -> tuple:
+    """``(ip, port)`` this process can listen on, for the process group rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
-        return ip, sock.getsockname()[1]
+        return node_ip(), sock.getsockname()[1]
 
 
 class Prefetcher:
@@ -170,7 +174,7 @@ class StageWorker:
         self.step = start_step
         self._eval_orders: Dict[int, Order] = {}
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
-                "steps_per_epoch": self.steps_per_epoch, "device": str(self.device)}
+                "steps_per_epoch": self.steps_per_epoch, "device": str(self.device), "node_ip": node_ip()}
 
     def _build_groups(self) -> None:
         """Every rank creates every group in the same order (a torch.distributed rule)."""
@@ -319,7 +323,7 @@ class StageWorker:
         loss_sum, correct, targets = self.meter.sums.tolist() if self.is_last else (0.0, 0.0, 0.0)
         return {**self.totals, "rank": self.rank, "prank": self.prank, "replica": self.replica,
                 "is_last": self.is_last, "loss_sum": loss_sum, "correct": correct, "targets": targets,
-                "peak_memory_bytes": peak_memory_bytes([self.device])[0],
+                "peak_memory_bytes": peak_memory_bytes([self.device])[0], "node_ip": node_ip(),
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
     # ------------------------------------------------------------------ evaluation
