@@ -54,6 +54,32 @@ def digits(cfg) -> Datasets:
     return data._replace(train=train)
 
 
+def slow_digits(cfg) -> Datasets:
+    """Digits whose training batches take at least ``SLOW_BATCH_S`` to read, in any process
+    (a pipeline stage actor too): a run of a tiny model that lasts long enough for a test to
+    act in the middle of an epoch."""
+    data = _digits.build(cfg)
+    return data._replace(train=_Slow(data.train))
+
+
+SLOW_BATCH_S = 0.1
+
+
+class _Slow(Dataset):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices):
+        time.sleep(SLOW_BATCH_S)
+        return self.inner.__getitems__(indices)
+
+
 def _armed(probe: Path, info: dict) -> list:
     """The faults of plan.json that this worker process carries out: those whose ``rank``
     (world rank) and ``node_ip``, where given, match it, not done yet, and ready."""

@@ -100,6 +100,14 @@ class RayNode:
     def stop(self) -> None:
         kill_marked(self.marker)
 
+    def lose(self) -> None:
+        """SIGKILL every process of this node at once, no clean shutdown: a lost machine."""
+        for pid in marked_pids(self.marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def run(self, cmd: Sequence[str], timeout_s: float, extra_env: Optional[Dict[str, str]] = None,
             cwd: Optional[str] = None) -> subprocess.CompletedProcess:
         """Run ``cmd`` with this node's environment (and namespace), output captured.

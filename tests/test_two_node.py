@@ -6,11 +6,12 @@ One driver process (tests/_fit_driver.py, in the head's namespace) runs, in orde
 2. a 1-worker reference run;
 3. a 2-worker ``ddp`` run with ``STRICT_SPREAD``, during which the worker node is killed
    (every Ray process on it, SIGKILL) half-way through epoch 2; the test starts a new
-   worker node in its place and the run resumes from the last checkpoint.
+   worker node in its place and the run resumes from the last checkpoint;
+4. a 2-stage ``pipeline`` run with ``STRICT_SPREAD`` (one stage actor per node, activations
+   and gradients over rtm0), whose worker node the test kills as soon as epoch 1's
+   checkpoint exists; the stage actor group is rebuilt on the new node and resumes.
 
-TODO(pipeline): the same cluster for ``strategy="pipeline"`` with one stage per node
-(stage actors placed STRICT_SPREAD, activations over rtm0), and a stage actor's node
-killed mid-step, once the pipeline runner takes a placement for its stage actors.
+Both runs end with the 1-worker run's weights.
 """
 
 from __future__ import annotations
@@ -54,22 +55,26 @@ def _attempts(probe: Path) -> list:
     return attempts
 
 
-def _wait(proc: subprocess.Popen, cluster: TwoNodeCluster, probe: Path, timeout_s: float) -> bool:
-    """Wait for the driver; bring the worker node back once it has been killed."""
-    restarted = False
+def _wait(proc: subprocess.Popen, cluster: TwoNodeCluster, kill_when: Path, timeout_s: float) -> int:
+    """Wait for the driver. Whenever the worker node is gone (killed by a probe or here), start
+    a new one in its place; kill it here once ``kill_when`` exists. Returns the replacements."""
+    replaced, killed = 0, False
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None:
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"the driver did not finish within {timeout_s:.0f} s")
-        if not restarted and (probe / "done-kill_node").exists() and not cluster.worker.alive():
+        if not cluster.worker.alive():
             cluster.start_worker_node()  # the lost machine is replaced
-            restarted = True
-        time.sleep(0.5)
-    return restarted
+            replaced += 1
+        elif not killed and kill_when.exists():
+            cluster.worker.lose()
+            killed = True
+        time.sleep(0.1)
+    return replaced
 
 
-def test_two_workers_on_two_nodes_equal_one_and_survive_losing_a_node():
+def test_ddp_and_pipeline_on_two_nodes_equal_one_worker_and_survive_losing_a_node():
     root = Path(tempfile.mkdtemp(prefix="rtm2n-", dir="/tmp"))  # short: Ray's socket paths live below
     shared, private = root / "shared", root / "private"
     probe_one, probe_two = root / "probe-one", root / "probe-two"
@@ -84,6 +89,10 @@ def test_two_workers_on_two_nodes_equal_one_and_survive_losing_a_node():
         {"kind": "fit", "weights": str(root / "two.pt"), "fault_hooks": True,
          "config": {**MLP, "num_workers": 2, "placement": "STRICT_SPREAD", "max_failures": 1,
                     "data_root": str(probe_two), "name": "two", "storage_path": str(shared)}},
+        {"kind": "fit", "weights": str(root / "pipe.pt"),  # >= 0.1 s a step: the kill lands mid-epoch
+         "config": {**MLP, "dataset": "_probe_data:slow_digits", "strategy": "pipeline", "num_stages": 2,
+                    "num_microbatches": 4, "schedule": "1f1b", "placement": "STRICT_SPREAD", "max_failures": 1,
+                    "name": "pipe", "storage_path": str(shared)}},
     ]
     if "check_storage_reachable" in inspect.getsource(raytrain_mgpu.api):  # fit itself checks
         steps.insert(1, {"kind": "fit", "config": {**MLP, "num_workers": 2, "placement": "STRICT_SPREAD",
@@ -98,14 +107,15 @@ def test_two_workers_on_two_nodes_equal_one_and_survive_losing_a_node():
                                     extra_env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"},
                                     cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT)
             try:
-                restarted = _wait(driver, cluster, probe_two, timeout_s=420)
+                replaced = _wait(driver, cluster, shared / "pipe" / "checkpoint_epoch000001" / "meta.json",
+                                 timeout_s=540)
             finally:
                 if driver.poll() is None:
                     driver.kill()
         results = json.loads(results_file.read_text())
         print("driver steps (s):", [r["seconds"] for r in results])
         assert driver.returncode == 0 and len(results) == len(steps), log.read_text()[-5000:]
-        storage_check, *checked_fit, one, two = results
+        storage_check, *checked_fit, one, two, pipe = results
 
         # A storage path the worker node does not see is refused at start, naming the node.
         assert not storage_check["ok"]
@@ -115,8 +125,8 @@ def test_two_workers_on_two_nodes_equal_one_and_survive_losing_a_node():
             assert not refused["ok"] and "not reachable from every node" in refused["error"]
             assert refused["seconds"] < 60
 
-        assert one["ok"] and two["ok"], (one, two, log.read_text()[-5000:])
-        assert restarted, "the worker node was never killed"
+        assert one["ok"] and two["ok"] and pipe["ok"], (one, two, pipe, log.read_text()[-5000:])
+        assert replaced == 2, f"the worker node was lost {replaced} time(s), not once per run"
 
         # Two nodes: node ranks 0 and 1, their own IPs, gloo on the namespace's interface.
         (single,), = [list(a.values()) for a in _attempts(probe_one)]
@@ -144,5 +154,16 @@ def test_two_workers_on_two_nodes_equal_one_and_survive_losing_a_node():
         w_one, w_two = torch.load(root / "one.pt"), torch.load(root / "two.pt")
         for key in w_one:
             torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-4, atol=1e-5)
+
+        # The pipeline: one stage per node, both attempts; the lost node cost epoch 2 only,
+        # the run resumed from epoch 1's checkpoint and ends with the single worker's weights.
+        assert [(h["epoch"], h["attempt"]) for h in pipe["history"]] == [(1, 0), (2, 1)], pipe["history"]
+        for h in pipe["history"]:
+            assert sorted(h["node_ip_per_rank"]) == [HEAD_IP, WORKER_IP], h
+        assert pipe["history"][-1]["step"] == 2 * STEPS_PER_EPOCH
+        assert Path(pipe["checkpoint_path"]).is_relative_to(shared)
+        w_pipe = torch.load(root / "pipe.pt")
+        for key in w_one:
+            torch.testing.assert_close(w_pipe[key], w_one[key], rtol=1e-4, atol=2e-5)
     finally:
         shutil.rmtree(root, ignore_errors=True)
