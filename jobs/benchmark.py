@@ -1,6 +1,6 @@
 """Data-parallel benchmark for `ray job submit` or a shell: see raytrain_mgpu/bench.py.
 
-    python jobs/benchmark.py [--num-samples N] [--epochs E]
+    python jobs/benchmark.py [--num-samples N] [--epochs E] [--rounds R]
 """
 
 import sys

@@ -10,6 +10,7 @@ One invocation runs, on the same model, data, global batch and thread count per 
 
 Throughput is steady state: the median samples/s of the epochs after the first (the
 first pays for warm-up). ``fit``'s start-up (Ray, worker group) is reported separately.
+Every variant runs ``--rounds`` times, interleaved (see :func:`run`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 from torch.utils.data import DataLoader
@@ -92,45 +94,80 @@ def ray_fit(cfg: TrainConfig, storage: str) -> Measured:
     return Measured(f"raytrain-mgpu fit, ddp, {cfg.num_workers} worker(s)", steady(rates), wall - train_s)
 
 
-def run(num_samples: int = BENCH_CONFIG["num_samples"], epochs: int = BENCH_CONFIG["epochs"]) -> list:
-    """Run every measurement; returns rows of (comparison, ours, baseline, ratio, target)."""
+def run(num_samples: int = BENCH_CONFIG["num_samples"], epochs: int = BENCH_CONFIG["epochs"],
+        rounds: int = 3) -> list:
+    """Every measurement, ``rounds`` times interleaved; rows of (comparison, ours, baseline, ratios, target).
+
+    This machine's speed drifts by 10-20 % within minutes (other tenants of the host), more
+    than the differences we look for. So each round runs every variant once, in an order
+    rotated from round to round, and a comparison's figure is the median over rounds of
+    the ratio within a round, whose runs were seconds apart.
+    """
     import ray
 
     base = TrainConfig(**{**BENCH_CONFIG, "num_samples": num_samples, "epochs": epochs})
-    one, two = base.replace(num_workers=1, name="bench-1"), base.replace(num_workers=2, name="bench-2")
-    plain = plain_loop(one)
-    torchrun = torchrun_ddp(two, 2)
+    one, two = base.replace(num_workers=1), base.replace(num_workers=2)
+    measured: Dict[str, List[Measured]] = {name: [] for name in ("plain", "torchrun", "fit1", "fit2")}
     ray.init(log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as storage:
-            fit1, fit2 = ray_fit(one, storage), ray_fit(two, storage)
+            variants = {
+                "plain": lambda r: plain_loop(one),
+                "torchrun": lambda r: torchrun_ddp(two, 2),
+                "fit1": lambda r: ray_fit(one.replace(name=f"bench-1-r{r}"), storage),  # a new run each round
+                "fit2": lambda r: ray_fit(two.replace(name=f"bench-2-r{r}"), storage),
+            }
+            names = list(variants)
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    measured[name].append(variants[name](r))
     finally:
         ray.shutdown()
-    return [(fit1, plain, 0.97), (fit2, torchrun, 1.0), (fit2, fit1, 1.8)]
+    return [(measured["fit1"], measured["plain"], 0.97), (measured["fit2"], measured["torchrun"], 1.0),
+            (measured["fit2"], measured["fit1"], 1.8)]
 
 
 def report(rows: list) -> str:
-    lines = [f"{'ours':<40} {'samples/s':>10}   {'baseline':<34} {'samples/s':>10}  {'ratio':>6}  target",
-             "-" * 118]
+    lines = [f"{'ours':<40} {'samples/s':>10}   {'baseline':<34} {'samples/s':>10}  {'ratio':>6}  "
+             f"{'range':>11}  target", "-" * 132]
     for ours, baseline, target in rows:
-        ratio = ours.samples_per_s / baseline.samples_per_s
+        ratios = [o.samples_per_s / b.samples_per_s for o, b in zip(ours, baseline)]
+        ratio = statistics.median(ratios)
         flag = "ok" if ratio >= target else "BELOW"
-        lines.append(f"{ours.label:<40} {ours.samples_per_s:>10,.0f}   {baseline.label:<34} "
-                     f"{baseline.samples_per_s:>10,.0f}  {ratio:>5.2f}x  >= {target} {flag}")
-    startups = {r[0].label: r[0].startup_s for r in rows}
+        lines.append(f"{ours[0].label:<40} {_median_rate(ours):>10,.0f}   {baseline[0].label:<34} "
+                     f"{_median_rate(baseline):>10,.0f}  {ratio:>5.2f}x  {min(ratios):.2f}-{max(ratios):.2f}x"
+                     f"  >= {target} {flag}")
+    startups = {r[0][0].label: statistics.median(m.startup_s for m in r[0]) for r in rows}
+    lines.append(f"samples/s: median over {len(rows[0][0])} round(s); ratio: median of the within-round ratios "
+                 f"(range: lowest-highest round)")
     lines.append("start-up (Ray + worker group + checkpoints, outside the steady state): " +
                  ", ".join(f"{label}: {s:.1f} s" for label, s in startups.items()))
     return "\n".join(lines)
 
 
-def main() -> int:
+def _median_rate(runs: List[Measured]) -> float:
+    return statistics.median(m.samples_per_s for m in runs)
+
+
+def add_arguments(parser) -> None:
+    """The benchmark's options (for ``jobs/benchmark.py`` and ``raytrain-mgpu bench`` alike)."""
+    parser.add_argument("--num-samples", type=int, default=BENCH_CONFIG["num_samples"],
+                        help="training samples per epoch")
+    parser.add_argument("--epochs", type=int, default=BENCH_CONFIG["epochs"],
+                        help="epochs per measurement (the first is warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="times every variant runs, interleaved")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-samples", type=int, default=BENCH_CONFIG["num_samples"])
-    parser.add_argument("--epochs", type=int, default=BENCH_CONFIG["epochs"])
-    args = parser.parse_args()
+    add_arguments(parser)
+    return run_and_print(parser.parse_args(argv))
+
+
+def run_and_print(args) -> int:
     print(f"model mlp 784-2048-2048-10, synthetic 1x28x28, global batch {BENCH_CONFIG['batch_size']}, "
-          f"1 torch thread per process, {os.cpu_count()} CPU cores")
-    print(report(run(args.num_samples, args.epochs)))
+          f"1 torch thread per process, {os.cpu_count()} CPU cores, {args.rounds} round(s)")
+    print(report(run(args.num_samples, args.epochs, args.rounds)))
     return 0

@@ -89,8 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_options(compare)
 
     bench = commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun")
-    bench.add_argument("--num-samples", type=int, default=None, help="training samples per epoch")
-    bench.add_argument("--epochs", type=int, default=None, help="epochs per measurement (the first is warm-up)")
+    from raytrain_mgpu.bench import add_arguments
+
+    add_arguments(bench)
 
     data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
@@ -146,10 +147,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from raytrain_mgpu import bench
 
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k in ("num_samples", "epochs") and v is not None]
-    sys.argv = ["raytrain-mgpu bench", *argv]
-    return bench.main()
+    return bench.run_and_print(args)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
