@@ -1,0 +1,39 @@
+"""The benchmarks' arithmetic (pure): ratios are medians of within-round ratios, so a
+machine that drifts between rounds does not move them. The benchmarks themselves are
+commands (`raytrain-mgpu bench`, `python jobs/benchmark_pipeline.py`), not timed tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_mgpu import bench
+from raytrain_mgpu.pipeline.bench import BenchConfig, _summarise, format_report
+
+
+def test_pipeline_ratios_cancel_a_drifting_machine():
+    cfg = BenchConfig(microbatches=8, stages=2, rounds=3)
+    rounds = []
+    for slowdown in (1.0, 1.5, 2.0):  # the machine gets slower round by round
+        rounds.append({"single": 1.0 * slowdown, "ours-1f1b": 0.6 * slowdown, "torchrun-1f1b": 0.66 * slowdown})
+    for slowdown in (1.0, 3.0, 1.2):
+        rounds.append({"single": 1.0 * slowdown, "naive": 1.2 * slowdown})
+    results = _summarise(cfg, {"bench": cfg.__dict__, "schedules": {"1f1b": {"bubble_fraction": 0.12,
+                                                                              "partition": [5, 5]}}}, rounds)
+    entry = results["schedules"]["1f1b"]
+    assert entry["ours_vs_torchrun"] == pytest.approx(1.1)
+    assert entry["efficiency"] == pytest.approx(9 / 16 / 0.6)  # ideal share (m+p-1)/(mp) over 0.6
+    assert entry["step_s"] == pytest.approx(0.6) and results["single_step_s"] == pytest.approx(1.0)
+    assert results["pipelined_speedup"] == pytest.approx(1.2 / 0.6)  # not 1.2 / 0.6 x a drift
+    report = format_report(results)
+    assert "1.10x" in report and "speed-up over it 2.00x" in report
+
+
+def test_data_parallel_report_takes_the_median_ratio_and_shows_the_range():
+    def runs(label, rates):
+        return [bench.Measured(label, rate, startup_s=20.0) for rate in rates]
+
+    fit2 = runs("fit 2", [1000.0, 2000.0, 1500.0])
+    torchrun = runs("torchrun 2", [1000.0, 1600.0, 1500.0])  # same drift: ratios 1.0, 1.25, 1.0
+    text = bench.report([(fit2, torchrun, 1.0)])
+    assert "1.00x  1.00-1.25x  >= 1.0 ok" in text
+    assert "1,500" in text  # the median rate of each side
