@@ -11,6 +11,7 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
+from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.data.convert import convert_to_parquet
 
 pytestmark = pytest.mark.ray
@@ -99,3 +100,27 @@ def test_cluster_checks_fail_before_scheduling(ray_session, storage):
         rtm.fit(rtm.TrainConfig(num_workers=8, storage_path=storage))
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_module' \(ModuleNotFoundError"):
         rtm.fit(rtm.TrainConfig(model="no_such_module:build", storage_path=storage))
+
+
+def test_cli_pipeline_job_config_trains_resumes_and_loads(ray_session, storage, capsys):
+    # The CPU pipeline job (2 stage actors): 2 epochs, then the same run to 3 epochs resumes.
+    args = ["train", "--config", "jobs/configs/mlp_digits_pipeline_cpu.yaml", "--storage-path", storage,
+            "--name", "pipe-cli"]
+    assert main([*args, "--epochs", "2"]) == 0
+    first = capsys.readouterr().out
+    assert [line.split()[1] for line in first.splitlines() if line.startswith("epoch")] == ["1/2", "2/2"]
+    assert main([*args, "--epochs", "3"]) == 0
+    second = capsys.readouterr().out
+    assert [line.split()[1] for line in second.splitlines() if line.startswith("epoch")] == ["3/3"]
+
+    # The stage parts reassemble into the plain model, which learned the digits.
+    cfg = rtm.TrainConfig.from_yaml("jobs/configs/mlp_digits_pipeline_cpu.yaml")
+    result = rtm.fit(cfg.replace(epochs=3, name="pipe-cli", storage_path=storage))  # done: nothing to train
+    assert [h["attempt"] for h in result.history] == [0, 0, 1] and result.history[-1]["partition"] == [3, 2]
+    model = result.load_model()
+    test = build_datasets(cfg.data).test
+    x = torch.stack([test[i][0] for i in range(len(test))])
+    y = torch.tensor([int(test[i][1]) for i in range(len(test))])
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(result.metrics["test_accuracy"], abs=1e-6) and accuracy > 0.9
