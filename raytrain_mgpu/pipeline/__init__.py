@@ -9,7 +9,8 @@ Layout:
 - ``group.py``     the actor group's lifecycle (placement group, actors, teardown);
 - ``driver.py``    epochs, metrics and checkpoints of one attempt;
 - ``local.py``     the same stages as local processes, without Ray (tests);
-- ``bench.py``     the pipeline benchmark (efficiency, torchrun baseline, naive MP).
+- ``bench.py``     the pipeline benchmark (efficiency, torchrun baseline, naive MP);
+- ``_torchrun_baseline.py`` the benchmark's torchrun + torch.distributed.pipelining ranks.
 
 :func:`run_pipeline` is called by :func:`raytrain_mgpu.api.fit` for strategies with
 ``runner == "actor_group"``, with Ray connected and the config validated.
