@@ -15,10 +15,8 @@ called as ``function(cfg)`` that returns :class:`Datasets`.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from raytrain_mgpu.data import Datasets, ImageArrayDataset, build_datasets
-from raytrain_mgpu.data.parquet import (META_MAX_VALUE, META_MEAN, META_NUM_CLASSES, META_SHAPE,
-                                        META_STD, resolve_uri)
+from raytrain_mgpu.data.parquet import resolve_uri
+from raytrain_mgpu.data.parquet_table import META_MAX_VALUE, META_MEAN, META_NUM_CLASSES, META_SHAPE, META_STD
 
 if TYPE_CHECKING:
     import pyarrow as pa
