@@ -55,7 +55,7 @@ def _check_arguments(strategies: Optional[Sequence[str]], steps: int, warmup_ste
     if unknown or not names:
         raise ValueError(f"compare: strategies={list(names)} has unknown name(s) {unknown}. Valid names: "
                          f"{', '.join(valid)}." if unknown else "compare: strategies=[] is empty. Name at "
-                         f"least one, or pass None for all.")
+                         "least one, or pass None for all.")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"compare: steps={steps!r} must be a positive integer (measured optimizer steps). Use e.g. 20.")
     if not isinstance(warmup_steps, int) or warmup_steps < 0:

@@ -62,7 +62,7 @@ def probe_ray_address(address: Optional[str], timeout_s: float = _PROBE_TIMEOUT_
         return
     try:
         metadata = _get_authentication_metadata_tuple()
-    except Exception as exc:  # ray.exceptions.AuthenticationError: token mode, but no token here
+    except Exception:  # ray.exceptions.AuthenticationError: token mode, but no token here
         raise ConnectionError(f"cannot connect to the Ray cluster at {address!r}: token authentication is "
                               f"on (RAY_AUTH_MODE=token) but this process has no token. {_TOKEN_FIX}") from None
     # Ray's own channel options (HTTP proxies off unless RAY_grpc_enable_http_proxy=1).
