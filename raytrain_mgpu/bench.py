@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -40,6 +41,67 @@ class Measured:
     label: str
     samples_per_s: float
     startup_s: float = 0.0
+    background_cpu: Optional[float] = None
+    """% of one core used by every process but the training ones, in steady state."""
+
+
+class BackgroundCpu:
+    """CPU used by all other processes while the training processes compute (Linux ``/proc``).
+
+    On a small machine that is CPU taken from training: a thread samples every process's
+    CPU time each second; an interval counts when the training processes (command line
+    containing ``pattern``) used more than 3/4 of their ``cores`` in it. :attr:`share` is what the others
+    used in those intervals, in % of one core (None where ``/proc`` is missing).
+    """
+
+    def __init__(self, pattern: str, cores: int, interval_s: float = 1.0):
+        self.pattern, self.cores, self.interval_s = pattern.encode(), cores, interval_s
+        self.share: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-cpu")
+        self._busy = {"training": 0.0, "other": 0.0, "seconds": 0.0}
+
+    def __enter__(self) -> "BackgroundCpu":
+        if os.path.isdir("/proc/self"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+            if self._busy["seconds"]:
+                self.share = 100 * self._busy["other"] / self._busy["seconds"]
+
+    def _run(self) -> None:
+        last, last_t = _cpu_times(self.pattern), time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            now, now_t = _cpu_times(self.pattern), time.monotonic()
+            used = {key: sum(now[key].get(pid, 0) - last[key].get(pid, 0) for pid in now[key]) for key in now}
+            if used["training"] / (now_t - last_t) > 0.75 * self.cores:  # steady state: training computes
+                self._busy["training"] += used["training"]
+                self._busy["other"] += used["other"]
+                self._busy["seconds"] += now_t - last_t
+            last, last_t = now, now_t
+
+
+def _cpu_times(pattern: bytes) -> Dict[str, Dict[int, float]]:
+    """CPU seconds (user + system) of every process, split into training (cmdline has ``pattern``) and other."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: Dict[str, Dict[int, float]] = {"training": {}, "other": {}}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        key = "training" if pattern in cmdline else "other"
+        out[key][int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
 
 
 def steady(per_epoch: list) -> float:
@@ -76,26 +138,29 @@ def torchrun_ddp(cfg: TrainConfig, nproc: int) -> Measured:
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cpus_per_worker)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "raytrain_mgpu._torchrun_ddp", json.dumps(cfg.to_dict())]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    with BackgroundCpu("raytrain_mgpu._torchrun_ddp", nproc * cfg.cpus_per_worker) as cpu:  # the ranks (and the torchrun agent)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"torchrun failed:\n{out.stderr[-3000:]}")
     rates = json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
-    return Measured(f"torchrun DDP, {nproc} processes", steady(rates))
+    return Measured(f"torchrun DDP, {nproc} processes", steady(rates), background_cpu=cpu.share)
 
 
 def ray_fit(cfg: TrainConfig, storage: str) -> Measured:
     from raytrain_mgpu.api import fit
 
     start = time.perf_counter()
-    result = fit(cfg.replace(storage_path=storage), stream=open(os.devnull, "w"))
+    with BackgroundCpu("RayTrainWorker", cfg.num_workers * cfg.cpus_per_worker) as cpu:
+        result = fit(cfg.replace(storage_path=storage), stream=open(os.devnull, "w"))
     wall = time.perf_counter() - start
     rates = [h["samples_per_s"] for h in result.history]
     train_s = sum(h["step_time_s"] * (cfg.num_samples // cfg.batch_size) for h in result.history)
-    return Measured(f"raytrain-mgpu fit, ddp, {cfg.num_workers} worker(s)", steady(rates), wall - train_s)
+    return Measured(f"raytrain-mgpu fit, ddp, {cfg.num_workers} worker(s)", steady(rates), wall - train_s,
+                    cpu.share)
 
 
 def run(num_samples: int = BENCH_CONFIG["num_samples"], epochs: int = BENCH_CONFIG["epochs"],
-        rounds: int = 3) -> list:
+        rounds: int = 3, batch_size: int = BENCH_CONFIG["batch_size"]) -> list:
     """Every measurement, ``rounds`` times interleaved; rows of (comparison, ours, baseline, ratios, target).
 
     This machine's speed drifts by 10-20 % within minutes (other tenants of the host), more
@@ -105,7 +170,7 @@ def run(num_samples: int = BENCH_CONFIG["num_samples"], epochs: int = BENCH_CONF
     """
     import ray
 
-    base = TrainConfig(**{**BENCH_CONFIG, "num_samples": num_samples, "epochs": epochs})
+    base = TrainConfig(**{**BENCH_CONFIG, "num_samples": num_samples, "epochs": epochs, "batch_size": batch_size})
     one, two = base.replace(num_workers=1), base.replace(num_workers=2)
     measured: Dict[str, List[Measured]] = {name: [] for name in ("plain", "torchrun", "fit1", "fit2")}
     ray.init(log_to_driver=False)
@@ -142,6 +207,11 @@ def report(rows: list) -> str:
                  f"(range: lowest-highest round)")
     lines.append("start-up (Ray + worker group + checkpoints, outside the steady state): " +
                  ", ".join(f"{label}: {s:.1f} s" for label, s in startups.items()))
+    background = {runs[0].label: statistics.median(m.background_cpu for m in runs)
+                  for row in rows for runs in row[:2] if all(m.background_cpu is not None for m in runs)}
+    if background:
+        lines.append("CPU used by all other processes while training computes (Ray's daemons and actors, the "
+                     "driver; % of one core): " + ", ".join(f"{label}: {v:.1f}" for label, v in background.items()))
     return "\n".join(lines)
 
 
@@ -156,6 +226,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=int, default=BENCH_CONFIG["epochs"],
                         help="epochs per measurement (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=3, help="times every variant runs, interleaved")
+    parser.add_argument("--batch-size", type=int, default=BENCH_CONFIG["batch_size"],
+                        help="global batch; larger batches make a step compute-bound (the all-reduce stays 23 MB)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -167,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run_and_print(args) -> int:
-    print(f"model mlp 784-2048-2048-10, synthetic 1x28x28, global batch {BENCH_CONFIG['batch_size']}, "
+    print(f"model mlp 784-2048-2048-10, synthetic 1x28x28, global batch {args.batch_size}, "
           f"1 torch thread per process, {os.cpu_count()} CPU cores, {args.rounds} round(s)")
-    print(report(run(args.num_samples, args.epochs, args.rounds)))
+    print(report(run(args.num_samples, args.epochs, args.rounds, args.batch_size)))
     return 0
