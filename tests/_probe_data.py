@@ -1,5 +1,8 @@
 """A user dataset factory for fault and multi-node tests: digits, plus instrumentation.
 
+``dataset="_probe_data:slow_digits"``: digits whose training batches take at least 0.2 s to
+read, in any process (a pipeline stage actor too).
+
 ``dataset="_probe_data:digits"`` with ``data_root=<probe dir>``. Inside a Ray Train worker
 it writes ``worker-<rank>-<pid>.json`` (world/node/local rank, node IP, PID, start time) into the
 probe dir, appends every training index it serves to ``indices-<rank>-<pid>.txt``, and
@@ -62,7 +65,7 @@ def slow_digits(cfg) -> Datasets:
     return data._replace(train=_Slow(data.train))
 
 
-SLOW_BATCH_S = 0.1
+SLOW_BATCH_S = 0.2  # digits at batch 64: >= 4.4 s an epoch for a test to act in
 
 
 class _Slow(Dataset):

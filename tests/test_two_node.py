@@ -89,7 +89,7 @@ def test_ddp_and_pipeline_on_two_nodes_equal_one_worker_and_survive_losing_a_nod
         {"kind": "fit", "weights": str(root / "two.pt"), "fault_hooks": True,
          "config": {**MLP, "num_workers": 2, "placement": "STRICT_SPREAD", "max_failures": 1,
                     "data_root": str(probe_two), "name": "two", "storage_path": str(shared)}},
-        {"kind": "fit", "weights": str(root / "pipe.pt"),  # >= 0.1 s a step: the kill lands mid-epoch
+        {"kind": "fit", "weights": str(root / "pipe.pt"),  # >= 0.2 s a step: the kill lands mid-epoch
          "config": {**MLP, "dataset": "_probe_data:slow_digits", "strategy": "pipeline", "num_stages": 2,
                     "num_microbatches": 4, "schedule": "1f1b", "placement": "STRICT_SPREAD", "max_failures": 1,
                     "name": "pipe", "storage_path": str(shared)}},
