@@ -77,7 +77,10 @@ class BackgroundCpu:
         last, last_t = _cpu_times(self.pattern), time.monotonic()
         while not self._stop.wait(self.interval_s):
             now, now_t = _cpu_times(self.pattern), time.monotonic()
-            used = {key: sum(now[key].get(pid, 0) - last[key].get(pid, 0) for pid in now[key]) for key in now}
+            # A pooled Ray worker becomes a training process when the actor starts in it:
+            # compare each PID with its last reading, whichever side it was on.
+            before = {**last["other"], **last["training"]}
+            used = {key: sum(cpu - before.get(pid, 0) for pid, cpu in now[key].items()) for key in now}
             if used["training"] / (now_t - last_t) > 0.75 * self.cores:  # steady state: training computes
                 self._busy["training"] += used["training"]
                 self._busy["other"] += used["other"]

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BenchConfig", "run_benchmark", "format_report", "parse_args"]
 
+
 @dataclass
 class BenchConfig:
     width: int = 1024
