@@ -141,7 +141,8 @@ def torchrun_ddp(cfg: TrainConfig, nproc: int) -> Measured:
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cpus_per_worker)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "raytrain_mgpu._torchrun_ddp", json.dumps(cfg.to_dict())]
-    with BackgroundCpu("raytrain_mgpu._torchrun_ddp", nproc * cfg.cpus_per_worker) as cpu:  # the ranks (and the torchrun agent)
+    # The ranks' command lines name the module (the torchrun agent's does too: it counts as training).
+    with BackgroundCpu("raytrain_mgpu._torchrun_ddp", nproc * cfg.cpus_per_worker) as cpu:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"torchrun failed:\n{out.stderr[-3000:]}")

@@ -59,8 +59,9 @@ class TorchrunPipeline:
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.num_stages}",
-                 f"--master_port={free_address()[1]}", "-m", "raytrain_mgpu.pipeline._torchrun_baseline", "--torchrun-worker",
-                 spec], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
+                 f"--master_port={free_address()[1]}", "-m", "raytrain_mgpu.pipeline._torchrun_baseline",
+                 "--torchrun-worker", spec],
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group: close() can end the ranks too
         self.round = 0
 
