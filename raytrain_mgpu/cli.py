@@ -93,6 +93,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
 
+    gpu = commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the "
+                                                 "README (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)")
+    from raytrain_mgpu import gpu_report
+
+    gpu_report.add_arguments(gpu)
+
     data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
     convert.add_argument("--dataset", required=True, help="registry name, e.g. fashion_mnist, cifar10, digits")
@@ -161,6 +167,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _bench(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "gpu-report":
+            from raytrain_mgpu import gpu_report
+
+            return gpu_report.run_and_print(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         print(f"raytrain-mgpu: error: {exc}", file=sys.stderr)

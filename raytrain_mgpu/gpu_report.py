@@ -1,0 +1,320 @@
+"""``raytrain-mgpu gpu-report``: every GPU figure the README asks for, from one command.
+
+On a machine with GPUs it runs the GPU-only tests (``pytest -m gpu``, from a source
+checkout) and measures, each with ``fit`` on the GPUs Ray finds:
+
+- every strategy with ``use_gpu=True`` for a few steps: finished, seconds a step, peak
+  memory per device; ``dp`` vs ``dp_balanced`` vs ``ddp`` on a model with a 1,000-class
+  output is seed 001's GPU-0 imbalance (max / min peak over the devices);
+- d2l's workload: ResNet-18 (d2l variant) on Fashion-MNIST-shaped data (60,000 x 1x28x28,
+  10 classes), batch 256, SGD lr 0.1: seconds per epoch and images/s on 1 and 2 GPUs,
+  against a plain PyTorch loop on the same GPU (d2l reports 12.2 s an epoch);
+- fp16 (``16-mixed``) and bf16 (``bf16-mixed``) speed-up over fp32 on that workload;
+- every pipeline schedule finishing (stages on distinct GPUs).
+
+It prints the rows for the README's results table, each with the device named.
+
+Under emulation (``RAYTRAIN_MGPU_EMULATE_GPUS=N``, no CUDA) the same report runs with
+small sizes on the CPU, every row marked "emulated": CI runs it that way so the command
+keeps working; those figures are not GPU figures.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+from raytrain_mgpu import devices
+from raytrain_mgpu.config import TrainConfig
+
+__all__ = ["Row", "run_report", "format_rows", "main"]
+
+COMMAND = "raytrain-mgpu gpu-report"
+STRATEGIES = ("ddp", "dp", "dp_balanced", "mp", "ddp_mp", "ddp2", "fsdp", "pipeline", "ddp_pipeline")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each measurement is: the README's sizes on GPUs, tiny under emulation."""
+
+    d2l_samples: int
+    d2l_epochs: int
+    d2l_batch: int
+    strategy_steps: int
+    wide_classes: int
+
+
+FULL = Sizes(d2l_samples=60_000, d2l_epochs=3, d2l_batch=256, strategy_steps=20, wide_classes=1000)
+QUICK = Sizes(d2l_samples=256, d2l_epochs=1, d2l_batch=64, strategy_steps=2, wide_classes=100)
+
+
+@dataclass
+class Row:
+    """One line of the README's results table."""
+
+    what: str
+    figure: str
+    machine: str
+    command: str = COMMAND
+
+
+def machine() -> str:
+    """The device named, as the README's table wants it."""
+    versions = f"torch {torch.__version__}"
+    n = devices.emulated_gpus()
+    if n and not torch.cuda.is_available():
+        return (f"EMULATED: {n} fake GPU(s) on a {os.cpu_count()}-core CPU ({versions}); "
+                f"checks the command, not a GPU figure")
+    count = torch.cuda.device_count()
+    return f"{count} x {torch.cuda.get_device_name(0)} ({versions}, CUDA {torch.version.cuda})"
+
+
+def num_gpus() -> int:
+    """GPUs to measure on: real ones, else the emulated count; 0 means the report cannot run."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return devices.emulated_gpus()
+
+
+def require_gpus() -> int:
+    gpus = num_gpus()
+    if gpus == 0:
+        raise ValueError(f"gpu-report needs GPUs: this machine has no CUDA device and {devices.EMULATE_ENV} is "
+                         f"not set. Run it on a GPU machine, or set {devices.EMULATE_ENV}=4 to check the command "
+                         f"under emulation (its figures are then not GPU figures).")
+    return gpus
+
+
+# ---------------------------------------------------------------------------- measurements
+
+
+def _fit(cfg: TrainConfig) -> list:
+    from raytrain_mgpu.api import fit
+
+    with open(os.devnull, "w") as quiet:
+        return fit(cfg, stream=quiet).history
+
+
+def _steady(history: list, key: str) -> float:
+    """Median over the epochs after the first (or the only one)."""
+    values = [row[key] for row in history if row.get(key) is not None]
+    return statistics.median(values[1:] or values)
+
+
+def _gib(peaks: list) -> str:
+    return "/".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB"
+
+
+def _layout(name: str, gpus: int) -> dict:
+    """Workers and devices per worker for ``name`` on one node of ``gpus`` GPUs."""
+    if name in ("dp", "dp_balanced", "mp", "ddp2"):  # one process over the node's GPUs (ddp2: one node)
+        return {"num_workers": 1, "gpus_per_worker": min(gpus, 4)}
+    if name == "ddp_mp":
+        return {"num_workers": max(1, min(2, gpus // 2)), "gpus_per_worker": 2}
+    if name == "pipeline":
+        stages = min(gpus, 4)
+        return {"num_workers": 1, "num_stages": stages, "num_microbatches": 2 * stages}
+    if name == "ddp_pipeline":
+        return {"num_workers": max(1, min(2, gpus // 2)), "num_stages": 2, "num_microbatches": 4}
+    return {"num_workers": min(gpus, 2)}  # ddp, fsdp
+
+
+def _strategy_config(name: str, gpus: int, sizes: Sizes, storage: str, schedule: str = "1f1b") -> TrainConfig:
+    """A few steps of a wide-output MLP (the output that fills GPU 0 under dp) with ``name``."""
+    layout = _layout(name, gpus)
+    if "num_stages" in layout:
+        layout["schedule"] = schedule
+    batch = 64 * layout["num_workers"] * layout.get("num_microbatches", 1)
+    return TrainConfig(model="mlp", model_kwargs={"widths": [512, 512, 512, 512]}, dataset="synthetic",
+                       input_shape=(1, 28, 28), num_classes=sizes.wide_classes,
+                       num_samples=batch * sizes.strategy_steps, strategy=name, use_gpu=True, batch_size=batch,
+                       epochs=1, optimizer="sgd", lr=0.01, storage_path=storage, eval_every_epochs=100,
+                       name=f"gpu-report-{name}-{schedule}", **layout)
+
+
+def strategy_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
+    rows = []
+    for name in STRATEGIES:
+        if name in ("ddp_mp", "ddp_pipeline") and gpus < 2:
+            rows.append(Row(f"strategy `{name}`, use_gpu=True", "not run: needs 2 GPUs", where))
+            continue
+        cfg = _strategy_config(name, gpus, sizes, storage)
+        history = _fit(cfg)
+        peaks = history[-1]["peak_memory_bytes"]
+        imbalance = max(peaks) / max(1, min(peaks))
+        rows.append(Row(f"strategy `{name}`, use_gpu=True: {cfg.num_workers} worker(s), "
+                        f"{cfg.num_classes}-class mlp, batch {cfg.batch_size}",
+                        f"finished {history[-1]['step']} steps, {_steady(history, 'step_time_s') * 1000:.1f} ms a "
+                        f"step; peak memory per device {_gib(peaks)} (max/min {imbalance:.2f})", where))
+    return rows
+
+
+def schedule_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
+    rows = []
+    if gpus < 2:
+        return [Row("pipeline schedules", "not run: needs 2 GPUs", where)]
+    for schedule in SCHEDULES:
+        cfg = _strategy_config("pipeline", gpus, sizes, storage, schedule)
+        history = _fit(cfg)
+        rows.append(Row(f"pipeline `{schedule}`, {cfg.num_stages} stages on distinct GPUs, m={cfg.num_microbatches}",
+                        f"finished {history[-1]['step']} steps, {_steady(history, 'step_time_s') * 1000:.1f} ms a "
+                        f"step", where))
+    return rows
+
+
+def _d2l_config(sizes: Sizes, storage: str, workers: int, precision: str = "32") -> TrainConfig:
+    return TrainConfig(model="resnet18", dataset="synthetic", input_shape=(1, 28, 28), num_classes=10,
+                       num_samples=sizes.d2l_samples, strategy="ddp", num_workers=workers, use_gpu=True,
+                       batch_size=sizes.d2l_batch * workers, epochs=sizes.d2l_epochs, optimizer="sgd", lr=0.1 * workers,
+                       momentum=0.0, precision=precision, storage_path=storage, eval_every_epochs=100,
+                       name=f"gpu-report-d2l-{workers}-{precision}")
+
+
+def plain_loop_seconds_per_epoch(cfg: TrainConfig) -> float:
+    """d2l's own loop on one device (the first GPU; the CPU under emulation), no Ray."""
+    from torch.utils.data import DataLoader
+
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.models import build_model
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    seconds = []
+    for _ in range(cfg.epochs):
+        start = time.perf_counter()
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x.to(device, non_blocking=True)),
+                                                     y.to(device, non_blocking=True))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the epoch ends when the GPU is done
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:] or seconds)
+
+
+def _epoch_seconds(history: list, cfg: TrainConfig) -> float:
+    steps_per_epoch = cfg.num_samples // cfg.batch_size
+    return _steady(history, "step_time_s") * steps_per_epoch
+
+
+def d2l_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
+    shape = f"{sizes.d2l_samples:,} x 1x28x28, batch {sizes.d2l_batch}"
+    one = _d2l_config(sizes, storage, 1)
+    history = _fit(one)
+    fit_s, rate = _epoch_seconds(history, one), _steady(history, "samples_per_s")
+    plain_s = plain_loop_seconds_per_epoch(one)
+    rows = [Row(f"d2l ResNet-18, Fashion-MNIST-shaped ({shape}), 1 GPU, fp32",
+                f"{fit_s:.1f} s/epoch, {rate:,.0f} images/s; plain PyTorch loop {plain_s:.1f} s/epoch "
+                f"(fit {plain_s / fit_s:.2f}x its speed; d2l reports 12.2 s/epoch)", where)]
+    for precision in ("16-mixed", "bf16-mixed"):
+        cfg = _d2l_config(sizes, storage, 1, precision)
+        mixed = _steady(_fit(cfg), "samples_per_s")
+        rows.append(Row(f"d2l ResNet-18, 1 GPU, precision {precision} vs fp32",
+                        f"{mixed:,.0f} vs {rate:,.0f} images/s: {mixed / rate:.2f}x", where))
+    if gpus >= 2:
+        two = _d2l_config(sizes, storage, 2)
+        history2 = _fit(two)
+        rate2 = _steady(history2, "samples_per_s")
+        rows.append(Row(f"d2l ResNet-18, 2 GPUs (ddp, batch {two.batch_size}, lr {two.lr:g}), fp32",
+                        f"{_epoch_seconds(history2, two):.1f} s/epoch, {rate2:,.0f} images/s: {rate2 / rate:.2f}x "
+                        f"one GPU", where))
+    return rows
+
+
+def gpu_tests_row(where: str, root: Optional[Path]) -> Row:
+    """``pytest -m gpu`` from a source checkout; its closing line is the figure."""
+    if root is None or not (root / "tests").is_dir():
+        return Row("GPU-only tests (`pytest -m gpu`)", "not run: no tests/ folder (run from a source checkout)",
+                   where)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+                         cwd=root, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.strip().splitlines() if line.strip()]
+    return Row("GPU-only tests (`pytest -m gpu`)", (lines[-1].strip("= ") if lines else "no output") +
+               ("" if out.returncode in (0, 5) else f" (exit {out.returncode})"), where, "python -m pytest -m gpu")
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+SECTIONS = {"tests": None, "strategies": strategy_rows, "schedules": schedule_rows, "d2l": d2l_rows}
+
+
+def run_report(sections=tuple(SECTIONS), quick: Optional[bool] = None, root: Optional[Path] = None,
+               on_row: Callable[[Row], None] = lambda row: None) -> List[Row]:
+    """Every row of ``sections``; Ray is started here (with the emulated GPUs, if any) unless connected."""
+    import ray
+
+    gpus = require_gpus()
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"gpu-report --only {','.join(unknown)}: unknown section(s). Valid: {', '.join(SECTIONS)}.")
+    sizes = QUICK if (quick if quick is not None else not torch.cuda.is_available()) else FULL
+    where = machine()
+    rows: List[Row] = []
+    started = not ray.is_initialized()
+    if started:
+        ray.init(log_to_driver=False, **devices.local_ray_init_kwargs())
+    try:
+        with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-gpu-report-") as storage:
+            for section in sections:
+                if section == "tests":
+                    new = [gpu_tests_row(where, root)]
+                else:
+                    new = SECTIONS[section](gpus, sizes, storage, where)
+                for row in new:
+                    on_row(row)
+                rows += new
+    finally:
+        if started:
+            ray.shutdown()
+    return rows
+
+
+def format_rows(rows: List[Row]) -> str:
+    """Markdown rows in the README's results-table order: what | figure | command | machine."""
+    return "\n".join(f"| {r.what} | {r.figure} | `{r.command}` | {r.machine} |" for r in rows)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--only", help=f"comma-separated sections (default: all): {', '.join(SECTIONS)}")
+    parser.add_argument("--quick", action="store_true", default=None,
+                        help="small sizes (the default under emulation): checks that every part runs")
+    parser.add_argument("--out", help="also write the Markdown rows to this file")
+
+
+def run_and_print(args) -> int:
+    sections = tuple(s.strip() for s in args.only.split(",")) if args.only else tuple(SECTIONS)
+    root = Path(__file__).resolve().parent.parent
+    require_gpus()
+    print(f"gpu-report on {machine()}", flush=True)
+    rows = run_report(sections, args.quick, root, on_row=lambda row: print(format_rows([row]), flush=True))
+    text = "| what | figure | command | machine |\n|---|---|---|---|\n" + format_rows(rows) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    print("\nREADME rows:\n" + text)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_and_print(parser.parse_args(argv))
