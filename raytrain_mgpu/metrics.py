@@ -37,8 +37,11 @@ class EpochMeter:
     """Counts samples, loss and correct predictions; times steps and data waits."""
 
     def __init__(self, device: torch.device):
-        # Sums stay on the device: reading a CUDA scalar every step is a sync point.
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*n, correct, n
+        # Sums stay on the device: reading a CUDA scalar every step is a sync point. The
+        # sample count is known on the host, so it stays a Python int: building a device
+        # tensor from it every micro-batch would be a blocking host-to-device copy.
+        self._device_sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss*n, correct
+        self.samples = 0
         self.data_wait_s = 0.0
         self.steps = 0
         self.start = time.perf_counter()
@@ -46,8 +49,14 @@ class EpochMeter:
     def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
         n = y.numel()
         correct = (logits.detach().argmax(dim=1) == y.to(logits.device)).sum()
-        self.sums += torch.stack([loss.detach().double() * n, correct.double(),
-                                  torch.tensor(float(n), dtype=torch.float64, device=self.sums.device)])
+        self._device_sums += torch.stack([loss.detach().double() * n, correct.double()])
+        self.samples += n
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """``[loss*n, correct, n]`` as one float64 tensor on the device (one copy: read it once an epoch)."""
+        n = torch.tensor([float(self.samples)], dtype=torch.float64, device=self._device_sums.device)
+        return torch.cat([self._device_sums, n])
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
