@@ -10,6 +10,11 @@ A checkpoint is one folder (a Ray Train checkpoint in the run's storage):
   into the plain model and a plain one can be split again;
 - ``train_state*.pt``: optimizer, LR schedule, grad scaler and RNG states.
 
+Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a pickled file can run
+code while loading, and a run folder is writable by whoever shares the storage, so a
+planted file must be refused, not executed. Only the names above are read (a stray
+``model_backup.pt`` is ignored, not merged into the weights).
+
 Ray Train registers a checkpoint only after the whole folder is persisted, so a kill
 during a save leaves the previous checkpoint as the one a resume picks up.
 """
@@ -19,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pickle
+import re
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -29,6 +36,9 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 HISTORY_FILE = "history.json"
+# Our own part names only: "model.pt" (data parallel) and "model-stage{p}.pt" (pipeline).
+_MODEL_PART_RE = re.compile(r"^model(-stage\d+)?\.pt$")
+_TRAIN_STATE_PART_RE = re.compile(r"^(-stage\d+)?$")
 
 
 def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: Optional[dict] = None,
@@ -58,20 +68,46 @@ def read_history(directory: str) -> list:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
+def model_part_files(directory: str) -> list:
+    """Our own model part files in ``directory``, sorted; other ``*.pt`` files are not ours."""
+    return sorted(p for p in Path(directory).glob("model*.pt") if _MODEL_PART_RE.match(p.name))
+
+
 def load_model_state(directory: str) -> dict:
-    """Merge every ``model*.pt`` part into one state dict of the unsplit model."""
-    parts = sorted(Path(directory).glob("model*.pt"))
+    """Merge every ``model.pt`` / ``model-stage{p}.pt`` part into one state dict of the unsplit model."""
+    parts = model_part_files(directory)
     if not parts:
-        raise ValueError(f"checkpoint {directory!r} holds no model*.pt file; it may be incomplete.")
+        raise ValueError(f"checkpoint {directory!r} holds no model.pt or model-stage<p>.pt file; it may be "
+                         f"incomplete.")
     state: dict = {}
     for part in parts:
-        state.update(torch.load(part, map_location="cpu", weights_only=True))
+        state.update(_load_tensors(part))
     return state
 
 
 def load_train_state(directory: str, part: str = "") -> Optional[dict]:
+    """Optimizer, LR schedule, scaler and RNG states of one part, or None when absent."""
+    if not _TRAIN_STATE_PART_RE.match(part):
+        raise ValueError(f"train state part {part!r} is not '' or '-stage<p>'.")
     path = Path(directory) / f"train_state{part}.pt"
-    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+    return _load_tensors(path) if path.is_file() else None
+
+
+def _load_tensors(path: Path):
+    # weights_only=True allows tensors, plain containers and numbers only (AdamW/SGD,
+    # LambdaLR, GradScaler and RNG states are made of these): anything else is refused
+    # before it is constructed, so a planted file never runs code.
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        raise ValueError(
+            f"checkpoint file {str(path)!r} holds objects other than tensors and plain containers "
+            f"({first[0] if first else type(exc).__name__}); it was refused without running it. A file "
+            f"raytrain-mgpu wrote never does this: delete the folder, or train under another `name`.") from None
+    except (EOFError, RuntimeError) as exc:
+        raise ValueError(f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); it "
+                         f"may be cut short. Delete that checkpoint folder to resume from the one before.") from None
 
 
 def check_resumable(meta: dict, model: str, strategy: str, directory: str) -> None:

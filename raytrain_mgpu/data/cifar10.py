@@ -6,8 +6,9 @@ Files ``data_batch_1`` .. ``data_batch_5`` and ``test_batch`` are looked for in
 32x32 planes) and ``labels``. With ``download=True`` missing files are fetched with
 ``torchvision.datasets.CIFAR10`` and read here.
 
-Pickle can run code while loading: only point ``data_root`` at files you trust (the same
-holds for torchvision's reader).
+Pickle can run code while loading, so batches are read with an unpickler that finds only
+the few numpy and builtin names a real batch holds (arrays, their dtype, bytes): a planted
+batch that names anything else (``os.system``, ...) is refused before it runs.
 """
 
 from __future__ import annotations
@@ -76,12 +77,32 @@ def check_batch_file(path: str) -> None:
         raise _corrupt(path, "is truncated (no pickle STOP opcode at the end)")
 
 
+# (module, name) a CIFAR-10 batch may reference: numpy arrays as pickled by Python 2 and by
+# numpy 1.x/2.x (the module moved to numpy._core), and bytes as Python 3 pickles them in
+# protocol 2. Python 2 module names are matched too: our find_class sees them unmapped.
+_ALLOWED_GLOBALS = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),
+})
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"it references {module}.{name}, which a CIFAR-10 batch never "
+                                         f"holds; refused without running it")
+        return super().find_class(module, name)
+
+
 def read_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     """``(images (N, 3, 32, 32) uint8, labels (N,) int64)`` of one batch file."""
     try:
         with open(path, "rb") as f:
             # The official files were pickled by Python 2: keys come back as bytes.
-            batch = pickle.load(f, encoding="bytes")
+            batch = _BatchUnpickler(f, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
         raise _corrupt(path, f"cannot be unpickled ({type(exc).__name__}: {exc})") from exc
     if not isinstance(batch, dict):
