@@ -204,6 +204,17 @@ class Strategy(ABC):
         return list(self.ctx.devices)
 
 
+def ddp_no_sync(model: nn.Module) -> ContextManager:
+    """DDP's ``no_sync()`` for ``model``, also when ``torch.compile`` wrapped it.
+
+    ``torch.compile`` returns an ``OptimizedModule`` holding the DDP module as ``_orig_mod``;
+    it is no DDP instance, so checking the wrapper would all-reduce every accumulation
+    micro-step (one full gradient all-reduce each).
+    """
+    inner = getattr(model, "_orig_mod", model)
+    return inner.no_sync() if isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
+
 def check_batch_divisible(cfg: "TrainConfig", replicas: int) -> None:
     """The global batch must split evenly over replicas and accumulation micro-steps."""
     parts = replicas * cfg.grad_accum_steps

@@ -7,7 +7,7 @@ from typing import ContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mgpu.strategies.base import Strategy
+from raytrain_mgpu.strategies.base import Strategy, ddp_no_sync
 
 
 class DDPStrategy(Strategy):
@@ -23,7 +23,7 @@ class DDPStrategy(Strategy):
         return DistributedDataParallel(model, **ddp_kwargs(self.cfg, [self.device] if self.device.type == "cuda" else None))
 
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
+        return ddp_no_sync(model)
 
 
 def ddp_kwargs(cfg, device_ids) -> dict:

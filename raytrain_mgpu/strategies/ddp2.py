@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy
+from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy, ddp_no_sync
 from raytrain_mgpu.strategies.ddp import ddp_kwargs
 from raytrain_mgpu.strategies.dp import check_output_device, wrap_data_parallel
 
@@ -61,4 +61,4 @@ class DDP2Strategy(Strategy):
         return DistributedDataParallel(model, **ddp_kwargs(self.cfg, None))
 
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
+        return ddp_no_sync(model)

@@ -13,7 +13,7 @@ from typing import ContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy
+from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy, ddp_no_sync
 from raytrain_mgpu.strategies.ddp import ddp_kwargs
 from raytrain_mgpu.strategies.mp import check_split, place_model, validate_split
 
@@ -44,4 +44,4 @@ class DDPMPStrategy(Strategy):
         return DistributedDataParallel(model, **ddp_kwargs(self.cfg, None))
 
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
+        return ddp_no_sync(model)

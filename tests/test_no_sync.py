@@ -1,0 +1,105 @@
+"""Gradient accumulation skips DDP's all-reduce on non-final micro-steps, compiled or not.
+
+Two local processes (gloo, ``torch.multiprocessing``, no Ray) run ``_Loop.train_epoch``
+with ``grad_accum_steps=2`` over 2 steps. A DDP communication hook counts the bucket
+all-reduces: with ``no_sync`` they happen once per optimizer step, without it once per
+micro-step. ``torch.compile``'s wrapper (``backend="eager"``: the wrapper type is what
+matters, not the kernels) must not change that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.loop import _Loop, _State
+from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.progress import WorkerReporter
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+STEPS, ACCUM = 2, 2
+
+
+def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) -> int:
+    """Bucket all-reduces during one epoch of STEPS steps x ACCUM micro-steps."""
+    cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=world, batch_size=8 * ACCUM * world,
+                      grad_accum_steps=ACCUM, optimizer="sgd", epochs=1)
+    strategy = get_strategy("ddp")(cfg.parallel, WorkerContext(rank, world, rank, world, 0, (torch.device("cpu"),)))
+    torch.manual_seed(0)
+    model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
+    assert isinstance(model, DistributedDataParallel)
+    calls = [0]
+
+    def counting_hook(state, bucket):
+        calls[0] += 1
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    if compiled:
+        model = torch.compile(model, backend="eager")
+    if no_sync_mode == "off":  # what the loop would do with no no_sync at all
+        strategy.no_sync = lambda m: contextlib.nullcontext()
+    elif no_sync_mode == "wrapper_check":  # the check before issue 10: the compiled wrapper is no DDP
+        strategy.no_sync = lambda m: m.no_sync() if isinstance(m, DistributedDataParallel) else contextlib.nullcontext()
+    gen = torch.Generator().manual_seed(rank)
+    loader = [(torch.randn(8, 1, 4, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+              for _ in range(STEPS * ACCUM)]
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    loop = _Loop(cfg, strategy, model, optimizer, build_scheduler(optimizer, cfg.optim, STEPS, 1),
+                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(None), STEPS)
+    loop.train_epoch(0, _State())
+    return calls[0]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        counts = {f"{'compiled' if compiled else 'eager'}-{mode}": _count_allreduces(rank, world, compiled, mode)
+                  for compiled in (False, True) for mode in ("strategy", "off", "wrapper_check")}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+@pytest.fixture(scope="module")
+def allreduce_counts(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("no_sync")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, port, str(out_dir)), nprocs=2, join=True)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_no_sync_all_reduces_once_per_step(allreduce_counts):
+    for counts in allreduce_counts:
+        assert counts["eager-strategy"] == STEPS  # one bucket (a small model), once per step
+
+
+def test_without_no_sync_every_micro_step_all_reduces(allreduce_counts):
+    """The counter can tell: the same epoch without no_sync all-reduces on every micro-step."""
+    for counts in allreduce_counts:
+        assert counts["eager-off"] == STEPS * ACCUM
+        assert counts["eager-wrapper_check"] == STEPS
+
+
+def test_compiled_model_keeps_no_sync(allreduce_counts):
+    for counts in allreduce_counts:
+        assert counts["compiled-strategy"] == STEPS
+        # the old check, on the compiled wrapper, silently synced every micro-step
+        assert counts["compiled-wrapper_check"] == STEPS * ACCUM
+        assert counts["compiled-off"] == STEPS * ACCUM
