@@ -8,7 +8,9 @@ learning) want; otherwise ``ddp`` with one worker per GPU is faster.
 
 With GPUs, more than one worker must use ``placement='STRICT_SPREAD'`` so that Ray puts
 each on its own node. On CPU the workers stand in for nodes on one machine, so any
-placement is accepted and the tests run the whole logic there.
+placement is accepted and the tests run the whole logic there; with several CPU "devices"
+(GPU emulation) the DataParallel part runs ``dp``'s scatter/replicate/parallel_apply/gather
+on CPU stand-ins, under DDP.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Seed 000's "distributed model and data parallel": every worker is one data-paral
 replica whose model spans ``gpus_per_worker`` devices (split as in ``mp``). DDP is built
 with ``device_ids=None``, as torch requires for a module on several devices; its buckets
 are then per device and each device's gradients are all-reduced with the other workers'.
+Under GPU emulation every device is the CPU: the split, the hops and DDP over the split
+model run as on GPUs, with gloo.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ Autocast state is thread-local and ``parallel_apply`` restores only "enabled", n
 dtype, so plain ``nn.DataParallel`` runs bf16-mixed replicas in fp16 on CUDA. The
 subclass here hands each replica the caller's autocast dtype.
 
-On CPU, ``nn.DataParallel`` calls the module once on the whole batch (torch does no
-scatter without CUDA), so CPU devices train the plain single-process model.
+On CPU "devices" (GPU emulation and tests) ``nn.DataParallel`` would call the module
+once on the whole batch (torch does no scatter without CUDA), so more than one CPU device
+gets :class:`StandInDataParallel`: the same scatter -> replicate -> parallel_apply ->
+gather on the CPU stand-ins of ``_dp_ops``. One CPU device trains the plain model.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import parallel_apply
 
-from raytrain_mgpu.strategies.base import Strategy, require_one_worker
+from raytrain_mgpu.strategies import _dp_ops
+from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, require_one_worker
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,31 @@ class AutocastDataParallel(nn.DataParallel):
     def parallel_apply(self, replicas, inputs, kwargs) -> List:
         state = autocast_state(self.src_device_obj.type)
         calls = [functools.partial(call_with_autocast, replica, state) for replica in replicas]
-        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
+        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])  # torch's, CUDA
+
+
+class StandInDataParallel(ModelWrapper):
+    """``nn.DataParallel``'s forward on CPU stand-in devices (emulation and tests only).
+
+    Every forward splits the batch as torch's scatter does, runs one replica per device in
+    its own thread and concatenates the outputs on ``output_device``: the code path of
+    ``nn.DataParallel`` on GPUs, with ``_dp_ops``' CPU stand-ins for torch's CUDA-only ops.
+    """
+
+    def __init__(self, module: nn.Module, devices, output_device: int):
+        super().__init__()
+        self.module = module
+        self.devices = list(devices)
+        self.output_device = self.devices[output_device]
+
+    def forward(self, *inputs, **kwargs):
+        inputs, module_kwargs = _dp_ops.scatter_kwargs(inputs, kwargs, self.devices)
+        if not inputs and not module_kwargs:
+            inputs, module_kwargs = ((),), ({},)
+        used = self.devices[: len(inputs)]
+        replicas = _dp_ops.replicate(self.module, used, detach=not torch.is_grad_enabled())
+        outputs = _dp_ops.parallel_apply(replicas, inputs, module_kwargs, used)
+        return _dp_ops.gather(outputs, self.output_device)
 
 
 def check_output_device(cfg) -> None:
@@ -59,15 +86,19 @@ def check_output_device(cfg) -> None:
 
 
 def wrap_data_parallel(model: nn.Module, devices, output_device) -> nn.Module:
-    """``model`` on ``devices[0]``, wrapped to run on all ``devices``; on CPU the model itself.
+    """``model`` on ``devices[0]``, wrapped to run on all ``devices``.
 
-    Without CUDA, ``nn.DataParallel`` only calls the module; on a CUDA machine training on
-    CPU it would claim every GPU, so CPU devices get the plain model.
+    CUDA devices: torch's ``nn.DataParallel`` (with the autocast fix). Several CPU devices:
+    :class:`StandInDataParallel` (``nn.DataParallel`` itself would only call the module,
+    and on a CUDA machine training on CPU it would claim every GPU). One CPU device: the
+    plain model, as ``nn.DataParallel`` does with one device.
     """
     model = model.to(devices[0])
-    if devices[0].type != "cuda":
+    if devices[0].type == "cuda":
+        return AutocastDataParallel(model, device_ids=list(devices), output_device=devices[output_device])
+    if len(devices) == 1:
         return model
-    return AutocastDataParallel(model, device_ids=list(devices), output_device=devices[output_device])
+    return StandInDataParallel(model, devices, output_device)
 
 
 class DPStrategy(Strategy):
@@ -93,6 +124,4 @@ class DPStrategy(Strategy):
         return self.ctx.devices[self.cfg.output_device or 0]
 
     def setup_model(self, model: nn.Module) -> nn.Module:
-        if self.ctx.devices[0].type != "cuda" and len(self.ctx.devices) > 1 and self.ctx.world_rank == 0:
-            logger.info("dp on CPU: nn.DataParallel runs the module once on the whole batch.")
         return wrap_data_parallel(model, self.ctx.devices, self.cfg.output_device or 0)

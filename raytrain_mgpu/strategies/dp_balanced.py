@@ -11,8 +11,9 @@ The mean loss is the plain model's mean over the batch: each device's mean is we
 its share of the targets, so uneven slices (a batch of 10 on 3 devices: 4, 4, 2) and the
 gradients come out exactly as without the split.
 
-On CPU devices the batch is split the same way and the slices run one after the other on
-the one model, so the weighting and gathering logic is what the CPU tests exercise.
+On CPU "devices" (GPU emulation and tests) the same scatter -> replicate ->
+parallel_apply path runs on the CPU stand-ins of ``_dp_ops`` (one thread per device,
+replicas sharing the parameters), so emulation exercises the GPU code, not a substitute.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.parallel import parallel_apply, replicate, scatter
-
+from raytrain_mgpu.strategies._dp_ops import parallel_apply, replicate, scatter
 from raytrain_mgpu.strategies.base import Predictions, Strategy, require_one_worker
 from raytrain_mgpu.strategies.dp import autocast_state, call_with_autocast
 
@@ -65,12 +65,11 @@ class DPBalancedStrategy(Strategy):
     def _slice_losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> List[tuple]:
         devices = list(self.ctx.devices)
         state = autocast_state(self.device.type)
-        if self.device.type == "cuda" and len(devices) > 1:
-            xs, ys = scatter(x, devices), scatter(y, devices)  # a batch smaller than len(devices): fewer slices
-            used = devices[: len(xs)]
-            replicas = replicate(model, used, detach=not torch.is_grad_enabled())
-            calls = [functools.partial(call_with_autocast, _slice_loss, state, r) for r in replicas]
-            return parallel_apply(calls, list(zip(xs, ys)), devices=used)
-        # CPU devices (or one device): the same slices (torch's scatter splits like chunk), in turn.
-        return [call_with_autocast(_slice_loss, state, model, xs, ys)
-                for xs, ys in zip(x.chunk(len(devices)), y.chunk(len(devices)))]
+        if len(devices) == 1:
+            return [call_with_autocast(_slice_loss, state, model, x, y)]
+        # CUDA: torch's ops; CPU devices: their stand-ins (same split, one thread per device).
+        xs, ys = scatter(x, devices), scatter(y, devices)  # a batch smaller than len(devices): fewer slices
+        used = devices[: len(xs)]
+        replicas = replicate(model, used, detach=not torch.is_grad_enabled())
+        calls = [functools.partial(call_with_autocast, _slice_loss, state, r) for r in replicas]
+        return parallel_apply(calls, list(zip(xs, ys)), devices=used)

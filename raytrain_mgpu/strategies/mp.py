@@ -19,7 +19,8 @@ and the model moves its layers and, in ``forward``, its activations:
 
 The loss is computed where the output lands; only the scalar loss and the argmax indices
 move back to the first device (``Strategy.compute_loss``). On CPU every "device" is the
-CPU, so the split and the hops run (as no-ops) and the tests check them.
+CPU (GPU emulation and tests), so the split and the hops run (the hops as no-ops) and
+``SplitModel.block_device_indices`` says which of the worker's devices holds each block.
 """
 
 from __future__ import annotations
@@ -36,12 +37,16 @@ from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, require_one_wo
 class SplitModel(ModelWrapper):
     """The user's model with its blocks spread over devices; ``forward`` moves activations."""
 
-    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], devices: Sequence[torch.device]):
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], devices: Sequence[torch.device],
+                 device_indices: Sequence[int] = ()):
         super().__init__()
         self.module = module
         # Kept in a plain list: the blocks are already registered (and named) inside ``module``.
         self._stages = list(zip(blocks, devices))
         self.block_devices = list(devices)
+        # Per block, the index of its device among the worker's (on CPU stand-ins the devices
+        # are all equal, so this is what shows the split).
+        self.block_device_indices = list(device_indices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block, device in self._stages:
@@ -61,11 +66,13 @@ def place_model(model: nn.Module, devices: Sequence[torch.device], balance) -> n
     blocks = blocks_of(model)
     partition = plan_partition(blocks, len(devices), balance, what="gpus_per_worker")
     block_devices: List[torch.device] = []
-    for (start, end), device in zip(partition.bounds(), devices):
+    indices: List[int] = []
+    for index, ((start, end), device) in enumerate(zip(partition.bounds(), devices)):
         for block in blocks[start:end]:
             block.to(device)
         block_devices += [device] * (end - start)
-    return SplitModel(model, blocks, block_devices)
+        indices += [index] * (end - start)
+    return SplitModel(model, blocks, block_devices, indices)
 
 
 def validate_split(cfg) -> None:
