@@ -4,6 +4,17 @@ A factory in the user's own folder imports on the driver (the folder is on ``sys
 but not on Ray workers, which start elsewhere. ``local_modules_to_ship`` finds such
 modules so that ``fit`` can send them with the job (Ray's ``py_modules``), as users
 expect from Ray's runtime environments.
+
+A factory is code, so two rules keep a config from calling arbitrary functions:
+
+- a standard-library or builtin callable is never a factory (``os:system``,
+  ``builtins:eval``, ``subprocess:run``, nor a user module's re-export of one), whoever
+  wrote the config;
+- a factory named in a config FILE is used only when the caller opts in
+  (``TrainConfig.from_yaml(..., allow_code=True)``, CLI ``--allow-code``) or its module is
+  listed in ``RAYTRAIN_MGPU_TRUSTED_MODULES`` (comma-separated module prefixes, e.g.
+  ``my_models,acme.vision``). A factory given from Python or typed as a CLI option is the
+  user's own code and needs neither.
 """
 
 from __future__ import annotations
@@ -14,15 +25,57 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
+
+TRUSTED_MODULES_ENV = "RAYTRAIN_MGPU_TRUSTED_MODULES"
 
 
 def is_factory(spec: str) -> bool:
     return ":" in spec
 
 
+def _is_standard_library(module_name: str) -> bool:
+    top = module_name.split(".", 1)[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins"
+
+
+def check_factory_spec(spec: str, field: str) -> None:
+    """Refuse a ``module:function`` in the standard library, without importing anything."""
+    module_name = spec.split(":", 1)[0]
+    if _is_standard_library(module_name):
+        raise ValueError(
+            f"TrainConfig.{field}={spec!r}: {module_name!r} is a standard-library module, and a factory must "
+            f"be your own function (standard-library callables such as os:system are never factories). "
+            f"Name a function in your own module, e.g. 'my_models:build', or a registry name.")
+
+
+def trusted_modules() -> list:
+    """Module prefixes from ``RAYTRAIN_MGPU_TRUSTED_MODULES`` whose factories a config file may name."""
+    return [m.strip() for m in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if m.strip()]
+
+
+def check_file_factories(values: dict, fields: Iterable[str], source: str, allow_code: bool) -> None:
+    """A config file may name a factory only with ``allow_code`` or a trusted module."""
+    if allow_code:
+        return
+    trusted = trusted_modules()
+    for field in fields:
+        spec = values.get(field)
+        if not isinstance(spec, str) or not is_factory(spec):
+            continue
+        module_name = spec.split(":", 1)[0]
+        if any(module_name == t or module_name.startswith(t + ".") for t in trusted):
+            continue
+        raise ValueError(
+            f"{source}: {field}={spec!r} names code to run (module:function), and a config file that names "
+            f"code is code. If you trust this file, pass allow_code=True to TrainConfig.from_yaml (CLI: "
+            f"--allow-code), or list the module in {TRUSTED_MODULES_ENV}={module_name}; otherwise use a "
+            f"registry name.")
+
+
 def load_factory(spec: str, field: str) -> Callable:
     """Import ``module:function``; errors name the field, the module and the fix."""
+    check_factory_spec(spec, field)
     module_name, func_name = spec.split(":", 1)
     # Console scripts do not put the working directory on sys.path; appending it (not
     # prepending: it must not shadow installed packages) makes "run from the folder
@@ -41,6 +94,11 @@ def load_factory(spec: str, field: str) -> Callable:
     if not callable(func):
         raise ValueError(f"TrainConfig.{field}={spec!r}: module {module_name!r} has no function "
                          f"{func_name!r}. Check the name after the ':'.")
+    owner = getattr(func, "__module__", None) or ""
+    if inspect.isbuiltin(func) or _is_standard_library(owner):
+        # e.g. my_module:system after `from os import system` in my_module
+        raise ValueError(f"TrainConfig.{field}={spec!r} is {owner or 'a builtin'}.{func_name}, a standard-library "
+                         f"or builtin callable, not a factory of yours. Name a function defined in your module.")
     return func
 
 

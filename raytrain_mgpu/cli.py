@@ -32,11 +32,24 @@ def _field_docs() -> Dict[str, str]:
     return docs
 
 
+class _UsageError(Exception):
+    """A command line argparse cannot parse: reported in one line by ``main``."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage and exits; the CLI promises one line and status 2.
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def _parse_value(kind: str):
     def parse(text: str) -> Any:
         if kind == "shape":  # "1,28,28" or "[1, 28, 28]"
             text = text if text.strip().startswith("[") else f"[{text}]"
-        value = yaml.safe_load(text)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:  # argparse turns this into one usage error
+            raise argparse.ArgumentTypeError(f"{text!r} is not a YAML value ({' '.join(str(exc).split())})")
         if kind == "str" and value is not None:
             return text  # keep "32", "none"-like strings literally
         return value
@@ -63,19 +76,25 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                            metavar=f.name.upper(), help=help_text)
 
 
+_ALLOW_CODE_HELP = ("let the --config file name code (model or dataset 'module:function'); without it such a "
+                    "file is refused unless the module is listed in RAYTRAIN_MGPU_TRUSTED_MODULES")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytrain-mgpu", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="raytrain-mgpu", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (default: lenet on digits, ddp, 2 CPU workers)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--config", help="YAML file of TrainConfig fields")
+    train.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
     _add_config_options(train)
 
     compare = commands.add_parser(
         "compare", help="run the same model, data and batch under each strategy; table, chart, recommendation",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     compare.add_argument("--config", help="YAML file of TrainConfig fields")
+    compare.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
     compare.add_argument("--strategies", help="comma-separated strategy names (default: every one that can "
                                               "run on this cluster)")
     compare.add_argument("--steps", type=int, default=20, help="measured optimizer steps per strategy")
@@ -112,7 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = {name: getattr(args, name) for name in TrainConfig.field_names() if hasattr(args, name)}
     if args.config:
-        return TrainConfig.from_yaml(args.config, **overrides)
+        return TrainConfig.from_yaml(args.config, allow_code=getattr(args, "allow_code", False), **overrides)
     return TrainConfig.from_dict(overrides, source="command line")
 
 
@@ -157,7 +176,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _build_parser().parse_args(argv)
+    try:
+        args = _build_parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"raytrain-mgpu: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -173,7 +196,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return gpu_report.run_and_print(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
-        print(f"raytrain-mgpu: error: {exc}", file=sys.stderr)
+        from raytrain_mgpu._redact import redact
+
+        # A bad value is one line; a runtime failure may carry a grid or per-rank causes.
+        text = " ".join(str(exc).split()) if isinstance(exc, ValueError) else str(exc)
+        print(f"raytrain-mgpu: error: {redact(text)}", file=sys.stderr)
         return 2
 
 

@@ -12,22 +12,13 @@ the value, the rule and the fix.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-PRECISIONS = ("32", "16-mixed", "bf16-mixed")
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("constant", "step", "cosine")
-LR_SCALINGS = (None, "linear", "sqrt")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def _fail(name: str, value: Any, rule: str, fix: str) -> None:
-    raise ValueError(f"TrainConfig.{name}={value!r}: {rule}. {fix}")
+from raytrain_mgpu.config_checks import (LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, PLACEMENTS,  # noqa: F401
+                                         PRECISIONS, SCHEDULES, check_fields, check_sync_batchnorm,
+                                         coerce)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -249,8 +240,8 @@ class TrainConfig:
     """Show Ray's own per-worker logs on the driver."""
 
     def __post_init__(self) -> None:
-        self._coerce()
-        self._check_values()
+        coerce(self)
+        check_fields(self)  # every field's type and range (config_checks.py)
         if self.name is None:
             self.name = f"{self.model}-{self.dataset.replace(':', '.')}-{self.strategy}"
         # Registries are imported here, not at module top, so `config` stays importable
@@ -263,77 +254,7 @@ class TrainConfig:
         check_dataset_name(self.dataset)
         if self.strategy != "auto":  # "auto" is resolved, and its choice validated, in fit()
             get_strategy(self.strategy).validate(self)
-
-    # ------------------------------------------------------------------ checks
-
-    def _coerce(self) -> None:
-        for name in ("input_shape",):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                setattr(self, name, tuple(value))
-        if isinstance(self.balance, list):
-            self.balance = tuple(self.balance)
-        if isinstance(self.precision, int):
-            self.precision = str(self.precision)
-        if isinstance(self.memory_budget_bytes, (str, float)):
-            from raytrain_mgpu.memory import parse_bytes
-
-            self.memory_budget_bytes = parse_bytes(self.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
-        if self.storage_path is not None and "://" not in str(self.storage_path):
-            self.storage_path = str(Path(self.storage_path).expanduser().resolve())
-
-    def _check_values(self) -> None:
-        positive = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages",
-                    "num_microbatches", "epochs", "batch_size", "grad_accum_steps",
-                    "base_batch_size", "lr_step_epochs", "num_checkpoints_to_keep",
-                    "eval_every_epochs")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(name, value, "must be a positive integer", f"Set {name} to 1 or more.")
-        for name in ("max_steps", "num_samples", "num_classes", "memory_budget_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                _fail(name, value, "must be a positive integer or None", f"Set {name} to 1 or more, or leave it unset.")
-        if not isinstance(self.max_failures, int) or self.max_failures < -1:
-            _fail("max_failures", self.max_failures, "must be -1 (retry forever) or a count >= 0",
-                  "Set max_failures to 0 to fail fast.")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            _fail("lr", self.lr, "must be a positive number", "Set lr to e.g. 0.05.")
-        if not 0 <= self.momentum < 1:
-            _fail("momentum", self.momentum, "must be in [0, 1)", "Set momentum to e.g. 0.9.")
-        if self.weight_decay < 0:
-            _fail("weight_decay", self.weight_decay, "must be >= 0", "Set weight_decay to 0 or a small positive value.")
-        if self.warmup_epochs < 0:
-            _fail("warmup_epochs", self.warmup_epochs, "must be >= 0", "Set warmup_epochs to 0 for no warm-up.")
-        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
-            _fail("grad_clip_norm", self.grad_clip_norm, "must be positive or None", "Leave it unset to turn clipping off.")
-        if self.collective_timeout_s <= 0:
-            _fail("collective_timeout_s", self.collective_timeout_s, "must be positive", "Set it to e.g. 600.")
-        choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-                   "lr_scaling": LR_SCALINGS, "schedule": SCHEDULES, "placement": PLACEMENTS}
-        for name, valid in choices.items():
-            if getattr(self, name) not in valid:
-                _fail(name, getattr(self, name), f"is not one of {list(valid)}", f"Set {name} to one of them.")
-        self._check_balance()
-        if not isinstance(self.model_kwargs, dict):
-            _fail("model_kwargs", self.model_kwargs, "must be a mapping", "Write it as {key: value}.")
-        if self.input_shape is not None and not all(isinstance(d, int) and d > 0 for d in self.input_shape):
-            _fail("input_shape", self.input_shape, "must be a list of positive integers", "E.g. [1, 28, 28].")
-        for name in ("model", "dataset"):
-            value = getattr(self, name)
-            if ":" in value and not _FACTORY_RE.match(value):
-                _fail(name, value, "is not of the form 'package.module:function'",
-                      "Write e.g. 'my_models:build' for build() in my_models.py.")
-
-    def _check_balance(self) -> None:
-        if isinstance(self.balance, tuple):
-            if not self.balance or not all(isinstance(n, int) and n > 0 for n in self.balance):
-                _fail("balance", self.balance, "an explicit split must list a positive block count per stage",
-                      "E.g. [3, 2] puts 3 blocks on the first stage and 2 on the second.")
-        elif self.balance not in ("params", "time"):
-            _fail("balance", self.balance, "must be 'params', 'time' or a list of block counts",
-                  "Use balance='params' for the default split.")
+            check_sync_batchnorm(self, get_strategy(self.strategy))
 
     # ------------------------------------------------------------------ sections
 
@@ -384,9 +305,17 @@ class TrainConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path], **overrides: Any) -> "TrainConfig":
-        """Read a YAML mapping of fields; ``overrides`` win over the file."""
+    def from_yaml(cls, path: Union[str, Path], allow_code: bool = False, **overrides: Any) -> "TrainConfig":
+        """Read a YAML mapping of fields; ``overrides`` win over the file.
+
+        A config file can name code (``model: my_models:build``), so it is treated like
+        code: such a factory is refused unless ``allow_code=True`` or its module is listed
+        in ``RAYTRAIN_MGPU_TRUSTED_MODULES`` (see ``_factory.py``). ``overrides`` are the
+        caller's own and are not restricted.
+        """
         import yaml
+
+        from raytrain_mgpu._factory import check_file_factories
 
         path = Path(path)
         if not path.is_file():
@@ -400,6 +329,7 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise ValueError(f"config file {str(path)!r}: expected a mapping of TrainConfig fields, got "
                              f"{type(values).__name__}. Write one `key: value` per line.")
+        check_file_factories(values, ("model", "dataset"), str(path), allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
     def to_dict(self) -> dict:

@@ -21,7 +21,7 @@ def test_defaults_are_the_demo_run():
     ("batch_size", 0, r"batch_size=0: must be a positive integer"),
     ("num_workers", -1, r"num_workers=-1: must be a positive integer"),
     ("epochs", 0, r"epochs=0"),
-    ("lr", -0.1, r"lr=-0.1: must be a positive number"),
+    ("lr", -0.1, r"lr=-0.1: must be a finite positive number"),
     ("precision", "fp8", r"precision='fp8': is not one of"),
     ("model", "my-models:build", r"is not of the form 'package.module:function'"),
     ("balance", (2, 0), r"balance=\(2, 0\)"),

@@ -4,13 +4,17 @@ stop before Ray; runs in one folder never mix."""
 from __future__ import annotations
 
 import os
+import re
 import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from raytrain_mgpu import TrainConfig
 from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu._factory import TRUSTED_MODULES_ENV, load_factory
+from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import cifar10
 
 
@@ -103,3 +107,98 @@ def test_a_planted_cifar_batch_is_refused_and_never_runs(tmp_path):
     with pytest.raises(ValueError, match=r"data_batch_1: cannot be unpickled .*references posix.mkdir.*refused"):
         cifar10.read_batch(str(path))
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- factories
+
+
+@pytest.mark.parametrize("spec", ["os:system", "builtins:eval", "subprocess:run", "posix:system",
+                                  "importlib.util:spec_from_file_location"])
+def test_standard_library_callables_are_never_factories(spec):
+    with pytest.raises(ValueError, match=rf"model='{spec}': '[\w.]+' is a standard-library module.*your own"):
+        TrainConfig(model=spec)
+
+
+def test_a_reexported_standard_library_callable_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "sneaky_models.py").write_text("from os import system as build\nfrom builtins import eval\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("build", "eval"):
+        with pytest.raises(ValueError, match=rf"sneaky_models:{name}'.*standard-library or builtin callable"):
+            load_factory(f"sneaky_models:{name}", "model")
+
+
+def test_a_config_file_that_names_code_needs_an_opt_in(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    (tmp_path / "file_models.py").write_text(
+        "import torch\n\ndef tiny(input_shape, num_classes, marker=None):\n"
+        "    return torch.nn.Linear(64, num_classes)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(TRUSTED_MODULES_ENV, raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: file_models:tiny\nmodel_kwargs: {{marker: {marker}}}\n")
+    with pytest.raises(ValueError, match=r"c.yaml: model='file_models:tiny' names code to run.*allow_code=True "
+                                         r"to TrainConfig.from_yaml \(CLI: --allow-code\).*"
+                                         r"RAYTRAIN_MGPU_TRUSTED_MODULES=file_models"):
+        TrainConfig.from_yaml(path)
+    assert TrainConfig.from_yaml(path, allow_code=True).model == "file_models:tiny"
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, "other, file_models")
+    assert TrainConfig.from_yaml(path).model == "file_models:tiny"
+    assert TrainConfig(model="file_models:tiny").model == "file_models:tiny"  # from Python: the user's own code
+    path.write_text("model: lenet\ndataset: digits\n")
+    assert TrainConfig.from_yaml(path).model == "lenet"  # registry names need nothing
+
+
+def test_the_issue_payload_from_yaml_never_runs(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.yaml"
+    path.write_text(f"model: os:system\nmodel_kwargs: {{command: mkdir {marker}}}\n")
+    for allow in ([], ["--allow-code"]):
+        assert main(["train", "--config", str(path), *allow]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("raytrain-mgpu: error: ")
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(lr=float("inf")), r"lr=inf: must be a finite positive number"),
+    (dict(lr=True), r"lr=True: must be a finite positive number"),
+    (dict(grad_clip_norm=float("nan")), r"grad_clip_norm=nan: must be a finite positive number"),
+    (dict(lr_step_gamma=-1), r"lr_step_gamma=-1: must be a finite number in \(0, 1\].*ascend"),
+    (dict(warmup_epochs=float("inf")), r"warmup_epochs=inf: must be a finite number >= 0"),
+    (dict(seed="abc"), r"seed='abc': must be an integer in \[0, 2\*\*63\)"),
+    (dict(seed=2**70), r"seed=1180591620717411303424: must be an integer in \[0, 2\*\*63\)"),
+    (dict(collective_timeout_s=0.4), r"collective_timeout_s=0.4: must be a finite number in \[1, inf\)"),
+    (dict(collective_timeout_s="60"), r"collective_timeout_s='60': must be a finite number"),
+    (dict(bucket_cap_mb=-1), r"bucket_cap_mb=-1: must be a finite positive number"),
+    (dict(use_gpu="false"), r"use_gpu='false': must be true or false.*not quoted strings"),
+    (dict(download="no"), r"download='no': must be true or false"),
+    (dict(momentum="abc"), r"momentum='abc': must be a finite number in \[0, 1\)"),
+    (dict(epochs=2.0), r"epochs=2.0: must be a positive integer"),
+    (dict(storage_path=None), r"storage_path=None: must be a non-empty path or URI"),
+    (dict(storage_path=""), r"storage_path='': must be a non-empty path or URI"),
+    (dict(sync_batchnorm=True), r"sync_batchnorm=True: SyncBatchNorm needs GPUs.*Set use_gpu=True"),
+    (dict(name="../x"), r"name='../x': must be a plain folder name"),
+    (dict(name="/abs"), r"name='/abs': must be a plain folder name"),
+    (dict(name=""), r"name='': must be a non-empty string.*plain folder name"),
+    (dict(name=".."), r"name='..': must be a plain folder name"),
+    (dict(dataset="synthetic", num_classes=1, num_samples=64, input_shape=[4]), r"num_classes=1: .*>= 2"),
+])
+def test_bad_values_stop_in_the_config(overrides, match):
+    with pytest.raises(ValueError, match=r"TrainConfig\." + match):
+        TrainConfig(**overrides)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--weight-decay", "abc"], r"TrainConfig.weight_decay='abc': must be a finite number >= 0"),
+    (["--lr", "[1"], r"argument --lr: '\[1' is not a YAML value"),
+    (["--batch-size"], r"argument --batch-size: expected one argument"),
+    (["--no-such-option"], r"unrecognized arguments: --no-such-option"),
+])
+def test_cli_bad_values_exit_2_with_one_line(argv, match, capsys):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.match(r"raytrain-mgpu: error: " + match, err)

@@ -1,0 +1,190 @@
+"""The one validation pass over every ``TrainConfig`` field: types first, then ranges.
+
+Runs in ``TrainConfig.__post_init__``, on the driver, before Ray is started. Types are
+checked strictly because values arrive from YAML and the CLI: ``'false'`` (a quoted YAML
+string) is not a bool, ``True`` is not a learning rate, ``0.4`` is not a timeout in whole
+seconds. Every error is a ``ValueError`` naming the field, the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["fail", "coerce", "check_fields", "check_name"]
+
+PRECISIONS = ("32", "16-mixed", "bf16-mixed")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "step", "cosine")
+LR_SCALINGS = (None, "linear", "sqrt")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+_BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
+          "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose")
+_POSITIVE_INTS = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
+                  "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
+                  "num_checkpoints_to_keep", "eval_every_epochs")
+_OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes")
+_NON_EMPTY_STRINGS = ("model", "dataset", "strategy", "image_column", "label_column")
+_OPTIONAL_STRINGS = ("data_root", "address")
+_CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
+            "lr_scaling": LR_SCALINGS, "schedule": SCHEDULES, "placement": PLACEMENTS}
+SEED_LIMIT = 2**63
+FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def fail(name: str, value: Any, rule: str, fix: str) -> None:
+    raise ValueError(f"TrainConfig.{name}={value!r}: {rule}. {fix}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(cfg, name: str, low: float, high: float = math.inf, low_open: bool = False,
+            high_open: bool = True, fix: str = "") -> None:
+    """A finite int or float (not a bool or string) in the range; the range is in the error."""
+    value = getattr(cfg, name)
+    upper = "inf)" if high == math.inf else f"{high:g}{')' if high_open else ']'}"
+    rule = f"must be a finite number in {'(' if low_open else '['}{low:g}, {upper}"
+    if high == math.inf and low == 0:
+        rule = "must be a finite positive number" if low_open else "must be a finite number >= 0"
+    if not _is_number(value):
+        fail(name, value, rule, fix)
+    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+        fail(name, value, rule, fix)
+
+
+def check_name(name: Any) -> None:
+    """A run name is one plain folder name: checkpoints, history and Ray's run folder must
+    all land in ``storage_path/name`` (``'../x'`` or ``'/abs'`` would split them apart)."""
+    if name is None:
+        return
+    fix = "Use one plain folder name such as 'lenet-digits-ddp' (letters, digits, '-', '_', '.')."
+    if not isinstance(name, str) or not name.strip():
+        fail("name", name, "must be a non-empty string", fix)
+    if name in (".", "..") or any(c in name for c in "/\\") or any(ord(c) < 32 for c in name):
+        fail("name", name, "must be a plain folder name inside storage_path (no '/', '\\\\', '..' or "
+                           "control characters)", fix)
+
+
+def coerce(cfg) -> None:
+    """Normalise forms YAML and the CLI produce (lists for tuples, "24GiB" for bytes)."""
+    storage = cfg.storage_path
+    if not isinstance(storage, str) or not storage.strip():
+        fail("storage_path", storage, "must be a non-empty path or URI",
+             "Set storage_path to a folder (e.g. ~/raytrain_results) or s3://bucket/runs.")
+    for name in ("input_shape", "balance"):
+        if isinstance(getattr(cfg, name), list):
+            setattr(cfg, name, tuple(getattr(cfg, name)))
+    if _is_int(cfg.precision):
+        cfg.precision = str(cfg.precision)
+    if isinstance(cfg.memory_budget_bytes, (str, float)) and not isinstance(cfg.memory_budget_bytes, bool):
+        from raytrain_mgpu.memory import parse_bytes
+
+        cfg.memory_budget_bytes = parse_bytes(cfg.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
+    if "://" not in storage:
+        cfg.storage_path = str(Path(storage).expanduser().resolve())
+
+
+def check_fields(cfg) -> None:
+    """Every field's type and range; cross-field rules of a strategy live in its class."""
+    _check_types(cfg)
+    _check_ranges(cfg)
+    for name, valid in _CHOICES.items():
+        value = getattr(cfg, name)
+        if not (value is None or isinstance(value, str)) or value not in valid:
+            fail(name, value, f"is not one of {list(valid)}", f"Set {name} to one of them.")
+    _check_balance(cfg)
+    _check_shapes(cfg)
+
+
+def check_sync_batchnorm(cfg, strategy_cls) -> None:
+    """After the strategy's own checks: they name a better alternative where one exists."""
+    if cfg.sync_batchnorm and not cfg.use_gpu and "sync_batchnorm" in strategy_cls.options_used:
+        fail("sync_batchnorm", True, "SyncBatchNorm needs GPUs (torch has no CPU implementation; the first "
+                                     "step would fail on the workers)",
+             "Set use_gpu=True, or sync_batchnorm=False on CPU.")
+
+
+def _check_types(cfg) -> None:
+    for name in _BOOLS:
+        value = getattr(cfg, name)
+        if not isinstance(value, bool):
+            fail(name, value, "must be true or false", f"Write {name}: true or {name}: false (YAML booleans, "
+                                                        f"not quoted strings).")
+    for name in _POSITIVE_INTS:
+        value = getattr(cfg, name)
+        if not _is_int(value) or value < 1:
+            fail(name, value, "must be a positive integer", f"Set {name} to 1 or more.")
+    for name in _OPTIONAL_POSITIVE_INTS:
+        value = getattr(cfg, name)
+        if value is not None and (not _is_int(value) or value < 1):
+            fail(name, value, "must be a positive integer or None", f"Set {name} to 1 or more, or leave it unset.")
+    for name in _NON_EMPTY_STRINGS:
+        value = getattr(cfg, name)
+        if not isinstance(value, str) or not value.strip():
+            fail(name, value, "must be a non-empty string", f"Set {name} to a name, e.g. the default.")
+    for name in _OPTIONAL_STRINGS:
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            fail(name, value, "must be a non-empty string or None", f"Set {name} or leave it unset.")
+    check_name(cfg.name)
+    if not isinstance(cfg.model_kwargs, dict) or not all(isinstance(k, str) for k in cfg.model_kwargs):
+        fail("model_kwargs", cfg.model_kwargs, "must be a mapping with string keys", "Write it as {key: value}.")
+
+
+def _check_ranges(cfg) -> None:
+    if cfg.num_classes is not None and (not _is_int(cfg.num_classes) or cfg.num_classes < 2):
+        fail("num_classes", cfg.num_classes, "must be an integer >= 2 or None",
+             "A classifier needs at least 2 classes; set num_classes to 2 or more.")
+    if not _is_int(cfg.max_failures) or cfg.max_failures < -1:
+        fail("max_failures", cfg.max_failures, "must be -1 (retry forever) or a count >= 0",
+             "Set max_failures to 0 to fail fast.")
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
+        fail("seed", cfg.seed, "must be an integer in [0, 2**63)", "Set seed to e.g. 0.")
+    if cfg.output_device is not None and (not _is_int(cfg.output_device) or cfg.output_device < 0):
+        fail("output_device", cfg.output_device, "must be a local device index >= 0 or None",
+             "Leave it unset to gather on the first device.")
+    _number(cfg, "lr", 0, low_open=True, fix="Set lr to e.g. 0.05.")
+    _number(cfg, "momentum", 0, 1, fix="Set momentum to e.g. 0.9.")
+    _number(cfg, "weight_decay", 0, fix="Set weight_decay to 0 or a small positive value.")
+    _number(cfg, "warmup_epochs", 0, fix="Set warmup_epochs to 0 for no warm-up.")
+    _number(cfg, "lr_step_gamma", 0, 1, low_open=True, high_open=False,
+            fix="Set lr_step_gamma to e.g. 0.1 (the LR shrinks; a negative one would ascend the loss).")
+    _number(cfg, "collective_timeout_s", 1, fix="Set it to e.g. 600 (whole seconds; torch rounds down).")
+    for name in ("grad_clip_norm", "bucket_cap_mb"):
+        if getattr(cfg, name) is not None:
+            _number(cfg, name, 0, low_open=True, fix=f"Leave {name} unset for the default.")
+
+
+def _check_balance(cfg) -> None:
+    if isinstance(cfg.balance, tuple):
+        if not cfg.balance or not all(_is_int(n) and n > 0 for n in cfg.balance):
+            fail("balance", cfg.balance, "an explicit split must list a positive block count per stage",
+                 "E.g. [3, 2] puts 3 blocks on the first stage and 2 on the second.")
+    elif not isinstance(cfg.balance, str) or cfg.balance not in ("params", "time"):
+        fail("balance", cfg.balance, "must be 'params', 'time' or a list of block counts",
+             "Use balance='params' for the default split.")
+
+
+def _check_shapes(cfg) -> None:
+    from raytrain_mgpu._factory import check_factory_spec, is_factory
+
+    shape = cfg.input_shape
+    if shape is not None and not (isinstance(shape, tuple) and shape and all(_is_int(d) and d > 0 for d in shape)):
+        fail("input_shape", shape, "must be a list of positive integers", "E.g. [1, 28, 28].")
+    for name in ("model", "dataset"):
+        value = getattr(cfg, name)
+        if is_factory(value):
+            if not FACTORY_RE.match(value):
+                fail(name, value, "is not of the form 'package.module:function'",
+                     "Write e.g. 'my_models:build' for build() in my_models.py.")
+            check_factory_spec(value, name)
