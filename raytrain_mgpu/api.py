@@ -114,13 +114,15 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain_mgpu import devices
     from raytrain_mgpu.loop import train_worker
 
     sink = ProgressSink.remote()
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg, "sink": sink},
-        torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_s)),
+        # nccl on GPUs; gloo on CPU and under GPU emulation (which records nccl as intended)
+        torch_config=TorchConfig(backend=devices.backend(cfg.use_gpu), timeout_s=int(cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=strategy_cls.worker_resources(cfg),
                                      placement_strategy=cfg.placement),

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 import ray
 
+from raytrain_mgpu import devices
 from raytrain_mgpu.preflight import probe_ray_address
 
 logger = logging.getLogger(__name__)
@@ -24,17 +25,20 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     probe_ray_address(address)  # seconds instead of ray.init's minutes, and a refused token named
-    if address is None and local_has_gpu_check:
+    if address is None and local_has_gpu_check and not devices.is_emulated():
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("TrainConfig.use_gpu=True, but this machine has no CUDA GPU and no Ray "
-                             "cluster address is set. Set use_gpu=False, or pass --address / RAY_ADDRESS "
-                             "of a cluster with GPUs.")
+                             "cluster address is set. Set use_gpu=False, pass --address / RAY_ADDRESS "
+                             f"of a cluster with GPUs, or set {devices.EMULATE_ENV}=4 to emulate 4 GPUs "
+                             "on the CPU.")
+    # A local instance under emulation gets the N fake GPUs; a cluster brings its own.
+    local = devices.local_ray_init_kwargs() if address is None else {}
     try:
         # log_to_driver=False: workers' own logs stay in the Ray session folder; errors still
         # reach the driver as exceptions, and progress comes through ProgressSink.
-        ray.init(address=address, log_to_driver=verbose, logging_level=logging.WARNING)
+        ray.init(address=address, log_to_driver=verbose, logging_level=logging.WARNING, **local)
     except ConnectionError as exc:
         raise ConnectionError(f"cannot reach the Ray cluster at {address!r} ({exc}). Check that it is "
                               f"running (`ray status --address {address}`) and the address, or unset "
@@ -114,10 +118,12 @@ def worker_runtime_env(model: str, dataset: str) -> dict:
       cores, ``fit`` with 1 worker ran at 0.90x a plain loop. A worker owns its resources, so
       it runs at normal priority, as Ray's job drivers do.
     - the user's own model/dataset modules, when they live outside installed packages.
+    - the GPU emulation switch, so every worker and stage actor emulates too, also when the
+      driver called ``ray.init`` itself (workers inherit the raylet's environment, not the driver's).
     """
     from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
 
-    env: dict = {"env_vars": {"RAY_worker_niceness": "0"}}
+    env: dict = {"env_vars": {"RAY_worker_niceness": "0", **devices.runtime_env_vars()}}
     shipped = local_modules_to_ship(model, dataset)
     if shipped:
         env["py_modules"] = upload_modules(shipped)

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import ray.train
-from ray.train.torch import get_devices
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.devices import resolve_devices
 from raytrain_mgpu.faults import name_stuck_ranks, wait_until_report_collected
 from raytrain_mgpu.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
@@ -47,13 +48,23 @@ class _State:
 
 def _context(cfg: TrainConfig) -> WorkerContext:
     ctx = ray.train.get_context()
-    num_devices = get_strategy(cfg.strategy).devices_per_worker(cfg)
-    if cfg.use_gpu:
-        devices = tuple(get_devices())
-    else:
-        devices = (torch.device("cpu"),) * num_devices
+    # GPUs: this worker's ray.get_gpu_ids() through CUDA_VISIBLE_DEVICES (as Ray Train's
+    # get_devices); under emulation the same cuda:k are recorded and the CPU computes.
+    assignment = resolve_devices(cfg.use_gpu, get_strategy(cfg.strategy).devices_per_worker(cfg))
     return WorkerContext(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
-                         ctx.get_local_world_size(), ctx.get_node_rank(), devices)
+                         ctx.get_local_world_size(), ctx.get_node_rank(), assignment.compute, assignment)
+
+
+def _device_record(ctx: WorkerContext) -> dict:
+    """Every rank's intended devices and what Ray gave it (a collective: all ranks call it once)."""
+    own = {**ctx.assignment.record(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+           "node_id": ray.get_runtime_context().get_node_id()}
+    ranks = all_gather_list([own])
+    return {"devices_per_rank": [r["devices"] for r in ranks], "backend": own["backend"],
+            "emulated": own["emulated"], "gpu_ids_per_rank": [r["gpu_ids"] for r in ranks],
+            "cuda_visible_devices_per_rank": [r["cuda_visible_devices"] for r in ranks],
+            "node_id_per_rank": [r["node_id"] for r in ranks]}
 
 
 @name_stuck_ranks
@@ -188,6 +199,7 @@ class _Loop:
             "data_wait_share": wait_sum / max(elapsed_sum, 1e-9),
             "peak_memory_bytes": peaks,
             "test_loss": None, "test_accuracy": None,
+            **_device_record(self.strategy.ctx),  # one small object all-gather per epoch
         }
 
     @torch.no_grad()

@@ -4,6 +4,12 @@ Ray 2.60's plain ``ray.init()`` turns on token authentication and writes
 ``~/.ray/auth_token``; tests turn auth off on purpose (the job-submission test turns it
 back on for its own head) and point HOME at a temporary folder so nothing of the
 developer's is touched.
+
+The shared instance emulates 4 GPUs (``RAYTRAIN_MGPU_EMULATE_GPUS=4``, see
+``raytrain_mgpu.devices``): Ray gets 4 fake GPUs, so ``use_gpu=True`` runs schedule
+onto them and record ``cuda:k``/nccl while computing on CPU with gloo. The variable is
+set from the first test that uses ``ray_session`` to the end of the session; a unit test
+that depends on it sets or clears it itself (``monkeypatch``).
 """
 
 from __future__ import annotations
@@ -12,18 +18,23 @@ import os
 
 import pytest
 
+from raytrain_mgpu.devices import EMULATE_ENV
+
+EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
+
 
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     import ray
 
     home = tmp_path_factory.mktemp("home")
-    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_AUTH_MODE", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_AUTH_MODE", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", EMULATE_ENV)}
     os.environ["HOME"] = str(home)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     # Ray Train's controller polls every 2 s by default; each state change waits for a poll.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
-    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)
+    os.environ[EMULATE_ENV] = str(EMULATED_GPUS)
+    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, include_dashboard=True, log_to_driver=False)
     try:
         yield ray
     finally:

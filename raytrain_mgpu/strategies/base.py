@@ -28,7 +28,7 @@ import sys
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, ContextManager, FrozenSet, Iterator, List, Tuple
+from typing import TYPE_CHECKING, ClassVar, ContextManager, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import ParallelConfig, TrainConfig
+    from raytrain_mgpu.devices import DeviceAssignment
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class WorkerContext:
     local_rank: int
     local_world_size: int
     node_rank: int
-    devices: Tuple[torch.device, ...]  # the devices this worker owns (CPU: one cpu device)
+    devices: Tuple[torch.device, ...]  # the devices this worker computes on (CPU: one cpu device)
+    # Where it would compute on GPUs ("cuda:k", nccl): set by the loop, recorded in the metrics.
+    assignment: Optional["DeviceAssignment"] = None
 
 
 class Predictions:
