@@ -59,23 +59,50 @@ class ClusterInfo:
         return f"{self.num_devices} {kind}(s){memory} on {self.num_nodes} node(s)"
 
 
-def cluster_info(cfg) -> ClusterInfo:
-    """Read the connected Ray cluster (GPU memory from torch here, or from a one-GPU probe task)."""
-    import ray
+def cluster_info(cfg, capacity=None) -> ClusterInfo:
+    """The devices ``cfg`` can use on the connected cluster (``capacity``: read if not given).
 
+    On GPU: every GPU of every node the cluster can have (an autoscaling cluster's node
+    types at their maximum count, a type without a maximum once), and one GPU's memory
+    from torch here or a one-GPU probe task, but only when a GPU node is up: from cold the
+    probe would wait for the autoscaler.
+    """
     if not cfg.use_gpu:
         return ClusterInfo((cfg.num_workers,), False)
-    gpus = tuple(int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
-                 if n.get("Alive") and n["Resources"].get("GPU", 0) >= 1)
-    return ClusterInfo(gpus or (0,), True, _gpu_memory_bytes() if gpus else None)
+    from raytrain_mgpu.cluster import read_capacity
+
+    capacity = capacity if capacity is not None else read_capacity()
+    gpus = capacity.gpus_per_node()
+    if capacity.autoscales:
+        logger.info("auto: counting the %d GPU(s) this autoscaling cluster can scale to, %g of them up now (%s)",
+                    sum(gpus), capacity.alive_gpus, capacity.describe())
+    return ClusterInfo(gpus or (0,), True, _gpu_memory_bytes(cfg, capacity) if gpus else None)
 
 
-def _gpu_memory_bytes() -> Optional[int]:
-    import ray
+def _gpu_memory_bytes(cfg, capacity) -> Optional[int]:
     import torch
 
+    from raytrain_mgpu.devices import EMULATE_ENV, is_emulated
+
+    budget = getattr(cfg, "memory_budget_bytes", None)
+    instead = (f"memory_budget_bytes={budget}" if budget else
+               "the estimate without a memory limit (set memory_budget_bytes to one GPU's memory to choose by it)")
+    if is_emulated():  # tensors live on the CPU: no GPU's memory is what the run will have
+        logger.info("auto: the GPUs are emulated (%s), so there is no GPU memory to read; using %s",
+                    EMULATE_ENV, instead)
+        return None
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
+    if capacity.alive_gpus == 0:
+        logger.info("auto: no GPU node is up yet (the autoscaler adds them on demand), so GPU memory is not "
+                    "probed (the probe task would wait for one); using %s", instead)
+        return None
+    return _probe_gpu_memory()
+
+
+def _probe_gpu_memory() -> Optional[int]:
+    """One GPU's memory, read by a one-GPU task (the driver may have no GPU)."""
+    import ray
 
     @ray.remote(num_gpus=1, num_cpus=0)
     def probe() -> int:

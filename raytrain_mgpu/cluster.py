@@ -1,15 +1,18 @@
 """Connecting to Ray and checking, before anything is scheduled, that the run can be placed.
 
 A run that cannot be placed would otherwise wait forever for resources; here it fails at
-once with what it needs and what the cluster has. On an autoscaling cluster the check is
-against the most the cluster can scale to (what Ray Train itself consults).
+once with what it needs and what the cluster has. On an autoscaling cluster (the shipped
+``cluster.yaml`` starts with 0 GPU nodes) the check is against what it can have: each
+bundle against one node or node type (a worker never spans nodes), the whole set against
+every node type at its maximum count (:class:`Capacity`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import ray
 
@@ -46,16 +49,119 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
     return True
 
 
+# ----------------------------------------------------------------------------- what the cluster can have
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """One node type of an autoscaling cluster (an ``available_node_types`` entry of ``ray up``'s config)."""
+
+    name: str
+    resources: Dict[str, float]
+    max_count: int
+    """How many nodes of this type may run at once; -1: no limit."""
+
+    def describe(self) -> str:
+        count = "no limit" if self.max_count < 0 else f"up to {self.max_count}"
+        return f"{self.name}: {_shape(self.resources)}, {count}"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the cluster can have: the nodes alive now and, when it autoscales, its node types.
+
+    Read once by :func:`read_capacity`; the checks of ``fit``, the pipeline,
+    ``strategy="auto"`` and ``compare`` all take their answer from here, so a cluster that
+    starts with 0 GPU nodes is judged by what its autoscaler can add.
+    """
+
+    alive: Tuple[Dict[str, float], ...]
+    node_types: Tuple[NodeType, ...] = ()
+    max_resources: Dict[str, float] = field(default_factory=dict)
+    """Cluster-wide caps from the autoscaler's config (e.g. ``{"GPU": 16}``); a missing key: no cap."""
+
+    @property
+    def autoscales(self) -> bool:
+        return bool(self.node_types)
+
+    @property
+    def alive_gpus(self) -> float:
+        return sum(n.get("GPU", 0) for n in self.alive)
+
+    def possible_nodes(self, unlimited: int = 1) -> List[Tuple[str, Dict[str, float]]]:
+        """``(label, resources)`` of every node that can exist at once: the alive ones, and each
+        node type's nodes not up yet (``unlimited`` of them for a type without a maximum)."""
+        nodes = [(f"alive node {i}", dict(n)) for i, n in enumerate(self.alive)]
+        up = _alive_per_type(self.alive, self.node_types)
+        for node_type in self.node_types:
+            missing = unlimited if node_type.max_count < 0 else max(node_type.max_count - up[node_type.name], 0)
+            nodes.extend((f"node type {node_type.name!r}", dict(node_type.resources)) for _ in range(missing))
+        return nodes
+
+    def max_total(self, key: str, unlimited: int = 1) -> float:
+        """The most of ``key`` the cluster can have at once (the alive nodes' total if it does not autoscale)."""
+        total = sum(n.get(key, 0) for _, n in self.possible_nodes(unlimited))
+        cap = self.max_resources.get(key)
+        return min(total, cap) if cap else total
+
+    def gpus_per_node(self, unlimited: int = 1) -> Tuple[int, ...]:
+        """The GPU count of every node with a GPU that can exist (``strategy="auto"``'s devices)."""
+        return tuple(int(n.get("GPU", 0)) for _, n in self.possible_nodes(unlimited) if n.get("GPU", 0) >= 1)
+
+    def describe(self) -> str:
+        alive = _describe(list(self.alive))
+        if not self.autoscales:
+            return alive
+        return f"node types {'; '.join(t.describe() for t in self.node_types)}; now up: {alive}"
+
+
+def _shape(resources: Dict[str, float]) -> str:
+    return f"{resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU"
+
+
+def _alive_per_type(alive, node_types) -> Dict[str, int]:
+    """How many alive nodes are of each type: a node is of a type when it has exactly the
+    type's CPU, GPU and custom resources (the autoscaler starts it with those)."""
+    up = {t.name: 0 for t in node_types}
+    for node in alive:
+        for node_type in node_types:
+            keys = {"CPU", "GPU", *node_type.resources}
+            same = all(node.get(k, 0) == node_type.resources.get(k, 0) for k in keys)
+            if same and (node_type.max_count < 0 or up[node_type.name] < node_type.max_count):
+                up[node_type.name] += 1
+                break
+    return up
+
+
 def _nodes() -> List[Dict[str, float]]:
     return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
+def _cluster_config():
+    """The autoscaler's ``ClusterConfig`` proto (node types, max counts) from the GCS; None if there is none."""
+    try:
+        return ray._private.state.state.get_cluster_config()
+    except Exception:  # not connected, or a GCS without the key: judge by the alive nodes
+        return None
+
+
+def read_capacity() -> Capacity:
+    """What the connected cluster can have: its alive nodes, plus its node types when it autoscales."""
+    config = _cluster_config()
+    node_types = []
+    for i, group in enumerate(config.node_group_configs if config is not None else ()):
+        resources = {k: float(v) for k, v in group.resources.items()}
+        if resources and group.max_count != 0:  # what Ray's own maximum ignores, too
+            node_types.append(NodeType(group.name or f"type {i}", resources, int(group.max_count)))
+    caps = {k: float(v) for k, v in config.max_resources.items()} if node_types else {}
+    return Capacity(tuple(_nodes()), tuple(node_types), caps)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
 def _describe(nodes: List[Dict[str, float]]) -> str:
-    parts = []
-    for i, node in enumerate(nodes):
-        cpu, gpu = node.get("CPU", 0), node.get("GPU", 0)
-        parts.append(f"node {i}: {cpu:g} CPU, {gpu:g} GPU")
-    return "; ".join(parts) or "no alive nodes"
+    return "; ".join(f"node {i}: {_shape(node)}" for i, node in enumerate(nodes)) or "no alive nodes"
 
 
 def _fits(bundles: List[dict], nodes: List[Dict[str, float]]) -> bool:
@@ -72,9 +178,12 @@ def _fits(bundles: List[dict], nodes: List[Dict[str, float]]) -> bool:
     return True
 
 
+_OPTIONS = (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker"))
+
+
 def _check_one_bundle_fits_a_node(bundles: List[dict], nodes: List[Dict[str, float]], what: str) -> None:
     """A worker cannot span nodes: say so when one bundle is bigger than every node."""
-    for key, option in (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker")):
+    for key, option in _OPTIONS:
         need = max((b.get(key, 0) for b in bundles), default=0)
         largest = max((n.get(key, 0) for n in nodes), default=0)
         if need > largest:
@@ -83,23 +192,10 @@ def _check_one_bundle_fits_a_node(bundles: List[dict], nodes: List[Dict[str, flo
                              f"{largest:g}, or add a node with {need:g} {key}.")
 
 
-def check_placeable(bundles: List[dict], use_gpu: bool, what: str) -> None:
-    """Raise ValueError if ``bundles`` can never be placed on this cluster."""
-    try:
-        max_resources = ray._private.state.state.get_max_resources_from_cluster_config()
-    except Exception:  # not an autoscaling cluster, or an older GCS
-        max_resources = None
+def _check_alive(bundles: List[dict], use_gpu: bool, what: str, nodes: List[Dict[str, float]]) -> None:
+    """A cluster that does not autoscale: what is alive now is all there is."""
     needed = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
-    if max_resources:  # autoscaling: nodes may not exist yet
-        for key, amount in needed.items():
-            if amount and max_resources.get(key, 0) < amount:
-                raise ValueError(f"{what} needs {amount:g} {key} in all, but this autoscaling cluster can "
-                                 f"scale to at most {max_resources.get(key, 0):g}. Lower the worker count "
-                                 f"or add a node type with {key} to the cluster config.")
-        return
-    nodes = _nodes()
-    total_gpu = sum(n.get("GPU", 0) for n in nodes)
-    if use_gpu and total_gpu == 0:
+    if use_gpu and sum(n.get("GPU", 0) for n in nodes) == 0:
         raise ValueError(f"TrainConfig.use_gpu=True, but the Ray cluster has no GPU ({_describe(nodes)}). "
                          f"Set use_gpu=False, or connect to a cluster with GPUs.")
     _check_one_bundle_fits_a_node(bundles, nodes, what)
@@ -108,6 +204,46 @@ def check_placeable(bundles: List[dict], use_gpu: bool, what: str) -> None:
         raise ValueError(f"{what} needs {len(bundles)} x {shape} ({needed['CPU']:g} CPU, {needed['GPU']:g} GPU), "
                          f"which this cluster cannot place ({_describe(nodes)}). Lower num_workers, "
                          f"cpus_per_worker or gpus_per_worker, or add nodes.")
+
+
+def _check_autoscaling(bundles: List[dict], use_gpu: bool, what: str, capacity: Capacity) -> None:
+    """Each bundle against one node (alive or a node type), and the whole set against what can exist."""
+    possible = capacity.possible_nodes(unlimited=max(len(bundles), 1))
+    if use_gpu and capacity.max_total("GPU") == 0:
+        raise ValueError(f"TrainConfig.use_gpu=True, but the Ray cluster has no GPU and none of its node types "
+                         f"has one ({capacity.describe()}). Set use_gpu=False, or add a node type with GPU to "
+                         f"the cluster config.")
+    for key, option in _OPTIONS:
+        need = max((b.get(key, 0) for b in bundles), default=0)
+        label, largest = max(possible, key=lambda p: (p[1].get(key, 0), p[0].startswith("node type")),
+                             default=("no node", {}))
+        if need > largest.get(key, 0):
+            raise ValueError(f"{what}: one worker needs {need:g} {key}, but the largest {label} has "
+                             f"{largest.get(key, 0):g} {key} ({capacity.describe()}), and a worker cannot span "
+                             f"nodes. Set {option} to at most {largest.get(key, 0):g}, or add a node type with "
+                             f"{need:g} {key} to the cluster config.")
+    for key in ("CPU", "GPU"):
+        amount, most = sum(b.get(key, 0) for b in bundles), capacity.max_total(key, unlimited=len(bundles))
+        if amount > most:
+            raise ValueError(f"{what} needs {amount:g} {key} in all, but this autoscaling cluster can scale to at "
+                             f"most {most:g} ({capacity.describe()}). Lower the worker count, or raise max_workers "
+                             f"of a node type with {key} in the cluster config.")
+    if not _fits(bundles, [n for _, n in possible]):
+        raise ValueError(f"{what} needs {len(bundles)} x {bundles[0]}, which this autoscaling cluster cannot place "
+                         f"even at its largest ({capacity.describe()}). Lower num_workers, cpus_per_worker or "
+                         f"gpus_per_worker, or raise max_workers of a node type in the cluster config.")
+    if not _fits(bundles, list(capacity.alive)):
+        logger.info("%s: the nodes up now cannot place it; it waits for the autoscaler to add nodes (%s)",
+                    what, capacity.describe())
+
+
+def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Optional[Capacity] = None) -> None:
+    """Raise ValueError if ``bundles`` can never be placed on this cluster (``capacity``: read if not given)."""
+    capacity = capacity if capacity is not None else read_capacity()
+    if capacity.autoscales:
+        _check_autoscaling(bundles, use_gpu, what, capacity)
+    else:
+        _check_alive(bundles, use_gpu, what, list(capacity.alive))
 
 
 def worker_runtime_env(model: str, dataset: str) -> dict:

@@ -112,7 +112,9 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
     return rows
 
 
-def _skip_unplaceable(rows: List[RunRow], use_gpu: bool) -> None:
+def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
+    """Mark the rows the cluster can never place as skipped (``capacity``: what it can have,
+    so an autoscaling cluster with no GPU node up yet still runs them)."""
     from raytrain_mgpu.cluster import check_placeable
     from raytrain_mgpu.strategies import get_strategy
 
@@ -121,7 +123,7 @@ def _skip_unplaceable(rows: List[RunRow], use_gpu: bool) -> None:
             continue
         try:
             check_placeable(get_strategy(row.strategy).bundles(row.config), use_gpu,
-                            f"strategy={row.strategy!r} ({row.layout})")
+                            f"strategy={row.strategy!r} ({row.layout})", capacity)
         except ValueError as exc:
             row.status, row.reason, row.config = "skipped", str(exc), None
 
@@ -171,7 +173,7 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
     lines go (default: nowhere).
     """
-    from raytrain_mgpu.cluster import connect
+    from raytrain_mgpu.cluster import connect, read_capacity
     from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)
@@ -188,10 +190,11 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
     sink = stream or open(os.devnull, "w")
     try:
+        capacity = read_capacity()  # one reading for the layouts and the placement checks
         if info is None:
-            info = cluster_info(cfg)
+            info = cluster_info(cfg, capacity)
             rows = _prepare(cfg, names, info, profile, memory_budget_bytes)
-        _skip_unplaceable(rows, cfg.use_gpu)
+        _skip_unplaceable(rows, cfg.use_gpu, capacity)
         budget = memory_budget_bytes or info.device_memory_bytes
         warm = 0
         for row in rows:

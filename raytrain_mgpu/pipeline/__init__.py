@@ -50,15 +50,23 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
-    """One device (GPU, or ``cpus_per_worker`` CPUs) per stage actor, or a clear error."""
-    have = ray.cluster_resources()
+    """One device (GPU, or ``cpus_per_worker`` CPUs) per stage actor, or a clear error.
+
+    Counted against what the cluster can have (:func:`raytrain_mgpu.cluster.read_capacity`):
+    on an autoscaling cluster with no GPU node up yet, the GPUs its node types can add.
+    """
+    from raytrain_mgpu.cluster import read_capacity
+
+    capacity = read_capacity()
     for key in ("GPU", "CPU"):
         needed = sum(b.get(key, 0) for b in bundles)
-        if needed > have.get(key, 0):
+        have = capacity.max_total(key, unlimited=len(bundles))
+        if needed > have:
+            where = (f"this autoscaling cluster can scale to at most {have:g} {key} ({capacity.describe()})"
+                     if capacity.autoscales else f"the Ray cluster has {have:g} {key}")
             raise ValueError(
                 f"strategy={cfg.strategy!r} needs {needed:g} {key} ({bundles[0][key]:g} per stage actor x "
-                f"{replicas} replica(s) x num_stages={cfg.num_stages}), but the Ray cluster has "
-                f"{have.get(key, 0):g} {key}. "
+                f"{replicas} replica(s) x num_stages={cfg.num_stages}), but {where}. "
                 f"Lower num_stages" + (" or num_workers" if replicas > 1 else "")
                 + (" or cpus_per_worker" if key == "CPU" else "") + f", or add {key}s to the cluster.")
 
