@@ -9,6 +9,7 @@ family, the pipeline's own actor group for ``pipeline``/``ddp_pipeline``.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -19,11 +20,13 @@ from torch import nn
 
 from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu._factory import is_factory, load_factory
+from raytrain_mgpu._redact import redact
 from raytrain_mgpu.cluster import check_placeable, connect, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.preflight import check_run_folder, check_storage_reachable
+from raytrain_mgpu.preflight import check_data_fits, check_run_folder, check_storage_reachable
+from raytrain_mgpu.runlock import RunLock
 from raytrain_mgpu.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.strategies import get_strategy
 
@@ -66,17 +69,21 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
-    if cfg.strategy != "auto":  # auto: the same checks run on its choice, below
-        get_strategy(cfg.strategy).check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
-        check_run_folder(cfg)  # checkpoints of another model/strategy, whichever runner wrote them
-    started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
+    data_info = {"input_shape": list(input_shape), "num_classes": num_classes,
+                 "train_split_size": check_data_fits(cfg, num_classes)}  # >= 2 classes, batch <= split
+    lock = RunLock.acquire(_run_path(cfg))  # a second driver on this run folder is refused
+    started = False
     try:
+        if cfg.strategy != "auto":  # auto: the same checks run on its choice, below
+            get_strategy(cfg.strategy).check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
+            check_run_folder(cfg, data_info)  # checkpoints trained with other settings, whichever runner wrote them
+        started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
         auto_record = {}
         if cfg.strategy == "auto":
             from raytrain_mgpu.auto import resolve_auto
 
             cfg, auto_record = resolve_auto(cfg)  # validated and model-checked; a resumed run keeps its strategy
-            check_run_folder(cfg)
+            check_run_folder(cfg, data_info)
         strategy_cls = get_strategy(cfg.strategy)
         check_placeable(strategy_cls.bundles(cfg), cfg.use_gpu, f"strategy={cfg.strategy!r}")
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
@@ -98,6 +105,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     finally:
         if started:
             ray.shutdown()
+        lock.release()
 
 
 def _banner(cfg: TrainConfig, strategy_cls, input_shape, num_classes) -> str:
@@ -107,7 +115,7 @@ def _banner(cfg: TrainConfig, strategy_cls, input_shape, num_classes) -> str:
     return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {num_classes} classes | "
             f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | global batch "
             f"{cfg.batch_size} = {replicas} replica(s) x {micro} x {cfg.grad_accum_steps} accumulation "
-            f"step(s) | lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {_run_path(cfg)}")
+            f"step(s) | lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
 def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter):
@@ -150,7 +158,7 @@ def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
     failures = getattr(exc, "worker_failures", None) or {}
     causes = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(failures.items()))
     return (f"training run {cfg.name!r} failed ({causes or exc}). Checkpoints written so far are kept in "
-            f"{_run_path(cfg)}; run again with the same name and storage_path to resume.")
+            f"{redact(_run_path(cfg))}; run again with the same name and storage_path to resume.")
 
 
 def _uri(cfg: TrainConfig, path: str) -> str:
@@ -167,4 +175,7 @@ def _write_history(history: list, run_path: str) -> None:
         return
     fs, path = ckpt_format.filesystem(run_path)
     fs.create_dir(path, recursive=True)
-    pq.write_table(pa.Table.from_pylist(history), f"{path}/{HISTORY_FILE}", filesystem=fs)
+    # Temporary name, then rename: a crash mid-write leaves the previous history, not half a file.
+    tmp = f"{path}/.{HISTORY_FILE}.tmp-{uuid.uuid4().hex[:12]}"
+    pq.write_table(pa.Table.from_pylist(history), tmp, filesystem=fs)
+    fs.move(tmp, f"{path}/{HISTORY_FILE}")

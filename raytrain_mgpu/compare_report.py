@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import textwrap
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
@@ -373,16 +374,15 @@ def draw_chart(report: CompareReport) -> bytes:
 
 
 def _write(path: str, data: bytes) -> None:
-    if "://" in path:
-        import pyarrow.fs as pafs
+    """Temporary name, then rename: a crash mid-write leaves the old file or none, never half."""
+    import pyarrow.fs as pafs
 
-        fs, inner = pafs.FileSystem.from_uri(path)
-        fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(inner) as f:
-            f.write(data)
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_bytes(data)
+    fs, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), str(Path(path)))
+    fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{inner}.tmp-{uuid.uuid4().hex[:12]}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, inner)
 
 
 def write_outputs(report: CompareReport, out_dir: str) -> dict:

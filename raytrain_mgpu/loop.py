@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.devices import resolve_devices
@@ -249,7 +250,7 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
         if ctx.world_rank == 0:
             meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy,
                     "epoch": state.epoch, "step": state.step, "attempt": state.attempt,
-                    **shape_info, "config": cfg.to_dict()}
+                    **shape_info, "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
             train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                            "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state()}
             ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,

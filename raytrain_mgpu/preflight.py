@@ -10,8 +10,9 @@ whole epoch of work. The checks here say what is wrong at once:
   "nothing there" from "wrong or missing token";
 - :func:`check_storage_reachable`: one zero-CPU task per alive node checks that the node
   sees a marker file the driver just wrote, and can write next to it;
-- :func:`check_run_folder`: a run folder holding checkpoints of another model or strategy
-  is refused whichever runner wrote them. Each runner only looks for its own checkpoints
+- :func:`check_run_folder`: a run folder holding checkpoints trained with other settings
+  (model, data and its split size, strategy, optimizer, global batch, ...) is refused
+  whichever runner wrote them; the settings are recorded in ``run.json``. Each runner only looks for its own checkpoints
   (Ray Train's snapshot, the pipeline's ``checkpoint_epoch*``), so without this a
   ``pipeline`` run started over silently in a ``ddp`` run's folder and replaced its
   ``history.parquet``.
@@ -26,11 +27,12 @@ import socket
 import uuid
 from typing import List, Optional, Tuple
 
+from raytrain_mgpu._redact import redact
 from raytrain_mgpu.checkpoint import filesystem
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["probe_ray_address", "check_storage_reachable", "check_run_folder"]
+__all__ = ["probe_ray_address", "check_storage_reachable", "check_run_folder", "check_data_fits", "run_identity"]
 
 _PROBE_TIMEOUT_S = 3.0
 _TOKEN_FIX = ("The cluster runs with token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH "
@@ -175,25 +177,112 @@ def _node_sees_storage(storage_path: str, marker: str) -> Optional[str]:
 # ----------------------------------------------------------------------------- run folder
 
 
-def check_run_folder(cfg) -> None:
-    """Raise ``ValueError`` if ``{storage_path}/{name}`` holds a checkpoint of another model
-    or strategy (any ``checkpoint*/meta.json``, whichever runner wrote it)."""
-    import pyarrow.fs as pafs
+RUN_RECORD = "run.json"
+IDENTITY_FIELDS = ("model", "model_kwargs", "dataset", "num_samples", "image_column", "label_column",
+                   "strategy", "optimizer", "batch_size", "num_stages", "seed")
+"""What a run is trained with; a resume that changes one of these is refused.
 
-    from raytrain_mgpu import checkpoint as ckpt_format
+Everything else may change on a resume, because a resume legitimately changes it:
+``epochs``/``max_steps`` (extend a run), ``lr`` and its schedule, ``max_failures``,
+``verbose``, ``address``, ``num_workers``/``grad_accum_steps`` (the global batch stays),
+``precision``, ``collective_timeout_s``, ``num_checkpoints_to_keep``, ``data_root`` (the
+same data at another mount: its shape, classes and split size are compared instead)."""
+
+
+def run_identity(cfg, data_info: Optional[dict] = None) -> dict:
+    """The identity fields of ``cfg`` plus the data's shape, classes and split size."""
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    identity = {k: values.get(k) for k in IDENTITY_FIELDS}
+    return redact({**identity, **{f"data.{k}": v for k, v in (data_info or {}).items()}})
+
+
+def check_run_folder(cfg, data_info: Optional[dict] = None) -> None:
+    """Raise ``ValueError`` if ``{storage_path}/{name}`` holds checkpoints of a run trained
+    with other identity fields (``IDENTITY_FIELDS`` and the data's shape, classes and split
+    size), whichever runner wrote them; else record this run's identity in ``run.json``.
+
+    ``data_info``: ``{"input_shape": [...], "num_classes": n, "train_split_size": n}``."""
+    import pyarrow.fs as pafs
 
     run = f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
     fs, path = filesystem(run)
     entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    folders = sorted(e.path for e in entries
-                     if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint"))
-    for folder in folders:
-        meta_path = f"{folder}/{ckpt_format.META_FILE}"
-        if fs.get_file_info(meta_path).type != pafs.FileType.File:
-            continue  # not a complete checkpoint: no runner resumes from it
-        try:
-            with fs.open_input_stream(meta_path) as f:
-                meta = json.loads(f.read())
-        except (OSError, ValueError):  # cut short by a kill: no runner resumes from it either
-            continue
-        ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, f"{run}/{folder.rsplit('/', 1)[-1]}")
+    metas = [m for m in (_read_json(fs, f"{e.path}/meta.json") for e in sorted(entries, key=lambda e: e.path)
+                         if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint"))
+             if m is not None]
+    mine = run_identity(cfg, data_info)
+    if metas:
+        recorded = _read_json(fs, f"{path}/{RUN_RECORD}")
+        if recorded is None:  # a run folder from before run.json: the newest checkpoint's config
+            meta = metas[-1]
+            data = {k: meta[k] for k in ("input_shape", "num_classes") if k in meta}
+            recorded = run_identity(meta.get("config") or meta, data)
+        _compare_identity(recorded, mine, redact(run))
+    fs.create_dir(path, recursive=True)
+    _write_atomically(fs, f"{path}/{RUN_RECORD}", json.dumps(mine, indent=1, default=str).encode())
+
+
+def _compare_identity(recorded: dict, mine: dict, run: str) -> None:
+    differences = [f"{key}: {recorded[key]!r} -> {mine.get(key)!r}" for key in sorted(recorded)
+                   if key in mine and recorded[key] is not None and _norm(recorded[key]) != _norm(mine[key])]
+    if differences:
+        raise ValueError(
+            f"run folder {run!r} holds checkpoints trained with other settings ({'; '.join(differences)}); "
+            f"resuming would mix two runs. Use another `name` (or storage_path) for a new run, or set these "
+            f"back to resume. (epochs, lr, max_failures, ... may change on a resume.)")
+
+
+def _norm(value):
+    return json.loads(json.dumps(value, default=str))  # tuples vs lists, as JSON stores them
+
+
+def _read_json(fs, path: str) -> Optional[dict]:
+    try:
+        with fs.open_input_stream(path) as f:
+            value = json.loads(f.read())
+    except (OSError, ValueError):  # missing, or cut short by a kill: no runner resumes from it
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _write_atomically(fs, path: str, data: bytes) -> None:
+    """Temporary name, then rename: a kill leaves the old file or the new one, never half."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def train_split_size(data) -> Optional[int]:
+    """Samples in the training split where that is known without reading the data (None:
+    not known cheaply, e.g. a user factory or a fixed-size download)."""
+    from raytrain_mgpu.data import digits, parquet, synthetic, text
+
+    if data.dataset == "digits":
+        return len(digits.load_split()[1])  # 1797 images, 80% train; a fraction of a second
+    if data.dataset == "synthetic":
+        return data.num_samples or synthetic.DEFAULT_NUM_SAMPLES
+    if data.dataset == "synthetic_text":
+        return data.num_samples or text.DEFAULT_NUM_SAMPLES
+    if data.dataset == "parquet":
+        return parquet.train_split_size(data)  # footers only
+    return None
+
+
+def check_data_fits(cfg, num_classes: int) -> Optional[int]:
+    """Refuse a dataset with fewer than 2 classes and a global batch larger than the
+    training split (no full step per epoch; the workers would find out). Returns the
+    split size, or None where it is not known cheaply."""
+    if num_classes < 2:
+        raise ValueError(f"TrainConfig.dataset={redact(cfg.dataset)!r}: the data has {num_classes} class(es); a "
+                         f"classifier needs at least 2. Check the label column (label_column="
+                         f"{cfg.label_column!r}) or num_classes.")
+    size = train_split_size(cfg.data)
+    if size is not None and cfg.batch_size > size:
+        raise ValueError(f"TrainConfig.batch_size={cfg.batch_size}: the global batch is larger than the training "
+                         f"split of {cfg.dataset!r} ({size} samples), so an epoch has no full step. Set "
+                         f"batch_size to {size} or less, or use more data.")
+    return size

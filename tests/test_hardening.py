@@ -3,6 +3,7 @@ stop before Ray; runs in one folder never mix."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import pickle
@@ -14,8 +15,11 @@ import torch
 from raytrain_mgpu import TrainConfig
 from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu._factory import TRUSTED_MODULES_ENV, load_factory
+from raytrain_mgpu._redact import redact
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.data import cifar10
+from raytrain_mgpu.data import check_data, cifar10
+from raytrain_mgpu.preflight import check_data_fits, check_run_folder
+from raytrain_mgpu.runlock import LOCK_FILE, RunLock
 
 
 class _Payload:
@@ -202,3 +206,100 @@ def test_cli_bad_values_exit_2_with_one_line(argv, match, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert re.match(r"raytrain-mgpu: error: " + match, err)
+
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def _ckpt(run, meta_config: dict, **extra):
+    folder = run / "checkpoint_000001"
+    ckpt_format.write_checkpoint(str(folder), meta={"model": meta_config["model"], "strategy": meta_config["strategy"],
+                                                    "config": meta_config, **extra}, history=[])
+
+
+def test_a_resume_that_changes_what_the_run_is_is_refused(tmp_path):
+    cfg = TrainConfig(optimizer="sgd", storage_path=str(tmp_path), name="r")
+    info = {"input_shape": [1, 8, 8], "num_classes": 10, "train_split_size": 1438}
+    check_run_folder(cfg, info)  # a new run: recorded
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["optimizer"] == "sgd"
+    _ckpt(tmp_path / "r", cfg.to_dict(), input_shape=[1, 8, 8], num_classes=10)
+    check_run_folder(cfg.replace(epochs=20, lr=0.5, max_failures=3, verbose=True), info)  # may change
+    with pytest.raises(ValueError, match=r"run folder .*/r' holds checkpoints trained with other settings "
+                                         r"\(optimizer: 'sgd' -> 'adamw'\).*Use another `name`"):
+        check_run_folder(cfg.replace(optimizer="adamw"), info)
+    with pytest.raises(ValueError, match=r"data.train_split_size: 1438 -> 1000"):
+        check_run_folder(cfg, {**info, "train_split_size": 1000})
+
+
+def test_a_run_folder_without_a_record_compares_with_its_checkpoint(tmp_path):
+    cfg = TrainConfig(dataset="synthetic", num_samples=64, input_shape=[1, 8, 8], storage_path=str(tmp_path), name="r")
+    _ckpt(tmp_path / "r", TrainConfig(storage_path=str(tmp_path), name="r").to_dict(),
+          input_shape=[1, 8, 8], num_classes=10)
+    with pytest.raises(ValueError, match=r"\(dataset: 'digits' -> 'synthetic'\)"):
+        check_run_folder(cfg, {"input_shape": [1, 8, 8], "num_classes": 10})
+
+
+def test_batch_larger_than_the_training_split_and_too_few_classes(tmp_path):
+    with pytest.raises(ValueError, match=r"batch_size=2048: the global batch is larger than the training split "
+                                         r"of 'digits' \(1438 samples\).*Set batch_size to 1438 or less"):
+        check_data_fits(TrainConfig(batch_size=2048), 10)
+    assert check_data_fits(TrainConfig(dataset="synthetic", num_samples=64, input_shape=[4], batch_size=64), 10) == 64
+    with pytest.raises(ValueError, match=r"the data has 1 class\(es\); a classifier needs at least 2"):
+        check_data_fits(TrainConfig(), 1)
+
+
+def test_a_parquet_table_with_zero_rows_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"image": pa.array([], pa.binary()), "label": pa.array([], pa.int64())}),
+                   tmp_path / "empty.parquet")
+    cfg = TrainConfig(dataset="parquet", data_root=str(tmp_path / "empty.parquet"))
+    with pytest.raises(ValueError, match=r"empty.parquet: the table has 0 rows"):
+        check_data(cfg.data)
+
+
+def test_a_second_driver_is_refused_while_the_first_lives(tmp_path, caplog):
+    run = str(tmp_path / "r")
+    first = RunLock.acquire(run)
+    try:
+        with pytest.raises(ValueError, match=r"run folder .* is in use by another driver \(host .*, pid "
+                                             rf"{os.getpid()}.*another `name`"):
+            RunLock.acquire(run)
+    finally:
+        first.release()
+    assert not (tmp_path / "r" / LOCK_FILE).exists()
+    # a driver that died: its lock is stale and taken over with a log line
+    (tmp_path / "r" / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": 0}))
+    with caplog.at_level("WARNING"):
+        RunLock.acquire(run).release()
+    assert "taking over a stale lock of host elsewhere" in caplog.text
+
+
+def test_history_and_compare_outputs_are_written_by_rename(tmp_path):
+    from raytrain_mgpu.api import _write_history
+    from raytrain_mgpu.compare_report import _write
+
+    _write_history([{"epoch": 1}], str(tmp_path))
+    _write(str(tmp_path / "c" / "compare.md"), b"x")
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["compare.md", "history.parquet"]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("s3://AKIA:SECRET@bucket/runs", "s3://***@bucket/runs"),
+    ("run gs://tok@b/x failed", "run gs://***@b/x failed"),
+    ("s3://bucket/runs?access_key=AKIA&secret_key=S&region=eu", "s3://bucket/runs?access_key=***&secret_key=***&region=eu"),
+    ("/plain/path", "/plain/path"),
+])
+def test_credentials_in_uris_are_redacted(text, expected):
+    assert redact(text) == expected
+    assert redact({"storage_path": text, "n": 1}) == {"storage_path": expected, "n": 1}
+
+
+def test_banner_and_failure_message_hold_no_secret():
+    from raytrain_mgpu.api import _banner, _failure_message
+    from raytrain_mgpu.strategies import get_strategy
+
+    cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")
+    texts = [_banner(cfg, get_strategy("ddp"), (1, 8, 8), 10), _failure_message(cfg, RuntimeError("x"))]
+    assert all("SECRET" not in t and "s3://***@bucket/runs/r" in t for t in texts)

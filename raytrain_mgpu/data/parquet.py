@@ -185,6 +185,12 @@ def build(cfg: "DataConfig") -> Datasets:
     return Datasets(train, test, train_table.shape, num_classes)
 
 
+def train_split_size(cfg: "DataConfig") -> int:
+    """Rows of the training split (metadata only)."""
+    train, test, _ = _tables(cfg)
+    return len(train) if test is not None else len(train) - len(train) // TEST_EVERY
+
+
 def check(cfg: "DataConfig") -> tuple[tuple, int]:
     """Footers, schema, metadata and the label column; image data only to learn the
     shape of PNG/JPEG images when the metadata does not give it."""

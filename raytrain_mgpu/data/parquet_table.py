@@ -94,6 +94,10 @@ class ParquetTable:
             self.row_group_keys = keys
             self.row_group_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
             self.labels = self._read_labels()
+        if not len(self):  # else 0 classes and 0 steps, found only on the workers
+            raise ValueError(f"parquet {self.where}: the table has 0 rows. Point data_root at the Parquet "
+                             f"files that hold the data (re-run `raytrain-mgpu data convert` if they were "
+                             f"written empty).")
         self.metadata = dict(schema.metadata or {})
         self.shape = self._shape()
         self.num_classes = self._num_classes()

@@ -12,12 +12,14 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import List, Optional, Tuple
 
 from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.group import StageGroup
@@ -171,13 +173,13 @@ def _evaluate(group: StageGroup) -> dict:
 def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Partition, shape_info: dict) -> str:
     folder = run_dir(cfg)
     final = folder / f"{CHECKPOINT_PREFIX}{state.epoch:06d}"
-    tmp = folder / f".tmp-{CHECKPOINT_PREFIX}{state.epoch:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Unique per save: two drivers (or a killed one's leftovers) never share a temporary folder.
+    tmp = folder / f".tmp-{CHECKPOINT_PREFIX}{state.epoch:06d}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
     group.call("save", str(tmp))
     meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy, "epoch": state.epoch,
             "step": state.step, "attempt": state.attempt, "partition": list(partition.counts),
-            "num_stages": cfg.num_stages, "schedule": cfg.schedule, **shape_info, "config": cfg.to_dict()}
+            "num_stages": cfg.num_stages, "schedule": cfg.schedule, **shape_info, "config": redact(cfg.to_dict())}
     ckpt_format.write_checkpoint(str(tmp), meta=meta, history=state.history)  # last: marks it complete
     if final.exists():
         shutil.rmtree(final)
