@@ -1,0 +1,195 @@
+"""GPU emulation (``RAYTRAIN_MGPU_EMULATE_GPUS=N``): every Ray Train strategy with ``use_gpu=True`` on CPU.
+
+The shared Ray instance (conftest) has 4 fake GPUs, so Ray schedules workers onto GPUs and
+sets ``CUDA_VISIBLE_DEVICES`` as on a real node; each run records, per rank, the devices it
+would use (``cuda:k``), the backend (nccl) and what Ray gave it (``ray.get_gpu_ids()``,
+``CUDA_VISIBLE_DEVICES``, node id). The tests recompute the devices from Ray's raw answer
+instead of trusting the resolver. Two more settings run in subprocesses so the shared
+session is not disturbed: ``fit`` starting its own local Ray under emulation, and two
+nodes (``ray start`` with private temp dirs) for PACK and STRICT_SPREAD.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from _ray_nodes import RayNode, base_env, free_port_flags
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu import cluster, devices
+from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,
+            optimizer="sgd", lr=0.1, use_gpu=True)
+
+
+def _check_devices(row: dict, workers: int, per_worker: int) -> None:
+    """The recorded devices are Ray's GPU ids mapped through CUDA_VISIBLE_DEVICES, distinct per node."""
+    assert row["backend"] == "nccl" and row["emulated"] is True
+    assert len(row["devices_per_rank"]) == workers
+    per_node = defaultdict(list)
+    for rank in range(workers):
+        gpu_ids = row["gpu_ids_per_rank"][rank]
+        visible = row["cuda_visible_devices_per_rank"][rank].split(",")
+        assert len(gpu_ids) == per_worker, (rank, gpu_ids)
+        assert row["devices_per_rank"][rank] == [f"cuda:{visible.index(g)}" for g in gpu_ids]
+        per_node[row["node_id_per_rank"][rank]].append(rank)
+    for ranks in per_node.values():
+        ids = [g for r in ranks for g in row["gpu_ids_per_rank"][r]]
+        assert len(set(ids)) == len(ids), ids  # Ray never gives one GPU to two workers of a node
+        cuda = [d for r in ranks for d in row["devices_per_rank"][r]]
+        assert len(set(cuda)) == len(cuda), cuda
+        # Ray Train shows every worker of a node all of that node's workers' GPUs
+        assert {frozenset(row["cuda_visible_devices_per_rank"][r].split(",")) for r in ranks} == {frozenset(ids)}
+
+
+# ----------------------------------------------------------------------------- no Ray
+
+
+def test_worker_runtime_env_carries_the_switch_only_when_set(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "3")
+    assert cluster.worker_runtime_env("mlp", "digits")["env_vars"][EMULATE_ENV] == "3"
+    monkeypatch.delenv(EMULATE_ENV)
+    assert EMULATE_ENV not in cluster.worker_runtime_env("mlp", "digits")["env_vars"]
+
+
+def test_connect_starts_a_local_ray_with_fake_gpus_only_under_emulation(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cluster.ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    with pytest.raises(ValueError, match=rf"use_gpu=True, but this machine has no CUDA GPU .*{EMULATE_ENV}=4"):
+        cluster.connect(None, False, local_has_gpu_check=True)
+    monkeypatch.setenv(EMULATE_ENV, "2")
+    assert cluster.connect(None, False, local_has_gpu_check=True) is True
+    assert calls[-1]["num_gpus"] == 2 and calls[-1]["address"] is None
+
+
+def test_resolver_under_emulation_computes_on_cpu_and_records_cuda(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "4")
+    assignment = devices.resolve_devices(True, 2)  # outside Ray: cuda:0..1
+    assert [d.type for d in assignment.compute] == ["cpu", "cpu"]
+    assert assignment.record() == {"devices": ["cuda:0", "cuda:1"], "backend": "nccl", "emulated": True}
+    assert assignment.backend == "gloo" and devices.backend(True) == "gloo"
+    monkeypatch.setenv(EMULATE_ENV, "many")
+    with pytest.raises(ValueError, match=rf"{EMULATE_ENV}='many': must be a whole number of GPUs"):
+        devices.is_emulated()
+
+
+# ----------------------------------------------------------------------------- shared Ray (4 fake GPUs)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("strategy,workers,per_worker", [
+    ("ddp", 2, 1), ("fsdp", 2, 1), ("ddp_mp", 2, 2),        # several workers on one node
+    ("dp", 1, 2), ("dp_balanced", 1, 3), ("mp", 1, 2), ("ddp2", 1, 2),  # one worker, several GPUs
+])
+def test_every_strategy_trains_with_use_gpu_under_emulation(strategy, workers, per_worker, ray_session, storage):
+    assert ray_session.cluster_resources().get("GPU") == 4  # the shared instance emulates 4 GPUs
+    cfg = rtm.TrainConfig(**TINY, strategy=strategy, num_workers=workers, gpus_per_worker=per_worker,
+                          name=f"emu-{strategy}", storage_path=storage)
+    result = rtm.fit(cfg)
+    row = result.history[-1]
+    assert row["step"] == 2 and row["train_loss"] > 0
+    _check_devices(row, workers, per_worker)
+    assert len(row["peak_memory_bytes"]) == workers * per_worker  # one entry per (emulated) device
+    # The checkpoint is the plain model's, whatever the strategy wrapped, split or sharded.
+    plain = build_model("mlp", (1, 8, 8), 10, {"widths": [16]})
+    assert result.load_model().state_dict().keys() == plain.state_dict().keys()
+
+
+# ----------------------------------------------------------------------------- own Ray instances (subprocesses)
+
+_OWN_RAY_DRIVER = """
+import json, sys
+import ray
+import raytrain_mgpu as rtm
+result = rtm.fit(rtm.TrainConfig(**json.loads(sys.argv[1])))
+with open(sys.argv[2], "w") as f:
+    json.dump({"row": result.history[-1], "ray_left_running": ray.is_initialized()}, f)
+"""
+
+
+def _clean_env(root: Path, **extra: str) -> dict:
+    (root / "home").mkdir(exist_ok=True)
+    return base_env(root / "home", RAY_AUTH_MODE="disabled", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", **extra)
+
+
+def test_fit_starts_its_own_ray_with_the_emulated_gpus():
+    # No ray.init before fit, no address: fit starts a local Ray, which must get the 2 fake
+    # GPUs (without them the cluster check refuses use_gpu=True). RAY_TMPDIR: a private
+    # temp dir, so this instance neither joins nor is joined by another Ray on the machine.
+    root = Path(tempfile.mkdtemp(prefix="rtmemu-", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        env = _clean_env(root, RAY_TMPDIR=str(root), **{EMULATE_ENV: "2"})
+        cfg = {**TINY, "strategy": "ddp", "num_workers": 2, "name": "own", "storage_path": str(root / "results")}
+        out = root / "out.json"
+        done = subprocess.run([sys.executable, "-c", _OWN_RAY_DRIVER, json.dumps(cfg), str(out)], env=env,
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _check_devices(got["row"], workers=2, per_worker=1)
+    assert sorted(d for ds in got["row"]["devices_per_rank"] for d in ds) == ["cuda:0", "cuda:1"]
+    assert got["ray_left_running"] is False  # fit shut down the instance it started
+
+
+def _two_emulated_nodes(root: Path, env: dict):
+    head, worker = RayNode(root / "h", env), RayNode(root / "w", env)
+    ports = free_port_flags()
+    head.start(["--head", "--num-cpus", "2", "--num-gpus", "2", *[str(x) for kv in ports.items() for x in kv]])
+    address = f"127.0.0.1:{ports['--port']}"
+    worker_ports = free_port_flags(skip=("--port", "--dashboard-port", "--ray-client-server-port"))
+    worker.start(["--address", address, "--num-cpus", "2", "--num-gpus", "2",
+                  *[str(x) for kv in worker_ports.items() for x in kv]])
+    return head, worker, address
+
+
+@pytest.mark.slow
+def test_pack_and_strict_spread_over_two_emulated_nodes():
+    # Two nodes of 2 fake GPUs each, started WITHOUT the switch: only the driver has it, so
+    # the workers emulate only if the runtime env carries it (the driver calls ray.init itself).
+    root = Path(tempfile.mkdtemp(prefix="rtmemu2-", dir="/tmp"))
+    head = worker = None
+    try:
+        head, worker, address = _two_emulated_nodes(root, _clean_env(root))
+        storage = str(root / "results")
+        plan = {"steps": [
+            {"kind": "fit", "config": {**TINY, "strategy": "ddp", "num_workers": 2, "placement": "PACK",
+                                       "name": "pack", "storage_path": storage}},
+            {"kind": "fit", "config": {**TINY, "strategy": "ddp2", "num_workers": 2, "gpus_per_worker": 2,
+                                       "placement": "STRICT_SPREAD", "name": "spread", "storage_path": storage}},
+        ]}
+        (root / "plan.json").write_text(json.dumps(plan))
+        env = _clean_env(root, RAY_ADDRESS=address, **{EMULATE_ENV: "2"})
+        done = subprocess.run([sys.executable, str(REPO / "tests" / "_fit_driver.py"), str(root / "plan.json"),
+                               str(root / "results.json")], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=540)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results = json.loads((root / "results.json").read_text())
+    finally:
+        for node in (worker, head):
+            if node is not None:
+                node.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    assert [r["ok"] for r in results] == [True, True], [r.get("error") for r in results]
+    pack, spread = results[0]["history"][-1], results[1]["history"][-1]
+    _check_devices(pack, workers=2, per_worker=1)
+    assert len(set(pack["node_id_per_rank"])) == 1  # PACK: both workers on one node, on its 2 GPUs
+    assert sorted(d for ds in pack["devices_per_rank"] for d in ds) == ["cuda:0", "cuda:1"]
+    _check_devices(spread, workers=2, per_worker=2)
+    assert len(set(spread["node_id_per_rank"])) == 2  # STRICT_SPREAD: one worker (node) each
+    assert spread["devices_per_rank"] == [["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"]]
