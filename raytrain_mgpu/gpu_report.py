@@ -130,12 +130,16 @@ def _layout(name: str, gpus: int) -> dict:
 
 
 def _strategy_config(name: str, gpus: int, sizes: Sizes, storage: str, schedule: str = "1f1b") -> TrainConfig:
-    """A few steps of a wide-output MLP (the output that fills GPU 0 under dp) with ``name``."""
+    """A few steps of a wide-output MLP (the output that fills GPU 0 under dp) with ``name``.
+
+    10 blocks (flatten, 8 hidden layers, the classifier): enough for interleaved 1F1B's
+    2 chunks on each of 4 stages.
+    """
     layout = _layout(name, gpus)
     if "num_stages" in layout:
         layout["schedule"] = schedule
     batch = 64 * layout["num_workers"] * layout.get("num_microbatches", 1)
-    return TrainConfig(model="mlp", model_kwargs={"widths": [512, 512, 512, 512]}, dataset="synthetic",
+    return TrainConfig(model="mlp", model_kwargs={"widths": [512] * 8}, dataset="synthetic",
                        input_shape=(1, 28, 28), num_classes=sizes.wide_classes,
                        num_samples=batch * sizes.strategy_steps, strategy=name, use_gpu=True, batch_size=batch,
                        epochs=1, optimizer="sgd", lr=0.01, storage_path=storage, eval_every_epochs=100,

@@ -9,6 +9,7 @@ import torch
 
 from raytrain_mgpu import gpu_report
 from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.strategies import get_strategy
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4])
@@ -21,6 +22,10 @@ def test_every_layout_is_a_valid_config_that_fits_the_gpus(gpus, tmp_path):
             cfg.gpus_per_worker if name in ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2") else 1)
         assert 1 <= cfg.num_workers * per_worker <= gpus, (name, gpus)
         assert cfg.use_gpu and cfg.num_classes == gpu_report.QUICK.wide_classes
+    if gpus >= 2:
+        for schedule in gpu_report.SCHEDULES:  # the model splits into every schedule's parts (before Ray)
+            cfg = gpu_report._strategy_config("pipeline", gpus, gpu_report.QUICK, str(tmp_path), schedule)
+            get_strategy("pipeline").check_model(cfg, cfg.input_shape, cfg.num_classes)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
