@@ -78,13 +78,7 @@ def train_worker(payload: dict) -> dict:
     reporter = WorkerReporter(payload.get("sink") if ctx.world_rank == 0 else None)
 
     data = build_datasets(cfg.data)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every worker
-    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
-    if cfg.sync_batchnorm:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-
+    model = _build_model(cfg, strategy, data.input_shape, data.num_classes)
     state, restored = _restore(cfg, strategy, model)
     model = strategy.setup_model(model)
     if cfg.compile:
@@ -102,11 +96,10 @@ def train_worker(payload: dict) -> dict:
                          f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
+    # fp16 on the compute device's type: "cpu" under GPU emulation, so the scaler runs there too.
     scaler = torch.amp.GradScaler(strategy.device.type, enabled=cfg.precision == "16-mixed")
     if restored is not None:
-        strategy.load_optimizer_state_dict(model, optimizer, restored["optimizer"])
-        scheduler.load_state_dict(restored["scheduler"])
-        scaler.load_state_dict(restored["scaler"])
+        _load_train_state(strategy, model, optimizer, scheduler, scaler, restored)
 
     shape_info = {"input_shape": list(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
@@ -126,6 +119,26 @@ def train_worker(payload: dict) -> dict:
         reporter.epoch(metrics)
         _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info)
     return {"epochs": state.epoch, "steps": state.step}
+
+
+def _build_model(cfg: TrainConfig, strategy: Strategy, input_shape: tuple, num_classes: int) -> torch.nn.Module:
+    """The initial model, the same on every rank; then each rank's own random stream."""
+    torch.manual_seed(cfg.seed)  # identical initial weights on every worker
+    # fsdp's ranks other than 0 build on meta (no memory): rank 0's weights reach their shards.
+    with torch.device("meta") if strategy.build_on_meta() else contextlib.nullcontext():
+        model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    if cfg.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # With the shared seed every rank would draw the same dropout masks: R copies of one mask.
+    _seed_rank_stream(cfg.seed, strategy.ctx.world_rank)
+    return model
+
+
+def _seed_rank_stream(seed: int, rank: int, step: int = 0) -> None:
+    """Seed this rank's CPU and CUDA generators: distinct per rank, and per step when re-seeding a resume."""
+    torch.manual_seed((seed + 1 + rank) + 1_000_003 * step)
 
 
 class _Loop:
@@ -230,14 +243,51 @@ def _restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
     with checkpoint.as_directory() as directory:
         meta = ckpt_format.read_meta(directory)
         ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
-        model.load_state_dict(ckpt_format.load_model_state(directory))
+        if not strategy.build_on_meta():  # a meta model holds no data: rank 0 sends its weights
+            model.load_state_dict(ckpt_format.load_model_state(directory))
         train_state = ckpt_format.load_train_state(directory)
         history = ckpt_format.read_history(directory)
-    torch.set_rng_state(train_state["torch_rng"])
     state = _State(epoch=meta["epoch"], step=meta["step"], attempt=meta.get("attempt", 0) + 1, history=history)
+    _restore_rng(train_state.get("rng_per_rank"), cfg.seed, strategy.ctx, state.step)
     if strategy.ctx.world_rank == 0:
         logger.info("resuming %s from epoch %d, step %d", cfg.name, state.epoch, state.step)
     return state, train_state
+
+
+def _load_train_state(strategy: Strategy, model, optimizer, scheduler, scaler, train_state: dict) -> None:
+    """Optimizer, LR schedule and grad scaler (scale, growth tracker) from a checkpoint's train state."""
+    strategy.load_optimizer_state_dict(model, optimizer, train_state["optimizer"])
+    scheduler.load_state_dict(train_state["scheduler"])
+    scaler.load_state_dict(train_state["scaler"])
+
+
+def _rng_state() -> dict:
+    """This rank's generators as ByteTensors (loadable with ``weights_only=True``)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _gather_rng_states() -> list:
+    """Every rank's ``_rng_state()``, in rank order (collective: every rank calls it)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [_rng_state()]
+    states: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(states, _rng_state())
+    return states
+
+
+def _restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int) -> None:
+    """This rank's saved generators; a different world size (or an old checkpoint) re-seeds per rank and step."""
+    if not states or len(states) != ctx.world_size:
+        if ctx.world_rank == 0:
+            logger.info("RNG states saved for %s ranks, %d now: re-seeding each rank's stream at step %d",
+                        len(states) if states else "no", ctx.world_size, step)
+        _seed_rank_stream(seed, ctx.world_rank, step)
+        return
+    own = states[ctx.world_rank]
+    torch.set_rng_state(own["cpu"])
+    if own["cuda"] and torch.cuda.is_available() and len(own["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(own["cuda"])
 
 
 def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
@@ -245,6 +295,7 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
     """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint."""
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
+    rng_states = _gather_rng_states()  # collective: each rank keeps its own stream on resume
     with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
         checkpoint: Optional[ray.train.Checkpoint] = None
         if ctx.world_rank == 0:
@@ -252,7 +303,7 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
                     "epoch": state.epoch, "step": state.step, "attempt": state.attempt,
                     **shape_info, "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
             train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                           "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+                           "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
             ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
                                          model_state=model_state, train_state=train_state)
             checkpoint = ray.train.Checkpoint.from_directory(directory)

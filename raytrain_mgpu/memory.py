@@ -256,6 +256,20 @@ def _data_parallel_node(profile: ModelProfile, num_devices: int, share: float, b
     return devices
 
 
+def _fsdp_state_bytes(profile: ModelProfile, workers: int) -> float:
+    """fsdp's fixed bytes per device: the larger of its start-up and its steady-state peak.
+
+    Start-up (the model built on meta, shards allocated, rank 0's weights sent one tensor at
+    a time): 1/W of the parameters plus one full tensor in flight, at most the largest block.
+    The full model is never on a device. Steady state: 1/W of parameters, gradients and
+    optimizer state, plus one block gathered whole with its unsharded gradients.
+    """
+    largest_block = max(profile.block_param_bytes)
+    start_up = profile.param_bytes / workers + largest_block
+    steady = profile.state_bytes() / workers + 2 * largest_block
+    return max(start_up, steady)
+
+
 def device_memory(strategy: str, cfg, profile: ModelProfile) -> List[DeviceMemory]:
     """The estimate for every device the run of ``cfg`` with ``strategy`` uses."""
     from raytrain_mgpu.pipeline.schedule import num_virtual_stages
@@ -266,9 +280,7 @@ def device_memory(strategy: str, cfg, profile: ModelProfile) -> List[DeviceMemor
         replica = _replica_on(profile, [range(len(profile.block_param_bytes))], 1 / (workers * accum), [1.0],
                               1 / (workers * accum))
         if strategy == "fsdp" and workers > 1:
-            # 1/W of the state, plus one block gathered whole with its unsharded gradients.
-            gathered = 2 * max(profile.block_param_bytes)
-            replica = [DeviceMemory(profile.state_bytes() / workers + gathered, replica[0].per_sample)]
+            replica = [DeviceMemory(_fsdp_state_bytes(profile, workers), replica[0].per_sample)]
         return replica * workers
     if strategy in ("dp", "dp_balanced", "ddp2"):
         workers = cfg.num_workers if strategy == "ddp2" else 1

@@ -12,16 +12,24 @@ this machine. The mode is active over the micro-steps and optimizer steps of
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from raytrain_mgpu import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.loop import _Loop, _State
 from raytrain_mgpu.metrics import EpochMeter
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.progress import WorkerReporter
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+@pytest.fixture(autouse=True)
+def _outside_ray(monkeypatch):
+    """The per-epoch device record asks Ray for GPU ids and the node; these tests run without Ray."""
+    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})
+
 
 _READS = {"item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 _FROM_PYTHON = {"tensor", "as_tensor", "scalar_tensor"}

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from raytrain_mgpu import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.loop import _Loop, _State
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
@@ -65,6 +66,7 @@ def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    loop_module._device_record = lambda ctx: {}  # asks Ray for GPU ids and the node: no Ray here
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         counts = {f"{'compiled' if compiled else 'eager'}-{mode}": _count_allreduces(rank, world, compiled, mode)

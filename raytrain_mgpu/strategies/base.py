@@ -154,6 +154,14 @@ class Strategy(ABC):
         """Where inputs go (the first device)."""
         return self.ctx.devices[0]
 
+    def build_on_meta(self) -> bool:
+        """Whether this worker builds the model on ``meta`` (no memory, no weights).
+
+        Then ``setup_model`` must materialise it with the weights another rank built
+        (``fsdp``: rank 0 builds on CPU and sends each rank its shards). Default: no.
+        """
+        return False
+
     @abstractmethod
     def setup_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to its device(s) and wrap it; returns the module to train."""

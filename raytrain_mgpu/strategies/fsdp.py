@@ -12,6 +12,13 @@ bf16, gradients reduced in fp32), which halves the all-gather traffic. ``16-mixe
 refused: ``GradScaler`` checks for overflow per shard, so workers could disagree on
 skipping a step.
 
+The full model is never on a device: rank 0 builds it on the CPU (with the run's seed,
+so its weights are those of ``ddp`` and of one worker), every other rank builds it on
+``meta`` (``build_on_meta``). Every rank shards the meta model, allocates only its shards
+(``to_empty``), and rank 0 sends the weights one tensor at a time
+(``set_model_state_dict(broadcast_from_rank0=True)``): the device peak at start-up is the
+shards plus the largest tensor. Host memory: rank 0 holds one full copy, the others none.
+
 Checkpoints hold the full, unsharded state (model and optimizer), gathered to rank 0:
 the calls are collective, so every rank makes them (``loop._save_and_report`` does).
 """
@@ -19,7 +26,9 @@ the calls are collective, so every rank makes them (``loop._save_and_report`` do
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator
+from typing import ContextManager, Dict, Iterator
+
+import torch.distributed as dist
 
 import torch
 from torch import nn
@@ -35,6 +44,8 @@ from raytrain_mgpu.strategies.base import Strategy
 # Full (unsharded) state gathered into CPU memory on rank 0; other ranks get an empty dict.
 _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _LOAD = StateDictOptions(full_state_dict=True)
+# Rank 0's full state reaches every rank's shards, one tensor at a time (start-up).
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def _shard_units(model: nn.Module) -> list:
@@ -61,8 +72,22 @@ class FSDPStrategy(Strategy):
                 "precision='bf16-mixed' (same memory saving, no loss scaling needed).")
         super().validate(cfg)
 
+    def build_on_meta(self) -> bool:
+        return self.ctx.world_rank != 0
+
     def setup_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+        """Shard on meta, allocate the shards on the device, fill them from rank 0's CPU model."""
+        rank0 = self.ctx.world_rank == 0
+        full = model.state_dict() if rank0 else {}  # CPU tensors: they outlive the meta swap below
+        extra = _non_persistent_buffers(model) if rank0 else {}
+        _to_meta(model)
+        model = self._shard(model)
+        model.to_empty(device=self.device)
+        set_model_state_dict(model, full, options=_FROM_RANK0)
+        _broadcast_buffers(model, extra, self.device)
+        return model
+
+    def _shard(self, model: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
         if self.cfg.precision == "bf16-mixed":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -91,6 +116,38 @@ class FSDPStrategy(Strategy):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         state = {**state, "state": {key: dict(value) for key, value in state["state"].items()}}
         set_optimizer_state_dict(self.unwrap(model), optimizer, state, options=_LOAD)
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Swap every parameter and buffer for a meta one, in place; tied tensors stay tied."""
+    swapped: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in swapped:
+                    meta = torch.empty_like(tensor, device="meta")
+                    swapped[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(
+                        tensor, nn.Parameter) else meta
+                table[name] = swapped[id(tensor)]
+
+
+def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Buffers ``state_dict`` leaves out (e.g. cached position tables): sent separately."""
+    saved = model.state_dict().keys()
+    return {name: buf for name, buf in model.named_buffers() if name not in saved}
+
+
+def _broadcast_buffers(model: nn.Module, rank0_values: Dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill the non-persistent buffers (garbage after ``to_empty``) with rank 0's values."""
+    persistent = model.state_dict().keys()
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            continue
+        if name in rank0_values:
+            buf.copy_(rank0_values[name].to(device))
+        dist.broadcast(buf, src=0)
 
 
 @contextlib.contextmanager

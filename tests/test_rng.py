@@ -1,0 +1,88 @@
+"""Random streams: identical initial weights on every rank, then each rank its own stream.
+
+With one seed everywhere every rank drew the same dropout masks: the global batch then
+behaves like R copies of one mask. ``loop._build_model`` seeds, builds, then gives rank r
+the stream ``seed + 1 + r``; checkpoints keep every rank's CPU (and CUDA) generator state,
+and a resume with the same world size continues each rank's stream. No Ray.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytrain_mgpu import loop as loop_module
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.loop import _build_model, _gather_rng_states, _restore_rng, _State
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
+from test_precision import _config, _loop, checkpoint_roundtrip
+
+CFG = dict(model="transformer_lm", dataset="synthetic_text", strategy="ddp", num_workers=2, batch_size=8, seed=5,
+           model_kwargs={"num_layers": 1, "hidden": 16, "num_heads": 2, "dropout": 0.5})
+
+
+def _ctx(rank: int, world: int = 2) -> WorkerContext:
+    return WorkerContext(rank, world, rank, world, 0, (torch.device("cpu"),))
+
+
+def _rank_model(rank: int):
+    cfg = TrainConfig(**CFG)
+    return _build_model(cfg, get_strategy("ddp")(cfg.parallel, _ctx(rank)), (12,), 50)
+
+
+def _dropout_output(model) -> torch.Tensor:
+    model.train()
+    with torch.no_grad():
+        return model(torch.arange(24).reshape(2, 12) % 50)
+
+
+def test_ranks_start_equal_and_draw_different_dropout_masks():
+    models, outputs = [], []
+    for rank in (0, 1, 0):
+        models.append(_rank_model(rank))
+        outputs.append(_dropout_output(models[-1]))  # the rank's first draws after the build
+    for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()):
+        assert torch.equal(a, b)  # identical initial weights
+    assert not torch.allclose(outputs[0], outputs[1])  # rank 0 and rank 1 drop different units
+    assert torch.equal(outputs[0], outputs[2])  # and each rank's stream is reproducible
+
+
+def test_resume_continues_each_ranks_stream(monkeypatch, tmp_path):
+    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})
+    cfg = _config()
+    loop = _loop(cfg)
+    torch.manual_seed(123)  # somewhere in the run's stream
+
+    def continuing_run():
+        continuing_run.draws = torch.rand(5)  # what the run would have drawn next
+        torch.manual_seed(999)  # a restart starts from anywhere
+
+    saved, (state, train_state) = checkpoint_roundtrip(monkeypatch, tmp_path, loop, cfg, _State(epoch=1, step=2),
+                                                       after_save=continuing_run)
+    assert torch.equal(torch.rand(5), continuing_run.draws)
+    states = torch.load(saved / "train_state.pt", weights_only=True)["rng_per_rank"]
+    assert len(states) == 1 and states[0]["cpu"].dtype == torch.uint8
+    assert len(states[0]["cuda"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_each_rank_restores_its_own_state_when_the_world_size_matches():
+    states = []
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        states.append(_gather_rng_states()[0])  # no process group: this process's state only
+    want = torch.rand(3)  # the next draw of seed 11's stream: rank 1's
+    _restore_rng(states, seed=0, ctx=_ctx(1), step=7)
+    assert torch.equal(torch.rand(3), want)
+
+
+@pytest.mark.parametrize("saved_ranks", [None, 1, 4])
+def test_other_world_sizes_reseed_per_rank_and_step(saved_ranks):
+    states = None if saved_ranks is None else [_gather_rng_states()[0]] * saved_ranks
+    draws = {}
+    for rank, step in ((0, 7), (1, 7), (0, 8), (0, 7)):
+        torch.manual_seed(999)
+        _restore_rng(states, seed=0, ctx=_ctx(rank), step=step)
+        draws.setdefault((rank, step), []).append(torch.rand(3))
+    assert torch.equal(*draws[(0, 7)])  # deterministic
+    assert not torch.equal(draws[(0, 7)][0], draws[(1, 7)][0])  # per rank
+    assert not torch.equal(draws[(0, 7)][0], draws[(0, 8)][0])  # and per step: no replay of an old stream
