@@ -223,12 +223,12 @@ def check_run_folder(cfg, data_info: Optional[dict] = None) -> None:
 
 
 def _compare_identity(recorded: dict, mine: dict, run: str) -> None:
-    differences = [f"{key}: {recorded[key]!r} -> {mine.get(key)!r}" for key in sorted(recorded)
+    differences = [f"trained with {key}={recorded[key]!r}, but this run has {key}={mine.get(key)!r}"
+                   for key in sorted(recorded)
                    if key in mine and recorded[key] is not None and _norm(recorded[key]) != _norm(mine[key])]
     if differences:
         raise ValueError(
-            f"run folder {run!r} holds checkpoints trained with other settings ({'; '.join(differences)}); "
-            f"resuming would mix two runs. Use another `name` (or storage_path) for a new run, or set these "
+            f"run folder {run!r} holds checkpoints {'; '.join(differences)}: resuming would mix two runs. Use another `name` (or storage_path) for a new run, or set these "
             f"back to resume. (epochs, lr, max_failures, ... may change on a resume.)")
 
 

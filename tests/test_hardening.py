@@ -224,10 +224,10 @@ def test_a_resume_that_changes_what_the_run_is_is_refused(tmp_path):
     assert json.loads((tmp_path / "r" / "run.json").read_text())["optimizer"] == "sgd"
     _ckpt(tmp_path / "r", cfg.to_dict(), input_shape=[1, 8, 8], num_classes=10)
     check_run_folder(cfg.replace(epochs=20, lr=0.5, max_failures=3, verbose=True), info)  # may change
-    with pytest.raises(ValueError, match=r"run folder .*/r' holds checkpoints trained with other settings "
-                                         r"\(optimizer: 'sgd' -> 'adamw'\).*Use another `name`"):
+    with pytest.raises(ValueError, match=r"run folder .*/r' holds checkpoints trained with optimizer='sgd', but "
+                                         r"this run has optimizer='adamw': resuming would mix.*Use another `name`"):
         check_run_folder(cfg.replace(optimizer="adamw"), info)
-    with pytest.raises(ValueError, match=r"data.train_split_size: 1438 -> 1000"):
+    with pytest.raises(ValueError, match=r"trained with data.train_split_size=1438, but this run has data.train_split_size=1000"):
         check_run_folder(cfg, {**info, "train_split_size": 1000})
 
 
@@ -235,7 +235,7 @@ def test_a_run_folder_without_a_record_compares_with_its_checkpoint(tmp_path):
     cfg = TrainConfig(dataset="synthetic", num_samples=64, input_shape=[1, 8, 8], storage_path=str(tmp_path), name="r")
     _ckpt(tmp_path / "r", TrainConfig(storage_path=str(tmp_path), name="r").to_dict(),
           input_shape=[1, 8, 8], num_classes=10)
-    with pytest.raises(ValueError, match=r"\(dataset: 'digits' -> 'synthetic'\)"):
+    with pytest.raises(ValueError, match=r"trained with dataset='digits', but this run has dataset='synthetic'"):
         check_run_folder(cfg, {"input_shape": [1, 8, 8], "num_classes": 10})
 
 
