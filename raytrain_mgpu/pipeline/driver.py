@@ -156,6 +156,9 @@ def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunSta
         "data_wait_share": sum(s["data_wait_s"] for s in readers) / max(sum(s["step_s"] for s in readers), 1e-9),
         "peak_memory_bytes": [int(s["peak_memory_bytes"]) for s in stats],
         "node_ip_per_rank": [s["node_ip"] for s in stats],  # rank = replica x num_stages + stage
+        # intended devices and backend (cuda:k and nccl also under GPU emulation, which computes on CPU)
+        "devices_per_rank": [s["devices"] for s in stats], "backend": stats[0]["backend"],
+        "gpu_ids_per_rank": [s["gpu_ids"] for s in stats],  # Ray's ids: distinct per actor on a node
         "stage_step_time_s": stage_times,
         "bubble_fraction": mean(1 - s["busy_s"] / max(s["schedule_s"], 1e-9) for s in stats),
         "ideal_bubble_fraction": ideal_bubble_fraction(cfg.schedule, cfg.num_stages, cfg.num_microbatches),

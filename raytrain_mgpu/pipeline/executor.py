@@ -3,7 +3,9 @@ activations and gradients passed between stages.
 
 The order of work is data (:mod:`raytrain_mgpu.pipeline.schedule`); this module only
 runs it. Communication is point-to-point ``torch.distributed`` (gloo on CPU, NCCL on
-GPU) with three choices that keep compute from waiting on messages:
+GPU) through :class:`~raytrain_mgpu.pipeline.p2p.Comm` (every wait bounded by
+``collective_timeout_s``; every communicator created before the first step), with three
+choices that keep compute from waiting on messages:
 
 - one process group per one-way channel (``(kind, src, dst)``): activations and
   gradients between the same two ranks never queue behind each other, so no pair of
@@ -37,43 +39,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from raytrain_mgpu.pipeline.p2p import HEADER_LEN, Comm, header, parse_header
 from raytrain_mgpu.pipeline.schedule import BACKWARD, FORWARD, Action, Order, format_grid, stage_rank
 
-__all__ = ["PipelineExecutor", "PipelineStepError", "StepStats", "HEADER_LEN", "isend_with_header",
-           "recv_with_header"]
+__all__ = ["PipelineExecutor", "PipelineStepError", "StepStats"]
 
-HEADER_LEN = 10  # [ndim, up to 8 sizes, dtype code]
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 Channel = Tuple[str, int, int]  # (kind, src pipeline rank, dst pipeline rank)
-
-
-def _header(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() > HEADER_LEN - 2:
-        raise ValueError(f"a {tensor.dim()}-d tensor cannot pass between stages: at most {HEADER_LEN - 2} dimensions")
-    sizes = list(tensor.shape) + [0] * (HEADER_LEN - 2 - tensor.dim())
-    return torch.tensor([tensor.dim()] + sizes + [_DTYPES.index(tensor.dtype)], dtype=torch.int64,
-                        device=tensor.device)
-
-
-def _parse_header(header: torch.Tensor) -> tuple:
-    values = header.tolist()
-    return tuple(values[1:1 + values[0]]), _DTYPES[values[-1]]
-
-
-def isend_with_header(tensor: torch.Tensor, dst: int, group) -> list:
-    """Send a tensor of any shape (two messages); returns ``(work, tensor)`` pairs to wait on."""
-    tensor = tensor.contiguous()
-    header = _header(tensor)
-    return [(dist.isend(header, dst=dst, group=group), header), (dist.isend(tensor, dst=dst, group=group), tensor)]
-
-
-def recv_with_header(src: int, group, device: torch.device) -> torch.Tensor:
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(header, src=src, group=group)
-    shape, dtype = _parse_header(header)
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(tensor, src=src, group=group)
-    return tensor
+_WHAT = {FORWARD: "its input (activations)", BACKWARD: "the gradient of its output"}
 
 
 class PipelineStepError(RuntimeError):
@@ -135,14 +107,16 @@ class PipelineExecutor:
 
     ``modules[stage]`` is the module of each stage on this rank; ``peers[r]`` the global
     rank of pipeline rank r of this replica; ``channels`` the one-way groups this rank
-    belongs to. ``meter.add(loss, logits, y)`` receives every last-stage micro-batch.
+    belongs to, all used through ``comm`` (bounded waits, NCCL semantics when emulated).
+    ``meter.add(loss, logits, y)`` receives every last-stage micro-batch.
     """
 
     def __init__(self, modules: Dict[int, nn.Module], rank: int, num_ranks: int, num_stages: int,
                  peers: Sequence[int], channels: Dict[Channel, Optional[dist.ProcessGroup]],
-                 device: torch.device, autocast_dtype: Optional[torch.dtype] = None, lookahead: int = 2):
+                 device: torch.device, comm: Comm, autocast_dtype: Optional[torch.dtype] = None,
+                 lookahead: int = 2):
         self.modules, self.rank, self.num_ranks, self.num_stages = modules, rank, num_ranks, num_stages
-        self.peers, self.channels, self.device = list(peers), channels, device
+        self.peers, self.channels, self.device, self.comm = list(peers), channels, device, comm
         self.autocast_dtype, self.lookahead = autocast_dtype, lookahead
         self._in_meta: Dict[Tuple[int, int], tuple] = {}   # (stage, rows) -> (shape, dtype) of its input
         self._out_meta: Dict[Tuple[int, int], tuple] = {}  # (stage, rows) -> (shape, dtype) of its output
@@ -175,7 +149,7 @@ class PipelineExecutor:
         self._stage_out: Dict[Tuple[int, int], torch.Tensor] = {}
         self._local: Dict[tuple, torch.Tensor] = {}   # messages between two stages of this rank
         self._posted: Dict[tuple, tuple] = {}         # key -> (buffer, work)
-        self._sends: list = []                        # (work, tensor): tensors stay alive until sent
+        self._sends: list = []                        # (work, tensor, what, action): tensors live until sent
         self._incoming = self._incoming_messages(order)
         self._next_in = 0
         self._clock = _Clock(self.device)
@@ -192,8 +166,11 @@ class PipelineExecutor:
                     self._backward(index, action)
             except Exception as exc:
                 raise PipelineStepError(self._describe_failure(action, exc)) from exc
-        for work, _ in self._sends:
-            work.wait()
+        for work, _, what, sender in self._sends:
+            try:
+                self.comm.wait(work, what)
+            except Exception as exc:
+                raise PipelineStepError(self._describe_failure(sender, exc)) from exc
         stats.busy_s = self._clock.read()
         stats.wall_s = time.perf_counter() - start
         self._sends = []
@@ -267,7 +244,9 @@ class PipelineExecutor:
 
     def _tag(self, kind: str, stage: int, mb: int, header: bool = False) -> int:
         # Distinct per message, so a mismatched pair fails loudly on gloo instead of
-        # delivering the wrong tensor (NCCL ignores tags and matches in order).
+        # delivering the wrong tensor. NCCL ignores tags and matches in order, and so does
+        # the emulation of its semantics (``Comm`` sends tag 0): ``channel_sequences`` is
+        # tested to be the same in both orders for every schedule.
         return ((mb * (self.num_stages + 1) + stage) * 2 + (kind == BACKWARD)) * 2 + header
 
     def _post_receives(self, up_to_index: int) -> None:
@@ -279,8 +258,7 @@ class PipelineExecutor:
                 return  # shape unknown: its header is received when the action runs
             buffer = torch.empty(meta[0], dtype=meta[1], device=self.device)
             group = self.channels[(msg.kind, msg.src, self.rank)]
-            work = dist.irecv(buffer, src=self.peers[msg.src], group=group,
-                              tag=self._tag(msg.kind, msg.stage, msg.microbatch))
+            work = self.comm.irecv(buffer, self.peers[msg.src], group, self._tag(msg.kind, msg.stage, msg.microbatch))
             self._posted[(msg.kind, msg.stage, msg.microbatch)] = (buffer, work)
             self._next_in += 1
 
@@ -298,14 +276,21 @@ class PipelineExecutor:
             self._receive_header(msg)
             self._post_receives(index + self.lookahead)
         buffer, work = self._posted.pop(key)
-        work.wait()
+        self.comm.wait(work, self._waiting_for(index, kind, stage))
         return buffer
 
+    def _waiting_for(self, index: int, kind: str, stage: int) -> str:
+        """What a receive waits for, in words: the stage, the action, the peer and the channel."""
+        src = stage_rank(stage - 1 if kind == FORWARD else stage + 1, self.num_ranks)
+        return (f"stage {stage}, action {self._order[self.rank][index]}, waiting for {_WHAT[kind]} from pipeline "
+                f"rank {src} (global rank {self.peers[src]}) on channel {kind} {src}->{self.rank}")
+
     def _receive_header(self, msg: _Message) -> None:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=self.peers[msg.src], group=self.channels[(msg.kind, msg.src, self.rank)],
-                  tag=self._tag(msg.kind, msg.stage, msg.microbatch, header=True))
-        meta = _parse_header(header)
+        head = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self.comm.recv(head, self.peers[msg.src], self.channels[(msg.kind, msg.src, self.rank)],
+                       self._waiting_for(msg.index, msg.kind, msg.stage) + " (its shape header)",
+                       self._tag(msg.kind, msg.stage, msg.microbatch, header=True))
+        meta = parse_header(head)
         rows = self._rows[msg.microbatch]
         (self._in_meta if msg.kind == FORWARD else self._out_meta)[(msg.stage, rows)] = meta
 
@@ -319,13 +304,16 @@ class PipelineExecutor:
         tensor = tensor.contiguous()
         group = self.channels[(kind, self.rank, dst)]
         rows = self._rows[mb]
+        sender = Action(stage - 1 if kind == FORWARD else stage + 1, kind, mb)
+        what = (f"stage {sender.stage}, action {sender}, sending {_WHAT[kind].replace('its', 'the')} of stage "
+                f"{stage} to pipeline rank {dst} (global rank {self.peers[dst]}) on channel {kind} {self.rank}->{dst}")
         if kind == FORWARD and (stage, rows) not in self._sent_meta:
-            header = _header(tensor)
-            self._sends.append((dist.isend(header, dst=self.peers[dst], group=group,
-                                           tag=self._tag(kind, stage, mb, header=True)), header))
+            head = header(tensor)
+            self._sends.append((self.comm.isend(head, self.peers[dst], group,
+                                                self._tag(kind, stage, mb, header=True)), head, what, sender))
             self._sent_meta.add((stage, rows))
-        work = dist.isend(tensor, dst=self.peers[dst], group=group, tag=self._tag(kind, stage, mb))
-        self._sends.append((work, tensor))
+        work = self.comm.isend(tensor, self.peers[dst], group, self._tag(kind, stage, mb))
+        self._sends.append((work, tensor, what, sender))
         self._stats.bytes_sent += tensor.numel() * tensor.element_size()
 
     def _describe_failure(self, action: Action, exc: Exception) -> str:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_module
+import threading
 import time
 import traceback
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.pipeline.partition import Partition
@@ -25,24 +26,35 @@ __all__ = ["LocalRun", "LocalResult", "run_local"]
 class LocalRun(NamedTuple):
     cfg: TrainConfig
     num_steps: int
+    emulate_nccl: Optional[bool] = None  # NCCL's semantics on gloo; None: on when emulating GPUs
+    skip_warmup: bool = False            # tests only: reproduces the start-up deadlock on NCCL
 
 
 class LocalResult(NamedTuple):
     model_state: dict          # the whole model, merged from replica 0's stages
     stats: List[dict]          # finish_epoch() of every rank, for the last epoch run
     partition: Partition
+    error: Optional[str] = None  # with return_errors: every failed rank's traceback
+
+
+_BARRIER_TIMEOUT_S = 600.0
 
 
 def _world(cfg: TrainConfig) -> int:
     return cfg.num_stages * num_replicas(cfg)
 
 
-def _rank_main(rank: int, jobs: list, results) -> None:
+def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
     for index, (run, partition, port) in enumerate(jobs):
         if rank >= _world(run.cfg):
             continue
-        worker = StageWorker(run.cfg, rank)
+        # The ranks of a run start together (a rank without a part in the runs before would
+        # otherwise wait for its peers in the rendezvous, against collective_timeout_s), and
+        # close together (rank 0 holds the store: the others' errors must not be lost to it).
+        start, end = barriers[index]
+        worker = StageWorker(run.cfg, rank, emulate_nccl=run.emulate_nccl, _skip_warmup=run.skip_warmup)
         try:
+            start.wait(timeout=_BARRIER_TIMEOUT_S)
             info = worker.setup("127.0.0.1", port, partition, None, 0)
             remaining, epoch = run.num_steps, 0
             while remaining > 0:
@@ -56,6 +68,10 @@ def _rank_main(rank: int, jobs: list, results) -> None:
         except Exception:  # reported to the parent, which raises it
             results.put((index, rank, traceback.format_exc(), None, None))
         finally:
+            try:
+                end.wait(timeout=_BARRIER_TIMEOUT_S)
+            except threading.BrokenBarrierError:  # a peer died: the parent reports it
+                pass
             worker.close()
 
 
@@ -73,26 +89,59 @@ def _next_result(results, processes, timeout_s: float):
     raise TimeoutError(f"local pipeline ranks sent nothing for {timeout_s:.0f} s")
 
 
-def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0) -> List[LocalResult]:
-    """Train each run for its steps in local processes (gloo); returns the final weights."""
+def _failure(run: LocalRun, index: int, errors: dict, results, processes) -> str:
+    """Every rank's error of a failed run: the first one is often only a peer that went away.
+
+    The other ranks fail too, within ``collective_timeout_s`` (every wait is bounded), so
+    they are awaited that long (at most 30 s), then reported rank by rank.
+    """
+    deadline = time.monotonic() + min(run.cfg.collective_timeout_s + 5, 30)
+    while len(errors) < _world(run.cfg) and time.monotonic() < deadline:
+        try:
+            other, rank, error, _, _ = _next_result(results, processes, deadline - time.monotonic())
+        except (RuntimeError, TimeoutError):
+            break
+        if other == index:
+            errors[rank] = error or "(finished)"
+    return _describe(run, index, errors)
+
+
+def _describe(run: LocalRun, index: int, errors: dict) -> str:
+    return f"run {index} ({run.cfg.name}) failed:\n" + "\n".join(
+        f"--- rank {rank}:\n{error}" for rank, error in sorted(errors.items()))
+
+
+def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors: bool = False) -> List[LocalResult]:
+    """Train each run for its steps in local processes (gloo); returns the final weights.
+
+    A failed run raises, unless ``return_errors``: then its result holds ``error`` (every
+    rank's report) and the other runs go on in the same processes.
+    """
     runs = list(runs)
     jobs = [(run, choose_partition(run.cfg, lambda cfg=run.cfg: StageWorker(cfg, 0).profile_blocks()),
              free_address()[1]) for run in runs]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    processes = [ctx.Process(target=_rank_main, args=(rank, jobs, results), daemon=True)
+    barriers = [(ctx.Barrier(_world(run.cfg)), ctx.Barrier(_world(run.cfg))) for run in runs]
+    processes = [ctx.Process(target=_rank_main, args=(rank, jobs, barriers, results), daemon=True)
                  for rank in range(max(_world(run.cfg) for run in runs))]
     for process in processes:
         process.start()
     try:
         collected: dict = {}
+        errors: dict = {}
         for _ in range(sum(_world(run.cfg) for run in runs)):
             index, rank, error, state, stats = _next_result(results, processes, timeout_s)
+            if error is not None and not return_errors:
+                raise RuntimeError(_failure(runs[index], index, {rank: error}, results, processes))
             if error is not None:
-                raise RuntimeError(f"run {index} ({runs[index].cfg.name}), rank {rank} failed:\n{error}")
+                errors.setdefault(index, {})[rank] = error
             collected.setdefault(index, []).append((rank, state, stats))
         out = []
         for index, (run, partition, _) in enumerate(jobs):
+            if index in errors:
+                out.append(LocalResult({}, [], partition, _describe(run, index, errors[index])))
+                continue
             parts = sorted(collected[index], key=lambda item: item[0])
             merged: dict = {}
             for _, state, _ in parts:

@@ -30,11 +30,13 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
 from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.metrics import EpochMeter, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.pipeline.executor import PipelineExecutor, isend_with_header, recv_with_header
+from raytrain_mgpu.pipeline.executor import PipelineExecutor
+from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
 from raytrain_mgpu.pipeline.partition import Partition, blocks_of, build_stage_modules, profile_costs
 from raytrain_mgpu.pipeline.schedule import (Order, build_order, channel_sequences, forward_only,
                                              num_virtual_stages, stage_rank)
@@ -63,6 +65,16 @@ def node_ip() -> str:
         return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     except Exception:  # Ray not installed or not connected: local processes
         return "127.0.0.1"
+
+
+def ray_gpu_ids() -> List[str]:
+    """The Ray GPU ids this process holds (empty outside Ray): distinct per stage actor on a node."""
+    try:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+    except Exception:  # Ray not installed or not connected: local processes
+        return []
 
 
 def free_address() -> tuple:
@@ -113,18 +125,27 @@ class Prefetcher:
 
 
 class StageWorker:
-    """One pipeline rank of one replica."""
+    """One pipeline rank of one replica.
 
-    def __init__(self, cfg: TrainConfig, rank: int, fail_at_step: Optional[int] = None):
+    ``emulate_nccl`` forces NCCL's semantics on gloo on or off (default: on when emulating
+    GPUs); ``_skip_warmup`` is for the test that shows the start-up deadlock it prevents.
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int, fail_at_step: Optional[int] = None,
+                 emulate_nccl: Optional[bool] = None, _skip_warmup: bool = False):
         torch.set_num_threads(cfg.cpus_per_worker)
         self.cfg, self.rank, self.fail_at_step = cfg, rank, fail_at_step
+        self.emulate_nccl = nccl_semantics(cfg.use_gpu) if emulate_nccl is None else emulate_nccl
+        self._skip_warmup = _skip_warmup
         self.num_ranks = cfg.num_stages
         self.num_replicas = num_replicas(cfg)
         self.replica, self.prank = divmod(rank, self.num_ranks)
         self.num_stages = num_virtual_stages(cfg.schedule, self.num_ranks)
         self.is_first = self.prank == stage_rank(0, self.num_ranks)
         self.is_last = self.prank == stage_rank(self.num_stages - 1, self.num_ranks)
-        self.device = torch.device("cuda", 0) if cfg.use_gpu else torch.device("cpu")
+        # Ray gives a stage actor one GPU; under emulation it computes on the CPU, cuda:k recorded
+        self.assignment = devices.resolve_devices(cfg.use_gpu, 1)
+        self.device = self.assignment.compute[0]
         self.replica_batch = cfg.batch_size // self.num_replicas
         self.rows = [self.replica_batch // cfg.num_microbatches] * cfg.num_microbatches
 
@@ -145,13 +166,18 @@ class StageWorker:
               start_step: int) -> dict:
         """Join the process group, build this rank's stages, data and optimizer; restore if resuming."""
         cfg = self.cfg
+        backend = devices.backend(cfg.use_gpu)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if cfg.use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+        # device_id: NCCL creates the default communicator now, not on the first collective
+        eager = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.num_ranks * self.num_replicas,
-                                timeout=timedelta(seconds=cfg.collective_timeout_s))
+                                timeout=timedelta(seconds=cfg.collective_timeout_s), **eager)
         self.train_order = build_order(cfg.schedule, self.num_ranks, cfg.num_microbatches)
         self._build_groups()
+        if not self._skip_warmup:
+            warm_up(self.comm, self.groups, self.device)
         self.data = build_datasets(cfg.data)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank as in one process
         model = build_model(cfg.model, self.data.input_shape, self.data.num_classes, cfg.model_kwargs)
@@ -162,7 +188,7 @@ class StageWorker:
         self.params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.executor = PipelineExecutor(self.stages, self.prank, self.num_ranks, self.num_stages,
                                          [self.replica * self.num_ranks + r for r in range(self.num_ranks)],
-                                         self.channels, self.device, _AUTOCAST.get(cfg.precision))
+                                         self.groups.channels, self.device, self.comm, _AUTOCAST.get(cfg.precision))
         self._build_data()
         from raytrain_mgpu.optim import build_optimizer, build_scheduler
 
@@ -174,36 +200,17 @@ class StageWorker:
         self.step = start_step
         self._eval_orders: Dict[int, Order] = {}
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
-                "steps_per_epoch": self.steps_per_epoch, "device": str(self.device), "node_ip": node_ip()}
+                "steps_per_epoch": self.steps_per_epoch, "node_ip": node_ip(), **self.assignment.record(),
+                "gpu_ids": ray_gpu_ids(), "nccl_semantics": self.emulate_nccl}
 
     def _build_groups(self) -> None:
         """Every rank creates every group in the same order (a torch.distributed rule)."""
-        P, D = self.num_ranks, self.num_replicas
-        keys = sorted(k for k in channel_sequences(self.train_order, self.num_stages) if k[1] != k[2])
-        self.channels = {}
-        for replica in range(D):
-            for kind, src, dst in keys:
-                group = dist.new_group([replica * P + src, replica * P + dst])
-                if replica == self.replica:
-                    self.channels[(kind, src, dst)] = group
-        self.stage_group = self.replica_group = self.targets_group = None
+        P = self.num_ranks
+        self.comm = Comm(self.rank, self.cfg.collective_timeout_s, self.emulate_nccl)
+        keys = [k for k in channel_sequences(self.train_order, self.num_stages) if k[1] != k[2]]
         first, last = stage_rank(0, P), stage_rank(self.num_stages - 1, P)
-        if first != last:
-            for replica in range(D):
-                group = dist.new_group([replica * P + first, replica * P + last])
-                if replica == self.replica:
-                    self.targets_group = group
+        self.groups = build_groups(self.comm, keys, P, self.num_replicas, self.rank, first, last)
         self.first_peer, self.last_peer = self.replica * P + first, self.replica * P + last
-        if D > 1:
-            for prank in range(P):
-                group = dist.new_group([r * P + prank for r in range(D)])
-                if prank == self.prank:
-                    self.stage_group = group
-        if P > 1:
-            for replica in range(D):
-                group = dist.new_group([replica * P + p for p in range(P)])
-                if replica == self.replica:
-                    self.replica_group = group
 
     def _build_data(self) -> None:
         cfg, D = self.cfg, self.num_replicas
@@ -256,8 +263,7 @@ class StageWorker:
         if self.is_first:
             self.totals["data_wait_s"] += time.perf_counter() - start  # loading is synchronous
         stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self.meter)
-        for work, _ in sends:
-            work.wait()
+        self._wait_targets_sent(sends)
         self._average_gradients()
         if self.cfg.grad_clip_norm is not None:
             self._clip_gradients(self.cfg.grad_clip_norm)
@@ -281,14 +287,19 @@ class StageWorker:
         if self.is_first:
             x, y = next(batches)
             sends = []
-            if self.targets_group is not None:
-                sends = isend_with_header(y.to(self.device), self.last_peer, self.targets_group)
+            if self.groups.targets is not None:
+                sends = self.comm.isend_with_header(y.to(self.device), self.last_peer, self.groups.targets)
             targets = list(y.tensor_split(num_chunks)) if self.is_last else None
             return list(x.tensor_split(num_chunks)), targets, sends
         if self.is_last:
-            y = recv_with_header(self.first_peer, self.targets_group, self.device)
+            y = self.comm.recv_with_header(self.first_peer, self.groups.targets, self.device,
+                                           f"rank {self.rank}: the targets from rank {self.first_peer}")
             return None, list(y.tensor_split(num_chunks)), []
         return None, None, []
+
+    def _wait_targets_sent(self, sends: list) -> None:
+        for work, _ in sends:
+            self.comm.wait(work, f"rank {self.rank}: sending the targets to rank {self.last_peer}")
 
     def _grads(self) -> List[torch.Tensor]:
         for p in self.params:
@@ -298,11 +309,11 @@ class StageWorker:
 
     def _average_gradients(self) -> None:
         """Mean over the replicas holding this stage: one flat all-reduce per step."""
-        if self.stage_group is None:
+        if self.groups.stage is None:
             return
         grads = self._grads()
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.stage_group)
+        self.comm.all_reduce(flat, self.groups.stage)
         flat /= self.num_replicas
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(synced)
@@ -312,8 +323,8 @@ class StageWorker:
         grads = self._grads()
         squared = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else \
             torch.zeros((), device=self.device)
-        if self.replica_group is not None:
-            dist.all_reduce(squared, group=self.replica_group)
+        if self.groups.replica is not None:
+            self.comm.all_reduce(squared, self.groups.replica)
         coef = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
@@ -321,7 +332,8 @@ class StageWorker:
     def finish_epoch(self) -> dict:
         """This rank's sums for the epoch; the driver combines the ranks."""
         loss_sum, correct, targets = self.meter.sums.tolist() if self.is_last else (0.0, 0.0, 0.0)
-        return {**self.totals, "rank": self.rank, "prank": self.prank, "replica": self.replica,
+        return {**self.totals, **self.assignment.record(), "gpu_ids": ray_gpu_ids(),
+                "nccl_semantics": self.emulate_nccl, "rank": self.rank, "prank": self.prank, "replica": self.replica,
                 "is_last": self.is_last, "loss_sum": loss_sum, "correct": correct, "targets": targets,
                 "peak_memory_bytes": peak_memory_bytes([self.device])[0], "node_ip": node_ip(),
                 "lr": self.optimizer.param_groups[0]["lr"]}
@@ -340,8 +352,7 @@ class StageWorker:
             order = self._eval_orders.setdefault(len(rows), forward_only(self.num_ranks, len(rows), self.num_stages))
             inputs, targets, sends = self._read_batch(batches, len(rows))
             self.executor.eval_step(order, inputs, targets, rows, meter)
-            for work, _ in sends:
-                work.wait()
+            self._wait_targets_sent(sends)
         for stage in self.stages.values():
             stage.train()
         return meter.sums.tolist() if self.is_last else None
