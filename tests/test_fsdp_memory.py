@@ -26,11 +26,11 @@ from raytrain_mgpu.memory import device_memory, profile_model
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
-# 16 blocks of 1024x1024 (4 MiB each): the largest tensor, which crosses in full at
+# 32 blocks of 1024x1024 (4 MiB each, 128 MiB in all): the largest tensor, which crosses in full at
 # start-up, is small next to a shard.
 INPUT_SHAPE, NUM_CLASSES = (1, 32, 32), 10
 CFG = dict(model="mlp", dataset="synthetic", strategy="fsdp", num_workers=2, batch_size=8, seed=3,
-           model_kwargs={"widths": [1024] * 16})
+           model_kwargs={"widths": [1024] * 32})
 
 
 def _peak_rss() -> int:
@@ -79,7 +79,7 @@ def _full_model():
 def test_rank1_peak_stays_below_the_unsharded_model(fsdp_start):
     ranks, _ = fsdp_start
     full_bytes = sum(p.numel() * p.element_size() for p in _full_model().parameters())
-    assert full_bytes > 60 * 2**20
+    assert full_bytes > 120 * 2**20
     assert [r["built_on_meta"] for r in ranks] == [False, True]
     for r in ranks:  # each rank keeps half of the parameters (plus padding of uneven splits)
         assert r["local_param_bytes"] <= full_bytes / 2 + 4096
