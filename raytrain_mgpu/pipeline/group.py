@@ -17,7 +17,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_mgpu import devices
 from raytrain_mgpu.cluster import worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.pipeline.partition import Partition
@@ -68,9 +67,7 @@ class StageGroup:
                 f"to finish, lower num_stages/num_workers/cpus_per_worker, or use placement='PACK' or "
                 f"'SPREAD' instead of a STRICT_ one.") from None
         actor_class = ray.remote(StageWorker)
-        runtime_env = worker_runtime_env(cfg.model, cfg.dataset)
-        # GPU emulation reaches every stage actor, also on a cluster the driver did not start
-        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **devices.runtime_env_vars()}
+        runtime_env = worker_runtime_env(cfg.model, cfg.dataset)  # carries the GPU-emulation switch
         self.actors = [
             actor_class.options(
                 num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
