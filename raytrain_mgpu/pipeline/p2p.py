@@ -102,7 +102,16 @@ class Comm:
         return dist.irecv(tensor, src=src, group=group, tag=0 if self.emulate_nccl else tag)
 
     def wait(self, work, what: str) -> None:
-        """``work.wait`` bounded by ``collective_timeout_s``; the error says ``what`` was waited for."""
+        """``work.wait`` bounded by ``collective_timeout_s``; the error says ``what`` was waited for.
+
+        On real NCCL the bound is NCCL's watchdog (the process group's timeout is
+        ``collective_timeout_s``; the warm-up created every communicator, so it covers every
+        op): a timed ``WorkNCCL.wait`` would block the host until the transfer is done and
+        delay the launch of the next kernels, where a plain wait only orders the streams.
+        """
+        if dist.get_backend() == "nccl":
+            work.wait()
+            return
         started = time.monotonic()
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
