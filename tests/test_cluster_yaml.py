@@ -17,7 +17,10 @@ CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
 # to boto3 unchecked, so a typo would only fail at `ray up`.
 EC2_RUN_INSTANCES_KEYS = {"InstanceType", "ImageId", "BlockDeviceMappings", "InstanceMarketOptions",
                           "IamInstanceProfile", "KeyName", "SubnetIds", "SecurityGroupIds", "TagSpecifications",
-                          "Placement", "NetworkInterfaces", "CapacityReservationSpecification", "UserData"}
+                          "Placement", "NetworkInterfaces", "CapacityReservationSpecification", "UserData",
+                          "MetadataOptions"}
+# The worker profile scoped to the run bucket (its policy is in cluster.yaml's comments).
+WORKER_PROFILE_ARN = re.compile(r"arn:aws:iam::(ACCOUNT|\d{12}):instance-profile/raytrain-mgpu-worker")
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,32 @@ def test_holds_no_credentials():
         # Commented examples are fine; live keys are not.
         live = [line for line in text.splitlines() if re.search(pattern, line) and not line.lstrip().startswith("#")]
         assert not live, (pattern, live)
+
+
+def test_workers_get_the_bucket_scoped_profile_and_the_broad_role_stays_on_the_head(raw):
+    types = raw["available_node_types"]
+    head = types[raw["head_node_type"]]["node_config"]
+    # No profile on the head: `ray up` then attaches its default ray-autoscaler-v1 (EC2 and S3
+    # full access) to the head only; a profile named here would skip creating that role.
+    assert "IamInstanceProfile" not in head
+    workers = {name: t["node_config"] for name, t in types.items() if name != raw["head_node_type"]}
+    assert workers
+    for name, node_config in workers.items():
+        profile = node_config.get("IamInstanceProfile")
+        assert profile is not None and set(profile) == {"Arn"}, (name, profile)
+        assert WORKER_PROFILE_ARN.fullmatch(profile["Arn"]), (name, profile)
+    live = [line for line in CLUSTER_YAML.read_text().splitlines()
+            if "ray-autoscaler-v1" in line and not line.lstrip().startswith("#")]
+    assert not live, live  # the broad profile is nowhere in a node_config
+
+
+def test_every_node_type_requires_imdsv2(raw):
+    for name, node_type in raw["available_node_types"].items():
+        options = node_type["node_config"].get("MetadataOptions")
+        assert options is not None, name
+        assert options["HttpTokens"] == "required" and options.get("HttpEndpoint", "enabled") == "enabled", name
+        # 1: Ray and jobs run on the host; 2 only for containers off the host network
+        assert options["HttpPutResponseHopLimit"] in (1, 2), name
+    assert "docker" not in raw or all(
+        t["node_config"]["MetadataOptions"]["HttpPutResponseHopLimit"] == 2
+        for t in raw["available_node_types"].values())
