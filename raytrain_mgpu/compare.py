@@ -30,6 +30,7 @@ import os
 import time
 from typing import List, Optional, Sequence
 
+from raytrain_mgpu._redact import redact
 from raytrain_mgpu.auto import ClusterInfo, cluster_info, describe_layout, plan_config
 from raytrain_mgpu.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
@@ -212,9 +213,21 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
 
             ray.shutdown()
     report = _finish(cfg, rows, info, budget, steps, warm, profile)
-    report.paths = write_outputs(report, out_dir or root)
+    report.paths = _write_report(report, out_dir or root)
     logger.info("compare: %s", report.recommendation.line())
     return report
+
+
+def _write_report(report: CompareReport, out_dir: str) -> dict:
+    """``write_outputs``, with URI credentials kept out of the paths shown and of its errors."""
+    try:
+        return redact(write_outputs(report, out_dir))
+    except (OSError, ValueError) as exc:
+        # pyarrow's message holds the URI as given, credentials included; `from None` because
+        # the chained original would print them again in the traceback.
+        kind = ValueError if isinstance(exc, ValueError) else OSError
+        raise kind(f"compare: writing the report to {redact(out_dir)!r} failed: {redact(str(exc))}. Check "
+                   f"out_dir (or storage_path) and that this machine may write there.") from None
 
 
 def _prepare(cfg, names, info: ClusterInfo, profile, budget: Optional[int]) -> List[RunRow]:
@@ -234,7 +247,7 @@ def _run(row: RunRow, num_train: int, steps: int, warmup_steps: int, storage: st
         result = fit(run_cfg, stream=stream)
         summary = summarize_history(result.history, warm)
     except Exception as exc:  # one strategy failing must not lose the others' results
-        row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}"
+        row.status, row.reason = "failed", redact(f"{type(exc).__name__}: {exc}")  # the report is shared
         logger.warning("compare: %s failed: %s", row.label, row.reason)
         return warm
     for key, value in summary.items():
@@ -264,7 +277,8 @@ def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, strea
         row.max_batch_method = "tried"
         row.max_batch_capped = row.max_batch == num_train // granularity * granularity
     except Exception as exc:
-        logger.warning("compare: trying batch sizes for %s failed (%s); keeping the estimate", row.label, exc)
+        logger.warning("compare: trying batch sizes for %s failed (%s); keeping the estimate", row.label,
+                       redact(str(exc)))
 
 
 def _finish(cfg, rows: List[RunRow], info: ClusterInfo, budget: Optional[int], steps: int, warm: int,

@@ -27,7 +27,7 @@ from raytrain_mgpu.checkpoint import filesystem
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunLock", "LOCK_FILE"]
+__all__ = ["RunLock", "LOCK_FILE", "other_live_owner"]
 
 LOCK_FILE = ".raytrain-mgpu.lock"
 HEARTBEAT_S = 30.0
@@ -119,6 +119,17 @@ class RunLock:
                 self.fs.delete_file(self.path)
         except OSError as exc:
             logger.warning("could not remove the run lock %s: %s", redact(self.path), exc)
+
+
+def other_live_owner(run_path: str) -> Optional[dict]:
+    """The owner of ``run_path``'s lock if it is a live driver other than this process, else
+    None (no lock, a stale one, or our own: ``fit`` holds it around the whole run)."""
+    current = RunLock(run_path)._read()
+    if current is None or not _alive(current):
+        return None
+    if current.get("host") == socket.gethostname() and current.get("pid") == os.getpid():
+        return None
+    return current
 
 
 def _alive(owner: dict) -> bool:

@@ -303,3 +303,66 @@ def test_banner_and_failure_message_hold_no_secret():
     cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")
     texts = [_banner(cfg, get_strategy("ddp"), (1, 8, 8), 10), _failure_message(cfg, RuntimeError("x"))]
     assert all("SECRET" not in t and "s3://***@bucket/runs/r" in t for t in texts)
+
+
+def test_compare_keeps_uri_credentials_out_of_its_report_and_errors(monkeypatch, caplog):
+    import traceback
+
+    from raytrain_mgpu import api
+    from raytrain_mgpu.compare import _run, _write_report
+    from raytrain_mgpu.compare_report import CompareReport, Recommendation, RunRow
+
+    report = CompareReport("t", [], "ok", Recommendation(None, None, "none"))
+    with pytest.raises(ValueError, match=r"compare: writing the report to 'nosuch://\*\*\*@bucket/c' failed: "
+                                         r"Unrecognized filesystem type in URI: nosuch://\*\*\*@bucket/c") as info:
+        _write_report(report, "nosuch://AKIA:SECRET@bucket/c")
+    assert "SECRET" not in str(info.value)
+    # pyarrow's original (which holds the secret) is not printed as a chained cause
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "SECRET" in str(info.value.__context__) and "During handling" not in "".join(
+        traceback.format_exception(info.value))
+
+    def failing_fit(cfg, stream=None):
+        raise RuntimeError(f"cannot reach {cfg.storage_path}/{cfg.name}")
+
+    monkeypatch.setattr(api, "fit", failing_fit)
+    row = RunRow("ddp", "ddp", "1 worker", config=TrainConfig(), num_processes=1)
+    with caplog.at_level("WARNING"):
+        _run(row, 1438, 2, 0, "s3://AKIA:SECRET@bucket/runs", None)
+    assert row.status == "failed" and row.reason == "RuntimeError: cannot reach s3://***@bucket/runs/ddp"
+    assert "s3://***@bucket" in caplog.text and "SECRET" not in caplog.text
+
+
+def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(tmp_path, caplog):
+    import time
+    import socket
+
+    from raytrain_mgpu.pipeline.driver import load_state, prune_stale_temporaries
+
+    cfg = TrainConfig(storage_path=str(tmp_path), name="r")
+    run = tmp_path / "r"
+    done = run / "checkpoint_epoch000001"
+    ckpt_format.write_checkpoint(str(done), meta={"model": cfg.model, "strategy": cfg.strategy, "epoch": 1,
+                                                  "step": 22}, history=[])
+    leftovers = [run / ".tmp-checkpoint_epoch000002-0123456789ab", run / ".tmp-checkpoint_epoch000002-ba9876543210"]
+    for folder in leftovers:
+        folder.mkdir()
+        (folder / "model-stage0.pt").write_bytes(b"half")
+    # another live driver holds the lock (our parent process stands in for it): its save may be in flight
+    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                             "heartbeat": time.time()}))
+    with caplog.at_level("WARNING"):
+        assert prune_stale_temporaries(cfg) == []
+    assert all(f.is_dir() for f in leftovers) and f"pid {os.getppid()}" in caplog.text
+    (run / LOCK_FILE).unlink()
+    lock = RunLock.acquire(str(run))  # our own lock, as fit holds it
+    try:
+        with caplog.at_level("INFO"):
+            assert prune_stale_temporaries(cfg) == sorted(f.name for f in leftovers)
+        assert "removed 2 temporary checkpoint folder(s) left by a stopped driver" in caplog.text
+        assert not any(f.exists() for f in leftovers) and (done / ckpt_format.META_FILE).is_file()
+        leftovers[0].mkdir()
+        assert load_state(cfg).checkpoint == str(done)  # the pipeline's start of every attempt prunes
+        assert not leftovers[0].exists()
+    finally:
+        lock.release()

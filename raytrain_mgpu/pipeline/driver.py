@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 from raytrain_mgpu import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.runlock import other_live_owner
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.pipeline.partition import Partition
@@ -31,6 +32,7 @@ from raytrain_mgpu.pipeline.worker import num_replicas
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint_epoch"
+TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}"  # + epoch + a unique suffix: see _save
 TARGET_CALL_S = 1.0
 """Steps per driver call are chosen so that one call lasts about this long: each call
 costs a Ray round trip (about a millisecond), and progress is reported after each."""
@@ -60,6 +62,8 @@ def latest_checkpoint(cfg: TrainConfig) -> Optional[str]:
 
 
 def load_state(cfg: TrainConfig) -> RunState:
+    # The start of every attempt, before any actor runs: the moment nobody of ours writes here.
+    prune_stale_temporaries(cfg)
     directory = latest_checkpoint(cfg)
     if directory is None:
         return RunState()
@@ -68,6 +72,29 @@ def load_state(cfg: TrainConfig) -> RunState:
     return RunState(epoch=meta["epoch"], step=meta["step"], attempt=meta.get("attempt", 0) + 1,
                     history=ckpt_format.read_history(directory), checkpoint=directory,
                     partition=meta.get("partition"))
+
+
+def prune_stale_temporaries(cfg: TrainConfig) -> List[str]:
+    """Remove the temporary checkpoint folders that a killed driver (or attempt) left in this
+    run folder; returns their names.
+
+    Their names are unique, so nobody would ever reuse or remove them otherwise. Under our own
+    run lock (``fit`` holds it) no other driver writes here, so every one is stale; if the
+    lock names another live driver, its save may be in flight and nothing is removed.
+    """
+    folder = run_dir(cfg)
+    owner = other_live_owner(str(folder))
+    if owner is not None:
+        logger.warning("run folder %s is locked by another live driver (host %s, pid %s): its temporary "
+                       "checkpoint folders are left alone", redact(str(folder)), owner.get("host"), owner.get("pid"))
+        return []
+    stale = sorted(p for p in folder.glob(f"{TMP_PREFIX}*") if p.is_dir())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    if stale:
+        logger.info("run folder %s: removed %d temporary checkpoint folder(s) left by a stopped driver: %s",
+                    redact(str(folder)), len(stale), ", ".join(p.name for p in stale))
+    return [p.name for p in stale]
 
 
 def finished(cfg: TrainConfig, state: RunState) -> bool:
@@ -177,7 +204,7 @@ def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Parti
     folder = run_dir(cfg)
     final = folder / f"{CHECKPOINT_PREFIX}{state.epoch:06d}"
     # Unique per save: two drivers (or a killed one's leftovers) never share a temporary folder.
-    tmp = folder / f".tmp-{CHECKPOINT_PREFIX}{state.epoch:06d}-{uuid.uuid4().hex[:12]}"
+    tmp = folder / f"{TMP_PREFIX}{state.epoch:06d}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
     group.call("save", str(tmp))
     meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy, "epoch": state.epoch,
