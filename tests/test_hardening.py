@@ -7,6 +7,7 @@ import json
 import os
 import re
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -366,3 +367,63 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
         assert not leftovers[0].exists()
     finally:
         lock.release()
+
+
+# ----------------------------------------------------------------------------- through fit (Ray)
+
+TINY_FIT = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,
+                optimizer="sgd", lr=0.1, num_workers=1)
+
+
+def _snapshot(folder) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_fit_refuses_a_changed_resume_before_ray_and_leaves_the_run_folder_alone(ray_session, storage, monkeypatch):
+    from raytrain_mgpu import api
+
+    cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="r")
+    assert api.fit(cfg).checkpoint_path is not None
+    run = Path(storage) / "r"
+    before = _snapshot(run)
+    assert "run.json" in before and any(name.startswith("checkpoint") for name in before)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("fit connected to Ray before refusing the resume")
+
+    monkeypatch.setattr(api, "connect", no_ray)
+    with pytest.raises(ValueError, match=r"run folder .*/r' holds checkpoints trained with batch_size=64, but this "
+                                         r"run has batch_size=32; trained with optimizer='sgd', but this run has "
+                                         r"optimizer='adamw': resuming would mix two runs. Use another `name`"):
+        api.fit(cfg.replace(optimizer="adamw", batch_size=32))
+    assert _snapshot(run) == before  # same files, same bytes, same mtimes (the lock came and went)
+
+
+def test_fit_is_refused_while_another_live_driver_holds_the_run_and_runs_once_it_is_gone(ray_session, storage):
+    import socket
+    import subprocess
+    import sys
+
+    from raytrain_mgpu import api
+
+    cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="locked")
+    run_path = f"{storage}/locked"
+    holder = ("import sys\nfrom raytrain_mgpu.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
+              "print('locked', flush=True)\nsys.stdin.readline()\nlock.release()\n")
+    owner = subprocess.Popen([sys.executable, "-c", holder, run_path], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=rf"run folder '.*/locked' is in use by another driver \(host "
+                                             rf"{re.escape(socket.gethostname())}, pid {owner.pid}, .*another `name`"):
+            api.fit(cfg)
+        assert not any(p.name.startswith("checkpoint") for p in Path(run_path).iterdir())
+    finally:
+        owner.communicate("\n", timeout=60)  # the owner releases its lock and exits
+    assert owner.returncode == 0
+    result = api.fit(cfg)
+    assert result.checkpoint_path is not None and result.metrics["step"] == 2
+    assert not os.path.exists(f"{run_path}/{LOCK_FILE}")
