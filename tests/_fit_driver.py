@@ -1,15 +1,13 @@
-"""A driver process for tests that run ``fit`` from elsewhere (another network namespace).
+"""A driver process for tests that run ``fit`` from elsewhere (another network namespace, or
+a Ray instance of its own whose settings differ from the shared test instance's).
 
     RAY_ADDRESS=host:port python tests/_fit_driver.py plan.json results.json
+    python tests/_fit_driver.py plan.json results.json   # plan.json has "local_ray": {ray.init kwargs}
 
 ``plan.json`` lists steps, run in order in one Ray connection::
 
     {"steps": [{"kind": "check_storage", "storage_path": "/x"},
-               {"kind": "fit", "config": {TrainConfig fields}, "weights": "/out/w.pt",
-                "fault_hooks": true}]}
-
-``fault_hooks`` runs the workers through ``_probe_data.guarded_train_worker`` (the hooks of
-``raytrain_mgpu.faults`` that loop.py may not apply itself yet).
+               {"kind": "fit", "config": {TrainConfig fields}, "weights": "/out/w.pt"}]}
 
 After every step ``results.json`` holds one entry per finished step: ``ok``, ``seconds``,
 ``error`` ("Type: message") or, for a fit, ``history``, ``path``, ``checkpoint_path``
@@ -32,11 +30,6 @@ def _run(step: dict) -> dict:
     if step["kind"] == "check_storage":
         preflight.check_storage_reachable(step["storage_path"])
         return {}
-    if step.get("fault_hooks"):
-        import _probe_data
-        import raytrain_mgpu.loop
-
-        raytrain_mgpu.loop.train_worker = _probe_data.guarded_train_worker
     result = rtm.fit(rtm.TrainConfig(**step["config"]))
     if step.get("weights"):
         torch.save(result.load_model().state_dict(), step["weights"])
@@ -44,8 +37,12 @@ def _run(step: dict) -> dict:
 
 
 def main(plan_path: str, results_path: str) -> None:
-    steps = json.loads(open(plan_path).read())["steps"]
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    plan = json.loads(open(plan_path).read())
+    steps = plan["steps"]
+    if "local_ray" in plan:  # a fresh local instance, never one already running on the machine
+        ray.init(address="local", log_to_driver=False, **plan["local_ray"])
+    else:
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     results = []
     try:
         for step in steps:

@@ -20,8 +20,16 @@ when that process starts. Actions, after ``after_samples`` training samples serv
 those carrying its ``RTM_TEST_NODE`` marker from ``_ray_nodes.py``: a lost machine),
 ``stall`` (sleep an hour). ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
 this process through, then writes the next checkpoint's files into storage cut to half
-their bytes (JSON files whole), records the folder in ``done-kill_in_save`` and SIGKILLs
-itself: a kill in the middle of a save.
+their bytes (JSON files whole), records the folder in ``done-kill_in_save``, keeps a whole
+copy in ``kill_in_save-whole`` (what the save would have written) and SIGKILLs itself: a kill
+in the middle of a save.
+
+``model="_probe_data:mlp_that_dies"`` with ``model_kwargs={"probe": dir, "after_forwards": N}``:
+an MLP for 8x8 digits whose last block (no parameters, so a pipeline puts it in the last
+stage) SIGKILLs its process on its N-th training forward inside a Ray actor, after writing
+the time to ``<probe>/died``: a stage that dies in the middle of a pipeline step.
+
+The helpers only observe and inject faults; nothing here touches the code under test.
 
 ``fit`` ships this file to the workers (a user module outside site-packages), so it must
 not import other test helpers.
@@ -31,10 +39,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
+from torch import nn
 from torch.utils.data import Dataset
 
 from raytrain_mgpu.data import Datasets, digits as _digits
@@ -159,6 +169,7 @@ def _arm_kill_in_save(probe: Path, after_saves: int) -> None:
         fd = os.open(probe / "done-kill_in_save", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         os.write(fd, str(destination).encode())
         os.close(fd)
+        shutil.copytree(source, probe / "kill_in_save-whole")  # what the save would have written
         for name in sorted(os.listdir(source)):
             data = Path(source, name).read_bytes()
             with destination_filesystem.open_output_stream(f"{destination}/{name}") as f:
@@ -183,24 +194,32 @@ def _kill_own_node():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def guarded_train_worker(payload: dict):
-    """``raytrain_mgpu.loop.train_worker`` with the hooks of ``raytrain_mgpu.faults`` that
-    ``loop.py`` does not apply itself yet (a plain pass-through once it does)."""
-    import inspect
+def mlp_that_dies(input_shape, num_classes, probe: str, after_forwards: int) -> nn.Module:
+    features = 1
+    for size in input_shape:
+        features *= size
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, num_classes),
+                         _DieOnForward(Path(probe), after_forwards))
 
-    import ray.train
 
-    from raytrain_mgpu import faults, loop
+class _DieOnForward(nn.Module):
+    def __init__(self, probe: Path, after_forwards: int):
+        super().__init__()
+        self.probe, self.after_forwards, self.forwards = probe, after_forwards, 0
 
-    train_worker = loop.train_worker
-    if not hasattr(train_worker, "__wrapped__"):
-        train_worker = faults.name_stuck_ranks(train_worker)
-    if "wait_until_report_collected" not in inspect.getsource(loop._save_and_report):
-        report = ray.train.report
+    def forward(self, x):
+        if self.training and _in_ray_actor():
+            self.forwards += 1
+            if self.forwards == self.after_forwards:
+                (self.probe / "died").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return x
 
-        def report_and_wait(*args, **kwargs):
-            report(*args, **kwargs)
-            faults.wait_until_report_collected()
 
-        ray.train.report = report_and_wait  # this worker process only
-    return train_worker(payload)
+def _in_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False

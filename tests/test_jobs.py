@@ -141,10 +141,16 @@ def test_training_against_the_cluster_with_a_wrong_token_is_refused_at_once(head
     assert wrong.returncode != 0
     assert "refused the connection: this process sent a token that it does not accept" in wrong.stderr
     assert "RAY_AUTH_TOKEN_PATH" in wrong.stderr  # the fix
-    import raytrain_mgpu.cluster
-
-    if "probe_ray_address" not in Path(raytrain_mgpu.cluster.__file__).read_text():
-        pytest.skip("cluster.connect does not call preflight.probe_ray_address yet")
+    # No token at all: token mode on with no token file, or token mode off (nothing sent).
+    no_token = head.run([python, "-c", probe], timeout_s=120, extra_env={"RAY_AUTH_TOKEN_PATH": None})
+    assert no_token.returncode != 0
+    assert "token authentication is on (RAY_AUTH_MODE=token) but this process has no token" in no_token.stderr
+    assert "RAY_AUTH_TOKEN_PATH" in no_token.stderr, no_token.stderr[-2000:]
+    no_mode = head.run([python, "-c", probe], timeout_s=120, extra_env={"RAY_AUTH_MODE": "disabled"})
+    assert no_mode.returncode != 0
+    assert "refused the connection: this process sent no token" in no_mode.stderr, no_mode.stderr[-2000:]
+    # Through the job script: fit's connect runs the same check (ray.init would retry, then
+    # blame the network); the bound includes starting Python and importing torch and Ray.
     start = time.monotonic()
     done = head.run([python, "jobs/train.py", "--address", head.gcs, "--epochs", "1"], timeout_s=120,
                     extra_env={"RAY_AUTH_TOKEN": "not-the-token"}, cwd=str(REPO))
