@@ -23,6 +23,7 @@ from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
 from raytrain_mgpu.strategies.base import Predictions
 from raytrain_mgpu.strategies.dp import autocast_state, call_with_autocast
+from raytrain_mgpu.loop import _Loop
 from raytrain_mgpu.strategies.mp import SplitModel
 
 CPU = torch.device("cpu")
@@ -77,9 +78,8 @@ def _assert_same_step(got, want):
 
 @pytest.fixture
 def gloo_group():
-    """A one-rank process group in this process (DDP and FSDP need one): gloo, or NCCL with CUDA."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+    """A one-rank gloo group in this process (DDP and FSDP need one), also on a machine with CUDA."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         yield
     finally:
@@ -300,8 +300,18 @@ def test_bf16_mixed_trains_on_cpu(name, gloo_group):
                          precision="bf16-mixed")
     model = strategy.setup_model(_model("lenet"))
     before = copy.deepcopy(strategy.state_dict(model))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # bf16 really in use: the loop's own autocast, and every Linear/Conv output in bf16.
+    seen = []
+    for module in strategy.unwrap(model).modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            module.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    loop = _Loop(strategy.cfg, strategy, model, None, None, None, None, None, 1)
+    with loop.autocast():
         loss, _ = strategy.compute_loss(model, x, y)
+    assert seen and set(seen) == {torch.bfloat16}, seen
+    if name == "fsdp":  # FSDP2 also all-gathers and computes with bf16 parameters
+        policy = strategy.unwrap(model)._get_fsdp_state()._mp_policy
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     loss.backward()
     grads = {n: p.grad for n, p in strategy.unwrap(model).named_parameters()}
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
