@@ -243,7 +243,6 @@ def test_compare_ddp_dp_mp_pipeline_on_lenet_digits(ray_session, tmp_path):
 def test_cli_compare_rejects_an_unknown_strategy_before_ray(capsys):
     from raytrain_mgpu.cli import _build_parser, main
 
-    if "compare" not in _build_parser()._subparsers._group_actions[0].choices:
-        pytest.skip("raytrain-mgpu compare is not wired into cli.py yet (issue 6)")
+    assert "compare" in _build_parser()._subparsers._group_actions[0].choices  # a lost subcommand fails here
     assert main(["compare", "--strategies", "ddp,nope"]) == 2
     assert "unknown name(s) ['nope']. Valid names: ddp, ddp2" in capsys.readouterr().err

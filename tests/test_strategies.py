@@ -170,8 +170,9 @@ def test_options_without_effect_are_warned_about_by_name(overrides, option, read
 # ----------------------------------------------------------------------------- one process, CPU devices
 
 
-def test_dp_on_cpu_is_the_plain_model():
-    # Without CUDA torch's DataParallel does no scatter: the step is exactly the plain model's.
+def test_dp_over_two_cpu_devices_takes_the_plain_models_step():
+    # dp on 2 CPU "devices" scatters the batch over CPU stand-ins (tests/test_dp_multidevice.py
+    # checks the scatter itself); through the strategy's compute_loss the step equals the plain one.
     x, y = _batch("lenet", 10)
     want = _plain_step(_model("lenet"), x, y)
     got = _step(_strategy("dp", devices=2), _model("lenet"), x, y)
