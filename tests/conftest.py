@@ -50,3 +50,15 @@ def ray_session(tmp_path_factory):
 def storage(tmp_path):
     """A fresh storage_path per test."""
     return str(tmp_path / "results")
+
+
+@pytest.fixture
+def gloo_group():
+    """A one-rank gloo process group in this process (DDP and FSDP need one), also on CUDA hosts."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -87,14 +86,6 @@ class _Calls:
         return {name for name, _ in self.seen}
 
 
-@pytest.fixture
-def gloo_group():
-    """A one-rank gloo group in this process: DDP needs one (the ctx may claim more ranks)."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # batch 10 on 3 devices: slices 4, 4, 2 (torch's chunk); 7 on 2: 4, 3

@@ -12,7 +12,6 @@ nodes (``ray start`` with private temp dirs) for PACK and STRICT_SPREAD.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -13,7 +13,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -76,14 +75,6 @@ def _assert_same_step(got, want):
         torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-4, atol=1e-6, msg=key)
 
 
-@pytest.fixture
-def gloo_group():
-    """A one-rank gloo group in this process (DDP and FSDP need one), also on a machine with CUDA."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- registry and errors
