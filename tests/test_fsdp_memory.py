@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import socket
+import threading
 
 import pytest
 import torch
@@ -33,8 +34,32 @@ CFG = dict(model="mlp", dataset="synthetic", strategy="fsdp", num_workers=2, bat
            model_kwargs={"widths": [1024] * 32})
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class _PeakGrowth:
+    """The highest resident set size above the start, sampled every millisecond in a thread.
+
+    ``ru_maxrss`` is the process's high-water mark since it started: a spike before the
+    measurement (seen once on CI: the import of torch's CUDA build) hides any growth.
+    """
+
+    def __enter__(self):
+        self.start, self.peak, self._stop = _rss(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss() - self.start)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss() - self.start)
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -47,9 +72,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # Warm-up on a tiny model: torch's first fully_shard imports and initialises ~100 MB of its
         # own (the framework's memory, which memory.py leaves out too); the big model is measured after.
         strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
-        before = _peak_rss()
-        model = strategy.setup_model(_build_model(cfg, strategy, INPUT_SHAPE, NUM_CLASSES))
-        growth = _peak_rss() - before
+        with _PeakGrowth() as measured:
+            model = strategy.setup_model(_build_model(cfg, strategy, INPUT_SHAPE, NUM_CLASSES))
+        growth = measured.peak
         local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         full = strategy.state_dict(model)  # collective; the full state on rank 0
         if rank == 0:
