@@ -38,9 +38,12 @@ def no_ray(monkeypatch, tmp_path):
         raise AssertionError("connect() was called: a value got past the checks to Ray")
 
     monkeypatch.setattr(raytrain_mgpu.api, "connect", refuse)
+    monkeypatch.setattr(ray, "init", refuse)  # and nothing else starts Ray either
     monkeypatch.setenv("HOME", str(tmp_path))
+    # In the whole suite the shared test Ray may already be up: what counts is that no example started one.
+    was_up = ray.is_initialized()
     yield
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == was_up
 
 
 def _validates_or_value_error(values: dict) -> None:
