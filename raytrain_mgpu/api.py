@@ -19,6 +19,7 @@ import ray
 from torch import nn
 
 from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu import devices
 from raytrain_mgpu._factory import is_factory, load_factory
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.cluster import check_placeable, connect, worker_runtime_env
@@ -112,6 +113,8 @@ def _banner(cfg: TrainConfig, strategy_cls, input_shape, num_classes) -> str:
     replicas = strategy_cls.data_parallel_size(cfg)
     micro = cfg.batch_size // (replicas * cfg.grad_accum_steps)
     device = f"{strategy_cls.devices_per_worker(cfg)} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
+    if cfg.use_gpu and devices.is_emulated():
+        device += f" (emulated by {devices.EMULATE_ENV}: computed on CPU with gloo)"
     return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {num_classes} classes | "
             f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | global batch "
             f"{cfg.batch_size} = {replicas} replica(s) x {micro} x {cfg.grad_accum_steps} accumulation "
@@ -122,7 +125,6 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_mgpu import devices
     from raytrain_mgpu.loop import train_worker
 
     sink = ProgressSink.remote()

@@ -192,3 +192,14 @@ def test_pack_and_strict_spread_over_two_emulated_nodes():
     _check_devices(spread, workers=2, per_worker=2)
     assert len(set(spread["node_id_per_rank"])) == 2  # STRICT_SPREAD: one worker (node) each
     assert spread["devices_per_rank"] == [["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"]]
+
+
+def test_the_banner_says_when_gpus_are_emulated(monkeypatch):
+    from raytrain_mgpu.api import _banner
+    from raytrain_mgpu.strategies import get_strategy
+
+    cfg = rtm.TrainConfig(strategy="ddp_mp", num_workers=2, gpus_per_worker=2, use_gpu=True)
+    monkeypatch.setenv(EMULATE_ENV, "4")
+    assert "2 worker(s) x 2 GPU (emulated by RAYTRAIN_MGPU_EMULATE_GPUS" in _banner(cfg, get_strategy("ddp_mp"), (1, 8, 8), 10)
+    monkeypatch.delenv(EMULATE_ENV)
+    assert "emulated" not in _banner(cfg, get_strategy("ddp_mp"), (1, 8, 8), 10)
