@@ -8,7 +8,7 @@ and vs naive model parallelism, printed side by side.
 import json
 import logging
 
-from raytrain_mgpu.pipeline.bench import format_report, parse_args, run_benchmark
+from raytrain_mgpu.bench.pipeline import format_report, parse_args, run_benchmark
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)

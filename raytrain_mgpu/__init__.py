@@ -6,7 +6,7 @@
 """
 
 from raytrain_mgpu.api import TrainResult, fit
-from raytrain_mgpu.compare import compare
+from raytrain_mgpu.planning.compare import compare
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import Datasets
 

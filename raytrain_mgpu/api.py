@@ -18,17 +18,17 @@ import pyarrow.parquet as pq
 import ray
 from torch import nn
 
-from raytrain_mgpu import checkpoint as ckpt_format
-from raytrain_mgpu import devices
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import devices
 from raytrain_mgpu._factory import is_factory, load_factory
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.cluster import check_placeable, connect, worker_runtime_env
+from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.preflight import check_data_fits, check_run_folder, check_storage_reachable
-from raytrain_mgpu.runlock import RunLock
-from raytrain_mgpu.progress import ProgressPrinter, ProgressSink, SinkPump
+from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder, check_storage_reachable
+from raytrain_mgpu.runtime.runlock import RunLock
+from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.strategies import get_strategy
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
         auto_record = {}
         if cfg.strategy == "auto":
-            from raytrain_mgpu.auto import resolve_auto
+            from raytrain_mgpu.planning.auto import resolve_auto
 
             cfg, auto_record = resolve_auto(cfg)  # validated and model-checked; a resumed run keeps its strategy
             check_run_folder(cfg, data_info)
@@ -93,7 +93,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             printer.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         printer.banner(_banner(cfg, strategy_cls, input_shape, num_classes))
         if strategy_cls.runner == "actor_group":
-            from raytrain_mgpu.pipeline import run_pipeline
+            from raytrain_mgpu.pipeline.runner import run_pipeline
 
             outcome = run_pipeline(cfg, printer)
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
@@ -125,7 +125,7 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_mgpu.loop import train_worker
+    from raytrain_mgpu.runtime.loop import train_worker
 
     sink = ProgressSink.remote()
     trainer = TorchTrainer(

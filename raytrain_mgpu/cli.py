@@ -108,13 +108,13 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_options(compare)
 
     bench = commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun")
-    from raytrain_mgpu.bench import add_arguments
+    from raytrain_mgpu.bench.ddp import add_arguments
 
     add_arguments(bench)
 
     gpu = commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the "
                                                  "README (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)")
-    from raytrain_mgpu import gpu_report
+    from raytrain_mgpu.bench import gpu_report
 
     gpu_report.add_arguments(gpu)
 
@@ -149,7 +149,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from raytrain_mgpu.compare import compare
+    from raytrain_mgpu.planning.compare import compare
 
     cfg = config_from_args(args)
     strategies = [name.strip() for name in args.strategies.split(",")] if args.strategies else None
@@ -170,7 +170,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from raytrain_mgpu import bench
+    from raytrain_mgpu.bench import ddp as bench
 
     return bench.run_and_print(args)
 
@@ -191,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "compare":
             return _compare(args)
         if args.command == "gpu-report":
-            from raytrain_mgpu import gpu_report
+            from raytrain_mgpu.bench import gpu_report
 
             return gpu_report.run_and_print(args)
         return _convert(args)

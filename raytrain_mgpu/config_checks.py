@@ -87,7 +87,7 @@ def coerce(cfg) -> None:
     if _is_int(cfg.precision):
         cfg.precision = str(cfg.precision)
     if isinstance(cfg.memory_budget_bytes, (str, float)) and not isinstance(cfg.memory_budget_bytes, bool):
-        from raytrain_mgpu.memory import parse_bytes
+        from raytrain_mgpu.planning.memory import parse_bytes
 
         cfg.memory_budget_bytes = parse_bytes(cfg.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
     if "://" not in storage:

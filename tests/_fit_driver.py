@@ -23,7 +23,7 @@ import ray
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import preflight
+from raytrain_mgpu.planning import preflight
 
 
 def _run(step: dict) -> dict:

@@ -6,7 +6,7 @@ back on for its own head) and point HOME at a temporary folder so nothing of the
 developer's is touched.
 
 The shared instance emulates 4 GPUs (``RAYTRAIN_MGPU_EMULATE_GPUS=4``, see
-``raytrain_mgpu.devices``): Ray gets 4 fake GPUs, so ``use_gpu=True`` runs schedule
+``raytrain_mgpu.runtime.devices``): Ray gets 4 fake GPUs, so ``use_gpu=True`` runs schedule
 onto them and record ``cuda:k``/nccl while computing on CPU with gloo. The variable is
 set from the first test that uses ``ray_session`` to the end of the session; a unit test
 that depends on it sets or clears it itself (``monkeypatch``).
@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.runtime.devices import EMULATE_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.auto import ClusterInfo, choose_strategy, plan_config, resolve_auto
-from raytrain_mgpu.memory import profile_config
+from raytrain_mgpu.planning.auto import ClusterInfo, choose_strategy, plan_config, resolve_auto
+from raytrain_mgpu.planning.memory import profile_config
 
 # Parameters and AdamW state dominate: 784 -> 1024 -> 1024 -> 10 is about 1.9 M parameters,
 # 30 MiB with gradients and optimizer state; activations are small at batch 64.

@@ -16,9 +16,10 @@ import yaml
 from ray.core.generated import autoscaler_pb2
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import auto, cluster
-from raytrain_mgpu.compare import _plan, _skip_unplaceable
-from raytrain_mgpu.pipeline import _check_resources, run_pipeline
+from raytrain_mgpu.planning import auto
+from raytrain_mgpu.runtime import cluster
+from raytrain_mgpu.planning.compare import _plan, _skip_unplaceable
+from raytrain_mgpu.pipeline.runner import _check_resources, run_pipeline
 from raytrain_mgpu.strategies import get_strategy
 
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
@@ -79,7 +80,7 @@ def test_our_cluster_yaml_reads_as_eight_gpu_nodes_it_can_have(cold, monkeypatch
 ])
 def test_gpu_runs_pass_the_check_with_no_gpu_node_up(cold, strategy, overrides, caplog):
     cfg = rtm.TrainConfig(strategy=strategy, use_gpu=True, batch_size=64, **overrides)
-    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.cluster"):
+    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.runtime.cluster"):
         cluster.check_placeable(get_strategy(strategy).bundles(cfg), True, f"strategy={strategy!r}")
     assert "waits for the autoscaler to add nodes" in caplog.text
 
@@ -133,7 +134,7 @@ def test_auto_counts_the_gpus_it_can_scale_to_and_does_not_probe_from_cold(cold,
     monkeypatch.setattr(auto, "_probe_gpu_memory", probe)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     cfg = rtm.TrainConfig(model="lenet", dataset="digits", strategy="auto", use_gpu=True, batch_size=64)
-    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.auto"):
+    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.planning.auto"):
         info = auto.cluster_info(cfg)
     assert (info.devices_per_node, info.device_memory_bytes) == ((4,) * 8, None)
     assert "no GPU node is up yet" in caplog.text and "the estimate without a memory limit" in caplog.text
@@ -141,7 +142,7 @@ def test_auto_counts_the_gpus_it_can_scale_to_and_does_not_probe_from_cold(cold,
     assert name == "ddp" and "ddp over all 32 devices" in reason
     assert auto.plan_config(cfg, name, info).num_workers == 32
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.auto"):
+    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.planning.auto"):
         auto.cluster_info(cfg.replace(memory_budget_bytes=2**30))
     assert "using memory_budget_bytes=1073741824" in caplog.text
     # With a GPU node up, the probe runs as before.

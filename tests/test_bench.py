@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_mgpu import bench
-from raytrain_mgpu.pipeline.bench import BenchConfig, _summarise, format_report
+from raytrain_mgpu.bench import ddp as bench
+from raytrain_mgpu.bench.pipeline import BenchConfig, _summarise, format_report
 
 
 def test_pipeline_ratios_cancel_a_drifting_machine():

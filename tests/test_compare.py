@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.compare import compare
-from raytrain_mgpu.compare_report import (CHART_FILE, MARKDOWN_FILE, PARQUET_FILE, REFERENCE, CompareReport, RunRow,
+from raytrain_mgpu.planning.compare import compare
+from raytrain_mgpu.planning.compare_report import (CHART_FILE, MARKDOWN_FILE, PARQUET_FILE, REFERENCE, CompareReport, RunRow,
                                           check_losses, recommend, summarize_history, write_outputs)
-from raytrain_mgpu.memory import (device_memory, largest_batch, max_batch_within_budget, parse_bytes,
+from raytrain_mgpu.planning.memory import (device_memory, largest_batch, max_batch_within_budget, parse_bytes,
                                   profile_model)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -124,7 +124,7 @@ def test_compare_checks_its_input_before_starting_ray(monkeypatch):
     def connect(*args, **kwargs):
         raise AssertionError("compare connected to Ray before checking its input")
 
-    monkeypatch.setattr("raytrain_mgpu.cluster.connect", connect)
+    monkeypatch.setattr("raytrain_mgpu.runtime.cluster.connect", connect)
     cfg = rtm.TrainConfig(model="lenet", dataset="digits")
     with pytest.raises(ValueError, match=r"unknown name\(s\) \['nope'\]\. Valid names: ddp, ddp2, .*pipeline"):
         compare(cfg, strategies=["ddp", "nope"])

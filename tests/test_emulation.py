@@ -23,8 +23,9 @@ import pytest
 from _ray_nodes import RayNode, base_env, free_port_flags
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import cluster, devices
-from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.runtime import cluster
+from raytrain_mgpu.runtime import devices
+from raytrain_mgpu.runtime.devices import EMULATE_ENV
 from raytrain_mgpu.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]

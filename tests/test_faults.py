@@ -20,10 +20,11 @@ import pytest
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import api, preflight
-from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu import api
+from raytrain_mgpu.planning import preflight
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.data.convert import convert_to_parquet
-from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.runtime.devices import EMULATE_ENV
 
 from _ray_nodes import base_env, free_port
 
@@ -183,7 +184,7 @@ def test_ray_address_pointing_to_nothing_fails_in_seconds():
     # clock starts after the imports, which take seconds on a loaded machine.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_ADDRESS": dead,
            "RAY_AUTH_MODE": "disabled"}
-    connect = ("import time\nfrom raytrain_mgpu.cluster import connect\nstart = time.monotonic()\n"
+    connect = ("import time\nfrom raytrain_mgpu.runtime.cluster import connect\nstart = time.monotonic()\n"
                "try:\n    connect(None, verbose=False, local_has_gpu_check=False)\n"
                "finally:\n    print(f'{time.monotonic() - start:.3f}', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", connect], cwd=REPO, env=env, capture_output=True, text=True,

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.loop import _build_model
-from raytrain_mgpu.memory import device_memory, profile_model
+from raytrain_mgpu.runtime.loop import _build_model
+from raytrain_mgpu.planning.memory import device_memory, profile_model
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from raytrain_mgpu import gpu_report
-from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.bench import gpu_report
+from raytrain_mgpu.runtime.devices import EMULATE_ENV
 from raytrain_mgpu.strategies import get_strategy
 
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._factory import TRUSTED_MODULES_ENV, load_factory
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import check_data, cifar10
-from raytrain_mgpu.preflight import check_data_fits, check_run_folder
-from raytrain_mgpu.runlock import LOCK_FILE, RunLock
+from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder
+from raytrain_mgpu.runtime.runlock import LOCK_FILE, RunLock
 
 
 class _Payload:
@@ -279,7 +279,7 @@ def test_a_second_driver_is_refused_while_the_first_lives(tmp_path, caplog):
 
 def test_history_and_compare_outputs_are_written_by_rename(tmp_path):
     from raytrain_mgpu.api import _write_history
-    from raytrain_mgpu.compare_report import _write
+    from raytrain_mgpu.planning.compare_report import _write
 
     _write_history([{"epoch": 1}], str(tmp_path))
     _write(str(tmp_path / "c" / "compare.md"), b"x")
@@ -310,8 +310,8 @@ def test_compare_keeps_uri_credentials_out_of_its_report_and_errors(monkeypatch,
     import traceback
 
     from raytrain_mgpu import api
-    from raytrain_mgpu.compare import _run, _write_report
-    from raytrain_mgpu.compare_report import CompareReport, Recommendation, RunRow
+    from raytrain_mgpu.planning.compare import _run, _write_report
+    from raytrain_mgpu.planning.compare_report import CompareReport, Recommendation, RunRow
 
     report = CompareReport("t", [], "ok", Recommendation(None, None, "none"))
     with pytest.raises(ValueError, match=r"compare: writing the report to 'nosuch://\*\*\*@bucket/c' failed: "
@@ -411,7 +411,7 @@ def test_fit_is_refused_while_another_live_driver_holds_the_run_and_runs_once_it
 
     cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="locked")
     run_path = f"{storage}/locked"
-    holder = ("import sys\nfrom raytrain_mgpu.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
+    holder = ("import sys\nfrom raytrain_mgpu.runtime.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
               "print('locked', flush=True)\nsys.stdin.readline()\nlock.release()\n")
     owner = subprocess.Popen([sys.executable, "-c", holder, run_path], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)

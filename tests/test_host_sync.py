@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from raytrain_mgpu import loop as loop_module
+from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.loop import _Loop, _State
-from raytrain_mgpu.metrics import EpochMeter
+from raytrain_mgpu.runtime.loop import _Loop, _State
+from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.progress import WorkerReporter
+from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 @pytest.fixture(autouse=True)

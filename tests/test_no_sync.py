@@ -22,11 +22,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mgpu import loop as loop_module
+from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.loop import _Loop, _State
+from raytrain_mgpu.runtime.loop import _Loop, _State
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.progress import WorkerReporter
+from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 STEPS, ACCUM = 2, 2

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.devices import EMULATE_ENV
+from raytrain_mgpu.runtime.devices import EMULATE_ENV
 from raytrain_mgpu.pipeline.local import LocalRun, run_local
 
 STEPS = 2

@@ -10,7 +10,7 @@ from torch import nn
 
 from raytrain_mgpu.models.mlp import MLP
 from raytrain_mgpu.models.transformer import TransformerLM
-from raytrain_mgpu.pipeline.partition import (balanced_split, blocks_of, build_stage_modules, param_costs,
+from raytrain_mgpu.models.partition import (balanced_split, blocks_of, build_stage_modules, param_costs,
                                               plan_partition, profile_costs)
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_mgpu.checkpoint import load_model_state, read_meta
+from raytrain_mgpu.runtime.checkpoint import load_model_state, read_meta
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.pipeline import FAIL_AT_STEP_ENV, run_pipeline
+from raytrain_mgpu.pipeline.runner import FAIL_AT_STEP_ENV, run_pipeline
 from test_pipeline_equivalence import train_in_one_process
 
 pytestmark = pytest.mark.ray

@@ -16,12 +16,12 @@ import ray.train
 import torch
 from torch import nn
 
-from raytrain_mgpu import loop as loop_module
-from raytrain_mgpu.checkpoint import load_train_state
+from raytrain_mgpu.runtime import loop as loop_module
+from raytrain_mgpu.runtime.checkpoint import load_train_state
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.loop import _Loop, _State, _load_train_state, _restore, _save_and_report
+from raytrain_mgpu.runtime.loop import _Loop, _State, _load_train_state, _restore, _save_and_report
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.progress import WorkerReporter
+from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 CTX = WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_mgpu import loop as loop_module
+from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.loop import _build_model, _gather_rng_states, _restore_rng, _State
+from raytrain_mgpu.runtime.loop import _build_model, _gather_rng_states, _restore_rng, _State
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from test_precision import _config, _loop, checkpoint_roundtrip
 

@@ -17,12 +17,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import cluster
+from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
 from raytrain_mgpu.strategies.base import Predictions
 from raytrain_mgpu.strategies.dp import autocast_state, call_with_autocast
-from raytrain_mgpu.loop import _Loop
+from raytrain_mgpu.runtime.loop import _Loop
 from raytrain_mgpu.strategies.mp import SplitModel
 
 CPU = torch.device("cpu")

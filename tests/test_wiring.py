@@ -1,4 +1,4 @@
-"""The fault hooks of ``raytrain_mgpu.faults`` are applied by the product itself, not by a test.
+"""The fault hooks of ``raytrain_mgpu.runtime.faults`` are applied by the product itself, not by a test.
 
 ``tests/_probe_data`` only observes and injects faults; these tests look at ``loop.py``
 directly, so deleting the stuck-rank decorator or the wait after each report fails here
@@ -18,7 +18,8 @@ import torch
 from ray.train.v2._internal.execution import context as train_context
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import faults, loop
+from raytrain_mgpu.runtime import faults
+from raytrain_mgpu.runtime import loop
 from raytrain_mgpu.strategies import WorkerContext
 
 COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long after it was queued
@@ -28,7 +29,7 @@ def test_train_worker_is_wrapped_by_name_stuck_ranks():
     # The wrapper's code object, whatever function it wraps: only name_stuck_ranks makes one.
     wrapper_code = faults.name_stuck_ranks(lambda payload: None).__code__
     assert loop.train_worker.__code__ is wrapper_code
-    assert loop.train_worker.__wrapped__.__module__ == "raytrain_mgpu.loop"
+    assert loop.train_worker.__wrapped__.__module__ == "raytrain_mgpu.runtime.loop"
     assert loop.train_worker.__wrapped__.__name__ == "train_worker"
 
 

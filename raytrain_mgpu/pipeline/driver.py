@@ -18,13 +18,13 @@ from pathlib import Path
 from statistics import mean
 from typing import List, Optional, Tuple
 
-from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runlock import other_live_owner
+from raytrain_mgpu.runtime.runlock import other_live_owner
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.group import StageGroup
-from raytrain_mgpu.pipeline.partition import Partition
+from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
 from raytrain_mgpu.pipeline.schedule import ideal_bubble_fraction
 from raytrain_mgpu.pipeline.worker import num_replicas

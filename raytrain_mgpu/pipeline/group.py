@@ -17,9 +17,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_mgpu.cluster import worker_runtime_env
+from raytrain_mgpu.runtime.cluster import worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.pipeline.partition import Partition
+from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.worker import StageWorker, num_replicas
 from raytrain_mgpu.strategies import get_strategy
 

@@ -16,7 +16,7 @@ import traceback
 from typing import List, NamedTuple, Optional, Sequence
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.pipeline.partition import Partition
+from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
 from raytrain_mgpu.pipeline.worker import StageWorker, free_address, num_replicas
 

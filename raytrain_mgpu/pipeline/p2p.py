@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from raytrain_mgpu import devices
+from raytrain_mgpu.runtime import devices
 
 __all__ = ["Comm", "StageGroups", "build_groups", "warm_up", "nccl_semantics", "HEADER_LEN", "header",
            "parse_header"]

@@ -15,7 +15,7 @@ import torch
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.pipeline.partition import Partition, blocks_of, plan_partition
+from raytrain_mgpu.models.partition import Partition, blocks_of, plan_partition
 from raytrain_mgpu.pipeline.schedule import num_virtual_stages
 
 logger = logging.getLogger(__name__)

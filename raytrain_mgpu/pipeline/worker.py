@@ -29,15 +29,15 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
-from raytrain_mgpu import checkpoint as ckpt_format
-from raytrain_mgpu import devices
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.metrics import EpochMeter, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.runtime.metrics import EpochMeter, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
-from raytrain_mgpu.pipeline.partition import Partition, blocks_of, build_stage_modules, profile_costs
+from raytrain_mgpu.models.partition import Partition, blocks_of, build_stage_modules, profile_costs
 from raytrain_mgpu.pipeline.schedule import (Order, build_order, channel_sequences, forward_only,
                                              num_virtual_stages, stage_rank)
 

@@ -14,7 +14,7 @@ A strategy decides three things, and nothing else:
 Options a strategy does not read are warned about in ``validate`` (``options_used``),
 so ``bucket_cap_mb`` with ``dp`` does not pass silently.
 
-The training loop (``raytrain_mgpu.loop``) is the same for every Ray Train strategy.
+The training loop (``raytrain_mgpu.runtime.loop``) is the same for every Ray Train strategy.
 Strategies with their own runtime (the pipeline's actor group) set ``runner``.
 """
 
@@ -37,7 +37,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import ParallelConfig, TrainConfig
-    from raytrain_mgpu.devices import DeviceAssignment
+    from raytrain_mgpu.runtime.devices import DeviceAssignment
 
 logger = logging.getLogger(__name__)
 

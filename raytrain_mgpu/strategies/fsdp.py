@@ -1,6 +1,6 @@
 """``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``), one shard per worker.
 
-Each block of the model (see ``raytrain_mgpu.pipeline.partition.blocks_of``) and then the
+Each block of the model (see ``raytrain_mgpu.models.partition.blocks_of``) and then the
 root are sharded: every worker keeps 1/N of the parameters, gradients and optimizer
 state, all-gathers a block's parameters just before its forward/backward and
 reduce-scatters its gradients after. It trades that communication for memory: use it
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from raytrain_mgpu.pipeline.partition import blocks_of
+from raytrain_mgpu.models.partition import blocks_of
 from raytrain_mgpu.strategies.base import Strategy
 
 # Full (unsharded) state gathered into CPU memory on rank 0; other ranks get an empty dict.

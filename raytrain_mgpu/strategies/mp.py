@@ -1,7 +1,7 @@
 """``mp``: naive model parallel in one worker (seed 000's ``sub_net1`` on gpu0, ``sub_net2`` on gpu1).
 
 The model's blocks (the children of an ``nn.Sequential``, or what its ``blocks()``
-returns: see ``raytrain_mgpu.pipeline.partition``) are split into contiguous groups, one
+returns: see ``raytrain_mgpu.models.partition``) are split into contiguous groups, one
 per device, balanced by parameter count or by ``balance=[n0, n1, ...]`` blocks per device.
 Activations hop from device to device; only one device works at a time (that idle time
 is what the pipeline strategies remove), but a model too big for one device fits.
@@ -30,7 +30,7 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
-from raytrain_mgpu.pipeline.partition import blocks_of, plan_partition
+from raytrain_mgpu.models.partition import blocks_of, plan_partition
 from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, require_one_worker
 
 

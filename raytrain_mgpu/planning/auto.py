@@ -1,6 +1,6 @@
 """``strategy="auto"``: choose a strategy and its layout before training, from what is cheap to know.
 
-The seeds' advice, made into a rule over a memory estimate (:mod:`raytrain_mgpu.memory`)
+The seeds' advice, made into a rule over a memory estimate (:mod:`raytrain_mgpu.planning.memory`)
 and the devices the cluster has:
 
 1. the model, its optimizer state and its share of the batch fit on one device
@@ -12,7 +12,7 @@ and the devices the cluster has:
 3. nothing fits -> a ``ValueError`` with the largest batch that would.
 
 With ``auto_measure=True`` the strategies that fit are also timed in a short
-:func:`raytrain_mgpu.compare.compare` run and the fastest wins.
+:func:`raytrain_mgpu.planning.compare.compare` run and the fastest wins.
 
 :func:`choose_strategy` is pure given a :class:`ClusterInfo`; :func:`resolve_auto` reads
 the cluster (Ray must be connected) and returns the config to train.
@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
-from raytrain_mgpu.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
+from raytrain_mgpu.planning.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
                                   profile_config)
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
     """
     if not cfg.use_gpu:
         return ClusterInfo((cfg.num_workers,), False)
-    from raytrain_mgpu.cluster import read_capacity
+    from raytrain_mgpu.runtime.cluster import read_capacity
 
     capacity = capacity if capacity is not None else read_capacity()
     gpus = capacity.gpus_per_node()
@@ -82,7 +82,7 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
 def _gpu_memory_bytes(cfg, capacity) -> Optional[int]:
     import torch
 
-    from raytrain_mgpu.devices import EMULATE_ENV, is_emulated
+    from raytrain_mgpu.runtime.devices import EMULATE_ENV, is_emulated
 
     budget = getattr(cfg, "memory_budget_bytes", None)
     instead = (f"memory_budget_bytes={budget}" if budget else
@@ -295,7 +295,7 @@ def _previous_strategy(cfg) -> Optional[dict]:
     """
     import pyarrow.fs as pafs
 
-    from raytrain_mgpu.checkpoint import META_FILE, filesystem
+    from raytrain_mgpu.runtime.checkpoint import META_FILE, filesystem
 
     fs, run = filesystem(f"{cfg.storage_path.rstrip('/')}/{cfg.name}")
     entries = fs.get_file_info(pafs.FileSelector(run, allow_not_found=True))
@@ -338,7 +338,7 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None) -> Tuple[object, dict]
 
 def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str) -> tuple:
     """Time the strategies the estimate lets fit in a short compare run: ``(name, reason, config)``."""
-    from raytrain_mgpu.compare import compare
+    from raytrain_mgpu.planning.compare import compare
 
     fitting = []
     for candidate in ("ddp", "fsdp", "pipeline", "ddp_pipeline", "dp_balanced", "dp"):

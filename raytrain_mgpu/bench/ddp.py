@@ -137,12 +137,12 @@ def plain_loop(cfg: TrainConfig) -> Measured:
 
 
 def torchrun_ddp(cfg: TrainConfig, nproc: int) -> Measured:
-    """The same DDP loop launched by ``torchrun`` (see ``raytrain_mgpu._torchrun_ddp``)."""
+    """The same DDP loop launched by ``torchrun`` (see ``raytrain_mgpu.bench._torchrun_ddp``)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cpus_per_worker)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "raytrain_mgpu._torchrun_ddp", json.dumps(cfg.to_dict())]
+           "-m", "raytrain_mgpu.bench._torchrun_ddp", json.dumps(cfg.to_dict())]
     # The ranks' command lines name the module (the torchrun agent's does too: it counts as training).
-    with BackgroundCpu("raytrain_mgpu._torchrun_ddp", nproc * cfg.cpus_per_worker) as cpu:
+    with BackgroundCpu("raytrain_mgpu.bench._torchrun_ddp", nproc * cfg.cpus_per_worker) as cpu:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"torchrun failed:\n{out.stderr[-3000:]}")

@@ -1,4 +1,4 @@
-"""The report of :func:`raytrain_mgpu.compare.compare`: its rows, the loss check, the
+"""The report of :func:`raytrain_mgpu.planning.compare.compare`: its rows, the loss check, the
 recommendation, and its renderings: terminal table, Markdown, Parquet, PNG.
 
 Everything here is pure (no Ray): the tests build reports by hand.
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-from raytrain_mgpu.memory import format_bytes
+from raytrain_mgpu.planning.memory import format_bytes
 
 __all__ = ["RunRow", "Recommendation", "CompareReport", "summarize_history", "check_losses", "losses_comparable",
            "recommend", "render_text", "render_markdown", "write_outputs", "draw_chart", "LOSS_RTOL", "REFERENCE"]

@@ -28,7 +28,7 @@ import uuid
 from typing import List, Optional, Tuple
 
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.checkpoint import filesystem
+from raytrain_mgpu.runtime.checkpoint import filesystem
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ class TorchrunPipeline:
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.num_stages}",
-                 f"--master_port={free_address()[1]}", "-m", "raytrain_mgpu.pipeline._torchrun_baseline",
+                 f"--master_port={free_address()[1]}", "-m", "raytrain_mgpu.bench._torchrun_pipeline",
                  "--torchrun-worker", spec],
                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group: close() can end the ranks too
@@ -100,7 +100,7 @@ def _torchrun_worker(spec: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from raytrain_mgpu.pipeline.partition import blocks_of, build_stage_modules, plan_partition
+    from raytrain_mgpu.models.partition import blocks_of, build_stage_modules, plan_partition
     from raytrain_mgpu.pipeline.schedule import num_virtual_stages
 
     torch.set_num_threads(1)

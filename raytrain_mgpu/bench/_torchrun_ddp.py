@@ -1,6 +1,6 @@
 """The benchmark's ``torchrun`` baseline: the same DDP loop without Ray.
 
-    torchrun --nproc-per-node 2 -m raytrain_mgpu._torchrun_ddp '<TrainConfig as JSON>'
+    torchrun --nproc-per-node 2 -m raytrain_mgpu.bench._torchrun_ddp '<TrainConfig as JSON>'
 
 Rank 0 prints one JSON line: {"samples_per_s": [global samples/s per epoch]}.
 """

@@ -33,7 +33,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from raytrain_mgpu import devices
+from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
 
 __all__ = ["Row", "run_report", "format_rows", "main"]

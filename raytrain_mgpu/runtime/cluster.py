@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import ray
 
-from raytrain_mgpu import devices
-from raytrain_mgpu.preflight import probe_ray_address
+from raytrain_mgpu.runtime import devices
+from raytrain_mgpu.planning.preflight import probe_ray_address
 
 logger = logging.getLogger(__name__)
 

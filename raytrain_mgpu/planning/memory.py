@@ -149,7 +149,7 @@ def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw"
     Two batch sizes separate what grows with the batch from what does not (the scalar
     loss, position indices); only the growing part is kept, per sample.
     """
-    from raytrain_mgpu.pipeline.partition import blocks_of
+    from raytrain_mgpu.models.partition import blocks_of
 
     try:
         blocks, splittable = blocks_of(model), True
@@ -203,7 +203,7 @@ class DeviceMemory(NamedTuple):
 
 def _split_parts(profile: ModelProfile, num_parts: int, balance) -> List[range]:
     """Block ranges of each part, as the strategies split (``balance="time"`` estimated by parameters)."""
-    from raytrain_mgpu.pipeline.partition import balanced_split
+    from raytrain_mgpu.models.partition import balanced_split
 
     n = len(profile.block_param_bytes)
     if not profile.splittable and num_parts > 1:

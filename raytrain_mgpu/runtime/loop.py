@@ -21,16 +21,16 @@ import ray.train
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from raytrain_mgpu import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.devices import resolve_devices
-from raytrain_mgpu.faults import name_stuck_ranks, wait_until_report_collected
-from raytrain_mgpu.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.runtime.devices import resolve_devices
+from raytrain_mgpu.runtime.faults import name_stuck_ranks, wait_until_report_collected
+from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.progress import WorkerReporter
+from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
 
 logger = logging.getLogger(__name__)

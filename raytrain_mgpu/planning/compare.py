@@ -5,7 +5,7 @@
 
 One Ray connection for all runs; the strategies run one after another, each a fresh run
 (its own name under ``<storage>/compare-<time>/runs``) laid out on the devices the
-cluster has (:func:`raytrain_mgpu.auto.plan_config`); those that cannot run here are
+cluster has (:func:`raytrain_mgpu.planning.auto.plan_config`); those that cannot run here are
 reported with the reason. Each run trains ``warmup_steps`` and then ``steps`` optimizer
 steps. The worker loop reports per epoch, so the warm-up is rounded up to whole epochs
 and throughput is measured over the epochs after it.
@@ -13,13 +13,13 @@ and throughput is measured over the epochs after it.
 The speed-up is over one device: ``ddp`` with one worker (the plain model, one process,
 the whole global batch). Peak memory is the CUDA allocator's peak on GPU and each
 process's peak RSS on CPU. The largest batch within a per-device memory budget comes
-from the estimate in :mod:`raytrain_mgpu.memory`, or, with ``batch_search="try"`` (the
+from the estimate in :mod:`raytrain_mgpu.planning.memory`, or, with ``batch_search="try"`` (the
 default on GPU), from short trial runs that start at the estimate.
 
 Strategies that compute the same function of the same samples (every built-in one, for a
 model without BatchNorm or dropout, in fp32) must have the same loss over the first
 epoch; the report flags any that differ by more than ``LOSS_RTOL`` (later losses drift
-apart by rounding alone: see :func:`raytrain_mgpu.compare_report.check_losses`).
+apart by rounding alone: see :func:`raytrain_mgpu.planning.compare_report.check_losses`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import time
 from typing import List, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.auto import ClusterInfo, cluster_info, describe_layout, plan_config
-from raytrain_mgpu.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
+from raytrain_mgpu.planning.auto import ClusterInfo, cluster_info, describe_layout, plan_config
+from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
-from raytrain_mgpu.memory import (batch_granularity, device_memory, format_bytes, largest_batch, parse_bytes,
+from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch, parse_bytes,
                                   profile_config)
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
 def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
     """Mark the rows the cluster can never place as skipped (``capacity``: what it can have,
     so an autoscaling cluster with no GPU node up yet still runs them)."""
-    from raytrain_mgpu.cluster import check_placeable
+    from raytrain_mgpu.runtime.cluster import check_placeable
     from raytrain_mgpu.strategies import get_strategy
 
     for row in rows:
@@ -174,7 +174,7 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
     lines go (default: nowhere).
     """
-    from raytrain_mgpu.cluster import connect, read_capacity
+    from raytrain_mgpu.runtime.cluster import connect, read_capacity
     from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)

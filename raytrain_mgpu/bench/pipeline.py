@@ -41,7 +41,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer
-from raytrain_mgpu.pipeline._torchrun_baseline import TorchrunPipeline, seeded_loader
+from raytrain_mgpu.bench._torchrun_pipeline import TorchrunPipeline, seeded_loader
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class _Rows(Dataset):
 
 
 def in_memory_data(cfg) -> Datasets:
-    """``dataset="raytrain_mgpu.pipeline.bench:in_memory_data"``: seeded random rows held in memory.
+    """``dataset="raytrain_mgpu.bench.pipeline:in_memory_data"``: seeded random rows held in memory.
 
     The registry's ``synthetic`` dataset draws every sample on access (~35 ms for a batch
     of 1024 x 1024 here), which would time the data generator more than the pipeline.
@@ -98,7 +98,7 @@ def in_memory_data(cfg) -> Datasets:
 def train_config(bench: BenchConfig, schedule: str, microbatches: int, storage: str) -> TrainConfig:
     steps = bench.warmup + bench.rounds * bench.steps + 1
     return TrainConfig(
-        model="mlp", model_kwargs={"widths": [bench.width] * bench.depth}, dataset="raytrain_mgpu.pipeline.bench:in_memory_data",
+        model="mlp", model_kwargs={"widths": [bench.width] * bench.depth}, dataset="raytrain_mgpu.bench.pipeline:in_memory_data",
         input_shape=[bench.width], num_classes=10, num_samples=bench.batch_size * steps, strategy="pipeline",
         num_stages=bench.stages, num_microbatches=microbatches, schedule=schedule, batch_size=bench.batch_size,
         optimizer="sgd", lr=0.01, momentum=0.9, cpus_per_worker=1, epochs=1, storage_path=storage,

@@ -1,0 +1,8 @@
+"""Benchmarks, outside the training path: nothing in training imports this package.
+
+- ``ddp.py``               ``fit`` vs a plain loop, torchrun and a hand-written Ray Train loop;
+- ``_torchrun_ddp.py``     the torchrun baseline's ranks;
+- ``pipeline.py``          the pipeline benchmark (efficiency, torchrun + pipelining, naive mp);
+- ``_torchrun_pipeline.py`` its torchrun + ``torch.distributed.pipelining`` ranks;
+- ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of the README.
+"""
