@@ -26,6 +26,7 @@ from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runti
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.planning.plan import RunPlan, build_plan
 from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder, check_storage_reachable
 from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
@@ -86,12 +87,13 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             cfg, auto_record = resolve_auto(cfg)  # validated and model-checked; a resumed run keeps its strategy
             check_run_folder(cfg, data_info)
         strategy_cls = get_strategy(cfg.strategy)
-        check_placeable(strategy_cls.bundles(cfg), cfg.use_gpu, f"strategy={cfg.strategy!r}")
+        plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
+        check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         printer = ProgressPrinter(cfg.epochs, stream)
         if auto_record:
             printer.banner(f"strategy=auto chose {auto_record['auto_reason']}")
-        printer.banner(_banner(cfg, strategy_cls, input_shape, num_classes))
+        printer.banner(_banner(cfg, plan, input_shape, num_classes))
         if strategy_cls.runner == "actor_group":
             from raytrain_mgpu.pipeline.runner import run_pipeline
 
@@ -109,16 +111,13 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         lock.release()
 
 
-def _banner(cfg: TrainConfig, strategy_cls, input_shape, num_classes) -> str:
-    replicas = strategy_cls.data_parallel_size(cfg)
-    micro = cfg.batch_size // (replicas * cfg.grad_accum_steps)
-    device = f"{strategy_cls.devices_per_worker(cfg)} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
+def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
+    device = f"{plan.devices_per_worker} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
     if cfg.use_gpu and devices.is_emulated():
         device += f" (emulated by {devices.EMULATE_ENV}: computed on CPU with gloo)"
     return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {num_classes} classes | "
-            f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | global batch "
-            f"{cfg.batch_size} = {replicas} replica(s) x {micro} x {cfg.grad_accum_steps} accumulation "
-            f"step(s) | lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
+            f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | {plan.describe()} | "
+            f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
 def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter):

@@ -131,6 +131,11 @@ class Strategy(ABC):
         return cfg.num_workers
 
     @classmethod
+    def micro_batches_per_step(cls, cfg: "TrainConfig") -> int:
+        """Forward/backward passes per replica and optimizer step (accumulation micro-steps)."""
+        return cfg.grad_accum_steps
+
+    @classmethod
     def worker_resources(cls, cfg: "TrainConfig") -> dict:
         """Ray resources for one worker."""
         resources = {"CPU": cfg.cpus_per_worker}

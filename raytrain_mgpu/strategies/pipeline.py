@@ -33,6 +33,10 @@ class PipelineStrategy(Strategy):
         return 1  # num_workers is not used: one pipeline (ddp_pipeline replicates it)
 
     @classmethod
+    def micro_batches_per_step(cls, cfg: "TrainConfig") -> int:
+        return cfg.num_microbatches  # the schedule's micro-batches; accumulation is not used
+
+    @classmethod
     def bundles(cls, cfg: "TrainConfig") -> List[dict]:
         """One bundle per stage actor: D replicas x P stages."""
         return [cls.worker_resources(cfg)] * (cfg.num_stages * cls.data_parallel_size(cfg))
