@@ -191,3 +191,42 @@ def test_stand_in_scatter_splits_like_torch_and_names_a_failing_replica():
 
     with pytest.raises(RuntimeError, match=r"DataParallel replica 1 \(CPU stand-in device\) failed: ValueError: boom"):
         _dp_ops.parallel_apply([lambda t: t, broken], [(x,), (x,)], devices=[CPU, CPU])
+
+
+def test_autocast_data_parallel_hands_each_replica_thread_the_callers_bf16(monkeypatch):
+    """``AutocastDataParallel.parallel_apply``, the CUDA ``dp`` path, with torch's CUDA-only
+    ``parallel_apply`` swapped for plain threads (autocast state is thread-local there too).
+
+    Plain threads drop the caller's autocast (the fp32 control below), so bf16 outputs can
+    only come from the override capturing the caller's dtype and re-entering it per thread.
+    """
+    from raytrain_mgpu.strategies import dp
+
+    seen = {}
+
+    def threads_only(calls, inputs, kwargs, devices):
+        seen["devices"] = list(devices)
+        results = [None] * len(calls)
+
+        def run(i):
+            results[i] = calls[i](*inputs[i], **kwargs[i])
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return results
+
+    monkeypatch.setattr(dp, "parallel_apply", threads_only)
+    wrapper = dp.AutocastDataParallel.__new__(dp.AutocastDataParallel)  # no CUDA here to build it
+    nn.Module.__init__(wrapper)
+    wrapper.src_device_obj, wrapper.device_ids = CPU, [0, 1]
+    replicas = [nn.Linear(4, 3), nn.Linear(4, 3)]
+    inputs, kwargs = [(torch.randn(2, 4),), (torch.randn(2, 4),)], [{}, {}]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = wrapper.parallel_apply(replicas, inputs, kwargs)
+        control = threads_only(replicas, inputs, kwargs, [0, 1])  # the same threads, no override
+    assert [out.dtype for out in outputs] == [torch.bfloat16, torch.bfloat16]
+    assert [out.dtype for out in control] == [torch.float32, torch.float32]
+    assert seen["devices"] == [0, 1]

@@ -407,8 +407,12 @@ def test_strategy_trains_lenet_on_digits(strategy, workers, devices, precision, 
     result = rtm.fit(cfg)
     history = result.history
     if precision == "32":  # the first epoch is the plain run's, before AdamW amplifies rounding
-        assert history[0]["train_loss"] == pytest.approx(plain_demo[0][0], rel=1e-3)
-        assert history[0]["test_loss"] == pytest.approx(plain_demo[0][1], rel=1e-3)
+        # Measured spread of the first epoch against the plain loop (2-core VM): dp and dp_balanced
+        # 2.5e-6 relative (the batch summed in two slices), mp 5e-8; the bound is 8x the larger.
+        # AdamW's update barely depends on the gradient's scale, so a wrong scale would pass here:
+        # test_dp_multidevice.py compares every gradient of the split model with the plain one.
+        assert history[0]["train_loss"] == pytest.approx(plain_demo[0][0], rel=2e-5)
+        assert history[0]["test_loss"] == pytest.approx(plain_demo[0][1], rel=2e-5)
     accuracy = history[-1]["test_accuracy"]
     # bf16 included: the same accuracy band as the fp32 single-process run
     assert accuracy >= 0.9 and abs(accuracy - plain_demo[-1][2]) <= 0.05, [h["test_accuracy"] for h in history]
