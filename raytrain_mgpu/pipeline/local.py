@@ -18,7 +18,8 @@ from typing import List, NamedTuple, Optional, Sequence
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
-from raytrain_mgpu.pipeline.worker import StageWorker, free_address, num_replicas
+from raytrain_mgpu.pipeline.worker import StageWorker, num_replicas
+from raytrain_mgpu.runtime.placement import free_address
 
 __all__ = ["LocalRun", "LocalResult", "run_local"]
 

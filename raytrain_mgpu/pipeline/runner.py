@@ -67,7 +67,7 @@ def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
     every few steps.
     """
     from raytrain_mgpu.runtime.cluster import check_placeable
-    from raytrain_mgpu.pipeline.driver import finished, load_state, train_attempt
+    from raytrain_mgpu.pipeline.driver import load_state, train_attempt
     from raytrain_mgpu.pipeline.worker import num_replicas
     from raytrain_mgpu.strategies import get_strategy
 
@@ -83,7 +83,7 @@ def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
     while True:
         state = load_state(cfg)
         state.attempt = max(state.attempt, failures)  # a restart before the first checkpoint counts too
-        if finished(cfg, state) and state.checkpoint is not None:
+        if state.finished(cfg) and state.checkpoint is not None:
             logger.info("%s is already trained (epoch %d, step %d): nothing to do", cfg.name, state.epoch, state.step)
             return RunOutcome(state.checkpoint, state.history)
         try:

@@ -202,24 +202,19 @@ def check_run_folder(cfg, data_info: Optional[dict] = None) -> None:
     size), whichever runner wrote them; else record this run's identity in ``run.json``.
 
     ``data_info``: ``{"input_shape": [...], "num_classes": n, "train_split_size": n}``."""
-    import pyarrow.fs as pafs
+    from raytrain_mgpu.runtime.run_folder import RunFolder
 
-    run = f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
-    fs, path = filesystem(run)
-    entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    metas = [m for m in (_read_json(fs, f"{e.path}/meta.json") for e in sorted(entries, key=lambda e: e.path)
-                         if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint"))
-             if m is not None]
+    folder = RunFolder.of(cfg)
+    newest = folder.newest_checkpoint()
     mine = run_identity(cfg, data_info)
-    if metas:
-        recorded = _read_json(fs, f"{path}/{RUN_RECORD}")
+    if newest is not None:
+        recorded = folder.read_json(folder.join(RUN_RECORD))
         if recorded is None:  # a run folder from before run.json: the newest checkpoint's config
-            meta = metas[-1]
+            meta = newest.meta
             data = {k: meta[k] for k in ("input_shape", "num_classes") if k in meta}
             recorded = run_identity(meta.get("config") or meta, data)
-        _compare_identity(recorded, mine, redact(run))
-    fs.create_dir(path, recursive=True)
-    _write_atomically(fs, f"{path}/{RUN_RECORD}", json.dumps(mine, indent=1, default=str).encode())
+        _compare_identity(recorded, mine, folder.display)
+    folder.write_json(RUN_RECORD, mine)
 
 
 def _compare_identity(recorded: dict, mine: dict, run: str) -> None:
@@ -234,23 +229,6 @@ def _compare_identity(recorded: dict, mine: dict, run: str) -> None:
 
 def _norm(value):
     return json.loads(json.dumps(value, default=str))  # tuples vs lists, as JSON stores them
-
-
-def _read_json(fs, path: str) -> Optional[dict]:
-    try:
-        with fs.open_input_stream(path) as f:
-            value = json.loads(f.read())
-    except (OSError, ValueError):  # missing, or cut short by a kill: no runner resumes from it
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _write_atomically(fs, path: str, data: bytes) -> None:
-    """Temporary name, then rename: a kill leaves the old file or the new one, never half."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
-    fs.move(tmp, path)
 
 
 # ----------------------------------------------------------------------------- data

@@ -26,6 +26,7 @@ import json
 import logging
 import pickle
 import re
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -110,6 +111,20 @@ def _load_tensors(path: Path):
                          f"may be cut short. Delete that checkpoint folder to resume from the one before.") from None
 
 
+def save_part(folder, path: str, part: str, model_state: dict, train_state: dict) -> None:
+    """One rank's ``model{part}.pt`` and ``train_state{part}.pt`` into ``path`` of the run
+    folder (a :class:`~raytrain_mgpu.runtime.run_folder.RunFolder`), local or remote."""
+    with folder.writable(path) as directory:
+        write_checkpoint(directory, meta=None, history=None, model_state=model_state, train_state=train_state,
+                         part=part)
+
+
+def load_part(folder, path: str, part: str) -> tuple:
+    """``(the whole model's state, this part's train state or None)`` from ``path`` of the run folder."""
+    with folder.readable(path) as directory:
+        return load_model_state(directory), load_train_state(directory, part)
+
+
 def check_resumable(meta: dict, model: str, strategy: str, directory: str) -> None:
     """A checkpoint of another model or strategy must not be resumed silently."""
     if meta.get("model") != model:
@@ -134,11 +149,14 @@ def filesystem(path: str):
 
 @contextlib.contextmanager
 def local_checkpoint(path: str) -> Iterator[str]:
-    """A local folder with the checkpoint at ``path`` (a local path or a storage URI)."""
-    if "://" not in path and Path(path).is_dir():
-        yield path
-        return
-    from ray.train import Checkpoint
+    """A local folder with the checkpoint at ``path`` (a local path or a storage URI; a
+    remote one is downloaded into a temporary folder for the time of the ``with``)."""
+    import pyarrow.fs as pafs
 
-    with Checkpoint(path).as_directory() as directory:
+    fs, inner = filesystem(path)
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield inner
+        return
+    with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
+        pafs.copy_files(inner, directory, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         yield directory

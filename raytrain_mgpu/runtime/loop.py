@@ -14,7 +14,6 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import ray.train
@@ -22,7 +21,6 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
@@ -31,20 +29,14 @@ from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduc
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
+from raytrain_mgpu.runtime.run_state import RunState, checkpoint_meta, epoch_row
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
-@dataclass
-class _State:
-    """What survives a restart (saved in every checkpoint)."""
-
-    epoch: int = 0            # epochs completed
-    step: int = 0             # optimizer steps completed
-    attempt: int = 0          # 0 on the first start, +1 for each resume
-    history: list = field(default_factory=list)
+_State = RunState  # what survives a restart: the same for both runners (runtime/run_state.py)
 
 
 def _context(cfg: TrainConfig) -> WorkerContext:
@@ -105,16 +97,15 @@ def train_worker(payload: dict) -> dict:
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
     test_loader = _test_loader(data.test, shard, num_shards, micro_batch * cfg.grad_accum_steps)
     for epoch in range(state.epoch, cfg.epochs):
-        if cfg.max_steps is not None and state.step >= cfg.max_steps:
+        if state.finished(cfg):
             break
         sampler.set_epoch(epoch)
         if hasattr(data.train, "prefetch"):  # Parquet: load exactly this worker's rows once
             data.train.prefetch(list(sampler))
         metrics = loop.train_epoch(epoch, state)
-        last = epoch + 1 == cfg.epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
-        if last or (epoch + 1) % cfg.eval_every_epochs == 0:
-            metrics.update(loop.evaluate(test_loader))
         state.epoch = epoch + 1
+        if state.finished(cfg) or state.epoch % cfg.eval_every_epochs == 0:
+            metrics.update(loop.evaluate(test_loader))
         state.history.append(metrics)
         reporter.epoch(metrics)
         _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info)
@@ -201,20 +192,12 @@ class _Loop:
         totals = all_reduce_sum(torch.cat([meter.sums, torch.tensor(
             [meter.data_wait_s, elapsed], dtype=torch.float64, device=meter.sums.device)])).tolist()
         loss_sum, correct, samples, wait_sum, elapsed_sum = totals
-        workers = self.strategy.ctx.world_size
         peaks = all_gather_list(peak_memory_bytes(self.strategy.memory_devices()))
-        return {
-            "epoch": epoch + 1, "step": state.step, "attempt": state.attempt,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "train_loss": loss_sum / max(samples, 1), "train_accuracy": correct / max(samples, 1),
-            # samples here count targets (tokens for LMs); throughput uses the mean worker's time
-            "samples_per_s": samples / max(elapsed_sum / workers, 1e-9),
-            "step_time_s": elapsed_sum / workers / max(steps, 1),
-            "data_wait_share": wait_sum / max(elapsed_sum, 1e-9),
-            "peak_memory_bytes": peaks,
-            "test_loss": None, "test_accuracy": None,
-            **_device_record(self.strategy.ctx),  # one small object all-gather per epoch
-        }
+        # samples count targets (tokens for LMs); throughput uses the mean worker's time
+        return epoch_row(epoch=epoch, state=state, lr=self.optimizer.param_groups[0]["lr"], loss_sum=loss_sum,
+                         correct=correct, samples=samples, elapsed_s=elapsed_sum / self.strategy.ctx.world_size,
+                         steps=steps, data_wait_share=wait_sum / max(elapsed_sum, 1e-9), peak_memory_bytes=peaks,
+                         devices=_device_record(self.strategy.ctx))  # one small object all-gather per epoch
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict:
@@ -247,7 +230,7 @@ def _restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
             model.load_state_dict(ckpt_format.load_model_state(directory))
         train_state = ckpt_format.load_train_state(directory)
         history = ckpt_format.read_history(directory)
-    state = _State(epoch=meta["epoch"], step=meta["step"], attempt=meta.get("attempt", 0) + 1, history=history)
+    state = RunState.resumed(meta, history, getattr(checkpoint, "path", None))
     _restore_rng(train_state.get("rng_per_rank"), cfg.seed, strategy.ctx, state.step)
     if strategy.ctx.world_rank == 0:
         logger.info("resuming %s from epoch %d, step %d", cfg.name, state.epoch, state.step)
@@ -299,9 +282,7 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
     with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
         checkpoint: Optional[ray.train.Checkpoint] = None
         if ctx.world_rank == 0:
-            meta = {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy,
-                    "epoch": state.epoch, "step": state.step, "attempt": state.attempt,
-                    **shape_info, "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
+            meta = checkpoint_meta(cfg, state, shape_info)
             train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                            "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
             ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,

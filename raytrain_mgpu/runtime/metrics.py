@@ -82,3 +82,22 @@ def summarise_memory(peaks: List[int]) -> Dict[str, float]:
         return {}
     return {"peak_memory_max_bytes": max(peaks), "peak_memory_min_bytes": min(peaks),
             "peak_memory_imbalance": max(peaks) / max(1, min(peaks))}
+
+
+class StageTotals:
+    """One pipeline rank's sums for an epoch (host floats: the executor times its own steps)."""
+
+    def __init__(self):
+        self.steps, self.busy_s, self.schedule_s, self.step_s, self.data_wait_s, self.bytes_sent = 0, 0.0, 0.0, 0.0, 0.0, 0
+
+    def add_step(self, stats, step_s: float) -> None:
+        """``stats``: the executor's ``busy_s``, ``wall_s`` and ``bytes_sent`` of one step."""
+        self.steps += 1
+        self.busy_s += stats.busy_s
+        self.schedule_s += stats.wall_s
+        self.bytes_sent += stats.bytes_sent
+        self.step_s += step_s
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "busy_s": self.busy_s, "schedule_s": self.schedule_s, "step_s": self.step_s,
+                "data_wait_s": self.data_wait_s, "bytes_sent": self.bytes_sent}

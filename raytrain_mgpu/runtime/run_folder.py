@@ -1,0 +1,282 @@
+"""The run folder ``{storage_path}/{name}``: one helper for both runners.
+
+Everything that lives there goes through :class:`RunFolder`, on any filesystem pyarrow
+opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
+
+    {run}/run.json                      the run's identity (planning/preflight.py)
+    {run}/history.parquet               one row per epoch (written by fit, atomically)
+    {run}/.raytrain-mgpu.lock           the driver's lock (runtime/runlock.py)
+    {run}/checkpoint*/meta.json         one per checkpoint, written last: marks it complete
+    {run}/checkpoint_manager_snapshot.json   Ray Train's own record of its checkpoints
+
+Ray Train names its checkpoints ``checkpoint_<time>``; the pipeline driver
+``checkpoint_epoch<E>``. :meth:`RunFolder.checkpoints` is the one scanner of both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import uuid
+from typing import Iterator, List, NamedTuple, Optional
+
+from raytrain_mgpu._redact import redact
+from raytrain_mgpu.runtime.checkpoint import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
+from raytrain_mgpu.runtime.checkpoint import META_FILE, filesystem
+from raytrain_mgpu.runtime.run_state import RunState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunFolder", "CheckpointInfo", "HISTORY_FILE", "RAY_TRAIN_SNAPSHOT"]
+
+HISTORY_FILE = "history.parquet"
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""Ray Train's record of its checkpoints; its ``latest_checkpoint_result`` is what it resumes from."""
+
+
+class CheckpointInfo(NamedTuple):
+    name: str       # the folder's name, e.g. checkpoint_epoch000003
+    path: str       # its path in the run folder's filesystem
+    uri: str        # a local path, or a URI for a storage URI (what TrainResult.checkpoint_path holds)
+    meta: dict
+
+
+def run_uri(storage_path: str, name: str) -> str:
+    """``{storage_path}/{name}``, also for a storage URI."""
+    return f"{storage_path.rstrip('/')}/{name}"
+
+
+class RunFolder:
+    """``RunFolder.of(cfg)`` or ``RunFolder(run_uri)``; the filesystem is opened on first use.
+
+    ``filesystem``: ``(pyarrow FileSystem, path in it)`` to use instead of opening ``uri``.
+    """
+
+    def __init__(self, uri: str, filesystem: Optional[tuple] = None):
+        self.uri = uri
+        self.display = redact(uri)  # for logs and errors: no URI credentials
+        self._fs, self._path = filesystem if filesystem is not None else (None, None)
+
+    @classmethod
+    def of(cls, cfg) -> "RunFolder":
+        return cls(run_uri(cfg.storage_path, cfg.name))
+
+    def __repr__(self) -> str:
+        return f"RunFolder({self.display!r})"
+
+    # ------------------------------------------------------------------ where
+
+    @property
+    def fs(self):
+        """The pyarrow filesystem (``runtime.checkpoint.filesystem``)."""
+        if self._fs is None:
+            self._fs, self._path = filesystem(self.uri)
+        return self._fs
+
+    @property
+    def path(self) -> str:
+        """The run folder's path inside :attr:`fs`."""
+        self.fs  # noqa: B018 (opens it)
+        return self._path.rstrip("/") or "/"
+
+    @property
+    def is_local(self) -> bool:
+        """A folder of this machine's filesystem (also for ``file://``): paths work as they are."""
+        import pyarrow.fs as pafs
+
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def join(self, *names: str) -> str:
+        return "/".join([self.path, *names])
+
+    def uri_of(self, path: str) -> str:
+        """The path or URI a user (and ``TrainResult.load_model``) opens for ``path`` of :attr:`fs`."""
+        if "://" not in self.uri:
+            return path
+        return f"{self.uri.split('://', 1)[0]}://{path}"
+
+    def _exists(self, path: str, directory: bool = False) -> bool:
+        import pyarrow.fs as pafs
+
+        kind = self.fs.get_file_info(path).type
+        return kind == (pafs.FileType.Directory if directory else pafs.FileType.File)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _folders(self, prefix: str) -> list:
+        import pyarrow.fs as pafs
+
+        entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return sorted((e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith(prefix)),
+                      key=lambda e: e.base_name)
+
+    def checkpoints(self) -> List[CheckpointInfo]:
+        """Every complete checkpoint (``checkpoint*/meta.json`` readable), oldest first by (step, epoch, name)."""
+        found = []
+        for entry in self._folders("checkpoint"):
+            meta = self.read_json(f"{entry.path}/{META_FILE}")
+            if meta is not None:
+                found.append(CheckpointInfo(entry.base_name, entry.path, self.uri_of(entry.path), meta))
+        return sorted(found, key=lambda c: (_number(c.meta.get("step")), _number(c.meta.get("epoch")), c.name))
+
+    def newest_checkpoint(self) -> Optional[CheckpointInfo]:
+        """The checkpoint a resume starts from: Ray Train's latest where it keeps a record (a
+        folder uploaded by a save that was killed before Ray Train took it is not one), else
+        the furthest one."""
+        found = self.checkpoints()
+        snapshot = self.read_json(self.join(RAY_TRAIN_SNAPSHOT)) or {}
+        latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        registered = [c for c in found if c.name == latest]
+        return registered[0] if registered else (found[-1] if found else None)
+
+    def state(self) -> RunState:
+        """Where the run stands: a fresh :class:`RunState`, or the one after the newest checkpoint."""
+        newest = self.newest_checkpoint()
+        if newest is None:
+            return RunState()
+        history = self.read_json(f"{newest.path}/{CHECKPOINT_HISTORY_FILE}", kind=list) or []
+        return RunState.resumed(newest.meta, history, newest.uri)
+
+    def checkpoint_history(self, path: str) -> list:
+        """The history a checkpoint carries (its ``history.json``), read without downloading the checkpoint."""
+        return self.read_json(f"{path.rstrip('/')}/{CHECKPOINT_HISTORY_FILE}", kind=list) or []
+
+    @contextlib.contextmanager
+    def readable(self, path: str) -> Iterator[str]:
+        """A local folder with the contents of ``path`` (downloaded for a remote storage)."""
+        if self.is_local:
+            yield path
+            return
+        import pyarrow.fs as pafs
+
+        with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-read-") as local:
+            pafs.copy_files(path, local, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+            yield local
+
+    @contextlib.contextmanager
+    def writable(self, path: str) -> Iterator[str]:
+        """A local folder whose files end up in ``path`` (uploaded on exit for a remote storage)."""
+        if self.is_local:
+            self.fs.create_dir(path, recursive=True)
+            yield path
+            return
+        import pyarrow.fs as pafs
+
+        with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-write-") as local:
+            yield local
+            pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
+
+    def temporary(self, name: str) -> str:
+        """A new uniquely named hidden folder for a checkpoint being written (see :meth:`publish`)."""
+        path = self.join(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}")
+        self.fs.create_dir(path, recursive=True)
+        return path
+
+    def publish(self, tmp: str, name: str) -> CheckpointInfo:
+        """Give the finished ``tmp`` folder its checkpoint ``name``.
+
+        A filesystem renames the folder: a resume sees all of it or nothing. An object
+        store has no folders to rename, so the files are copied with ``meta.json`` last
+        (the scanners need it), then the temporary ones deleted.
+        """
+        final = self.join(name)
+        if self._exists(final, directory=True):
+            self.fs.delete_dir(final)
+        try:
+            self.fs.move(tmp, final)
+        except (NotImplementedError, OSError) as exc:  # S3/GCS: "moving directories is not supported"
+            logger.debug("%s: copying %s file by file (%s)", self.display, name, exc)
+            self._copy_meta_last(tmp, final)
+            self.fs.delete_dir(tmp)
+        meta = self.read_json(f"{final}/{META_FILE}") or {}
+        return CheckpointInfo(name, final, self.uri_of(final), meta)
+
+    def _copy_meta_last(self, source: str, dest: str) -> None:
+        import pyarrow.fs as pafs
+
+        files = [e.path for e in self.fs.get_file_info(pafs.FileSelector(source, recursive=True))
+                 if e.type == pafs.FileType.File]
+        for path in sorted(files, key=lambda p: p.endswith(f"/{META_FILE}")):
+            target = dest + path[len(source):]
+            self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            self.fs.copy_file(path, target)
+
+    def prune(self, prefix: str, keep: int) -> None:
+        """Delete all but the newest ``keep`` folders named ``{prefix}*`` (names sort by age)."""
+        for old in self._folders(prefix)[:-keep]:
+            self.fs.delete_dir(old.path)
+
+    def remove_temporaries(self) -> List[str]:
+        """Remove the temporary checkpoint folders a killed driver (or attempt) left; returns their names.
+
+        Their names are unique, so nobody would ever reuse or remove them otherwise. Under our
+        own run lock (``fit`` holds it) no other driver writes here, so every one is stale; if
+        the lock names another live driver, its save may be in flight and nothing is removed.
+        """
+        from raytrain_mgpu.runtime.runlock import other_live_owner
+
+        owner = other_live_owner(self.uri)
+        if owner is not None:
+            logger.warning("run folder %s is locked by another live driver (host %s, pid %s): its temporary "
+                           "checkpoint folders are left alone", self.display, owner.get("host"), owner.get("pid"))
+            return []
+        stale = self._folders(f"{TMP_PREFIX}checkpoint")
+        for entry in stale:
+            self.fs.delete_dir(entry.path)
+        if stale:
+            logger.info("run folder %s: removed %d temporary checkpoint folder(s) left by a stopped driver: %s",
+                        self.display, len(stale), ", ".join(e.base_name for e in stale))
+        return [e.base_name for e in stale]
+
+    # ------------------------------------------------------------------ files
+
+    def read_history(self) -> Optional[list]:
+        """``history.parquet`` as a list of rows, or None when there is none."""
+        import pyarrow.parquet as pq
+
+        path = self.join(HISTORY_FILE)
+        if not self._exists(path):
+            return None
+        return pq.read_table(path, filesystem=self.fs).to_pylist()
+
+    def write_history(self, rows: list) -> None:
+        """``history.parquet``: temporary name, then rename, so a crash leaves the previous one, never half."""
+        if not rows:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.fs.create_dir(self.path, recursive=True)
+        tmp = self.join(f".{HISTORY_FILE}.tmp-{uuid.uuid4().hex[:12]}")
+        keys = list(dict.fromkeys(key for row in rows for key in row))  # every row's keys, not only the first's
+        pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in keys} for row in rows]), tmp,
+                       filesystem=self.fs)
+        self.fs.move(tmp, self.join(HISTORY_FILE))
+
+    def read_json(self, path: str, kind: type = dict):
+        """A JSON file of ``kind``, or None if it is missing, cut short by a kill, or another kind."""
+        try:
+            with self.fs.open_input_stream(path) as f:
+                value = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, kind) else None
+
+    def write_json(self, name: str, value) -> None:
+        """``{run}/{name}``, atomically: a kill leaves the old file or the new one, never half."""
+        self.fs.create_dir(self.path, recursive=True)
+        path = self.join(name)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        with self.fs.open_output_stream(tmp) as f:
+            f.write(json.dumps(value, indent=1, default=str).encode())
+        self.fs.move(tmp, path)
+
+
+TMP_PREFIX = ".tmp-"
+"""Temporary checkpoint folders: ``.tmp-{name}-{unique}`` (never matched as a checkpoint)."""
+
+
+def _number(value) -> float:
+    return value if isinstance(value, (int, float)) else -1

@@ -1,0 +1,82 @@
+"""The run-state contract both runners share (Ray Train's loop and the pipeline driver).
+
+One place defines what survives a restart (:class:`RunState`), what a checkpoint's
+``meta.json`` holds (:func:`checkpoint_meta`), what one epoch's history row holds
+(:func:`epoch_row`), and when a run is finished (:meth:`RunState.finished`). Either
+runner adds its own extra keys (the pipeline its partition and bubble, the loop its
+Ray node ids); the shared keys are the same, so a run folder reads the same whoever
+wrote it. Light on purpose: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from raytrain_mgpu._redact import redact
+
+__all__ = ["RunState", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row"]
+
+META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_shape", "num_classes", "config")
+"""Every checkpoint's ``meta.json`` (plus ``format_version``): what it is, how far it got,
+the shapes ``TrainResult.load_model()`` builds the model with, and the config (redacted)."""
+
+EPOCH_KEYS = ("epoch", "step", "attempt", "lr", "train_loss", "train_accuracy", "samples_per_s", "step_time_s",
+              "data_wait_share", "peak_memory_bytes", "test_loss", "test_accuracy", "devices_per_rank", "backend",
+              "gpu_ids_per_rank")
+"""Every history row, in this order; ``test_*`` are None on epochs without evaluation."""
+
+
+@dataclass
+class RunState:
+    """What a run resumes from: read from its newest checkpoint, saved in every one."""
+
+    epoch: int = 0            # epochs completed
+    step: int = 0             # optimizer steps completed
+    attempt: int = 0          # 0 on the first start, +1 for each resume
+    history: list = field(default_factory=list)
+    checkpoint: Optional[str] = None   # the newest checkpoint (path or URI), None for a new run
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def resumed(cls, meta: dict, history: list, checkpoint: Optional[str]) -> "RunState":
+        """The state after the checkpoint with ``meta``: the next attempt continues it."""
+        return cls(epoch=meta["epoch"], step=meta["step"], attempt=meta.get("attempt", 0) + 1,
+                   history=list(history), checkpoint=checkpoint, meta=meta)
+
+    @property
+    def partition(self) -> Optional[List[int]]:
+        """The pipeline's block counts per stage, if a pipeline wrote the checkpoint."""
+        return self.meta.get("partition")
+
+    def finished(self, cfg) -> bool:
+        """All ``cfg.epochs`` done, or ``cfg.max_steps`` reached (the loops stop on either)."""
+        return self.epoch >= cfg.epochs or (cfg.max_steps is not None and self.step >= cfg.max_steps)
+
+
+def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
+    """``meta.json`` of the checkpoint after ``state``; ``shape_info``: input_shape, num_classes."""
+    return {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy, "epoch": state.epoch,
+            "step": state.step, "attempt": state.attempt, **extra, **shape_info,
+            "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
+
+
+def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, correct: float, samples: float,
+              elapsed_s: float, steps: int, data_wait_share: float, peak_memory_bytes: list, devices: dict,
+              **extra) -> dict:
+    """One epoch's history row from the epoch's sums over every rank.
+
+    ``samples`` counts targets (tokens for a language model); ``elapsed_s`` is the
+    epoch's wall time (the mean worker's, for the data-parallel loop); ``devices`` holds
+    ``devices_per_rank``, ``backend`` and ``gpu_ids_per_rank``.
+    """
+    return {
+        "epoch": epoch + 1, "step": state.step, "attempt": state.attempt, "lr": lr,
+        "train_loss": loss_sum / max(samples, 1), "train_accuracy": correct / max(samples, 1),
+        "samples_per_s": samples / max(elapsed_s, 1e-9),
+        "step_time_s": elapsed_s / max(steps, 1),
+        "data_wait_share": data_wait_share,
+        "peak_memory_bytes": [int(b) for b in peak_memory_bytes],
+        "test_loss": None, "test_accuracy": None,
+        **devices, **extra,
+    }
