@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from raytrain_mgpu.data import Datasets, ImageArrayDataset, build_datasets
+from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.data.base import Datasets, ImageArrayDataset
 from raytrain_mgpu.data.parquet import resolve_uri
 from raytrain_mgpu.data.parquet_table import META_MAX_VALUE, META_MEAN, META_NUM_CLASSES, META_SHAPE, META_STD
 

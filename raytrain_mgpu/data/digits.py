@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_mgpu.data import Datasets, ImageArrayDataset, PixelNormaliser
+from raytrain_mgpu.data.base import Datasets, ImageArrayDataset, PixelNormaliser
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import DataConfig

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_mgpu.data import (Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder,
-                                download_with_torchvision, find_files)
+from raytrain_mgpu.data.base import (Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder,
+                                     download_with_torchvision, find_files)
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import DataConfig

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_mgpu.data import Datasets
+from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.data.parquet_table import ParquetTable, Pixels, arrow_errors, import_arrow
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from raytrain_mgpu.data import PixelNormaliser
+from raytrain_mgpu.data.base import PixelNormaliser
 
 if TYPE_CHECKING:
     import pyarrow as pa

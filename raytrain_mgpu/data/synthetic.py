@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_mgpu.data import Datasets
+from raytrain_mgpu.data.base import Datasets
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import DataConfig

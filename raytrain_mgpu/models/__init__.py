@@ -6,11 +6,12 @@ keyword arguments it accepts among ``input_shape``, ``num_classes`` and ``model_
 
 from __future__ import annotations
 
-from typing import Callable, Dict
-
-from torch import nn
+from typing import TYPE_CHECKING, Callable, Dict
 
 from raytrain_mgpu._factory import call_with_accepted, is_factory, load_factory
+
+if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
+    from torch import nn
 
 
 def _lenet(input_shape, num_classes, **kwargs) -> nn.Module:
@@ -37,7 +38,7 @@ def _transformer_lm(input_shape, num_classes, **kwargs) -> nn.Module:
     return TransformerLM(seq_len=input_shape[0], vocab_size=num_classes, **kwargs)
 
 
-MODELS: Dict[str, Callable[..., nn.Module]] = {
+MODELS: Dict[str, Callable[..., "nn.Module"]] = {
     "lenet": _lenet,
     "resnet18": _resnet18,
     "mlp": _mlp,
