@@ -84,7 +84,9 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         if cfg.strategy == "auto":
             from raytrain_mgpu.planning.auto import resolve_auto
 
-            cfg, auto_record = resolve_auto(cfg)  # validated and model-checked; a resumed run keeps its strategy
+            # validated and model-checked; a resumed run keeps its strategy; auto_measure times
+            # the candidates with `compare` (this module's: planning never imports the api)
+            cfg, auto_record = resolve_auto(cfg, compare=compare)
             check_run_folder(cfg, data_info)
         strategy_cls = get_strategy(cfg.strategy)
         plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
@@ -180,3 +182,21 @@ def _write_history(history: list, run_path: str) -> None:
     tmp = f"{path}/.{HISTORY_FILE}.tmp-{uuid.uuid4().hex[:12]}"
     pq.write_table(pa.Table.from_pylist(history), tmp, filesystem=fs)
     fs.move(tmp, f"{path}/{HISTORY_FILE}")
+
+
+def compare(cfg: TrainConfig, strategies: Optional[List[str]] = None, steps: int = 20, warmup_steps: int = 5,
+            memory_budget_bytes=None, out_dir: Optional[str] = None, *, storage_path: Optional[str] = None,
+            batch_search: Optional[str] = None, stream=None):
+    """Run ``cfg`` under each strategy (default: all that can run here) and report side by side:
+    :func:`raytrain_mgpu.planning.compare.compare` with each run trained by :func:`fit`.
+
+    ``memory_budget_bytes``: per-device budget for the largest-batch column, bytes or a
+    size such as ``"24GiB"`` (default: ``cfg.memory_budget_bytes``, else the GPU's memory;
+    none on CPU). ``out_dir``: where the Markdown, Parquet and PNG go
+    (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
+    lines go (default: nowhere).
+    """
+    from raytrain_mgpu.planning.compare import compare as compare_with
+
+    return compare_with(cfg, strategies, steps, warmup_steps, memory_budget_bytes, out_dir,
+                        storage_path=storage_path, batch_search=batch_search, stream=stream, fit=fit)

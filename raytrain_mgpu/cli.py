@@ -3,6 +3,9 @@
 Every ``TrainConfig`` field is an option (``--batch-size``, ``--no-use-gpu``, ...), its help
 taken from the field's docstring; ``--config f.yaml`` supplies defaults that options
 override. Errors print one clear line and exit with status 2.
+
+torch and Ray load only inside the commands that train: ``--help``, ``--version`` and a bad
+option answer in a fraction of a second (tests/test_imports.py holds this).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import sys
 import time
 import typing
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 
@@ -37,7 +40,24 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    # argparse prints the whole usage and exits; the CLI promises one line and status 2.
+    """argparse prints the whole usage and exits; the CLI promises one line and status 2.
+
+    ``add_arguments``: a function that adds the options, called when this (sub)command is
+    parsed; for the benchmarks, whose modules import torch, so the top-level ``--help``
+    does not.
+    """
+
+    def __init__(self, *args, add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._add_arguments is not None:
+            add, self._add_arguments = self._add_arguments, None
+            add(self)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
         raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
@@ -69,7 +89,9 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
             continue
-        kind = "str" if hint in (str, Optional[str]) and f.name != "lr_scaling" else "yaml"
+        # Names stay text ("32" stays "32"); a Literal with None in it (lr_scaling) is YAML, so "null" is None.
+        names = typing.get_origin(hint) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(hint))
+        kind = "str" if hint in (str, Optional[str]) or names else "yaml"
         if f.name in ("input_shape", "balance"):
             kind = "shape" if f.name == "input_shape" else "yaml"
         group.add_argument(flag, dest=f.name, type=_parse_value(kind), default=argparse.SUPPRESS,
@@ -81,7 +103,10 @@ _ALLOW_CODE_HELP = ("let the --config file name code (model or dataset 'module:f
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from raytrain_mgpu import __version__
+
     parser = _Parser(prog="raytrain-mgpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (default: lenet on digits, ddp, 2 CPU workers)",
@@ -107,16 +132,11 @@ def _build_parser() -> argparse.ArgumentParser:
                               "trial runs (default: try on GPU, estimate on CPU)")
     _add_config_options(compare)
 
-    bench = commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun")
-    from raytrain_mgpu.bench.ddp import add_arguments
-
-    add_arguments(bench)
-
-    gpu = commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the "
-                                                 "README (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)")
-    from raytrain_mgpu.bench import gpu_report
-
-    gpu_report.add_arguments(gpu)
+    commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun",
+                        add_arguments=_bench_arguments)
+    commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the README "
+                                           "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
+                        add_arguments=_gpu_report_arguments)
 
     data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
@@ -128,6 +148,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from raytrain_mgpu.bench.ddp import add_arguments
+
+    add_arguments(parser)
+
+
+def _gpu_report_arguments(parser: argparse.ArgumentParser) -> None:
+    from raytrain_mgpu.bench.gpu_report import add_arguments
+
+    add_arguments(parser)
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = {name: getattr(args, name) for name in TrainConfig.field_names() if hasattr(args, name)}
     if args.config:
@@ -136,9 +168,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # a bad value fails here, before torch and Ray load
     from raytrain_mgpu.api import fit
 
-    cfg = config_from_args(args)
     start = time.perf_counter()
     result = fit(cfg)
     m = result.metrics
@@ -149,9 +181,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from raytrain_mgpu.planning.compare import compare
-
     cfg = config_from_args(args)
+    from raytrain_mgpu.api import compare
+
     strategies = [name.strip() for name in args.strategies.split(",")] if args.strategies else None
     report = compare(cfg, strategies=strategies, steps=args.steps, warmup_steps=args.warmup_steps,
                      out_dir=args.out_dir, batch_search=args.batch_search, stream=sys.stdout)

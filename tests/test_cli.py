@@ -44,3 +44,20 @@ def test_data_convert_writes_parquet_that_trains(tmp_path, capsys):
     assert pq.read_table(out / "train").num_rows == 1438
     shape, classes = check_data(TrainConfig(dataset="parquet", data_root=str(out)).data)
     assert (tuple(shape), classes) == ((1, 8, 8), 10)
+
+
+def test_version_prints_the_package_version(capsys):
+    import raytrain_mgpu
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"raytrain-mgpu {raytrain_mgpu.__version__}"
+
+
+def test_benchmark_options_are_added_when_their_command_is_parsed(capsys):
+    # The benchmark modules import torch, so their options load only for `bench`/`gpu-report`.
+    args = _build_parser().parse_args(["bench", "--rounds", "2"])
+    assert (args.command, args.rounds) == ("bench", 2)
+    assert _build_parser().parse_args(["gpu-report", "--quick"]).quick is True
+    assert main(["bench", "--nope"]) == 2
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err

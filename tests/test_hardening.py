@@ -309,7 +309,6 @@ def test_banner_and_failure_message_hold_no_secret():
 def test_compare_keeps_uri_credentials_out_of_its_report_and_errors(monkeypatch, caplog):
     import traceback
 
-    from raytrain_mgpu import api
     from raytrain_mgpu.planning.compare import _run, _write_report
     from raytrain_mgpu.planning.compare_report import CompareReport, Recommendation, RunRow
 
@@ -326,10 +325,9 @@ def test_compare_keeps_uri_credentials_out_of_its_report_and_errors(monkeypatch,
     def failing_fit(cfg, stream=None):
         raise RuntimeError(f"cannot reach {cfg.storage_path}/{cfg.name}")
 
-    monkeypatch.setattr(api, "fit", failing_fit)
     row = RunRow("ddp", "ddp", "1 worker", config=TrainConfig(), num_processes=1)
     with caplog.at_level("WARNING"):
-        _run(row, 1438, 2, 0, "s3://AKIA:SECRET@bucket/runs", None)
+        _run(row, 1438, 2, 0, "s3://AKIA:SECRET@bucket/runs", None, failing_fit)
     assert row.status == "failed" and row.reason == "RuntimeError: cannot reach s3://***@bucket/runs/ddp"
     assert "s3://***@bucket" in caplog.text and "SECRET" not in caplog.text
 

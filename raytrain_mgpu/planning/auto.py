@@ -313,11 +313,13 @@ def _previous_strategy(cfg) -> Optional[dict]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keys}
 
 
-def resolve_auto(cfg, info: Optional[ClusterInfo] = None) -> Tuple[object, dict]:
+def resolve_auto(cfg, info: Optional[ClusterInfo] = None, compare=None) -> Tuple[object, dict]:
     """The config ``fit`` trains for ``strategy="auto"``, and the record it adds to each history row.
 
     Ray must be connected (the cluster is read unless ``info`` is given). A run that
-    already has checkpoints keeps the strategy it started with.
+    already has checkpoints keeps the strategy it started with. ``compare`` times the
+    candidates under ``auto_measure`` (``fit`` passes ``raytrain_mgpu.api.compare``, whose
+    runs are fits: planning never imports the api above it).
     """
     budget = getattr(cfg, "memory_budget_bytes", None)
     info = info or cluster_info(cfg)
@@ -330,16 +332,16 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None) -> Tuple[object, dict]
         name, reason = choose_strategy(cfg, info, budget, profile)
         resolved = plan_config(cfg, name, info)
         if getattr(cfg, "auto_measure", False):
-            name, reason, measured = _measure(cfg, info, budget, profile, name, reason)
+            name, reason, measured = _measure(cfg, info, budget, profile, name, reason, compare)
             resolved = measured if measured is not None else resolved
     logger.info("strategy=auto chose %s: %s", name, reason)
     return resolved, {"auto_strategy": name, "auto_reason": reason}
 
 
-def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str) -> tuple:
+def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str, compare) -> tuple:
     """Time the strategies the estimate lets fit in a short compare run: ``(name, reason, config)``."""
-    from raytrain_mgpu.planning.compare import compare
-
+    if compare is None:
+        raise TypeError("resolve_auto: TrainConfig.auto_measure=True needs compare= (raytrain_mgpu.api.compare)")
     fitting = []
     for candidate in ("ddp", "fsdp", "pipeline", "ddp_pipeline", "dp_balanced", "dp"):
         try:

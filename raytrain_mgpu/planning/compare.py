@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.planning.auto import ClusterInfo, cluster_info, describe_layout, plan_config
@@ -165,8 +165,11 @@ def _estimate_columns(rows: List[RunRow], profile, budget: Optional[int]) -> Non
 def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, warmup_steps: int = 5,
             memory_budget_bytes: Optional[int] = None, out_dir: Optional[str] = None, *,
             storage_path: Optional[str] = None, batch_search: Optional[str] = None,
-            stream=None) -> CompareReport:
+            stream=None, fit: Callable) -> CompareReport:
     """Run ``cfg`` under each strategy (default: all that can run here) and report side by side.
+
+    ``fit`` trains one config (``raytrain_mgpu.api.fit``: users call ``raytrain_mgpu.compare``,
+    which passes it; planning sits below the api and never imports it).
 
     ``memory_budget_bytes``: per-device budget for the largest-batch column, bytes or a
     size such as ``"24GiB"`` (default: ``cfg.memory_budget_bytes``, else the GPU's memory;
@@ -200,11 +203,11 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
         warm = 0
         for row in rows:
             if row.config is not None:
-                warm = _run(row, num_train, steps, warmup_steps, f"{root}/runs", sink)
+                warm = _run(row, num_train, steps, warmup_steps, f"{root}/runs", sink, fit)
         if budget is not None and (batch_search or ("try" if cfg.use_gpu else "estimate")) == "try":
             for row in rows:
                 if row.status == "ok":
-                    _try_max_batch(row, budget, num_train, f"{root}/runs", sink)
+                    _try_max_batch(row, budget, num_train, f"{root}/runs", sink, fit)
     finally:
         if stream is None:
             sink.close()
@@ -236,10 +239,8 @@ def _prepare(cfg, names, info: ClusterInfo, profile, budget: Optional[int]) -> L
     return rows
 
 
-def _run(row: RunRow, num_train: int, steps: int, warmup_steps: int, storage: str, stream) -> int:
+def _run(row: RunRow, num_train: int, steps: int, warmup_steps: int, storage: str, stream, fit: Callable) -> int:
     """Train ``row``'s config; fills the row in (or marks it failed). Returns the warm-up steps used."""
-    from raytrain_mgpu.api import fit
-
     run_cfg, warm = _run_settings(row.config, num_train, steps, warmup_steps, storage, row.label)
     logger.info("compare: %s (%s), %d warm-up + %d measured steps", row.label, row.layout, warm, steps)
     start = time.perf_counter()
@@ -256,10 +257,8 @@ def _run(row: RunRow, num_train: int, steps: int, warmup_steps: int, storage: st
     return warm
 
 
-def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, stream) -> None:
+def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, stream, fit: Callable) -> None:
     """The largest batch by trial runs (2 steps each), starting from the estimate's answer."""
-    from raytrain_mgpu.api import fit
-
     def fits(batch: int) -> bool:
         trial, _ = _run_settings(row.config.replace(batch_size=batch), num_train, 2, 0, storage,
                                  f"{row.label}-try-{batch}")

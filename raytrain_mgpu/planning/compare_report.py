@@ -119,8 +119,7 @@ def summarize_history(history: List[dict], warmup_steps: int) -> dict:
         raise ValueError("the run reported no epoch")
     measured, previous = [], 0
     for entry in history:
-        steps = entry["step"] - previous
-        previous = entry["step"]
+        steps, previous = entry["step"] - previous, entry["step"]
         if entry["step"] > warmup_steps and steps > 0:
             measured.append((entry, steps, entry["step_time_s"] * steps))
     if not measured:  # everything was warm-up: report the last epoch rather than nothing
@@ -191,8 +190,7 @@ def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int], on_gpu
     not recommended over one device.
     """
     measured = [r for r in rows if r.status == "ok" and r.samples_per_s]
-    left_out = []
-    usable = []
+    left_out, usable = [], []
     for row in measured:
         if not on_gpu and row.label != REFERENCE and row.num_processes == 1:
             left_out.append(f"{row.label} (one process on CPU: one device's work)")
@@ -205,9 +203,7 @@ def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int], on_gpu
     if not usable:
         return Recommendation(None, None, "no strategy ran and fit: " + ("; ".join(left_out) or "none ran"))
     excluded = f"; left out: {', '.join(left_out)}" if left_out else ""
-    ranked = sorted(usable, key=lambda r: r.samples_per_s, reverse=True)
-    best = ranked[0]
-    others = [r for r in ranked[1:]]
+    best, *others = sorted(usable, key=lambda r: r.samples_per_s, reverse=True)
     if best.label == REFERENCE:
         runner = others[0] if others else None
         beat = f" (the best, {runner.label}, reaches {runner.speedup:.2f}x)" if runner and runner.speedup else ""
@@ -263,10 +259,9 @@ def render_text(report: CompareReport) -> str:
     columns = _columns(report)
     rows = [[fmt(r) for _, fmt in columns] for r in report.measured()]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, (h, _) in enumerate(columns)]
-    left = {0, 1}
 
-    def line(cells: List[str]) -> str:
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    def line(cells: List[str]) -> str:  # strategy and layout left-aligned, numbers right
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     out = [report.title, line([h for h, _ in columns]), "  ".join("-" * w for w in widths)]
     out += [line(row) for row in rows]
