@@ -35,11 +35,15 @@ import torch
 
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.strategies import STRATEGIES as _REGISTRY
+from raytrain_mgpu.strategies import get_strategy
 
 __all__ = ["Row", "run_report", "format_rows", "main"]
 
 COMMAND = "raytrain-mgpu gpu-report"
-STRATEGIES = ("ddp", "dp", "dp_balanced", "mp", "ddp_mp", "ddp2", "fsdp", "pipeline", "ddp_pipeline")
+STRATEGIES = tuple(_REGISTRY)  # every registered strategy, in the registry's order
+# The strategy whose schedules the report times: the first registered one that reads ``schedule``.
+SCHEDULED = next(name for name, cls in _REGISTRY.items() if "schedule" in cls.options_used)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -115,27 +119,13 @@ def _gib(peaks: list) -> str:
     return "/".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB"
 
 
-def _layout(name: str, gpus: int) -> dict:
-    """Workers and devices per worker for ``name`` on one node of ``gpus`` GPUs."""
-    if name in ("dp", "dp_balanced", "mp", "ddp2"):  # one process over the node's GPUs (ddp2: one node)
-        return {"num_workers": 1, "gpus_per_worker": min(gpus, 4)}
-    if name == "ddp_mp":
-        return {"num_workers": max(1, min(2, gpus // 2)), "gpus_per_worker": 2}
-    if name == "pipeline":
-        stages = min(gpus, 4)
-        return {"num_workers": 1, "num_stages": stages, "num_microbatches": 2 * stages}
-    if name == "ddp_pipeline":
-        return {"num_workers": max(1, min(2, gpus // 2)), "num_stages": 2, "num_microbatches": 4}
-    return {"num_workers": min(gpus, 2)}  # ddp, fsdp
-
-
 def _strategy_config(name: str, gpus: int, sizes: Sizes, storage: str, schedule: str = "1f1b") -> TrainConfig:
     """A few steps of a wide-output MLP (the output that fills GPU 0 under dp) with ``name``.
 
     10 blocks (flatten, 8 hidden layers, the classifier): enough for interleaved 1F1B's
     2 chunks on each of 4 stages.
     """
-    layout = _layout(name, gpus)
+    layout = get_strategy(name).demo_layout(gpus)  # ValueError: too few GPUs
     if "num_stages" in layout:
         layout["schedule"] = schedule
     batch = 64 * layout["num_workers"] * layout.get("num_microbatches", 1)
@@ -149,10 +139,11 @@ def _strategy_config(name: str, gpus: int, sizes: Sizes, storage: str, schedule:
 def strategy_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
     rows = []
     for name in STRATEGIES:
-        if name in ("ddp_mp", "ddp_pipeline") and gpus < 2:
-            rows.append(Row(f"strategy `{name}`, use_gpu=True", "not run: needs 2 GPUs", where))
+        try:
+            cfg = _strategy_config(name, gpus, sizes, storage)
+        except ValueError as exc:  # too few GPUs for this strategy's layout
+            rows.append(Row(f"strategy `{name}`, use_gpu=True", f"not run: {exc}", where))
             continue
-        cfg = _strategy_config(name, gpus, sizes, storage)
         history = _fit(cfg)
         peaks = history[-1]["peak_memory_bytes"]
         imbalance = max(peaks) / max(1, min(peaks))
@@ -168,17 +159,20 @@ def schedule_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row
     if gpus < 2:
         return [Row("pipeline schedules", "not run: needs 2 GPUs", where)]
     for schedule in SCHEDULES:
-        cfg = _strategy_config("pipeline", gpus, sizes, storage, schedule)
+        cfg = _strategy_config(SCHEDULED, gpus, sizes, storage, schedule)
         history = _fit(cfg)
-        rows.append(Row(f"pipeline `{schedule}`, {cfg.num_stages} stages on distinct GPUs, m={cfg.num_microbatches}",
+        rows.append(Row(f"{SCHEDULED} `{schedule}`, {cfg.num_stages} stages on distinct GPUs, m={cfg.num_microbatches}",
                         f"finished {history[-1]['step']} steps, {_steady(history, 'step_time_s') * 1000:.1f} ms a "
                         f"step", where))
     return rows
 
 
 def _d2l_config(sizes: Sizes, storage: str, workers: int, precision: str = "32") -> TrainConfig:
+    from raytrain_mgpu.planning.auto import ClusterInfo, candidates
+
+    plain = candidates(ClusterInfo((workers,), True))[0]  # the plain model, one worker per GPU (ddp)
     return TrainConfig(model="resnet18", dataset="synthetic", input_shape=(1, 28, 28), num_classes=10,
-                       num_samples=sizes.d2l_samples, strategy="ddp", num_workers=workers, use_gpu=True,
+                       num_samples=sizes.d2l_samples, strategy=plain, num_workers=workers, use_gpu=True,
                        batch_size=sizes.d2l_batch * workers, epochs=sizes.d2l_epochs, optimizer="sgd", lr=0.1 * workers,
                        momentum=0.0, precision=precision, storage_path=storage, eval_every_epochs=100,
                        name=f"gpu-report-d2l-{workers}-{precision}")

@@ -46,8 +46,10 @@ _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def num_replicas(cfg: TrainConfig) -> int:
-    """Pipeline replicas D: ``num_workers`` for ``ddp_pipeline``, 1 for ``pipeline``."""
-    return cfg.num_workers if cfg.strategy == "ddp_pipeline" else 1
+    """Pipeline replicas D: the strategy's data-parallel size (``num_workers`` for ``ddp_pipeline``, else 1)."""
+    from raytrain_mgpu.strategies import get_strategy
+
+    return get_strategy(cfg.strategy).data_parallel_size(cfg)  # what the run plan's ``replicas`` holds
 
 
 def microbatch_rows(size: int, num_microbatches: int) -> List[int]:

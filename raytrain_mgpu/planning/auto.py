@@ -23,14 +23,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from raytrain_mgpu.planning.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
                                   profile_config)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClusterInfo", "cluster_info", "plan_config", "choose_strategy", "resolve_auto"]
+__all__ = ["ClusterInfo", "cluster_info", "candidates", "plan_config", "choose_strategy", "resolve_auto"]
 
 @dataclass(frozen=True)
 class ClusterInfo:
@@ -120,60 +120,20 @@ def _probe_gpu_memory() -> Optional[int]:
 # ----------------------------------------------------------------------------- layouts
 
 
-def _microbatches(cfg, stages: int, replicas: int) -> int:
-    """``cfg.num_microbatches`` if it works with ``stages``, else the smallest count that does."""
-    need_multiple = stages if cfg.schedule == "interleaved_1f1b" else 1
-    low = max(cfg.num_microbatches, stages if cfg.schedule != "gpipe" else 1)
-    for m in range(low, cfg.batch_size // replicas + 1):
-        if cfg.batch_size % (replicas * m) == 0 and m % need_multiple == 0:
-            return m
-    raise ValueError(f"global batch {cfg.batch_size} does not split into {replicas} replica(s) x at least "
-                     f"{low} micro-batches. Use a batch_size that is a multiple of {replicas * low}")
+def candidates(info: ClusterInfo, measured: bool = False) -> List[str]:
+    """The strategies ``auto`` tries on ``info``'s devices, in order (each class's ``auto_rank``).
 
-
-def _num_blocks(cfg) -> int:
-    """Blocks the model splits into (built on ``meta``: no memory); ValueError if it cannot be split."""
-    from raytrain_mgpu.pipeline.plan import meta_blocks
-
-    return len(meta_blocks(cfg))
-
-
-def _layout(name: str, cfg, info: ClusterInfo) -> dict:
-    """Worker, device and stage counts for ``name`` on ``info``'s devices (ValueError: why not).
-
-    A model split over devices (``mp``) or stages gets at most one part per block.
+    The first is the plain model (chosen when it fits one device), then the strategies that
+    spread the model, which the estimate tries when it does not; ``measured=True`` adds those
+    only ``auto_measure`` times.
     """
-    n, nodes, per_node = info.num_devices, info.num_nodes, min(info.devices_per_node)
-    if n < 1:
-        raise ValueError("the cluster has no device to train on")
-    if name in ("ddp", "fsdp"):
-        # The most workers that split the global batch evenly (100 samples on 8 GPUs: 5 workers).
-        parts = cfg.batch_size // cfg.grad_accum_steps if cfg.batch_size % cfg.grad_accum_steps == 0 else 1
-        return {"num_workers": max(w for w in range(1, n + 1) if parts % w == 0)}
-    if name in ("dp", "dp_balanced"):
-        return {"num_workers": 1, "gpus_per_worker": max(info.devices_per_node)}
-    if name == "mp":
-        return {"num_workers": 1, "gpus_per_worker": min(max(info.devices_per_node), _num_blocks(cfg))}
-    if name == "ddp2":
-        if nodes > 1:
-            return {"num_workers": nodes, "gpus_per_worker": per_node, "placement": "STRICT_SPREAD"}
-        if info.use_gpu or n < 2:
-            raise ValueError("ddp2 runs one worker per node and needs at least 2 nodes; on one node it is dp")
-        return {"num_workers": 2, "gpus_per_worker": n // 2}  # CPU workers stand in for nodes
-    if name == "ddp_mp":
-        workers = nodes if nodes > 1 else n // 2
-        devices = min(per_node, _num_blocks(cfg)) if nodes > 1 else 2
-        if workers < 2 or devices < 2:
-            raise ValueError(f"ddp_mp needs at least 2 workers x 2 devices; with {n} device(s) it is mp or ddp")
-        return {"num_workers": workers, "gpus_per_worker": devices}
-    if name in ("pipeline", "ddp_pipeline"):
-        replicas = 1 if name == "pipeline" else n // 2
-        stages = min(n, _num_blocks(cfg)) if name == "pipeline" else 2
-        if stages < 2 or replicas < 1 or (name == "ddp_pipeline" and replicas < 2):
-            raise ValueError(f"{name} needs at least {2 if name == 'pipeline' else 4} devices; the cluster has {n}")
-        return {"num_workers": replicas, "num_stages": stages,
-                "num_microbatches": _microbatches(cfg, stages, replicas)}
-    return {}  # a strategy registered by a user: run it as configured
+    from raytrain_mgpu.strategies import STRATEGIES
+    from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY
+
+    ranks = {name: cls.auto_rank(info) for name, cls in STRATEGIES.items()}
+    ranked = sorted((rank, order, name) for order, (name, rank) in enumerate(ranks.items())
+                    if rank is not None and (measured or rank < AUTO_MEASURE_ONLY))
+    return [name for _, _, name in ranked]
 
 
 def plan_config(cfg, name: str, info: ClusterInfo):
@@ -188,12 +148,15 @@ def plan_config(cfg, name: str, info: ClusterInfo):
     from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
 
     cls = get_strategy(name)
+    if info.num_devices < 1:
+        raise ValueError("the cluster has no device to train on")
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in OPTIONAL_FIELDS}
     changes = {option: value for option, value in defaults.items() if option not in cls.options_used}
     if not isinstance(cfg.balance, str):
         changes["balance"] = "params"  # an explicit split was for another device count
     changes["strategy"] = name
-    changes.update(_layout(name, cfg, info))
+    # Worker, device and stage counts (a split gets at most one part per block of the model).
+    changes.update(cls.auto_layout(cfg, info))
     planned = cfg.replace(**changes)
     input_shape, num_classes = check_data(planned.data)
     cls.check_model(planned, input_shape, num_classes)
@@ -206,16 +169,14 @@ def plan_config(cfg, name: str, info: ClusterInfo):
 
 def describe_layout(cfg) -> str:
     """``"2 workers"``, ``"1 worker x 2 devices"``, ``"2 stages x 4 micro-batches"``."""
-    from raytrain_mgpu.strategies import get_strategy
+    from raytrain_mgpu.planning.plan import build_plan
 
-    cls = get_strategy(cfg.strategy)
-    if cls.runner == "actor_group":
-        replicas = cls.data_parallel_size(cfg)
-        prefix = f"{replicas} x " if replicas > 1 else ""
+    plan = build_plan(cfg)
+    if plan.runner == "actor_group":
+        prefix = f"{plan.replicas} x " if plan.replicas > 1 else ""
         return f"{prefix}{cfg.num_stages} stages, {cfg.num_microbatches} micro-batches"
-    devices = cls.devices_per_worker(cfg)
     workers = f"{cfg.num_workers} worker{'s' if cfg.num_workers > 1 else ''}"
-    return f"{workers} x {devices} devices" if devices > 1 else workers
+    return f"{workers} x {plan.devices_per_worker} devices" if plan.devices_per_worker > 1 else workers
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -240,36 +201,37 @@ def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] =
     """``(strategy name, one-line reason)`` for ``cfg`` on ``info``'s devices; pure given ``info``.
 
     ``memory_budget_bytes`` (default: the device's memory) is what one device may hold;
-    on CPU without a budget the model is taken to fit.
+    on CPU without a budget the model is taken to fit. The candidates come in the order
+    of their classes' ``auto_rank``: the plain model first, the first that fits wins.
     """
+    from raytrain_mgpu.planning.plan import build_plan
+    from raytrain_mgpu.strategies import get_strategy
+
     profile = profile or profile_config(cfg)
     budget = memory_budget_bytes or info.device_memory_bytes
     where = info.describe()
-    ddp = plan_config(cfg, "ddp", info)
-    need = _peak("ddp", ddp, profile)
-    per_device = cfg.batch_size // (ddp.num_workers * cfg.grad_accum_steps)
+    first, *spread = candidates(info)
+    planned = plan_config(cfg, first, info)
+    need = _peak(first, planned, profile)
     if budget is None or need <= budget:
-        fits = (f"fits one device ({format_bytes(need)} at {per_device} samples per device"
+        fits = (f"fits one device ({format_bytes(need)} at {build_plan(planned).micro_batch} samples per device"
                 + (f" <= budget {format_bytes(budget)})" if budget else "; no memory budget known on CPU)"))
-        spread = "ddp with one worker (the plain model)" if info.num_devices == 1 else \
-            f"ddp over all {info.num_devices} devices"
-        return "ddp", f"{spread}: the model {fits}; {_output_note(profile, cfg)} [{where}]"
+        reason = get_strategy(first).auto_reason(info)
+        return first, f"{reason}: the model {fits}; {_output_note(profile, cfg)} [{where}]"
     if info.num_devices == 1:
-        raise ValueError(_nothing_fits(cfg, profile, budget, ["ddp"], info))
-    order = ("pipeline", "fsdp") if info.num_nodes > 1 else ("fsdp", "pipeline")
+        raise ValueError(_nothing_fits(cfg, profile, budget, [first], info))
     needs = {}
-    for name in order:
+    for name in spread:
         try:
             needs[name] = _peak(name, plan_config(cfg, name, info), profile)
         except ValueError as exc:
             logger.debug("auto: %s is not possible here: %s", name, exc)
             continue
         if needs[name] <= budget:
-            why = ("shards parameters, gradients and optimizer state over the devices" if name == "fsdp"
-                   else "splits the model into stages; only activations cross between devices")
-            return name, (f"{name}: ddp would need {format_bytes(need)} per device, over the budget "
-                          f"{format_bytes(budget)}; {name} {why} and needs {format_bytes(needs[name])} [{where}]")
-    raise ValueError(_nothing_fits(cfg, profile, budget, ["ddp", *needs], info))
+            return name, (f"{name}: {first} would need {format_bytes(need)} per device, over the budget "
+                          f"{format_bytes(budget)}; {get_strategy(name).auto_reason(info)} and needs "
+                          f"{format_bytes(needs[name])} [{where}]")
+    raise ValueError(_nothing_fits(cfg, profile, budget, [first, *needs], info))
 
 
 def _nothing_fits(cfg, profile: ModelProfile, budget: int, tried: list, info: ClusterInfo) -> str:
@@ -343,7 +305,7 @@ def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, r
     if compare is None:
         raise TypeError("resolve_auto: TrainConfig.auto_measure=True needs compare= (raytrain_mgpu.api.compare)")
     fitting = []
-    for candidate in ("ddp", "fsdp", "pipeline", "ddp_pipeline", "dp_balanced", "dp"):
+    for candidate in candidates(info, measured=True):
         try:
             planned = plan_config(cfg, candidate, info)
         except ValueError:

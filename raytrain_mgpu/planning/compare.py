@@ -31,12 +31,13 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.planning.auto import ClusterInfo, cluster_info, describe_layout, plan_config
+from raytrain_mgpu.planning.auto import ClusterInfo, candidates, cluster_info, describe_layout, plan_config
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch, parse_bytes,
                                   profile_config)
+from raytrain_mgpu.planning.plan import build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -66,21 +67,9 @@ def _check_arguments(strategies: Optional[Sequence[str]], steps: int, warmup_ste
     return list(dict.fromkeys(names))
 
 
-def _steps_per_epoch(cfg, num_train: int) -> int:
-    """Optimizer steps in one epoch for ``cfg``'s strategy (the samplers drop the remainder)."""
-    from raytrain_mgpu.strategies import get_strategy
-
-    cls = get_strategy(cfg.strategy)
-    replicas = cls.data_parallel_size(cfg)
-    if cls.runner == "actor_group":
-        return num_train // replicas // (cfg.batch_size // replicas)
-    micro = cfg.batch_size // (replicas * cfg.grad_accum_steps)
-    return (num_train // replicas // micro) // cfg.grad_accum_steps
-
-
 def _run_settings(planned, num_train: int, steps: int, warmup_steps: int, storage: str, label: str):
     """``planned`` set up to stop after the rounded warm-up plus ``steps``; returns (config, warm-up steps)."""
-    per_epoch = _steps_per_epoch(planned, num_train)
+    per_epoch = build_plan(planned, num_train).steps_per_epoch
     if per_epoch < 1:
         raise ValueError(f"batch_size={planned.batch_size} is larger than the training split ({num_train} samples)")
     warm = math.ceil(warmup_steps / per_epoch) * per_epoch
@@ -95,21 +84,22 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
     """One row per run: the single-device reference first, then each name laid out on ``info``."""
     from dataclasses import replace
 
-    from raytrain_mgpu.strategies import get_strategy
-
-    reference = plan_config(cfg, "ddp", replace(info, devices_per_node=(1,)))
-    rows = [RunRow(REFERENCE, "ddp", describe_layout(reference), config=reference, num_processes=1)]
+    one_device = replace(info, devices_per_node=(1,))
+    first = candidates(one_device)[0]  # what auto runs on one device: the plain model
+    reference = plan_config(cfg, first, one_device)
+    rows = [RunRow(REFERENCE, first, describe_layout(reference), config=reference, num_processes=1)]
     for name in names:
         try:
             candidate = plan_config(cfg, name, info)
         except ValueError as exc:
             rows.append(RunRow(name, name, status="skipped", reason=str(exc)))
             continue
-        if name == "ddp" and candidate.num_workers == 1:
-            rows.append(RunRow(name, name, "1 worker", status="skipped", reason=f"the same run as '{REFERENCE}'"))
+        if candidate == reference:  # e.g. ddp laid out on one worker
+            rows.append(RunRow(name, name, describe_layout(candidate), status="skipped",
+                               reason=f"the same run as '{REFERENCE}'"))
             continue
         rows.append(RunRow(name, name, describe_layout(candidate), config=candidate,
-                           num_processes=len(get_strategy(name).bundles(candidate))))
+                           num_processes=build_plan(candidate).num_processes))
     return rows
 
 
@@ -117,13 +107,12 @@ def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
     """Mark the rows the cluster can never place as skipped (``capacity``: what it can have,
     so an autoscaling cluster with no GPU node up yet still runs them)."""
     from raytrain_mgpu.runtime.cluster import check_placeable
-    from raytrain_mgpu.strategies import get_strategy
 
     for row in rows:
         if row.config is None:
             continue
         try:
-            check_placeable(get_strategy(row.strategy).bundles(row.config), use_gpu,
+            check_placeable(list(build_plan(row.config).bundles), use_gpu,
                             f"strategy={row.strategy!r} ({row.layout})", capacity)
         except ValueError as exc:
             row.status, row.reason, row.config = "skipped", str(exc), None

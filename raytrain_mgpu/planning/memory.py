@@ -22,14 +22,15 @@ allocator fragmentation): keep a margin, or let ``compare`` find the batch by tr
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from raytrain_mgpu.strategies._memory import DeviceMemory
 
 logger = logging.getLogger(__name__)
 
@@ -191,134 +192,33 @@ def profile_config(cfg) -> ModelProfile:
 # ----------------------------------------------------------------------------- per strategy
 
 
-class DeviceMemory(NamedTuple):
-    """One device's estimate as a line in the global batch ``b``: ``fixed + per_sample * b``."""
-
-    fixed: float
-    per_sample: float
-
-    def at(self, batch: int) -> int:
-        return int(math.ceil(self.fixed + self.per_sample * batch))
-
-
-def _split_parts(profile: ModelProfile, num_parts: int, balance) -> List[range]:
-    """Block ranges of each part, as the strategies split (``balance="time"`` estimated by parameters)."""
-    from raytrain_mgpu.models.partition import balanced_split
-
-    n = len(profile.block_param_bytes)
-    if not profile.splittable and num_parts > 1:
-        raise ValueError("the model cannot be split into blocks (not an nn.Sequential, no blocks())")
-    if num_parts > n:
-        raise ValueError(f"{num_parts} parts need at least {num_parts} blocks; the model has {n}")
-    counts = list(balance) if isinstance(balance, (tuple, list)) else balanced_split(profile.block_param_bytes, num_parts)
-    bounds, start = [], 0
-    for count in counts:
-        bounds.append(range(start, start + count))
-        start += count
-    return bounds
-
-
-def _replica_on(profile: ModelProfile, parts: List[range], share: float, inflight: Sequence[float],
-                loaded: float) -> List[DeviceMemory]:
-    """A replica split into ``parts`` (one per device) seeing ``share`` of the global batch.
-
-    ``inflight[j]``: how many of its own batch shares device j keeps activations for (1 for
-    a plain forward, more for pipeline micro-batches); ``loaded``: the share of the global
-    batch the first device loads as input.
-    """
-    last = len(parts) - 1
-    devices = []
-    for j, blocks in enumerate(parts):
-        per = sum(profile.block_activation_bytes[i] for i in blocks) * share * inflight[j]
-        per += profile.input_bytes * loaded if j == 0 else 0.0
-        per += profile.output_bytes * share * inflight[j] if j == last else 0.0
-        devices.append(DeviceMemory(profile.state_bytes(blocks), per))
-    return devices
-
-
-def _data_parallel_node(profile: ModelProfile, num_devices: int, share: float, balanced: bool,
-                        output_device: int) -> List[DeviceMemory]:
-    """``nn.DataParallel`` (``balanced=False``) or ``dp_balanced`` over ``num_devices`` devices.
-
-    Device 0 holds the module, its gradients and the optimizer state; the others hold a
-    replica of the weights each step. The whole batch arrives on the output device before
-    the scatter; plain DP also gathers every device's outputs there and computes the loss
-    on them (seed 001's full GPU 0).
-    """
-    devices = []
-    for d in range(num_devices):
-        state = profile.state_bytes() if d == 0 else profile.param_bytes
-        per = profile.activation_bytes * share / num_devices
-        per += profile.input_bytes * share * (1.0 if d == output_device else 1.0 / num_devices)
-        gathered = not balanced and d == output_device
-        per += profile.output_bytes * share * (1.0 if gathered else (0.0 if not balanced else 1.0 / num_devices))
-        devices.append(DeviceMemory(state, per))
-    return devices
-
-
-def _fsdp_state_bytes(profile: ModelProfile, workers: int) -> float:
-    """fsdp's fixed bytes per device: the larger of its start-up and its steady-state peak.
-
-    Start-up (the model built on meta, shards allocated, rank 0's weights sent one tensor at
-    a time): 1/W of the parameters plus one full tensor in flight, at most the largest block.
-    The full model is never on a device. Steady state: 1/W of parameters, gradients and
-    optimizer state, plus one block gathered whole with its unsharded gradients.
-    """
-    largest_block = max(profile.block_param_bytes)
-    start_up = profile.param_bytes / workers + largest_block
-    steady = profile.state_bytes() / workers + 2 * largest_block
-    return max(start_up, steady)
-
-
 def device_memory(strategy: str, cfg, profile: ModelProfile) -> List[DeviceMemory]:
-    """The estimate for every device the run of ``cfg`` with ``strategy`` uses."""
-    from raytrain_mgpu.pipeline.schedule import num_virtual_stages
+    """The estimate for every device the run of ``cfg`` with ``strategy`` uses (the strategy class's model).
 
-    accum = cfg.grad_accum_steps
-    if strategy in ("ddp", "fsdp"):
-        workers = cfg.num_workers
-        replica = _replica_on(profile, [range(len(profile.block_param_bytes))], 1 / (workers * accum), [1.0],
-                              1 / (workers * accum))
-        if strategy == "fsdp" and workers > 1:
-            replica = [DeviceMemory(_fsdp_state_bytes(profile, workers), replica[0].per_sample)]
-        return replica * workers
-    if strategy in ("dp", "dp_balanced", "ddp2"):
-        workers = cfg.num_workers if strategy == "ddp2" else 1
-        node = _data_parallel_node(profile, cfg.gpus_per_worker, 1 / (workers * accum), strategy == "dp_balanced",
-                                   cfg.output_device or 0)
-        return node * workers
-    if strategy in ("mp", "ddp_mp"):
-        workers = cfg.num_workers if strategy == "ddp_mp" else 1
-        parts = _split_parts(profile, cfg.gpus_per_worker, cfg.balance)
-        share = 1 / (workers * accum)
-        return _replica_on(profile, parts, share, [1.0] * len(parts), share) * workers
-    if strategy in ("pipeline", "ddp_pipeline"):
-        replicas = cfg.num_workers if strategy == "ddp_pipeline" else 1
-        stages, m = cfg.num_stages, cfg.num_microbatches
-        chunks = num_virtual_stages(cfg.schedule, stages) // stages
-        parts = _split_parts(profile, stages * chunks, cfg.balance)
-        micro = 1 / (replicas * m)
-        # Micro-batches whose activations a stage holds at once: all of them for GPipe,
-        # at most (stages - rank) for 1F1B; the interleaved schedule is bounded by m.
-        inflight = [float(min(stages - j, m)) if cfg.schedule == "1f1b" else float(m) for j in range(stages)]
-        per_part = _replica_on(profile, parts, micro, [inflight[j % stages] for j in range(len(parts))],
-                               1 / replicas)
-        merged = [DeviceMemory(0.0, 0.0)] * stages  # interleaved: part j lives on rank j % stages
-        for j, part in enumerate(per_part):
-            rank = j % stages
-            merged[rank] = DeviceMemory(merged[rank].fixed + part.fixed, merged[rank].per_sample + part.per_sample)
-        return merged * replicas
-    raise ValueError(f"no memory model for strategy {strategy!r}; estimates exist for ddp, dp, dp_balanced, "
-                     f"mp, ddp_mp, ddp2, fsdp, pipeline and ddp_pipeline.")
+    Each strategy builds it from the pieces in :mod:`raytrain_mgpu.strategies._memory`; a
+    registered strategy without a memory model raises ``ValueError``.
+    """
+    from raytrain_mgpu.strategies import STRATEGIES, Strategy, get_strategy
+
+    def has_model(cls) -> bool:  # overrides the default, which has none
+        return cls.device_memory.__func__ is not Strategy.device_memory.__func__
+
+    cls = get_strategy(strategy)
+    if not has_model(cls):
+        names = [name for name, other in STRATEGIES.items() if has_model(other)]
+        listed = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+        raise ValueError(f"no memory model for strategy {strategy!r}; estimates exist for {listed or 'none'}.")
+    return cls.device_memory(cfg, profile)
 
 
 def batch_granularity(strategy: str, cfg) -> int:
-    """The global batch must be a multiple of this (replicas x micro-batches or accumulation steps)."""
-    from raytrain_mgpu.strategies import get_strategy
+    """The global batch must be a multiple of this (replicas x micro-batches or accumulation steps).
 
-    cls = get_strategy(strategy)
-    parts = cfg.num_microbatches if cls.runner == "actor_group" else cfg.grad_accum_steps
-    return cls.data_parallel_size(cfg) * parts
+    ``strategy`` is ``cfg.strategy`` (kept for the callers' symmetry with :func:`device_memory`).
+    """
+    from raytrain_mgpu.planning.plan import build_plan
+
+    return build_plan(cfg).batch_granularity
 
 
 # ----------------------------------------------------------------------------- batch search

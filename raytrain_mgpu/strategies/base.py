@@ -38,6 +38,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 if TYPE_CHECKING:
     from raytrain_mgpu.config import ParallelConfig, TrainConfig
     from raytrain_mgpu.runtime.devices import DeviceAssignment
+    from raytrain_mgpu.strategies._memory import DeviceMemory
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_p
                    "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
                    "num_microbatches", "schedule")
 DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
+
+# ``Strategy.auto_rank`` bands: the plain model first; below AUTO_MEASURE_ONLY the strategies the
+# memory estimate tries when it does not fit one device; from AUTO_MEASURE_ONLY up, timed only.
+AUTO_FIRST, AUTO_MEASURE_ONLY = 0, 10
 
 
 class Strategy(ABC):
@@ -151,6 +156,50 @@ class Strategy(ABC):
     def bundles(cls, cfg: "TrainConfig") -> List[dict]:
         """Every resource bundle the run needs at once (checked against the cluster)."""
         return [cls.worker_resources(cfg)] * cfg.num_workers
+
+    # ------------------------------------------------------------- planning (pure): auto, memory
+
+    @classmethod
+    def auto_layout(cls, cfg: "TrainConfig", info) -> dict:
+        """The TrainConfig changes that lay this strategy out on ``info``'s devices (a ``ClusterInfo``).
+
+        ``strategy="auto"`` and ``compare`` call it; ValueError says why it cannot run there.
+        Default: no changes (run it as configured).
+        """
+        return {}
+
+    @classmethod
+    def auto_rank(cls, info) -> Optional[int]:
+        """Where ``strategy="auto"`` tries this strategy on ``info``'s devices, lowest first; None: never.
+
+        Rank 0 (``AUTO_FIRST``) is chosen when the model fits one device; ranks below
+        ``AUTO_MEASURE_ONLY`` are tried in order by the memory estimate when it does not;
+        ranks from ``AUTO_MEASURE_ONLY`` up are only timed by ``auto_measure``. Default: None.
+        """
+        return None
+
+    @classmethod
+    def auto_reason(cls, info) -> str:
+        """What this strategy does with the model on ``info``'s devices, for auto's one-line reason."""
+        return cls.name
+
+    @classmethod
+    def device_memory(cls, cfg: "TrainConfig", profile) -> List["DeviceMemory"]:
+        """The memory estimate of every device a run of ``cfg`` uses (``profile``: a ``ModelProfile``).
+
+        Built from the pieces in ``raytrain_mgpu.strategies._memory``. Default: none
+        (``planning.memory.device_memory`` turns that into a ValueError listing the strategies that have one).
+        """
+        raise NotImplementedError(f"strategy {cls.name!r} has no memory model")
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        """A small layout on one node of ``num_gpus`` GPUs (``gpu-report`` measures each strategy with it).
+
+        ValueError: too few GPUs (the message is the reason shown, e.g. "needs 2 GPUs").
+        Default: data parallel over at most two GPUs.
+        """
+        return {"num_workers": min(num_gpus, 2)}
 
     # ------------------------------------------------------------- worker side
 
@@ -276,6 +325,19 @@ def require_one_worker(cfg: "TrainConfig", strategy: str, instead: str) -> None:
         raise ValueError(
             f"TrainConfig.num_workers={cfg.num_workers}: strategy={strategy!r} runs in one worker process "
             f"on one node, over its gpus_per_worker devices. Set num_workers=1, or {instead}.")
+
+
+def data_parallel_workers(cfg: "TrainConfig", num_devices: int) -> int:
+    """The most workers (at most ``num_devices``) that split the global batch evenly: 100 samples on 8 GPUs: 5."""
+    parts = cfg.batch_size // cfg.grad_accum_steps if cfg.batch_size % cfg.grad_accum_steps == 0 else 1
+    return max(w for w in range(1, num_devices + 1) if parts % w == 0)
+
+
+def num_blocks(cfg: "TrainConfig") -> int:
+    """Blocks ``cfg``'s model splits into (built on ``meta``: no memory); ValueError if it cannot be split."""
+    from raytrain_mgpu.pipeline.plan import meta_blocks
+
+    return len(meta_blocks(cfg))
 
 
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"

@@ -7,13 +7,32 @@ from typing import ContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mgpu.strategies.base import Strategy, ddp_no_sync
+from raytrain_mgpu.strategies._memory import replica_on, whole_model
+from raytrain_mgpu.strategies.base import AUTO_FIRST, Strategy, data_parallel_workers, ddp_no_sync
 
 
 class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the workers (gloo on CPU, NCCL on GPU)."""
 
     name = "ddp"
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        return {"num_workers": data_parallel_workers(cfg, info.num_devices)}
+
+    @classmethod
+    def auto_rank(cls, info):
+        return AUTO_FIRST  # the plain model replicated: the first choice when it fits one device
+
+    @classmethod
+    def auto_reason(cls, info) -> str:
+        if info.num_devices == 1:
+            return f"{cls.name} with one worker (the plain model)"
+        return f"{cls.name} over all {info.num_devices} devices"
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        return replicated_memory(cls, cfg, profile)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -24,6 +43,13 @@ class DDPStrategy(Strategy):
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return ddp_no_sync(model)
+
+
+def replicated_memory(cls, cfg, profile) -> list:
+    """One whole replica per worker, each seeing one micro-batch of its share of the global batch."""
+    replicas = cls.data_parallel_size(cfg)
+    share = 1 / (replicas * cls.micro_batches_per_step(cfg))
+    return replica_on(profile, whole_model(profile), share, [1.0], share) * replicas
 
 
 def ddp_kwargs(cfg, device_ids) -> dict:

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy, ddp_no_sync
 from raytrain_mgpu.strategies.ddp import ddp_kwargs
-from raytrain_mgpu.strategies.dp import check_output_device, wrap_data_parallel
+from raytrain_mgpu.strategies.dp import check_output_device, data_parallel_memory, demo_node_layout, wrap_data_parallel
 
 
 class DDP2Strategy(Strategy):
@@ -51,6 +51,24 @@ class DDP2Strategy(Strategy):
     @classmethod
     def devices_per_worker(cls, cfg) -> int:
         return cfg.gpus_per_worker
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        n = info.num_devices
+        if info.num_nodes > 1:
+            return {"num_workers": info.num_nodes, "gpus_per_worker": min(info.devices_per_node),
+                    "placement": "STRICT_SPREAD"}
+        if info.use_gpu or n < 2:
+            raise ValueError(f"{cls.name} runs one worker per node and needs at least 2 nodes; on one node it is dp")
+        return {"num_workers": 2, "gpus_per_worker": n // 2}  # CPU workers stand in for nodes
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        return data_parallel_memory(cls, cfg, profile, cfg.num_workers, balanced=False)
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        return demo_node_layout(num_gpus)  # one node: one worker
 
     @property
     def device(self) -> torch.device:

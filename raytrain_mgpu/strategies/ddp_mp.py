@@ -15,9 +15,9 @@ from typing import ContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy, ddp_no_sync
+from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy, ddp_no_sync, num_blocks
 from raytrain_mgpu.strategies.ddp import ddp_kwargs
-from raytrain_mgpu.strategies.mp import check_split, place_model, validate_split
+from raytrain_mgpu.strategies.mp import check_split, place_model, split_memory, validate_split
 
 
 class DDPMPStrategy(Strategy):
@@ -38,6 +38,26 @@ class DDPMPStrategy(Strategy):
     @classmethod
     def devices_per_worker(cls, cfg) -> int:
         return cfg.gpus_per_worker
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        n, nodes = info.num_devices, info.num_nodes
+        # Across nodes: one worker per node over its devices (at most one per block); on one node: pairs.
+        workers = nodes if nodes > 1 else n // 2
+        devices = min(min(info.devices_per_node), num_blocks(cfg)) if nodes > 1 else 2
+        if workers < 2 or devices < 2:
+            raise ValueError(f"{cls.name} needs at least 2 workers x 2 devices; with {n} device(s) it is mp or ddp")
+        return {"num_workers": workers, "gpus_per_worker": devices}
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        return split_memory(cls, cfg, profile)
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        if num_gpus < 2:
+            raise ValueError("needs 2 GPUs")
+        return {"num_workers": max(1, min(2, num_gpus // 2)), "gpus_per_worker": 2}
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = place_model(model, self.ctx.devices, self.cfg.balance)

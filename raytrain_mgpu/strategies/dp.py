@@ -27,7 +27,8 @@ from torch import nn
 from torch.nn.parallel import parallel_apply
 
 from raytrain_mgpu.strategies import _dp_ops
-from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, require_one_worker
+from raytrain_mgpu.strategies._memory import data_parallel_node
+from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, ModelWrapper, Strategy, require_one_worker
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,22 @@ def check_output_device(cfg) -> None:
             f"Leave it unset to gather on the first device.")
 
 
+def one_node_layout(info) -> dict:
+    """One worker over the largest node's devices (``dp``, ``dp_balanced``)."""
+    return {"num_workers": 1, "gpus_per_worker": max(info.devices_per_node)}
+
+
+def data_parallel_memory(cls, cfg, profile, replicas: int, balanced: bool) -> list:
+    """``replicas`` workers, each running DataParallel (or ``dp_balanced``) over its devices."""
+    share = 1 / (replicas * cls.micro_batches_per_step(cfg))
+    return data_parallel_node(profile, cfg.gpus_per_worker, share, balanced, cfg.output_device or 0) * replicas
+
+
+def demo_node_layout(num_gpus: int) -> dict:
+    """gpu-report's layout of a one-process strategy: one worker over (at most 4 of) the node's GPUs."""
+    return {"num_workers": 1, "gpus_per_worker": min(num_gpus, 4)}
+
+
 def wrap_data_parallel(model: nn.Module, devices, output_device) -> nn.Module:
     """``model`` on ``devices[0]``, wrapped to run on all ``devices``.
 
@@ -117,6 +134,22 @@ class DPStrategy(Strategy):
     @classmethod
     def devices_per_worker(cls, cfg) -> int:
         return cfg.gpus_per_worker
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        return one_node_layout(info)
+
+    @classmethod
+    def auto_rank(cls, info):
+        return AUTO_MEASURE_ONLY + 2  # the estimate never prefers it: device 0 holds the whole state
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        return data_parallel_memory(cls, cfg, profile, 1, balanced=False)
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        return demo_node_layout(num_gpus)
 
     @property
     def device(self) -> torch.device:

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from raytrain_mgpu.strategies._dp_ops import parallel_apply, replicate, scatter
-from raytrain_mgpu.strategies.base import Predictions, Strategy, require_one_worker
-from raytrain_mgpu.strategies.dp import autocast_state, call_with_autocast
+from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Predictions, Strategy, require_one_worker
+from raytrain_mgpu.strategies.dp import (autocast_state, call_with_autocast, data_parallel_memory, demo_node_layout,
+                                         one_node_layout)
 
 
 def _slice_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
@@ -50,6 +51,22 @@ class DPBalancedStrategy(Strategy):
     @classmethod
     def devices_per_worker(cls, cfg) -> int:
         return cfg.gpus_per_worker
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        return one_node_layout(info)
+
+    @classmethod
+    def auto_rank(cls, info):
+        return AUTO_MEASURE_ONLY + 1  # device 0 holds the whole state: only a measurement can prefer it
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        return data_parallel_memory(cls, cfg, profile, 1, balanced=True)
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        return demo_node_layout(num_gpus)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)  # replicas are made from it every step, as DataParallel does

@@ -39,7 +39,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from raytrain_mgpu.models.partition import blocks_of
-from raytrain_mgpu.strategies.base import Strategy
+from raytrain_mgpu.strategies._memory import DeviceMemory, fsdp_state_bytes
+from raytrain_mgpu.strategies.base import Strategy, data_parallel_workers
+from raytrain_mgpu.strategies.ddp import replicated_memory
 
 # Full (unsharded) state gathered into CPU memory on rank 0; other ranks get an empty dict.
 _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -71,6 +73,25 @@ class FSDPStrategy(Strategy):
                 "sees only this worker's shard, so workers could disagree on skipping a step. Use "
                 "precision='bf16-mixed' (same memory saving, no loss scaling needed).")
         super().validate(cfg)
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        return {"num_workers": data_parallel_workers(cfg, info.num_devices)}
+
+    @classmethod
+    def auto_rank(cls, info):
+        return 1 if info.num_nodes == 1 else 2  # across nodes the pipeline goes first
+
+    @classmethod
+    def auto_reason(cls, info) -> str:
+        return f"{cls.name} shards parameters, gradients and optimizer state over the devices"
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        replicas = replicated_memory(cls, cfg, profile)
+        if cfg.num_workers == 1:
+            return replicas  # one worker: nothing to shard over
+        return [DeviceMemory(fsdp_state_bytes(profile, cfg.num_workers), replicas[0].per_sample)] * cfg.num_workers
 
     def build_on_meta(self) -> bool:
         return self.ctx.world_rank != 0

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from raytrain_mgpu.models.partition import blocks_of, plan_partition
-from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, require_one_worker
+from raytrain_mgpu.strategies._memory import replica_on, split_parts
+from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, num_blocks, require_one_worker
+from raytrain_mgpu.strategies.dp import demo_node_layout
 
 
 class SplitModel(ModelWrapper):
@@ -99,6 +101,14 @@ def check_split(cfg, input_shape: tuple, num_classes: int) -> None:
         plan_partition(blocks_of(model), cfg.gpus_per_worker, cfg.balance, what="gpus_per_worker")
 
 
+def split_memory(cls, cfg, profile) -> list:
+    """Each replica's model split over its worker's ``gpus_per_worker`` devices, one micro-batch in flight."""
+    replicas = cls.data_parallel_size(cfg)
+    parts = split_parts(profile, cfg.gpus_per_worker, cfg.balance)
+    share = 1 / (replicas * cls.micro_batches_per_step(cfg))
+    return replica_on(profile, parts, share, [1.0] * len(parts), share) * replicas
+
+
 class MPStrategy(Strategy):
     """One worker, the model split over its ``gpus_per_worker`` devices."""
 
@@ -119,6 +129,19 @@ class MPStrategy(Strategy):
     @classmethod
     def devices_per_worker(cls, cfg) -> int:
         return cfg.gpus_per_worker
+
+    @classmethod
+    def auto_layout(cls, cfg, info) -> dict:
+        # At most one device per block of the model.
+        return {"num_workers": 1, "gpus_per_worker": min(max(info.devices_per_node), num_blocks(cfg))}
+
+    @classmethod
+    def device_memory(cls, cfg, profile):
+        return split_memory(cls, cfg, profile)
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        return demo_node_layout(num_gpus)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         return place_model(model, self.ctx.devices, self.cfg.balance)

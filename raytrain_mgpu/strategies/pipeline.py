@@ -10,12 +10,13 @@ before Ray is touched.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Tuple
 
 from torch import nn
 
 from raytrain_mgpu.pipeline.schedule import check_schedule, num_virtual_stages
-from raytrain_mgpu.strategies.base import Strategy, warn_unused_options
+from raytrain_mgpu.strategies._memory import DeviceMemory, replica_on, split_parts
+from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, num_blocks, warn_unused_options
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import TrainConfig
@@ -90,6 +91,53 @@ class PipelineStrategy(Strategy):
                 f"num_microbatches={m} equal micro-batches on each of {replicas} replica(s). Use a multiple "
                 f"of {replicas} x {m} = {parts}, e.g. batch_size={lower} or {lower + parts}.")
 
+    # ------------------------------------------------------------------ planning (auto, memory)
+
+    @classmethod
+    def auto_layout(cls, cfg: "TrainConfig", info) -> dict:
+        n = info.num_devices
+        replicas, stages, least = cls._auto_shape(cfg, n)
+        if replicas * stages < least:
+            raise ValueError(f"{cls.name} needs at least {least} devices; the cluster has {n}")
+        return {"num_workers": replicas, "num_stages": stages,
+                "num_microbatches": _microbatches(cfg, stages, replicas)}
+
+    @classmethod
+    def _auto_shape(cls, cfg: "TrainConfig", num_devices: int) -> Tuple[int, int, int]:
+        """``(replicas, stages, least devices)`` on ``num_devices``: one pipeline, a stage per device and block."""
+        return 1, min(num_devices, num_blocks(cfg)), 2
+
+    @classmethod
+    def auto_rank(cls, info):
+        return 2 if info.num_nodes == 1 else 1  # across nodes only activations cross the network: first
+
+    @classmethod
+    def auto_reason(cls, info) -> str:
+        return f"{cls.name} splits the model into stages; only activations cross between devices"
+
+    @classmethod
+    def device_memory(cls, cfg: "TrainConfig", profile) -> List[DeviceMemory]:
+        replicas = cls.data_parallel_size(cfg)
+        stages, m = cfg.num_stages, cfg.num_microbatches
+        chunks = num_virtual_stages(cfg.schedule, stages) // stages
+        parts = split_parts(profile, stages * chunks, cfg.balance)
+        micro = 1 / (replicas * m)
+        # Micro-batches whose activations a stage holds at once: all of them for GPipe,
+        # at most (stages - rank) for 1F1B; the interleaved schedule is bounded by m.
+        inflight = [float(min(stages - j, m)) if cfg.schedule == "1f1b" else float(m) for j in range(stages)]
+        per_part = replica_on(profile, parts, micro, [inflight[j % stages] for j in range(len(parts))],
+                              1 / replicas)
+        merged = [DeviceMemory(0.0, 0.0)] * stages  # interleaved: part j lives on rank j % stages
+        for j, part in enumerate(per_part):
+            rank = j % stages
+            merged[rank] = DeviceMemory(merged[rank].fixed + part.fixed, merged[rank].per_sample + part.per_sample)
+        return merged * replicas
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        stages = min(num_gpus, 4)
+        return {"num_workers": 1, "num_stages": stages, "num_microbatches": 2 * stages}
+
     # ------------------------------------------------------------------ worker side
 
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -105,3 +153,32 @@ class DDPPipelineStrategy(PipelineStrategy):
     @classmethod
     def data_parallel_size(cls, cfg: "TrainConfig") -> int:
         return cfg.num_workers
+
+    @classmethod
+    def _auto_shape(cls, cfg: "TrainConfig", num_devices: int) -> Tuple[int, int, int]:
+        return num_devices // 2, 2, 4  # replicas of a two-stage pipeline
+
+    @classmethod
+    def auto_rank(cls, info):
+        return AUTO_MEASURE_ONLY  # the estimate prefers one deeper pipeline; a measurement may not
+
+    @classmethod
+    def auto_reason(cls, info) -> str:
+        return f"{cls.name} replicates a two-stage pipeline; same-stage actors average gradients"
+
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        if num_gpus < 2:
+            raise ValueError("needs 2 GPUs")
+        return {"num_workers": max(1, min(2, num_gpus // 2)), "num_stages": 2, "num_microbatches": 4}
+
+
+def _microbatches(cfg: "TrainConfig", stages: int, replicas: int) -> int:
+    """``cfg.num_microbatches`` if it works with ``stages``, else the smallest count that does."""
+    need_multiple = stages if cfg.schedule == "interleaved_1f1b" else 1
+    low = max(cfg.num_microbatches, stages if cfg.schedule != "gpipe" else 1)
+    for m in range(low, cfg.batch_size // replicas + 1):
+        if cfg.batch_size % (replicas * m) == 0 and m % need_multiple == 0:
+            return m
+    raise ValueError(f"global batch {cfg.batch_size} does not split into {replicas} replica(s) x at least "
+                     f"{low} micro-batches. Use a batch_size that is a multiple of {replicas * low}")
