@@ -9,12 +9,9 @@ family, the pipeline's own actor group for ``pipeline``/``ddp_pipeline``.
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 from torch import nn
 
@@ -28,12 +25,12 @@ from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.planning.plan import RunPlan, build_plan
 from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder, check_storage_reachable
+from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.strategies import get_strategy
 
 logger = logging.getLogger(__name__)
-HISTORY_FILE = "history.parquet"
 
 
 @dataclass
@@ -79,6 +76,9 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         if cfg.strategy != "auto":  # auto: the same checks run on its choice, below
             get_strategy(cfg.strategy).check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
             check_run_folder(cfg, data_info)  # checkpoints trained with other settings, whichever runner wrote them
+            stored = _stored_result(cfg, stream)  # a finished run is answered from its folder: no Ray, no worker
+            if stored is not None:
+                return stored
         started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
         auto_record = {}
         if cfg.strategy == "auto":
@@ -152,9 +152,8 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
         ray.kill(sink)
     if result.checkpoint is None:
         return [], None
-    with result.checkpoint.as_directory() as directory:
-        history = ckpt_format.read_history(directory)
-    return history, result.checkpoint.path if "://" not in cfg.storage_path else _uri(cfg, result.checkpoint.path)
+    folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
+    return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path)
 
 
 def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
@@ -164,24 +163,28 @@ def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
             f"{redact(_run_path(cfg))}; run again with the same name and storage_path to resume.")
 
 
-def _uri(cfg: TrainConfig, path: str) -> str:
-    scheme = cfg.storage_path.split("://", 1)[0]
-    return f"{scheme}://{path}"
-
-
 def _run_path(cfg: TrainConfig) -> str:
-    return f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
+    return RunFolder.of(cfg).uri
 
 
 def _write_history(history: list, run_path: str) -> None:
-    if not history:
-        return
-    fs, path = ckpt_format.filesystem(run_path)
-    fs.create_dir(path, recursive=True)
-    # Temporary name, then rename: a crash mid-write leaves the previous history, not half a file.
-    tmp = f"{path}/.{HISTORY_FILE}.tmp-{uuid.uuid4().hex[:12]}"
-    pq.write_table(pa.Table.from_pylist(history), tmp, filesystem=fs)
-    fs.move(tmp, f"{path}/{HISTORY_FILE}")
+    RunFolder(run_path).write_history(history)  # atomically: a crash leaves the previous history
+
+
+def _stored_result(cfg: TrainConfig, stream=None) -> Optional[TrainResult]:
+    """The stored result of a run whose newest checkpoint says it is finished (all ``epochs``,
+    or ``max_steps``), read from its folder in about a second; None when there is training to do."""
+    folder = RunFolder.of(cfg)
+    state = folder.state()
+    if state.checkpoint is None or not state.finished(cfg):
+        return None
+    history = folder.read_history()
+    if not history or history[-1].get("step") != state.step:  # killed before history.parquet was written
+        history = state.history
+    ProgressPrinter(cfg.epochs, stream).banner(
+        f"raytrain-mgpu: run {folder.display} is already finished (epoch {state.epoch}, step {state.step}); "
+        f"nothing to train. Raise epochs (or max_steps) to train it further, or use another name for a new run.")
+    return TrainResult(cfg, history, state.checkpoint, folder.uri)
 
 
 def compare(cfg: TrainConfig, strategies: Optional[List[str]] = None, steps: int = 20, warmup_steps: int = 5,

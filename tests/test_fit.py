@@ -57,6 +57,36 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     assert table.num_rows == 3 and table.column("epoch").to_pylist() == [1, 2, 3]
 
 
+def _refuse_ray(monkeypatch):
+    """Any attempt to start or use Ray fails the test (the shared instance is already up)."""
+    import ray
+
+    from raytrain_mgpu import api
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished run started Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(api, "connect", refuse)
+
+
+def test_a_finished_run_is_answered_from_its_folder_without_ray(ray_session, storage, monkeypatch, capsys):
+    import time
+
+    cfg = rtm.TrainConfig(**MLP, num_workers=1, epochs=1, max_steps=3, name="done", storage_path=storage)
+    first = rtm.fit(cfg)
+    _refuse_ray(monkeypatch)
+    start = time.perf_counter()
+    again = rtm.fit(cfg.replace(epochs=2))  # max_steps=3 reached: nothing to train
+    elapsed = time.perf_counter() - start
+    assert elapsed < 5, elapsed
+    assert again.history == first.history and again.checkpoint_path == first.checkpoint_path
+    assert again.path == first.path and again.metrics["step"] == 3
+    out = capsys.readouterr().out
+    assert out.count("is already finished (epoch 1, step 3); nothing to train. Raise epochs") == 1, out
+    assert again.load_model().state_dict().keys() == first.load_model().state_dict().keys()
+
+
 def test_cli_default_run_learns_digits(ray_session, storage, capsys):
     # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers.
     assert main(["train", "--storage-path", storage]) == 0

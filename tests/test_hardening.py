@@ -336,7 +336,8 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     import time
     import socket
 
-    from raytrain_mgpu.pipeline.driver import load_state, prune_stale_temporaries
+    from raytrain_mgpu.pipeline.driver import load_state
+    from raytrain_mgpu.runtime.run_folder import RunFolder
 
     cfg = TrainConfig(storage_path=str(tmp_path), name="r")
     run = tmp_path / "r"
@@ -351,13 +352,13 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
                                              "heartbeat": time.time()}))
     with caplog.at_level("WARNING"):
-        assert prune_stale_temporaries(cfg) == []
+        assert RunFolder.of(cfg).remove_temporaries() == []
     assert all(f.is_dir() for f in leftovers) and f"pid {os.getppid()}" in caplog.text
     (run / LOCK_FILE).unlink()
     lock = RunLock.acquire(str(run))  # our own lock, as fit holds it
     try:
         with caplog.at_level("INFO"):
-            assert prune_stale_temporaries(cfg) == sorted(f.name for f in leftovers)
+            assert RunFolder.of(cfg).remove_temporaries() == sorted(f.name for f in leftovers)
         assert "removed 2 temporary checkpoint folder(s) left by a stopped driver" in caplog.text
         assert not any(f.exists() for f in leftovers) and (done / ckpt_format.META_FILE).is_file()
         leftovers[0].mkdir()

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import socket
-import threading
 import time
 from datetime import timedelta
 from typing import Dict, List, Optional
@@ -33,7 +30,10 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.runtime.metrics import EpochMeter, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
+from raytrain_mgpu.runtime.prefetch import Prefetcher
+from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
@@ -57,73 +57,6 @@ def microbatch_rows(size: int, num_microbatches: int) -> List[int]:
     chunks = min(num_microbatches, size)
     base, extra = divmod(size, chunks)
     return [base + 1] * extra + [base] * (chunks - extra)
-
-
-def node_ip() -> str:
-    """The IP of the Ray node this process runs on (loopback outside Ray)."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    except Exception:  # Ray not installed or not connected: local processes
-        return "127.0.0.1"
-
-
-def ray_gpu_ids() -> List[str]:
-    """The Ray GPU ids this process holds (empty outside Ray): distinct per stage actor on a node."""
-    try:
-        import ray
-
-        return [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
-    except Exception:  # Ray not installed or not connected: local processes
-        return []
-
-
-def free_address() -> tuple:
-    """``(ip, port)`` this process can listen on, for the process group rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return node_ip(), sock.getsockname()[1]
-
-
-class Prefetcher:
-    """Reads the next batch in a background thread while the stage computes.
-
-    On the first stage, loading sits on the critical path: the pipeline cannot fill until
-    micro-batch 0 exists. Read ahead, it runs in the stage's idle slots (the bubble) instead.
-    The thread holds at most one batch ahead and stops with :meth:`close`.
-    """
-
-    def __init__(self, iterator):
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(iterator,), daemon=True, name="prefetch")
-        self._thread.start()
-
-    def _run(self, iterator) -> None:
-        while not self._stop.is_set():
-            try:
-                item = next(iterator)
-            except BaseException as exc:  # StopIteration or a reader error: hand it to the consumer
-                item = exc
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
-                return
-
-    def __next__(self):
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class StageWorker:
@@ -228,10 +161,9 @@ class StageWorker:
         self.test_batch = max(self.replica_batch, 64)
 
     def _restore(self, directory: str) -> None:
-        state = ckpt_format.load_model_state(directory)
+        state, train_state = ckpt_format.load_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}")
         for stage in self.stages.values():
             stage.load_model_state_dict(state)
-        train_state = ckpt_format.load_train_state(directory, f"-stage{self.prank}")
         if train_state is None:
             raise ValueError(f"checkpoint {directory!r} has no train_state-stage{self.prank}.pt; it was not "
                              f"written by a pipeline run with this many stages. Use another `name`.")
@@ -250,7 +182,7 @@ class StageWorker:
             stage.train()
         reset_peak_memory([self.device])
         self.meter = EpochMeter(self.device)
-        self.totals = dict(steps=0, busy_s=0.0, schedule_s=0.0, step_s=0.0, data_wait_s=0.0, bytes_sent=0)
+        self.totals = StageTotals()
 
     def train_steps(self, num_steps: int) -> None:
         for _ in range(num_steps):
@@ -263,7 +195,7 @@ class StageWorker:
         start = time.perf_counter()
         inputs, targets, sends = self._read_batch(self._batches, self.cfg.num_microbatches)
         if self.is_first:
-            self.totals["data_wait_s"] += time.perf_counter() - start  # loading is synchronous
+            self.totals.data_wait_s += time.perf_counter() - start  # loading is synchronous
         stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self.meter)
         self._wait_targets_sent(sends)
         self._average_gradients()
@@ -273,12 +205,7 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        totals = self.totals
-        totals["steps"] += 1
-        totals["busy_s"] += stats.busy_s
-        totals["schedule_s"] += stats.wall_s
-        totals["bytes_sent"] += stats.bytes_sent
-        totals["step_s"] += time.perf_counter() - start
+        self.totals.add_step(stats, time.perf_counter() - start)
 
     def _read_batch(self, batches, num_chunks: int) -> tuple:
         """``(input micro-batches, target micro-batches, sends to wait for)`` for this rank.
@@ -334,7 +261,7 @@ class StageWorker:
     def finish_epoch(self) -> dict:
         """This rank's sums for the epoch; the driver combines the ranks."""
         loss_sum, correct, targets = self.meter.sums.tolist() if self.is_last else (0.0, 0.0, 0.0)
-        return {**self.totals, **self.assignment.record(), "gpu_ids": ray_gpu_ids(),
+        return {**self.totals.as_dict(), **self.assignment.record(), "gpu_ids": ray_gpu_ids(),
                 "nccl_semantics": self.emulate_nccl, "rank": self.rank, "prank": self.prank, "replica": self.replica,
                 "is_last": self.is_last, "loss_sum": loss_sum, "correct": correct, "targets": targets,
                 "peak_memory_bytes": peak_memory_bytes([self.device])[0], "node_ip": node_ip(),
@@ -369,13 +296,14 @@ class StageWorker:
         return state
 
     def save(self, directory: str) -> None:
-        """Replica 0 writes ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` (replicas are identical)."""
+        """Replica 0 writes ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` into ``directory``
+        of the run folder, local or remote (replicas are identical)."""
         if self.replica != 0:
             return
         train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                        "torch_rng": torch.get_rng_state()}
-        ckpt_format.write_checkpoint(directory, meta=None, history=None, model_state=self.model_state(),
-                                     train_state=train_state, part=f"-stage{self.prank}")
+        ckpt_format.save_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}", self.model_state(),
+                              train_state)
 
     def close(self) -> None:
         if getattr(self, "_batches", None) is not None:
