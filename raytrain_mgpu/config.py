@@ -1,24 +1,36 @@
 """Run configuration: one flat ``TrainConfig`` for users, small sections for components.
 
 Users write ``TrainConfig(model=..., strategy=..., batch_size=...)`` (or a YAML file with
-the same keys). Each component receives only its own section (``cfg.data``,
-``cfg.optim``, ...), so a data reader cannot come to depend on, say, the LR schedule.
+the same keys). Each component receives only its own section (``cfg.data``, ``cfg.optim``,
+``cfg.parallel``), so a data reader cannot come to depend on, say, the LR schedule. A
+section is filled by keyword from the ``TrainConfig`` fields of the same names.
 
-Everything is validated in ``__post_init__``: a bad value fails here, on the driver,
-before Ray is started or any cluster resource is requested. Errors name the field,
-the value, the rule and the fix.
+Fields with a fixed set of values are typed ``Literal[...]``; the check of those values
+reads the choices from the type, so the type and the error message list the same ones.
+
+``config_checks.validate`` checks everything once, in ``__post_init__``: a bad value fails
+here, on the driver, before Ray is started or any cluster resource is requested. Errors
+name the field, the value, the rule and the fix.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Tuple, Union
 
-from raytrain_mgpu.config_checks import (LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, PLACEMENTS,  # noqa: F401
-                                         PRECISIONS, SCHEDULES, check_fields, check_sync_batchnorm,
-                                         coerce)
+from raytrain_mgpu.config_checks import validate, warn_unused
+
+# The fixed choices: ``config_checks`` checks each ``Literal`` field against its type's values.
+Precision = Literal["32", "16-mixed", "bf16-mixed"]
+Optimizer = Literal["sgd", "adamw"]
+LrSchedule = Literal["constant", "step", "cosine"]
+LrScaling = Literal[None, "linear", "sqrt"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block counts per stage
 
 
 # ----------------------------------------------------------------------------- sections
@@ -43,15 +55,15 @@ class DataConfig:
 class OptimConfig:
     """What the optimizer, LR schedule and gradient handling need."""
 
-    optimizer: str
+    optimizer: Optimizer
     lr: float
     momentum: float
     weight_decay: float
-    lr_schedule: str
+    lr_schedule: LrSchedule
     warmup_epochs: float
     lr_step_epochs: int
     lr_step_gamma: float
-    lr_scaling: Optional[str]
+    lr_scaling: LrScaling
     base_batch_size: int
     batch_size: int
     grad_clip_norm: Optional[float]
@@ -77,13 +89,13 @@ class ParallelConfig:
     cpus_per_worker: int
     batch_size: int
     grad_accum_steps: int
-    precision: str
+    precision: Precision
     # model / pipeline parallel
     num_stages: int
     num_microbatches: int
-    schedule: str
-    balance: Union[str, tuple]
-    placement: str
+    schedule: Schedule
+    balance: Balance
+    placement: Placement
     output_device: Optional[int]
     # DDP pass-through options
     find_unused_parameters: bool
@@ -94,22 +106,6 @@ class ParallelConfig:
     compile: bool
     channels_last: bool
     collective_timeout_s: float
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Where results go and how failures are handled."""
-
-    name: str
-    storage_path: str
-    epochs: int
-    max_steps: Optional[int]
-    max_failures: int
-    num_checkpoints_to_keep: int
-    eval_every_epochs: int
-    seed: int
-    address: Optional[str]
-    verbose: bool
 
 
 # ----------------------------------------------------------------------------- user config
@@ -156,11 +152,11 @@ class TrainConfig:
     """``pipeline``/``ddp_pipeline``: number of pipeline stages (one actor and device each)."""
     num_microbatches: int = 4
     """``pipeline``/``ddp_pipeline``: micro-batches per step and replica."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """``pipeline``: micro-batch schedule, one of gpipe, 1f1b, interleaved_1f1b."""
-    balance: Union[str, tuple] = "params"
+    balance: Balance = "params"
     """How blocks are split over stages/devices: ``params``, ``time`` or a list of block counts."""
-    placement: str = "PACK"
+    placement: Placement = "PACK"
     """Placement group strategy for workers or stages (``PACK``, ``SPREAD``, ``STRICT_*``)."""
     output_device: Optional[int] = None
     """``dp``/``ddp2``: local index of the device that gathers outputs (default: the first)."""
@@ -178,7 +174,7 @@ class TrainConfig:
     """GLOBAL batch: samples per optimizer step, all workers together."""
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step on each worker; gradients sync only on the last."""
-    optimizer: str = "adamw"
+    optimizer: Optimizer = "adamw"
     """``adamw`` or ``sgd`` (with ``momentum``)."""
     lr: float = 0.02
     """Peak learning rate (before ``lr_scaling``)."""
@@ -186,7 +182,7 @@ class TrainConfig:
     """SGD momentum."""
     weight_decay: float = 0.0
     """L2 (SGD) or decoupled (AdamW) weight decay."""
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = "constant"
     """``constant``, ``step`` or ``cosine``; each after ``warmup_epochs`` of linear warm-up."""
     warmup_epochs: float = 0.0
     """Linear warm-up from 0 to the peak LR, in epochs (fractions allowed)."""
@@ -194,13 +190,13 @@ class TrainConfig:
     """``step`` schedule: multiply the LR by ``lr_step_gamma`` every this many epochs."""
     lr_step_gamma: float = 0.1
     """``step`` schedule: the factor."""
-    lr_scaling: Optional[str] = None
+    lr_scaling: LrScaling = None
     """Scale ``lr`` with ``batch_size / base_batch_size``: ``linear``, ``sqrt`` or None."""
     base_batch_size: int = 256
     """The batch size at which ``lr`` was tuned (for ``lr_scaling``)."""
     grad_clip_norm: Optional[float] = None
     """Clip the global gradient norm to this value."""
-    precision: str = "32"
+    precision: Precision = "32"
     """``32``, ``16-mixed`` (fp16 autocast + GradScaler, CUDA only) or ``bf16-mixed``."""
 
     # --- DDP and model options
@@ -240,52 +236,27 @@ class TrainConfig:
     """Show Ray's own per-worker logs on the driver."""
 
     def __post_init__(self) -> None:
-        coerce(self)
-        check_fields(self)  # every field's type and range (config_checks.py)
-        if self.name is None:
-            self.name = f"{self.model}-{self.dataset.replace(':', '.')}-{self.strategy}"
-        # Registries are imported here, not at module top, so `config` stays importable
-        # from every other module without cycles.
-        from raytrain_mgpu.data import check_dataset_name
-        from raytrain_mgpu.models import check_model_name
-        from raytrain_mgpu.strategies import get_strategy
-
-        check_model_name(self.model)
-        check_dataset_name(self.dataset)
-        if self.strategy != "auto":  # "auto" is resolved, and its choice validated, in fit()
-            get_strategy(self.strategy).validate(self)
-            check_sync_batchnorm(self, get_strategy(self.strategy))
+        self._unused_options = validate(self)  # {option: value} the strategy never reads
+        warn_unused(self._unused_options, self.strategy, stacklevel=3)  # 3: the line that built the config
 
     # ------------------------------------------------------------------ sections
 
     @property
     def data(self) -> DataConfig:
-        return DataConfig(self.dataset, self.data_root, self.download, self.num_samples,
-                          self.input_shape, self.num_classes, self.image_column,
-                          self.label_column, self.seed)
+        return self._section(DataConfig)
 
     @property
     def optim(self) -> OptimConfig:
-        return OptimConfig(self.optimizer, float(self.lr), self.momentum, self.weight_decay,
-                           self.lr_schedule, self.warmup_epochs, self.lr_step_epochs,
-                           self.lr_step_gamma, self.lr_scaling, self.base_batch_size,
-                           self.batch_size, self.grad_clip_norm)
+        return self._section(OptimConfig, lr=float(self.lr))
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(
-            self.strategy, self.num_workers, self.use_gpu, self.gpus_per_worker,
-            self.cpus_per_worker, self.batch_size, self.grad_accum_steps, self.precision,
-            self.num_stages, self.num_microbatches, self.schedule, self.balance,
-            self.placement, self.output_device, self.find_unused_parameters,
-            self.static_graph, self.bucket_cap_mb, self.gradient_as_bucket_view,
-            self.sync_batchnorm, self.compile, self.channels_last, self.collective_timeout_s)
+        return self._section(ParallelConfig)
 
-    @property
-    def run(self) -> RunConfig:
-        return RunConfig(self.name, self.storage_path, self.epochs, self.max_steps,
-                         self.max_failures, self.num_checkpoints_to_keep,
-                         self.eval_every_epochs, self.seed, self.address, self.verbose)
+    def _section(self, cls, **converted: Any):
+        """``cls`` filled by keyword from the fields of the same names; ``converted``: values that differ."""
+        values = {f.name: getattr(self, f.name) for f in fields(cls) if f.name not in converted}
+        return cls(**values, **converted)
 
     # ------------------------------------------------------------------ I/O
 
@@ -340,4 +311,19 @@ class TrainConfig:
         return values
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, normalised and validated like a new config.
+
+        Warns only about options the changes leave unused (or set to another unused
+        value): the original already warned about its own when it was built.
+        """
+        unknown = sorted(set(changes) - set(self.field_names()))
+        if unknown:
+            raise TypeError(f"TrainConfig.replace() got unknown field(s) {unknown}. "
+                            f"Valid fields: {', '.join(self.field_names())}.")
+        new = copy.copy(self)
+        vars(new).update(changes)
+        new._unused_options = validate(new)
+        warned = self._unused_options
+        fresh = {k: v for k, v in new._unused_options.items() if k not in warned or warned[k] != v}
+        warn_unused(fresh, new.strategy, stacklevel=2)  # 2: the line that called replace
+        return new

@@ -1,26 +1,25 @@
-"""The one validation pass over every ``TrainConfig`` field: types first, then ranges.
+"""The one validation pass over a ``TrainConfig``: ``validate`` (types, ranges, choices, then the strategy's rules).
 
-Runs in ``TrainConfig.__post_init__``, on the driver, before Ray is started. Types are
-checked strictly because values arrive from YAML and the CLI: ``'false'`` (a quoted YAML
-string) is not a bool, ``True`` is not a learning rate, ``0.4`` is not a timeout in whole
-seconds. Every error is a ``ValueError`` naming the field, the value, the rule and the fix.
+Runs in ``TrainConfig.__post_init__`` (and ``replace``), on the driver, before Ray is
+started. Types are checked strictly because values arrive from YAML and the CLI: ``'false'``
+(a quoted YAML string) is not a bool, ``True`` is not a learning rate, ``0.4`` is not a
+timeout in whole seconds. Every error is a ``ValueError`` naming the field, the value, the
+rule and the fix. The registries (models, datasets, strategies) are imported inside the
+functions that need them, so importing the config imports neither torch nor Ray.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
+import typing
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, Literal
 
-__all__ = ["fail", "coerce", "check_fields", "check_name"]
-
-PRECISIONS = ("32", "16-mixed", "bf16-mixed")
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("constant", "step", "cosine")
-LR_SCALINGS = (None, "linear", "sqrt")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+__all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose")
@@ -30,10 +29,67 @@ _POSITIVE_INTS = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stag
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes")
 _NON_EMPTY_STRINGS = ("model", "dataset", "strategy", "image_column", "label_column")
 _OPTIONAL_STRINGS = ("data_root", "address")
-_CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-            "lr_scaling": LR_SCALINGS, "schedule": SCHEDULES, "placement": PLACEMENTS}
 SEED_LIMIT = 2**63
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def validate(cfg) -> Dict[str, Any]:
+    """Normalise and check ``cfg`` in place; ValueError names the field and the fix.
+
+    Returns the options ``cfg`` sets that its strategy never reads (``{field: value}``);
+    the caller warns about them (``warn_unused``) at the user's line.
+    """
+    coerce(cfg)
+    check_fields(cfg)
+    if cfg.name is None:
+        cfg.name = f"{cfg.model}-{cfg.dataset.replace(':', '.')}-{cfg.strategy}"
+    # The registries import torch: imported here, not at module top, so the config imports light.
+    from raytrain_mgpu.data import check_dataset_name
+    from raytrain_mgpu.models import check_model_name
+    from raytrain_mgpu.strategies import get_strategy
+
+    check_model_name(cfg.model)
+    check_dataset_name(cfg.dataset)
+    if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()
+        return {}
+    strategy = get_strategy(cfg.strategy)
+    strategy.validate(cfg)
+    check_sync_batchnorm(cfg, strategy)
+    return unused_options(cfg, strategy)
+
+
+def unused_options(cfg, strategy_cls) -> Dict[str, Any]:
+    """The optional fields ``cfg`` sets (to other than their default) that ``strategy_cls`` never reads."""
+    from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
+
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    return {option: getattr(cfg, option) for option in OPTIONAL_FIELDS
+            if option not in strategy_cls.options_used and getattr(cfg, option) != defaults[option]}
+
+
+def warn_unused(unused: Dict[str, Any], strategy: str, stacklevel: int) -> None:
+    """One warning per option, naming the strategies that read it.
+
+    ``stacklevel`` as if the caller called ``warnings.warn`` itself (the depth is fixed:
+    ``TrainConfig.__post_init__`` passes 3, ``TrainConfig.replace`` 2).
+    """
+    if not unused:
+        return
+    from raytrain_mgpu.strategies import STRATEGIES
+
+    for option, value in unused.items():
+        users = sorted(name for name, cls in STRATEGIES.items() if option in cls.options_used)
+        warnings.warn(f"TrainConfig.{option}={value!r} has no effect with strategy={strategy!r}; it is "
+                      f"read by {', '.join(users) or 'no registered strategy'}. Remove it, or pick one "
+                      f"of those strategies.", UserWarning, stacklevel=stacklevel + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def choices(cls) -> Dict[str, tuple]:
+    """``{field: its values}`` for every field of dataclass ``cls`` typed ``Literal[...]``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
 
 
 def fail(name: str, value: Any, rule: str, fix: str) -> None:
@@ -98,7 +154,7 @@ def check_fields(cfg) -> None:
     """Every field's type and range; cross-field rules of a strategy live in its class."""
     _check_types(cfg)
     _check_ranges(cfg)
-    for name, valid in _CHOICES.items():
+    for name, valid in choices(type(cfg)).items():
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in valid:
             fail(name, value, f"is not one of {list(valid)}", f"Set {name} to one of them.")

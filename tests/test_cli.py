@@ -31,6 +31,15 @@ def test_options_override_yaml_and_parse_types(tmp_path):
     assert cfg.precision == "bf16-mixed" and cfg.balance == (1, 2)
 
 
+def test_choice_options_stay_text_and_lr_scaling_null_is_none():
+    args = _build_parser().parse_args(["train", "--precision", "32", "--schedule", "1f1b", "--placement", "SPREAD",
+                                       "--lr-scaling", "null", "--optimizer", "sgd"])
+    cfg = config_from_args(args)
+    assert (cfg.precision, cfg.schedule, cfg.placement, cfg.lr_scaling, cfg.optimizer) == \
+        ("32", "1f1b", "SPREAD", None, "sgd")
+    assert config_from_args(_build_parser().parse_args(["train", "--lr-scaling", "sqrt"])).lr_scaling == "sqrt"
+
+
 def test_bad_input_exits_2_with_the_message(capsys):
     assert main(["train", "--batch-size", "100", "--num-workers", "3"]) == 2
     err = capsys.readouterr().err

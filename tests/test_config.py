@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import typing
+import warnings
+
 import pytest
 
 from raytrain_mgpu import TrainConfig
+from raytrain_mgpu.config import DataConfig, OptimConfig, ParallelConfig
 from raytrain_mgpu.optim import lr_factor
 
 
@@ -86,3 +92,64 @@ def test_lr_scaling_and_schedules():
     assert factors[10] == pytest.approx(1.0) and factors[-1] < 0.01  # cosine to ~0
     step = TrainConfig(lr_schedule="step", lr_step_epochs=1, lr_step_gamma=0.5).optim
     assert [lr_factor(s, step, 10, 3) for s in (0, 10, 20)] == [1.0, 0.5, 0.25]
+
+
+# ----------------------------------------------------------------------------- choices, sections, replace
+
+
+def test_choices_are_the_literal_types_values():
+    hints = typing.get_type_hints(TrainConfig)
+    literal = {name for name, hint in hints.items() if typing.get_origin(hint) is typing.Literal}
+    assert literal == {"precision", "optimizer", "lr_schedule", "lr_scaling", "schedule", "placement"}
+    for name in sorted(literal):
+        valid = list(typing.get_args(hints[name]))
+        with pytest.raises(ValueError, match=rf"TrainConfig.{name}='bogus': is not one of "
+                                             rf"{re.escape(str(valid))}. Set {name} to one of them."):
+            TrainConfig(**{name: "bogus"})
+
+
+@pytest.mark.parametrize("section", [DataConfig, OptimConfig, ParallelConfig])
+def test_sections_are_filled_by_name_from_the_fields(section):
+    cfg = TrainConfig(dataset="synthetic", num_samples=64, seed=7, optimizer="sgd", lr=1, lr_schedule="cosine",
+                      strategy="pipeline", num_workers=1, batch_size=64, num_stages=3, schedule="gpipe",
+                      placement="SPREAD", collective_timeout_s=60.0)
+    built = {"data": cfg.data, "optim": cfg.optim, "parallel": cfg.parallel}
+    got = next(value for value in built.values() if type(value) is section)
+    names = [f.name for f in dataclasses.fields(section)]
+    assert set(names) <= set(TrainConfig.field_names())  # one name each: no positional mapping
+    assert {name: getattr(got, name) for name in names} == {name: getattr(cfg, name) for name in names}
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+
+
+def _no_warnings(build):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return build()
+
+
+def test_replace_warns_only_about_options_the_change_leaves_unused():
+    ddp = _no_warnings(lambda: TrainConfig(strategy="ddp", bucket_cap_mb=50))  # ddp reads it
+    with pytest.warns(UserWarning, match=r"bucket_cap_mb=50 has no effect with strategy='dp'") as record:
+        dp = ddp.replace(strategy="dp", num_workers=1, gpus_per_worker=2)
+    assert len(record) == 1 and record[0].filename == __file__  # at the caller's line
+    _no_warnings(lambda: dp.replace(epochs=3, lr=0.1))  # the original warned already: once is enough
+    with pytest.warns(UserWarning, match=r"bucket_cap_mb=60 has no effect") as record:
+        dp.replace(bucket_cap_mb=60)  # a new value is a new setting
+    assert len(record) == 1
+    _no_warnings(lambda: dp.replace(strategy="ddp", num_workers=2, gpus_per_worker=1))  # read again
+
+
+def test_construction_warns_at_the_users_line():
+    with pytest.warns(UserWarning, match=r"num_stages=3 has no effect with strategy='ddp'") as record:
+        TrainConfig(strategy="ddp", num_stages=3)
+    assert [w.filename for w in record] == [__file__]
+
+
+def test_replace_validates_and_names_unknown_fields():
+    cfg = TrainConfig()
+    with pytest.raises(ValueError, match=r"batch_size=0: must be a positive integer"):
+        cfg.replace(batch_size=0)
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['batchsize'\]. Valid fields: model, model_kwargs"):
+        cfg.replace(batchsize=64)
+    moved = cfg.replace(input_shape=[1, 8, 8], storage_path="~/elsewhere")  # normalised like a new config
+    assert moved.input_shape == (1, 8, 8) and "~" not in moved.storage_path and cfg.input_shape is None

@@ -11,8 +11,8 @@ A strategy decides three things, and nothing else:
 3. how to get the plain model back for checkpoints (``unwrap``/``state_dict``, and the
    optimizer's state for sharded strategies).
 
-Options a strategy does not read are warned about in ``validate`` (``options_used``),
-so ``bucket_cap_mb`` with ``dp`` does not pass silently.
+Options a strategy does not read (``options_used``) are warned about by the config's
+validation (``config_checks.validate``), so ``bucket_cap_mb`` with ``dp`` does not pass silently.
 
 The training loop (``raytrain_mgpu.runtime.loop``) is the same for every Ray Train strategy.
 Strategies with their own runtime (the pipeline's actor group) set ``runner``.
@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
-import sys
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, ContextManager, FrozenSet, Iterator, List, Optional, Tuple
@@ -114,13 +111,16 @@ class Strategy(ABC):
 
     @classmethod
     def validate(cls, cfg: "TrainConfig") -> None:
-        """Raise ValueError for configs this strategy cannot run. Default: batch maths."""
+        """Raise ValueError for configs this strategy cannot run. Default: batch maths.
+
+        Pure checks, no warnings: ``config_checks.validate`` calls it once per config and
+        warns about the options this strategy does not read (``options_used``).
+        """
         check_batch_divisible(cfg, cls.data_parallel_size(cfg))
         if cfg.precision == "16-mixed" and not cfg.use_gpu:
             raise ValueError(
                 "TrainConfig.precision='16-mixed' needs CUDA (fp16 autocast with a GradScaler), but "
                 "use_gpu=False. Use precision='bf16-mixed' on CPU, or set use_gpu=True.")
-        warn_unused_options(cfg, cls.name, cls.options_used)
 
     @classmethod
     def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
@@ -289,34 +289,6 @@ def check_batch_divisible(cfg: "TrainConfig", replicas: int) -> None:
             f"TrainConfig.batch_size={cfg.batch_size} (global) does not split evenly over "
             f"{replicas} data-parallel replica(s) x grad_accum_steps={cfg.grad_accum_steps} = {parts} "
             f"micro-batches. Use a multiple of {parts}, e.g. batch_size={lower} or {lower + parts}.")
-
-
-def warn_unused_options(cfg: "TrainConfig", strategy: str, used: FrozenSet[str]) -> None:
-    """Warn, naming the option, about each optional field set that ``strategy`` never reads."""
-    from dataclasses import fields
-
-    from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.strategies import STRATEGIES
-
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in OPTIONAL_FIELDS}
-    for option in OPTIONAL_FIELDS:
-        value = getattr(cfg, option)
-        if option in used or value == defaults[option]:
-            continue
-        users = sorted(name for name, cls in STRATEGIES.items() if option in cls.options_used)
-        warnings.warn(f"TrainConfig.{option}={value!r} has no effect with strategy={strategy!r}; it is "
-                      f"read by {', '.join(users) or 'no registered strategy'}. Remove it, or pick one "
-                      f"of those strategies.", UserWarning, stacklevel=_caller_stacklevel())
-
-
-def _caller_stacklevel() -> int:
-    """``stacklevel`` that points a warning at the first frame outside this package."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
-                                 or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")):
-        frame, level = frame.f_back, level + 1  # the second test: a dataclass's generated __init__
-    return level
 
 
 def require_one_worker(cfg: "TrainConfig", strategy: str, instead: str) -> None:

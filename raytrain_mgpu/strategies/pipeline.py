@@ -16,7 +16,7 @@ from torch import nn
 
 from raytrain_mgpu.pipeline.schedule import check_schedule, num_virtual_stages
 from raytrain_mgpu.strategies._memory import DeviceMemory, replica_on, split_parts
-from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, num_blocks, warn_unused_options
+from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, num_blocks
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import TrainConfig
@@ -70,7 +70,6 @@ class PipelineStrategy(Strategy):
         if cfg.compile:
             raise ValueError(f"TrainConfig.compile=True is not supported by strategy={cls.name!r} yet. "
                              f"Set compile=False.")
-        warn_unused_options(cfg, cls.name, cls.options_used)
 
     @classmethod
     def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
