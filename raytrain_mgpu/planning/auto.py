@@ -139,8 +139,10 @@ def candidates(info: ClusterInfo, measured: bool = False) -> List[str]:
 def plan_config(cfg, name: str, info: ClusterInfo):
     """``cfg`` for strategy ``name`` laid out on ``info``'s devices, validated (ValueError: why not).
 
-    Options the strategy does not read go back to their defaults (no warnings); the model
-    checks that need its structure (a split over devices or stages) run here, before Ray.
+    Options the strategy does not read go back to their defaults: the planned config records
+    only what the run uses (``num_stages`` is part of a run's identity in ``run.json``, and a
+    resumed ``auto`` run re-reads the layout from ``meta.json``), and warns about nothing. The
+    model checks that need its structure (a split over devices or stages) run here, before Ray.
     """
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.data import check_data
