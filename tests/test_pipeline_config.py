@@ -43,11 +43,16 @@ def test_bundles_one_per_stage_and_replica():
     (dict(precision="16-mixed", use_gpu=True), r"precision='16-mixed' is not supported.*bf16-mixed"),
     (dict(balance=[1, 1, 1]), r"balance=\[1, 1, 1\] has 3 entries, but num_stages=2 .* splits the model into 2"),
     (dict(schedule="interleaved_1f1b", balance=[2, 2]), r"splits the model into 4 parts"),
-    (dict(storage_path="s3://bucket/runs"), r"supports local or shared-filesystem paths only"),
 ])
 def test_invalid_pipeline_configs_fail_before_ray(overrides, message):
     with pytest.raises(ValueError, match=message):
         pipeline_cfg(**overrides)
+
+
+def test_a_storage_uri_is_accepted_like_for_ray_train():
+    # The pipeline writes its checkpoints through the run folder's pyarrow filesystem
+    # (tests/test_run_folder.py: an object store; tests/test_pipeline_ray.py: a file:// run).
+    assert pipeline_cfg(storage_path="s3://bucket/runs").storage_path == "s3://bucket/runs"
 
 
 def test_more_stages_than_blocks_is_caught_on_the_driver():

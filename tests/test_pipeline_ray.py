@@ -87,6 +87,31 @@ def test_ddp_pipeline_restarts_after_a_stage_dies_and_matches_one_process(ray_se
     assert_same_weights(outcome.checkpoint_path, cfg, 6)
 
 
+def test_pipeline_checkpoints_to_a_storage_uri_and_resumes_from_it(ray_session, tmp_path, monkeypatch, capsys):
+    # file:// goes through pyarrow.fs.FileSystem.from_uri, as s3:// and gs:// do: the stage
+    # actors write their parts and the driver its meta through the run folder's filesystem.
+    import raytrain_mgpu as rtm
+    from raytrain_mgpu import api
+
+    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, max_failures=1,
+                      storage_path=f"file://{tmp_path}/results", name="pipe-uri")
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, "4")  # the second step of epoch 2: the restart resumes from the URI
+    result = rtm.fit(cfg)
+    assert [m["attempt"] for m in result.history] == [0, 1]
+    assert result.checkpoint_path == f"file://{tmp_path}/results/pipe-uri/checkpoint_epoch000002"
+    run = tmp_path / "results" / "pipe-uri"
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == [
+        "checkpoint_epoch000001", "checkpoint_epoch000002", "history.parquet", "run.json"]
+    assert_same_weights(str(run / "checkpoint_epoch000002"), cfg, 6)
+    model = result.load_model()  # from the URI
+    assert set(model.state_dict()) == set(load_model_state(str(run / "checkpoint_epoch000002")))
+
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a finished run started Ray"))
+    again = rtm.fit(cfg)
+    assert again.history == result.history and again.checkpoint_path == result.checkpoint_path
+    assert "is already finished (epoch 2, step 6)" in capsys.readouterr().out
+
+
 def test_not_enough_cpus_for_the_stages_names_the_cluster(ray_session, storage):
     cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=6, schedule="gpipe", storage_path=storage)
     with pytest.raises(ValueError, match=r"strategy='pipeline' needs 6 CPU \(1 per stage actor x 1 replica\(s\) x "

@@ -62,11 +62,6 @@ class PipelineStrategy(Strategy):
                     f"TrainConfig.balance={list(cfg.balance)} has {len(cfg.balance)} entries, but "
                     f"num_stages={cfg.num_stages} with schedule={cfg.schedule!r} splits the model into {parts} "
                     f"parts. Give one block count per part, or balance='params'.")
-        if "://" in str(cfg.storage_path):
-            raise ValueError(
-                f"TrainConfig.storage_path={cfg.storage_path!r}: strategy={cls.name!r} writes its checkpoints "
-                f"itself and supports local or shared-filesystem paths only for now. Use a path on a shared "
-                f"filesystem (e.g. an NFS mount) for multi-node runs.")
         if cfg.compile:
             raise ValueError(f"TrainConfig.compile=True is not supported by strategy={cls.name!r} yet. "
                              f"Set compile=False.")
