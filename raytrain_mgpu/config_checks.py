@@ -46,10 +46,11 @@ def validate(cfg) -> Dict[str, Any]:
     # The registries import torch: imported here, not at module top, so the config imports light.
     from raytrain_mgpu.data import check_dataset_name
     from raytrain_mgpu.models import check_model_name
-    from raytrain_mgpu.strategies import get_strategy
 
     check_model_name(cfg.model)
     check_dataset_name(cfg.dataset)
+    from raytrain_mgpu.strategies import get_strategy  # imports torch: after the cheap name checks
+
     if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()
         return {}
     strategy = get_strategy(cfg.strategy)
@@ -143,8 +144,6 @@ def coerce(cfg) -> None:
     if _is_int(cfg.precision):
         cfg.precision = str(cfg.precision)
     if isinstance(cfg.memory_budget_bytes, (str, float)) and not isinstance(cfg.memory_budget_bytes, bool):
-        from raytrain_mgpu.planning.memory import parse_bytes
-
         cfg.memory_budget_bytes = parse_bytes(cfg.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
     if "://" not in storage:
         cfg.storage_path = str(Path(storage).expanduser().resolve())
@@ -244,3 +243,18 @@ def _check_shapes(cfg) -> None:
                 fail(name, value, "is not of the form 'package.module:function'",
                      "Write e.g. 'my_models:build' for build() in my_models.py.")
             check_factory_spec(value, name)
+
+
+# Sizes like memory_budget_bytes="24GiB": parsed here, below the config, so a bad size costs no torch import.
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(text, what: str = "memory budget") -> int:
+    """``"24GiB"``, ``"512 MiB"``, ``"8e9"`` or a number -> bytes; ``what`` names the value in errors."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    found = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not found or found.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what}={text!r} is not a size. Write e.g. 24GiB, 512MiB or 8e9 (bytes).")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])

@@ -31,10 +31,6 @@ ALLOWED = {
     # A benchmark of the pipeline runner configures that strategy, as a user's config does:
     # a keyword value passed to TrainConfig, not a branch on it.
     ("bench/pipeline.py", "pipeline"),
-    # compare's recommendation when the one-device reference row wins. The fix is one word,
-    # ``Recommendation(best.strategy, ...)`` (the reference row's strategy), in a file this
-    # change does not own; drop this entry with it.
-    ("planning/compare_report.py", "ddp"),
 }
 
 

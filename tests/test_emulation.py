@@ -197,10 +197,10 @@ def test_pack_and_strict_spread_over_two_emulated_nodes():
 
 def test_the_banner_says_when_gpus_are_emulated(monkeypatch):
     from raytrain_mgpu.api import _banner
-    from raytrain_mgpu.strategies import get_strategy
+    from raytrain_mgpu.planning.plan import build_plan
 
     cfg = rtm.TrainConfig(strategy="ddp_mp", num_workers=2, gpus_per_worker=2, use_gpu=True)
     monkeypatch.setenv(EMULATE_ENV, "4")
-    assert "2 worker(s) x 2 GPU (emulated by RAYTRAIN_MGPU_EMULATE_GPUS" in _banner(cfg, get_strategy("ddp_mp"), (1, 8, 8), 10)
+    assert "2 worker(s) x 2 GPU (emulated by RAYTRAIN_MGPU_EMULATE_GPUS" in _banner(cfg, build_plan(cfg), (1, 8, 8), 10)
     monkeypatch.delenv(EMULATE_ENV)
-    assert "emulated" not in _banner(cfg, get_strategy("ddp_mp"), (1, 8, 8), 10)
+    assert "emulated" not in _banner(cfg, build_plan(cfg), (1, 8, 8), 10)

@@ -8,15 +8,17 @@ configuration that cannot work fails here with a message naming the field to cha
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
-from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.models.partition import Partition, blocks_of, plan_partition
 from raytrain_mgpu.pipeline.schedule import num_virtual_stages
+
+if TYPE_CHECKING:  # annotations only: the config validates through strategies, which use this module
+    from raytrain_mgpu.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

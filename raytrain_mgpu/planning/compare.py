@@ -35,7 +35,8 @@ from raytrain_mgpu.planning.auto import ClusterInfo, candidates, cluster_info, d
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
-from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch, parse_bytes,
+from raytrain_mgpu.config_checks import parse_bytes
+from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)
 from raytrain_mgpu.planning.plan import build_plan
 

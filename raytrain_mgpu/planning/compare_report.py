@@ -207,7 +207,7 @@ def recommend(rows: List[RunRow], batch_size: int, budget: Optional[int], on_gpu
     if best.label == REFERENCE:
         runner = others[0] if others else None
         beat = f" (the best, {runner.label}, reaches {runner.speedup:.2f}x)" if runner and runner.speedup else ""
-        return Recommendation("ddp", best.label, f"train on one device: no multi-device strategy beat it on this "
+        return Recommendation(best.strategy, best.label, f"train on one device: no multi-device strategy beat it on this "
                               f"cluster{beat}{excluded}", best.config)
     versus = (f", {100 * (best.samples_per_s / others[0].samples_per_s - 1):.0f}% faster than {others[0].label}"
               if others else "")

@@ -22,7 +22,6 @@ allocator fragmentation): keep a margin, or let ``compare`` find the batch by tr
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -35,21 +34,7 @@ from raytrain_mgpu.strategies._memory import DeviceMemory
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelProfile", "DeviceMemory", "profile_model", "profile_config", "device_memory",
-           "batch_granularity", "largest_batch", "max_batch_within_budget", "parse_bytes", "format_bytes"]
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
-
-
-def parse_bytes(text, what: str = "memory budget") -> int:
-    """``"24GiB"``, ``"512 MiB"``, ``"8e9"`` or a number -> bytes; ``what`` names the value in errors."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return int(text)
-    found = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not found or found.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}={text!r} is not a size. Write e.g. 24GiB, 512MiB or 8e9 (bytes).")
-    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
-
+           "batch_granularity", "largest_batch", "max_batch_within_budget", "format_bytes"]
 
 def format_bytes(n: Optional[float]) -> str:
     if n is None:
