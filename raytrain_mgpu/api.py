@@ -73,19 +73,26 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     lock = RunLock.acquire(_run_path(cfg))  # a second driver on this run folder is refused
     started = False
     try:
-        if cfg.strategy != "auto":  # auto: the same checks run on its choice, below
+        auto_record = {}
+        if cfg.strategy == "auto":
+            from raytrain_mgpu.planning.auto import RESUMING, previous_layout
+
+            previous = previous_layout(cfg)  # a resumed (or finished) auto run keeps its layout: no Ray needed
+            if previous:
+                cfg, auto_record = cfg.replace(**previous), {"auto_strategy": previous["strategy"],
+                                                             "auto_reason": RESUMING}
+        if cfg.strategy != "auto":  # a fresh auto run: the same checks run on its choice, below
             get_strategy(cfg.strategy).check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
             check_run_folder(cfg, data_info)  # checkpoints trained with other settings, whichever runner wrote them
             stored = _stored_result(cfg, stream)  # a finished run is answered from its folder: no Ray, no worker
             if stored is not None:
                 return stored
         started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
-        auto_record = {}
         if cfg.strategy == "auto":
             from raytrain_mgpu.planning.auto import resolve_auto
 
-            # validated and model-checked; a resumed run keeps its strategy; auto_measure times
-            # the candidates with `compare` (this module's: planning never imports the api)
+            # validated and model-checked; auto_measure times the candidates with `compare`
+            # (this module's: planning never imports the api)
             cfg, auto_record = resolve_auto(cfg, compare=compare)
             check_run_folder(cfg, data_info)
         strategy_cls = get_strategy(cfg.strategy)

@@ -94,14 +94,8 @@ def test_a_resumed_run_keeps_the_strategy_it_started_with(tmp_path):
                       "auto_reason": "resuming: the run keeps the strategy it started with"}
 
 
-# ----------------------------------------------------------------------------- once config/api/cli carry "auto"
+# ----------------------------------------------------------------------------- auto through the config and fit
 
-INTEGRATED = "auto_measure" in rtm.TrainConfig.field_names()
-needs_integration = pytest.mark.skipif(not INTEGRATED, reason="TrainConfig has no auto_measure/memory_budget_bytes "
-                                                              "yet (config.py/api.py changes of issue 6)")
-
-
-@needs_integration
 def test_config_accepts_auto_and_a_budget_with_units():
     cfg = rtm.TrainConfig(strategy="auto", memory_budget_bytes="4MiB")
     assert cfg.name == "lenet-digits-auto" and cfg.memory_budget_bytes == 4 * MiB
@@ -109,12 +103,27 @@ def test_config_accepts_auto_and_a_budget_with_units():
         rtm.TrainConfig(strategy="auto", memory_budget_bytes="lots")
 
 
-@needs_integration
 @pytest.mark.ray
-def test_fit_with_auto_records_the_choice_in_the_history(ray_session, storage):
+def test_fit_with_auto_records_the_choice_in_the_history(ray_session, storage, monkeypatch):
+    import time
+
     import pyarrow.parquet as pq
 
-    result = rtm.fit(rtm.TrainConfig(strategy="auto", num_workers=2, epochs=1, max_steps=2, storage_path=storage))
+    from raytrain_mgpu import api
+
+    cfg = rtm.TrainConfig(strategy="auto", num_workers=2, epochs=1, max_steps=2, storage_path=storage)
+    result = rtm.fit(cfg)
     assert result.config.strategy == "ddp" and result.config.num_workers == 2
     assert result.metrics["auto_strategy"] == "ddp" and result.metrics["auto_reason"].startswith("ddp over all 2")
     assert pq.read_table(f"{result.path}/history.parquet").column("auto_strategy").to_pylist() == ["ddp"]
+
+    # Run again: the finished auto run is answered from its folder, the layout read back, no Ray.
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished auto run must not connect to Ray")
+
+    monkeypatch.setattr(api, "connect", refuse)
+    started = time.perf_counter()
+    again = rtm.fit(cfg)
+    assert time.perf_counter() - started < 5
+    assert again.config.strategy == "ddp" and again.history == result.history
+    assert again.checkpoint_path == result.checkpoint_path

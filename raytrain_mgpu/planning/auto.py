@@ -20,7 +20,6 @@ the cluster (Ray must be connected) and returns the config to train.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, fields
 from typing import List, Optional, Tuple
@@ -251,30 +250,24 @@ def _nothing_fits(cfg, profile: ModelProfile, budget: int, tried: list, info: Cl
             f"over them).")
 
 
-def _previous_strategy(cfg) -> Optional[dict]:
+RESUMING = "resuming: the run keeps the strategy it started with"
+
+
+def previous_layout(cfg) -> Optional[dict]:
     """The strategy and layout a run of this name started with (a resume must keep them).
 
-    Read from the newest complete ``checkpoint*/meta.json`` of ``{storage_path}/{name}``,
-    local or remote, whichever runner wrote it (both store the whole config).
+    Read from the newest checkpoint's meta in the run folder, local or remote, whichever
+    runner wrote it (both store the whole config). No Ray: ``fit`` answers a resumed or
+    finished ``auto`` run from it before connecting.
     """
-    import pyarrow.fs as pafs
+    from raytrain_mgpu.runtime.run_folder import RunFolder
 
-    from raytrain_mgpu.runtime.checkpoint import META_FILE, filesystem
-
-    fs, run = filesystem(f"{cfg.storage_path.rstrip('/')}/{cfg.name}")
-    entries = fs.get_file_info(pafs.FileSelector(run, allow_not_found=True))
-    metas = [info for info in fs.get_file_info([f"{e.path}/{META_FILE}" for e in entries
-                                                if e.type == pafs.FileType.Directory
-                                                and e.base_name.startswith("checkpoint")])
-             if info.type == pafs.FileType.File]
-    if not metas:
-        return None
-    newest = max(metas, key=lambda info: info.mtime_ns or 0)
-    with fs.open_input_stream(newest.path) as f:
-        saved = json.loads(f.read()).get("config", {})
+    newest = RunFolder.of(cfg).newest_checkpoint()
+    saved = newest.meta.get("config", {}) if newest is not None else {}
     keys = ("strategy", "num_workers", "gpus_per_worker", "num_stages", "num_microbatches", "schedule",
             "balance", "placement")
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keys}
+    layout = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keys}
+    return layout if layout.get("strategy") else None
 
 
 def resolve_auto(cfg, info: Optional[ClusterInfo] = None, compare=None) -> Tuple[object, dict]:
@@ -287,9 +280,9 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None, compare=None) -> Tuple
     """
     budget = getattr(cfg, "memory_budget_bytes", None)
     info = info or cluster_info(cfg)
-    previous = _previous_strategy(cfg)
-    if previous and previous.get("strategy"):
-        name, reason = previous["strategy"], "resuming: the run keeps the strategy it started with"
+    previous = previous_layout(cfg)
+    if previous:
+        name, reason = previous["strategy"], RESUMING
         resolved = cfg.replace(**previous)
     else:
         profile = profile_config(cfg)
@@ -316,8 +309,10 @@ def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, r
             fitting.append(candidate)
     if not fitting:
         return name, reason, None
+    from raytrain_mgpu.runtime.run_folder import run_uri
+
     report = compare(cfg, strategies=fitting, steps=10, warmup_steps=2, memory_budget_bytes=budget,
-                     storage_path=f"{cfg.storage_path.rstrip('/')}/{cfg.name}-auto-measure")
+                     storage_path=run_uri(cfg.storage_path, f"{cfg.name}-auto-measure"))
     best = report.recommendation
     if best.strategy is None:
         return name, f"{reason} (auto_measure found nothing better: {best.reason})", None
