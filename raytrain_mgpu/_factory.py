@@ -25,7 +25,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Tuple
 
 TRUSTED_MODULES_ENV = "RAYTRAIN_MGPU_TRUSTED_MODULES"
 
@@ -102,12 +102,17 @@ def load_factory(spec: str, field: str) -> Callable:
     return func
 
 
-def call_with_accepted(func: Callable, **kwargs):
-    """Call ``func`` with the keyword arguments its signature accepts (all if it takes **kw)."""
-    params = inspect.signature(func).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return func(**kwargs)
-    return func(**{k: v for k, v in kwargs.items() if k in params})
+def keyword_parameters(func: Callable) -> Tuple[frozenset, bool]:
+    """The names ``func`` accepts as keyword arguments, and whether it takes ``**kwargs``.
+
+    A callable whose signature Python cannot read (some C extensions) counts as a catch-all.
+    """
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset(), True
+    named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def local_modules_to_ship(*specs: str) -> list:

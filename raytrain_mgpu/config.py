@@ -25,7 +25,7 @@ from raytrain_mgpu.config_checks import validate, warn_unused
 
 # The fixed choices: ``config_checks`` checks each ``Literal`` field against its type's values.
 Precision = Literal["32", "16-mixed", "bf16-mixed"]
-Optimizer = Literal["sgd", "adamw"]
+Optimizer = Literal["sgd", "adamw"]  # or a "module:function": fields typed Union[Literal, str] take both
 LrSchedule = Literal["constant", "step", "cosine"]
 LrScaling = Literal[None, "linear", "sqrt"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -55,7 +55,7 @@ class DataConfig:
 class OptimConfig:
     """What the optimizer, LR schedule and gradient handling need."""
 
-    optimizer: Optimizer
+    optimizer: Union[Optimizer, str]
     lr: float
     momentum: float
     weight_decay: float
@@ -67,6 +67,7 @@ class OptimConfig:
     base_batch_size: int
     batch_size: int
     grad_clip_norm: Optional[float]
+    optimizer_kwargs: dict
 
     def scaled_lr(self) -> float:
         """Peak LR after scaling with the global batch (Goyal et al. 2017)."""
@@ -174,8 +175,8 @@ class TrainConfig:
     """GLOBAL batch: samples per optimizer step, all workers together."""
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step on each worker; gradients sync only on the last."""
-    optimizer: Optimizer = "adamw"
-    """``adamw`` or ``sgd`` (with ``momentum``)."""
+    optimizer: Union[Optimizer, str] = "adamw"
+    """``adamw``, ``sgd`` (with ``momentum``) or ``pkg.module:function``, called as ``function(params, lr, **optimizer_kwargs)``, returning a ``torch.optim.Optimizer``."""
     lr: float = 0.02
     """Peak learning rate (before ``lr_scaling``)."""
     momentum: float = 0.9
@@ -198,6 +199,8 @@ class TrainConfig:
     """Clip the global gradient norm to this value."""
     precision: Precision = "32"
     """``32``, ``16-mixed`` (fp16 autocast + GradScaler, CUDA only) or ``bf16-mixed``."""
+    optimizer_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments for the optimizer, e.g. ``{"betas": [0.9, 0.95]}`` for ``adamw`` or ``{"alpha": 0.9}`` for your own."""
 
     # --- DDP and model options
     find_unused_parameters: bool = False
@@ -300,7 +303,7 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise ValueError(f"config file {str(path)!r}: expected a mapping of TrainConfig fields, got "
                              f"{type(values).__name__}. Write one `key: value` per line.")
-        check_file_factories(values, ("model", "dataset"), str(path), allow_code)
+        check_file_factories(values, ("model", "dataset", "optimizer"), str(path), allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
     def to_dict(self) -> dict:

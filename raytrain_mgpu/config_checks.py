@@ -86,6 +86,19 @@ def warn_unused(unused: Dict[str, Any], strategy: str, stacklevel: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def factory_choices(cls) -> Dict[str, tuple]:
+    """``{field: its names}`` for every field typed ``Union[Literal[...], str]``: a name or a ``module:function``."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        args = typing.get_args(hints[f.name])
+        literals = [a for a in args if typing.get_origin(a) is Literal]
+        if typing.get_origin(hints[f.name]) is typing.Union and str in args and literals:
+            found[f.name] = typing.get_args(literals[0])
+    return found
+
+
+@functools.lru_cache(maxsize=None)
 def choices(cls) -> Dict[str, tuple]:
     """``{field: its values}`` for every field of dataclass ``cls`` typed ``Literal[...]``."""
     hints = typing.get_type_hints(cls)
@@ -157,6 +170,7 @@ def check_fields(cfg) -> None:
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in valid:
             fail(name, value, f"is not one of {list(valid)}", f"Set {name} to one of them.")
+    _check_factory_choices(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
 
@@ -228,6 +242,32 @@ def _check_balance(cfg) -> None:
     elif not isinstance(cfg.balance, str) or cfg.balance not in ("params", "time"):
         fail("balance", cfg.balance, "must be 'params', 'time' or a list of block counts",
              "Use balance='params' for the default split.")
+
+
+def _check_factory_choices(cfg) -> None:
+    """A field that takes a name or a ``module:function`` (``optimizer``), and its kwargs."""
+    from raytrain_mgpu._factory import check_factory_spec, is_factory
+
+    for name, valid in factory_choices(type(cfg)).items():
+        value = getattr(cfg, name)
+        if isinstance(value, str) and is_factory(value):
+            if not FACTORY_RE.match(value):
+                fail(name, value, "is not of the form 'package.module:function'",
+                     "Write e.g. 'my_optim:build' for build() in my_optim.py.")
+            check_factory_spec(value, name)
+        elif not isinstance(value, str) or value not in valid:
+            fail(name, value, f"is not one of {list(valid)} or a 'package.module:function'",
+                 f"Set {name} to one of them, or name your own function.")
+    kwargs = cfg.optimizer_kwargs
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        fail("optimizer_kwargs", kwargs, "must be a mapping with string keys", "Write it as {key: value}.")
+    # What the trainer passes itself: the parameters, the (scaled, scheduled) lr, and the
+    # built-in optimizers' own fields.
+    own = ("params", "lr") if is_factory(cfg.optimizer) else ("params", "lr", "momentum", "weight_decay")
+    clash = sorted(set(kwargs) & set(own))
+    if clash:
+        fail("optimizer_kwargs", kwargs, f"must not set {clash}: the trainer passes them to the optimizer",
+             "Remove them, and set TrainConfig.lr (for sgd/adamw also momentum, weight_decay) instead.")
 
 
 def _check_shapes(cfg) -> None:

@@ -1,14 +1,18 @@
 """Models: plain ``nn.Module``s with no distributed code, built by registry name.
 
-A user's own model is ``"package.module:function"``; the function is called with the
-keyword arguments it accepts among ``input_shape``, ``num_classes`` and ``model_kwargs``.
+A user's own model is ``"package.module:function"`` (or a class). Of ``input_shape``,
+``num_classes`` and ``model_kwargs`` it receives the keyword arguments it names; a
+``**kwargs`` catch-all gets ``model_kwargs`` and ``num_classes`` but never ``input_shape``,
+because model-zoo builders hand their ``**kwargs`` to the model class, which raises on a
+name it does not know (torchvision: ``resnet18(num_classes=10)`` works,
+``resnet18(input_shape=...)`` does not).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Dict
 
-from raytrain_mgpu._factory import call_with_accepted, is_factory, load_factory
+from raytrain_mgpu._factory import is_factory, keyword_parameters, load_factory
 
 if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
     from torch import nn
@@ -57,13 +61,53 @@ def check_model_name(name: str) -> None:
 
 
 def build_model(name: str, input_shape: tuple, num_classes: int, model_kwargs: dict) -> nn.Module:
-    """Build a model on CPU. Callers seed torch first so every worker gets the same weights."""
+    """Build a model on CPU (or the caller's device context, e.g. ``meta``).
+
+    Callers seed torch first so every worker gets the same weights.
+    """
     check_model_name(name)
     if is_factory(name):
-        factory = load_factory(name, "model")
-        return call_with_accepted(factory, input_shape=tuple(input_shape), num_classes=num_classes, **model_kwargs)
+        return _build_from_factory(name, input_shape, num_classes, model_kwargs)
     try:
         return MODELS[name](tuple(input_shape), num_classes, **model_kwargs)
     except TypeError as exc:
         raise ValueError(f"TrainConfig.model_kwargs={model_kwargs!r} do not fit model {name!r}: {exc}. "
                          f"Remove or rename the offending keys.") from None
+
+
+def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> dict:
+    """The keyword arguments model factory ``spec`` is called with (see the module's docstring)."""
+    from_data = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    given = sorted(k for k in model_kwargs if k == "input_shape" or (k == "num_classes" and num_classes is not None))
+    if given:
+        raise ValueError(f"TrainConfig.model_kwargs={model_kwargs!r} sets {given}, which the dataset gives "
+                         f"{spec} ({', '.join(f'{k}={from_data[k]!r}' for k in given)}). Remove them from "
+                         f"model_kwargs (a synthetic dataset takes input_shape and num_classes itself).")
+    named, catch_all = keyword_parameters(factory)
+    arguments = {k: v for k, v in from_data.items() if k in named}
+    if catch_all and "num_classes" not in arguments and num_classes is not None:
+        arguments["num_classes"] = num_classes
+    unknown = [] if catch_all else sorted(set(model_kwargs) - named)
+    if unknown:
+        raise ValueError(f"TrainConfig.model_kwargs={model_kwargs!r}: {spec} takes no argument {unknown} "
+                         f"(it takes {sorted(named)}). Remove or rename them.")
+    return {**arguments, **model_kwargs}
+
+
+def _build_from_factory(spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> nn.Module:
+    from torch import nn
+
+    factory = load_factory(spec, "model")
+    arguments = factory_arguments(factory, spec, input_shape, num_classes, model_kwargs)
+    call = f"{spec.split(':', 1)[1]}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+    try:
+        model = factory(**arguments)
+    except Exception as exc:  # the user's code: name it and what it was given
+        raise ValueError(
+            f"TrainConfig.model={spec!r} failed: {call} raised {type(exc).__name__}: {exc}. Fix the factory or "
+            f"TrainConfig.model_kwargs. A factory gets, of input_shape, num_classes and model_kwargs, the "
+            f"keyword arguments it names; a **kwargs catch-all gets model_kwargs and num_classes.") from exc
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"TrainConfig.model={spec!r}: {call} returned a {type(model).__name__}, not a "
+                         f"torch.nn.Module. Return the model itself.")
+    return model

@@ -15,7 +15,11 @@ whole epoch of work. The checks here say what is wrong at once:
   whichever runner wrote them; the settings are recorded in ``run.json``. Each runner only looks for its own checkpoints
   (Ray Train's snapshot, the pipeline's ``checkpoint_epoch*``), so without this a
   ``pipeline`` run started over silently in a ``ddp`` run's folder and replaced its
-  ``history.parquet``.
+  ``history.parquet``;
+- :func:`check_model_builds`: the model is built on the ``meta`` device (no memory, no
+  weights) and its optimizer over it, so a model or optimizer factory that raises, or
+  ``model_kwargs``/``optimizer_kwargs`` it does not take, fail on the driver, named, instead of
+  on every worker after Ray has started.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from raytrain_mgpu.runtime.checkpoint import filesystem
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["probe_ray_address", "check_storage_reachable", "check_run_folder", "check_data_fits", "run_identity"]
+__all__ = ["probe_ray_address", "check_storage_reachable", "check_run_folder", "check_data_fits", "run_identity",
+           "check_model_builds"]
 
 _PROBE_TIMEOUT_S = 3.0
 _TOKEN_FIX = ("The cluster runs with token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH "
@@ -264,3 +269,33 @@ def check_data_fits(cfg, num_classes: int) -> Optional[int]:
                          f"split of {cfg.dataset!r} ({size} samples), so an epoch has no full step. Set "
                          f"batch_size to {size} or less, or use more data.")
     return size
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> None:
+    """Build ``cfg``'s model on ``meta`` and its optimizer over it; errors name the factory and the fix."""
+    import torch
+
+    from raytrain_mgpu.models import build_model
+    from raytrain_mgpu.optim import build_optimizer
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    except ValueError as meta_error:
+        # Some builders read values while building (timm: torch.linspace(...).item()), which a
+        # meta tensor cannot give. Build once on CPU, which costs the model's memory on the
+        # driver, to tell that from a broken factory (whose error this raises); the caller's
+        # random stream is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+        logger.info("model %r does not build on the meta device (%s); it builds on CPU", cfg.model, meta_error)
+    try:
+        build_optimizer(model.parameters(), cfg.optim)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"TrainConfig.optimizer={cfg.optimizer!r} with optimizer_kwargs={cfg.optimizer_kwargs!r} "
+                         f"does not build: {type(exc).__name__}: {exc}. Fix or remove the offending keys.") from exc
