@@ -138,6 +138,14 @@ def _build_parser() -> argparse.ArgumentParser:
                                            "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
                         add_arguments=_gpu_report_arguments)
 
+    plot = commands.add_parser("plot", help="loss and accuracy per epoch and per step of one or more runs, to a PNG")
+    plot.add_argument("runs", nargs="+", metavar="RUN", help="run folder ({storage_path}/{name}): path or URI")
+    plot.add_argument("--out", help="PNG path or URI (default: <first RUN>/curves.png)")
+    plot.add_argument("--metric", help="history column for the lower panels instead of train/test accuracy, "
+                                       "e.g. lr, samples_per_s, data_wait_share")
+    plot.add_argument("--live", action="store_true", help="redraw while the runs train, until they finish or Ctrl-C")
+    plot.add_argument("--every", type=float, default=5.0, help="seconds between --live redraws (default: 5)")
+
     data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
     convert.add_argument("--dataset", required=True, help="registry name, e.g. fashion_mnist, cifar10, digits")
@@ -201,6 +209,18 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from raytrain_mgpu import plot  # matplotlib loads here, not for --help
+
+    if args.live:
+        print(f"redrawing every {args.every:g} s until every run finishes (Ctrl-C stops)", flush=True)
+        path = plot.watch_runs(args.runs, out=args.out, metric=args.metric, every_s=args.every)
+    else:
+        path = plot.plot_runs(args.runs, out=args.out, metric=args.metric)
+    print(f"curves: {path}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from raytrain_mgpu.bench import ddp as bench
 
@@ -222,6 +242,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _bench(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "plot":
+            return _plot(args)
         if args.command == "gpu-report":
             from raytrain_mgpu.bench import gpu_report
 

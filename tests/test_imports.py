@@ -158,8 +158,8 @@ LAYERS = [
     # runners (it reads their plans), below the api: compare and auto_measure train through
     # the api's fit, which the api passes in.
     ("planning",),
-    # fit and the public compare.
-    ("api",),
+    # fit and the public compare; plot draws finished (or running) runs' histories, beside the api.
+    ("api", "plot"),
     # The package face (loads the api lazily) and the benchmarks, which drive fit; nothing in
     # the training path imports a benchmark.
     (PACKAGE, "bench"),
