@@ -23,7 +23,7 @@ from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runti
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.planning.plan import RunPlan, build_plan
+from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder, check_storage_reachable
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.runlock import RunLock
@@ -95,21 +95,21 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             # (this module's: planning never imports the api)
             cfg, auto_record = resolve_auto(cfg, compare=compare)
             check_run_folder(cfg, data_info)
-        strategy_cls = get_strategy(cfg.strategy)
         plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
-        check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
+        if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
+            check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         printer = ProgressPrinter(cfg.epochs, stream)
         if auto_record:
             printer.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         printer.banner(_banner(cfg, plan, input_shape, num_classes))
-        if strategy_cls.runner == "actor_group":
+        if plan.runner == "actor_group":
             from raytrain_mgpu.pipeline.runner import run_pipeline
 
-            outcome = run_pipeline(cfg, printer)
+            outcome = run_pipeline(cfg, printer, plan)
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
         else:
-            history, checkpoint_path = _run_train_workers(cfg, strategy_cls, printer)
+            history, checkpoint_path = _run_train_workers(cfg, plan, printer)
         history = [{**row, **auto_record} for row in history]
         run_path = _run_path(cfg)
         _write_history(history, run_path)
@@ -129,7 +129,7 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
-def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter):
+def _run_train_workers(cfg: TrainConfig, plan: RunPlan, printer: ProgressPrinter):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -138,11 +138,11 @@ def _run_train_workers(cfg: TrainConfig, strategy_cls, printer: ProgressPrinter)
     sink = ProgressSink.remote()
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg, "sink": sink},
+        train_loop_config={"config": cfg, "plan": plan, "sink": sink},
         # nccl on GPUs; gloo on CPU and under GPU emulation (which records nccl as intended)
         torch_config=TorchConfig(backend=devices.backend(cfg.use_gpu), timeout_s=int(cfg.collective_timeout_s)),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker=strategy_cls.worker_resources(cfg),
+        scaling_config=ScalingConfig(num_workers=plan.num_processes, use_gpu=cfg.use_gpu,
+                                     resources_per_worker=plan.worker_resources,
                                      placement_strategy=cfg.placement),
         run_config=RunConfig(
             name=cfg.name, storage_path=cfg.storage_path,

@@ -18,7 +18,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu import strategies
 from raytrain_mgpu.planning import auto, memory
 from raytrain_mgpu.planning.auto import ClusterInfo, choose_strategy, plan_config
-from raytrain_mgpu.planning.plan import build_plan
+from raytrain_mgpu.strategies.plan import build_plan
 from raytrain_mgpu.strategies import STRATEGIES, Strategy
 from raytrain_mgpu.strategies.ddp import DDPStrategy
 

@@ -197,7 +197,7 @@ def test_pack_and_strict_spread_over_two_emulated_nodes():
 
 def test_the_banner_says_when_gpus_are_emulated(monkeypatch):
     from raytrain_mgpu.api import _banner
-    from raytrain_mgpu.planning.plan import build_plan
+    from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = rtm.TrainConfig(strategy="ddp_mp", num_workers=2, gpus_per_worker=2, use_gpu=True)
     monkeypatch.setenv(EMULATE_ENV, "4")

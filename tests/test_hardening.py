@@ -299,7 +299,7 @@ def test_credentials_in_uris_are_redacted(text, expected):
 
 def test_banner_and_failure_message_hold_no_secret():
     from raytrain_mgpu.api import _banner, _failure_message
-    from raytrain_mgpu.planning.plan import build_plan
+    from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")
     texts = [_banner(cfg, build_plan(cfg), (1, 8, 8), 10), _failure_message(cfg, RuntimeError("x"))]

@@ -17,7 +17,7 @@ from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.pipeline.local import LocalRun, run_local
-from raytrain_mgpu.pipeline.worker import num_replicas
+from raytrain_mgpu.strategies.plan import build_plan
 
 STEPS = 5  # 3 steps per epoch: crosses an epoch boundary (a new shuffle)
 MLP = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
@@ -103,6 +103,6 @@ def test_cases_cover_what_the_issue_asks(pipeline_results):
     ran = set()
     for name, result in pipeline_results.items():
         cfg = config(name)
-        assert sorted(stats["rank"] for stats in result.stats) == list(range(cfg.num_stages * num_replicas(cfg)))
+        assert sorted(stats["rank"] for stats in result.stats) == list(range(build_plan(cfg).num_processes))
         ran.add((cfg.model, cfg.num_stages, cfg.schedule))
     assert ran >= {(m, p, s) for m in ("mlp", "transformer_lm") for p in (2, 3) for s in ("gpipe", "1f1b")}

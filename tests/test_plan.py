@@ -3,7 +3,7 @@
 import pytest
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu.planning.plan import build_plan
+from raytrain_mgpu.strategies.plan import build_plan
 
 
 @pytest.mark.parametrize("kwargs, replicas, micro, per_step, processes", [

@@ -151,10 +151,11 @@ class RayPipeline:
 
     def __init__(self, cfg: TrainConfig):
         from raytrain_mgpu.pipeline.group import StageGroup
+        from raytrain_mgpu.strategies.plan import build_plan
         from raytrain_mgpu.pipeline.plan import choose_partition
 
         self.partition = choose_partition(cfg)
-        self.group = StageGroup(cfg)
+        self.group = StageGroup(cfg, build_plan(cfg))
         self.group.start()
         self.group.setup(self.partition, None, 0)
         self.group.call("start_epoch", 0)

@@ -23,7 +23,7 @@ from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
 from raytrain_mgpu.pipeline.schedule import ideal_bubble_fraction
-from raytrain_mgpu.pipeline.worker import num_replicas
+from raytrain_mgpu.strategies.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def load_state(cfg: TrainConfig) -> RunState:
     return state
 
 
-def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Optional[int]) -> Tuple[str, list]:
+def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
+                  fail_at_step: Optional[int]) -> Tuple[str, list]:
     """Start the actor group, train the remaining epochs, checkpoint each; always tear down."""
     # Plan before any actor starts, so a model that cannot be split fails at once; only
     # balance="time" needs the actors (to profile on their device), after a cheap check.
@@ -55,7 +56,7 @@ def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Opt
         check_splittable(cfg)
     else:
         partition = choose_partition(cfg)
-    group = StageGroup(cfg, fail_at_step)
+    group = StageGroup(cfg, plan, fail_at_step)
     try:
         started = time.perf_counter()
         group.start()
@@ -65,10 +66,9 @@ def train_attempt(cfg: TrainConfig, reporter, state: RunState, fail_at_step: Opt
         infos = group.setup(partition, _path_in_folder(cfg, state.checkpoint), state.step)
         logger.debug("actor group set up after %.1f s", time.perf_counter() - started)
         steps_per_epoch = infos[0]["steps_per_epoch"]
-        D, m = num_replicas(cfg), cfg.num_microbatches
-        logger.info("%s: %d replica(s) x %d stages (%s, partition %s); global batch %d = %d x %d micro-batches "
-                    "x %d rows; %d steps per epoch; rank: node %s", cfg.strategy, D, cfg.num_stages, cfg.schedule,
-                    list(partition.counts), cfg.batch_size, D, m, cfg.batch_size // (D * m), steps_per_epoch,
+        logger.info("%s: %d replica(s) x %d stages (%s, partition %s); %s; %d steps per epoch; rank: node %s",
+                    cfg.strategy, plan.replicas, cfg.num_stages, cfg.schedule, list(partition.counts),
+                    plan.describe(), steps_per_epoch,
                     ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos))
         input_shape, num_classes = check_data(cfg.data)
         shape_info = {"input_shape": list(input_shape), "num_classes": num_classes}  # for load_model()

@@ -20,8 +20,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytrain_mgpu.runtime.cluster import worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
-from raytrain_mgpu.pipeline.worker import StageWorker, num_replicas
-from raytrain_mgpu.strategies import get_strategy
+from raytrain_mgpu.pipeline.worker import StageWorker
+from raytrain_mgpu.strategies.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +46,16 @@ def wait_all(refs: list) -> list:
 class StageGroup:
     """``num_replicas x num_stages`` :class:`StageWorker` actors, rank = replica * stages + stage."""
 
-    def __init__(self, cfg: TrainConfig, fail_at_step: Optional[int] = None):
-        self.cfg = cfg
-        self.world_size = cfg.num_stages * num_replicas(cfg)
+    def __init__(self, cfg: TrainConfig, plan: RunPlan, fail_at_step: Optional[int] = None):
+        self.cfg, self.plan = cfg, plan
+        self.world_size = plan.num_processes  # stages x replicas
         self.fail_at_step = fail_at_step
         self.actors: list = []
         self.pg = None
 
     def start(self) -> None:
         cfg = self.cfg
-        bundles = get_strategy(cfg.strategy).bundles(cfg)
+        bundles = list(self.plan.bundles)
         self.pg = placement_group(bundles, strategy=cfg.placement)
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -73,7 +73,7 @@ class StageGroup:
                 num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
                 runtime_env=runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(cfg, rank, self.fail_at_step)
+            ).remote(cfg, rank, self.fail_at_step, plan=self.plan)
             for rank in range(self.world_size)
         ]
         logger.debug("started %d stage actors", self.world_size)

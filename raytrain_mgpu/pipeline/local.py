@@ -18,7 +18,8 @@ from typing import List, NamedTuple, Optional, Sequence
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
-from raytrain_mgpu.pipeline.worker import StageWorker, num_replicas
+from raytrain_mgpu.pipeline.worker import StageWorker
+from raytrain_mgpu.strategies.plan import build_plan
 from raytrain_mgpu.runtime.placement import free_address
 
 __all__ = ["LocalRun", "LocalResult", "run_local"]
@@ -42,7 +43,7 @@ _BARRIER_TIMEOUT_S = 600.0
 
 
 def _world(cfg: TrainConfig) -> int:
-    return cfg.num_stages * num_replicas(cfg)
+    return build_plan(cfg).num_processes  # stages x replicas
 
 
 def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:

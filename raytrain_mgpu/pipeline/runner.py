@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 import ray
 
 from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
                 + (" or cpus_per_worker" if key == "CPU" else "") + f", or add {key}s to the cluster.")
 
 
-def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
+def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> RunOutcome:
     """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of
     ``{storage_path}/{name}`` if there is one, restart after failures (``max_failures``).
 
@@ -68,16 +69,14 @@ def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
     """
     from raytrain_mgpu.runtime.cluster import check_placeable
     from raytrain_mgpu.pipeline.driver import load_state, train_attempt
-    from raytrain_mgpu.pipeline.worker import num_replicas
-    from raytrain_mgpu.strategies import get_strategy
-
-    strategy = get_strategy(cfg.strategy)
-    if strategy.runner != "actor_group":
+    plan = plan if plan is not None else build_plan(cfg)  # fit hands its plan down; direct callers get the same
+    if plan.runner != "actor_group":
         raise ValueError(f"TrainConfig.strategy={cfg.strategy!r} is not a pipeline strategy; fit() runs it "
                          f"with Ray Train workers.")
-    _check_resources(cfg, strategy.bundles(cfg), num_replicas(cfg))
-    check_placeable(strategy.bundles(cfg), cfg.use_gpu,
-                    f"strategy={cfg.strategy!r} with {num_replicas(cfg)} replica(s) x num_stages={cfg.num_stages}")
+    # The placement check of the stage actors (fit leaves it to this runner: the fix is in its terms)
+    _check_resources(cfg, list(plan.bundles), plan.replicas)
+    check_placeable(list(plan.bundles), cfg.use_gpu,
+                    f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}")
     fail_at: Optional[int] = int(os.environ[FAIL_AT_STEP_ENV]) if os.environ.get(FAIL_AT_STEP_ENV) else None
     failures = 0
     while True:
@@ -87,7 +86,7 @@ def run_pipeline(cfg: TrainConfig, reporter) -> RunOutcome:
             logger.info("%s is already trained (epoch %d, step %d): nothing to do", cfg.name, state.epoch, state.step)
             return RunOutcome(state.checkpoint, state.history)
         try:
-            path, history = train_attempt(cfg, reporter, state, fail_at if failures == 0 else None)
+            path, history = train_attempt(cfg, plan, reporter, state, fail_at if failures == 0 else None)
             return RunOutcome(path, history)
         except Exception as exc:
             if not _retryable(exc) or (cfg.max_failures != -1 and failures >= cfg.max_failures):

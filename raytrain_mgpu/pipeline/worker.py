@@ -41,15 +41,10 @@ from raytrain_mgpu.models.partition import Partition, blocks_of, build_stage_mod
 from raytrain_mgpu.pipeline.schedule import (Order, build_order, channel_sequences, forward_only,
                                              num_virtual_stages, stage_rank)
 
+from raytrain_mgpu.strategies.plan import RunPlan, build_plan
+
 logger = logging.getLogger(__name__)
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def num_replicas(cfg: TrainConfig) -> int:
-    """Pipeline replicas D: the strategy's data-parallel size (``num_workers`` for ``ddp_pipeline``, else 1)."""
-    from raytrain_mgpu.strategies import get_strategy
-
-    return get_strategy(cfg.strategy).data_parallel_size(cfg)  # what the run plan's ``replicas`` holds
 
 
 def microbatch_rows(size: int, num_microbatches: int) -> List[int]:
@@ -67,13 +62,15 @@ class StageWorker:
     """
 
     def __init__(self, cfg: TrainConfig, rank: int, fail_at_step: Optional[int] = None,
-                 emulate_nccl: Optional[bool] = None, _skip_warmup: bool = False):
+                 emulate_nccl: Optional[bool] = None, _skip_warmup: bool = False, plan: Optional[RunPlan] = None):
         torch.set_num_threads(cfg.cpus_per_worker)
         self.cfg, self.rank, self.fail_at_step = cfg, rank, fail_at_step
         self.emulate_nccl = nccl_semantics(cfg.use_gpu) if emulate_nccl is None else emulate_nccl
         self._skip_warmup = _skip_warmup
         self.num_ranks = cfg.num_stages
-        self.num_replicas = num_replicas(cfg)
+        # fit's plan, handed down by the driver; the local harness (no driver) builds the same one
+        self.plan = plan if plan is not None else build_plan(cfg)
+        self.num_replicas = self.plan.replicas
         self.replica, self.prank = divmod(rank, self.num_ranks)
         self.num_stages = num_virtual_stages(cfg.schedule, self.num_ranks)
         self.is_first = self.prank == stage_rank(0, self.num_ranks)
@@ -81,8 +78,8 @@ class StageWorker:
         # Ray gives a stage actor one GPU; under emulation it computes on the CPU, cuda:k recorded
         self.assignment = devices.resolve_devices(cfg.use_gpu, 1)
         self.device = self.assignment.compute[0]
-        self.replica_batch = cfg.batch_size // self.num_replicas
-        self.rows = [self.replica_batch // cfg.num_microbatches] * cfg.num_microbatches
+        self.replica_batch = self.plan.replica_batch
+        self.rows = [self.plan.micro_batch] * self.plan.micro_batches_per_step
 
     # ------------------------------------------------------------------ setup
 

@@ -170,7 +170,7 @@ def plan_config(cfg, name: str, info: ClusterInfo):
 
 def describe_layout(cfg) -> str:
     """``"2 workers"``, ``"1 worker x 2 devices"``, ``"2 stages x 4 micro-batches"``."""
-    from raytrain_mgpu.planning.plan import build_plan
+    from raytrain_mgpu.strategies.plan import build_plan
 
     plan = build_plan(cfg)
     if plan.runner == "actor_group":
@@ -205,7 +205,7 @@ def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] =
     on CPU without a budget the model is taken to fit. The candidates come in the order
     of their classes' ``auto_rank``: the plain model first, the first that fits wins.
     """
-    from raytrain_mgpu.planning.plan import build_plan
+    from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.strategies import get_strategy
 
     profile = profile or profile_config(cfg)

@@ -38,7 +38,7 @@ from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, Compare
 from raytrain_mgpu.config_checks import parse_bytes
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)
-from raytrain_mgpu.planning.plan import build_plan
+from raytrain_mgpu.strategies.plan import build_plan
 
 logger = logging.getLogger(__name__)
 

@@ -201,7 +201,7 @@ def batch_granularity(strategy: str, cfg) -> int:
 
     ``strategy`` is ``cfg.strategy`` (kept for the callers' symmetry with :func:`device_memory`).
     """
-    from raytrain_mgpu.planning.plan import build_plan
+    from raytrain_mgpu.strategies.plan import build_plan
 
     return build_plan(cfg).batch_granularity
 

@@ -31,6 +31,7 @@ from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.run_state import RunState, checkpoint_meta, epoch_row
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
+from raytrain_mgpu.strategies.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -62,8 +63,9 @@ def _device_record(ctx: WorkerContext) -> dict:
 
 @name_stuck_ranks
 def train_worker(payload: dict) -> dict:
-    """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "sink": actor}."""
+    """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": actor}."""
     cfg: TrainConfig = payload["config"]
+    plan: RunPlan = payload["plan"]  # built once by fit: the batch arithmetic is not derived again here
     torch.set_num_threads(cfg.cpus_per_worker)
     ctx = _context(cfg)
     strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx)
@@ -77,12 +79,13 @@ def train_worker(payload: dict) -> dict:
         model = torch.compile(model)
 
     shard, num_shards = strategy.data_shard()
-    micro_batch = cfg.batch_size // (num_shards * cfg.grad_accum_steps)
+    assert num_shards == plan.replicas, f"{cfg.strategy}: {num_shards} data shards, but the plan has {plan.replicas}"
+    micro_batch = plan.micro_batch
     sampler = DistributedSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=strategy.device.type == "cuda")
-    steps_per_epoch = len(loader) // cfg.grad_accum_steps
+    steps_per_epoch = len(loader) // plan.micro_batches_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
                          f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
@@ -95,7 +98,7 @@ def train_worker(payload: dict) -> dict:
 
     shape_info = {"input_shape": list(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
-    test_loader = _test_loader(data.test, shard, num_shards, micro_batch * cfg.grad_accum_steps)
+    test_loader = _test_loader(data.test, shard, num_shards, plan.replica_batch)
     for epoch in range(state.epoch, cfg.epochs):
         if state.finished(cfg):
             break

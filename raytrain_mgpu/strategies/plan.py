@@ -2,13 +2,14 @@
 
 torchtitan's ``ParallelDims`` for this package (house style rule 11): ``fit`` builds a
 :class:`RunPlan` from the validated config and the strategy class, logs it in the banner,
-checks its bundles against the cluster and hands it to the Ray Train workers and the
-pipeline's stage actors. Nobody downstream re-derives a replica count or a micro-batch
-from the strategy's name.
+checks its bundles against the cluster and hands it to the Ray Train workers (the loop's
+payload) and to the pipeline's stage actors. Nobody downstream re-derives a replica count
+or a micro-batch from the strategy's name.
 
-Pure: no Ray, no torch. The strategy class answers every question about its layout
-(``data_parallel_size``, ``devices_per_worker``, ``worker_resources``, ``bundles``,
-``micro_batches_per_step``, ``runner``).
+It sits with the strategies (as torchtitan's sits in ``distributed/``) because it is only
+what the strategy class answers (``data_parallel_size``, ``devices_per_worker``,
+``worker_resources``, ``bundles``, ``micro_batches_per_step``, ``runner``), put together;
+so the runtime below planning can read it. Pure: no Ray, no torch.
 """
 
 from __future__ import annotations
