@@ -24,7 +24,8 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
-from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder, check_storage_reachable
+from raytrain_mgpu.planning.preflight import (check_data_fits, check_model_builds, check_run_folder,
+                                              check_storage_reachable)
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
@@ -68,6 +69,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
+    check_model_builds(cfg, input_shape, num_classes)  # on meta: a factory that raises fails here, named
     data_info = {"input_shape": list(input_shape), "num_classes": num_classes,
                  "train_split_size": check_data_fits(cfg, num_classes)}  # >= 2 classes, batch <= split
     lock = RunLock.acquire(_run_path(cfg))  # a second driver on this run folder is refused

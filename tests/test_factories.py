@@ -1,0 +1,249 @@
+"""Model and optimizer factories (issue 14): models from a model zoo, optimizers of your own.
+
+A ``module:function`` model factory receives, of ``input_shape``, ``num_classes`` and
+``model_kwargs``, only the keyword arguments it names; a ``**kwargs`` catch-all gets
+``model_kwargs`` and ``num_classes`` but never ``input_shape`` (torchvision's builders pass
+their kwargs to the model class, which raises on it). ``fit`` builds the model on the meta
+device, and its optimizer over it, before Ray starts. The factories below are named
+``test_factories:<name>``: this module is importable on the driver and on the shared test
+Ray's workers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu import api
+from raytrain_mgpu.models import build_model, factory_arguments
+from raytrain_mgpu.planning.preflight import check_model_builds
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
+
+torchvision = pytest.importorskip("torchvision")
+
+IMAGES = dict(dataset="synthetic", input_shape=[3, 32, 32], num_classes=10, num_samples=64, batch_size=32,
+              epochs=1, seed=5)  # 2 steps: 64 samples, global batch 32
+
+
+# ----------------------------------------------------------------------------- factories
+
+
+def named_both(input_shape, num_classes, width=4):
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.Linear(width, num_classes))
+
+
+def catch_all(**kwargs):
+    return nn.Linear(1, kwargs["num_classes"])
+
+
+def shape_and_catch_all(input_shape, **kwargs):
+    return nn.Linear(math.prod(input_shape), kwargs["num_classes"])
+
+
+def broken(num_classes):
+    raise RuntimeError("no weights for this head")
+
+
+def not_a_module(num_classes):
+    return [num_classes]
+
+
+def reads_values_while_building(num_classes):
+    """timm's pattern (``[x.item() for x in torch.linspace(...)]``): fails on meta, builds on CPU."""
+    rates = [x.item() for x in torch.linspace(0, 0.1, 3)]
+    return nn.Sequential(nn.Flatten(), nn.Dropout(rates[1]), nn.Linear(3 * 32 * 32, num_classes))
+
+
+def vit_tiny(input_shape, num_classes):
+    """A ``vit_b_16``-shaped model at test size: torchvision's own VisionTransformer class."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=input_shape[-1], patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                             mlp_dim=64, num_classes=num_classes)
+
+
+def rmsprop(params, lr, **kwargs):
+    return torch.optim.RMSprop(params, lr=lr, **kwargs)
+
+
+def not_an_optimizer(params, lr):
+    return list(params)
+
+
+# ----------------------------------------------------------------------------- signature filtering (no Ray)
+
+
+def test_a_factory_gets_only_the_arguments_it_names():
+    args = factory_arguments(named_both, "t:named_both", [3, 4], 5, {"width": 2})
+    assert args == {"input_shape": (3, 4), "num_classes": 5, "width": 2}
+    assert factory_arguments(broken, "t:broken", (3, 4), 5, {}) == {"num_classes": 5}
+    # A catch-all gets model_kwargs and num_classes, never input_shape.
+    assert factory_arguments(catch_all, "t:catch_all", (3, 4), 5, {"depth": 2}) == {"num_classes": 5, "depth": 2}
+    assert factory_arguments(shape_and_catch_all, "t:s", (3, 4), 5, {}) == {"input_shape": (3, 4), "num_classes": 5}
+    # No classes (regression data): a catch-all gets none, and model_kwargs may set it.
+    assert factory_arguments(catch_all, "t:catch_all", (3,), None, {"num_classes": 1}) == {"num_classes": 1}
+
+
+def test_model_kwargs_a_factory_does_not_take_or_the_data_gives_are_refused():
+    with pytest.raises(ValueError, match=r"t:named_both takes no argument \['depht'\] \(it takes \['input_shape', "
+                                         r"'num_classes', 'width'\]\)\. Remove or rename them"):
+        factory_arguments(named_both, "t:named_both", (3,), 5, {"depht": 2})
+    with pytest.raises(ValueError, match=r"sets \['num_classes'\], which the dataset gives t:catch_all "
+                                         r"\(num_classes=5\)\. Remove them from model_kwargs"):
+        factory_arguments(catch_all, "t:catch_all", (3,), 5, {"num_classes": 1})
+
+
+@pytest.mark.parametrize("builder", ["resnet18", "mobilenet_v3_small"])
+def test_torchvision_builders_build_with_our_arguments(builder):
+    # Before: resnet18(input_shape=..., num_classes=10) raised TypeError in ResNet.__init__.
+    model = build_model(f"torchvision.models:{builder}", (3, 32, 32), 10, {})
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert build_model("test_factories:vit_tiny", (3, 32, 32), 10, {})(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert build_model("mlp", (1, 8, 8), 4, {"widths": [8]})(torch.randn(2, 1, 8, 8)).shape == (2, 4)  # registry
+
+
+def test_a_factory_that_raises_or_returns_no_module_is_named():
+    with pytest.raises(ValueError, match=r"TrainConfig.model='test_factories:broken' failed: broken\(num_classes=10\) "
+                                         r"raised RuntimeError: no weights for this head\. Fix the factory"):
+        build_model("test_factories:broken", (3, 32, 32), 10, {})
+    with pytest.raises(ValueError, match=r"not_a_module\(num_classes=10\) returned a list, not a torch.nn.Module"):
+        build_model("test_factories:not_a_module", (3, 32, 32), 10, {})
+
+
+def test_a_model_that_cannot_build_on_meta_is_built_once_on_cpu_leaving_the_rng_alone():
+    cfg = rtm.TrainConfig(model="test_factories:reads_values_while_building", **IMAGES)
+    with pytest.raises(ValueError, match="failed"), torch.device("meta"):
+        build_model(cfg.model, (3, 32, 32), 10, {})
+    before = torch.get_rng_state()
+    check_model_builds(cfg, (3, 32, 32), 10)  # no error: the CPU build works
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# ----------------------------------------------------------------------------- optimizer config (no Ray)
+
+
+def test_optimizer_takes_a_name_or_a_factory_and_its_kwargs():
+    cfg = rtm.TrainConfig(optimizer="test_factories:rmsprop", optimizer_kwargs={"alpha": 0.9, "momentum": 0.5})
+    assert cfg.optim.optimizer == "test_factories:rmsprop" and cfg.optim.optimizer_kwargs == {"alpha": 0.9,
+                                                                                                "momentum": 0.5}
+    from raytrain_mgpu.optim import build_optimizer
+
+    optimizer = build_optimizer(nn.Linear(2, 2).parameters(), cfg.optim)
+    assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
+    assert optimizer.defaults["lr"] == cfg.optim.scaled_lr()
+    adamw = build_optimizer(nn.Linear(2, 2).parameters(), rtm.TrainConfig(optimizer_kwargs={"betas": [0.8, 0.9]}).optim)
+    assert tuple(adamw.defaults["betas"]) == (0.8, 0.9)
+    with pytest.raises(ValueError, match=r"TrainConfig.optimizer='rmsprop': is not one of \['sgd', 'adamw'\] or a "
+                                         r"'package.module:function'\. Set optimizer to one of them"):
+        rtm.TrainConfig(optimizer="rmsprop")
+    with pytest.raises(ValueError, match=r"TrainConfig.optimizer_kwargs=\{'momentum': 0.5\}: must not set "
+                                         r"\['momentum'\]: the trainer passes them"):
+        rtm.TrainConfig(optimizer="sgd", optimizer_kwargs={"momentum": 0.5})
+    with pytest.raises(ValueError, match=r"TrainConfig.optimizer='os:system': 'os' is a standard-library module"):
+        rtm.TrainConfig(optimizer="os:system")
+
+
+def test_a_config_file_names_an_optimizer_factory_only_when_allowed(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer: test_factories:rmsprop\n")
+    with pytest.raises(ValueError, match=r"optimizer='test_factories:rmsprop' names code to run"):
+        rtm.TrainConfig.from_yaml(path)
+    assert rtm.TrainConfig.from_yaml(path, allow_code=True).optimizer == "test_factories:rmsprop"
+
+
+# ----------------------------------------------------------------------------- before Ray
+
+
+def _refuse_ray(monkeypatch):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fit started Ray before checking the model")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(api, "connect", refuse)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(model="test_factories:broken"),
+     r"TrainConfig.model='test_factories:broken' failed: broken\(num_classes=10\) raised RuntimeError"),
+    (dict(model="torchvision.models:resnet18", model_kwargs={"widht": 2}),
+     r"resnet18\(num_classes=10, widht=2\) raised TypeError: .*unexpected keyword argument 'widht'"),
+    (dict(model="mlp", optimizer="test_factories:not_an_optimizer"),
+     r"optimizer='test_factories:not_an_optimizer': not_an_optimizer\(params, lr=0.02\) returned a list"),
+    (dict(model="mlp", optimizer_kwargs={"betaz": [0.9, 0.9]}),
+     r"TrainConfig.optimizer='adamw' with optimizer_kwargs=\{'betaz': \[0.9, 0.9\]\} does not build: TypeError"),
+])
+def test_a_factory_that_raises_fails_before_ray(fields, message, monkeypatch, tmp_path):
+    _refuse_ray(monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        rtm.fit(rtm.TrainConfig(**{**IMAGES, **fields}, storage_path=str(tmp_path)))
+
+
+# ----------------------------------------------------------------------------- real builders through fit
+
+
+def _initial_weights(cfg) -> dict:
+    torch.manual_seed(cfg.seed)  # what every worker builds first (loop._build_model)
+    return build_model(cfg.model, tuple(cfg.input_shape), cfg.num_classes, cfg.model_kwargs).state_dict()
+
+
+def _fit_and_check(cfg):
+    result = rtm.fit(cfg)
+    assert result.metrics["step"] == 2 and math.isfinite(result.metrics["train_loss"])
+    assert math.isfinite(result.metrics["test_loss"])
+    model = result.load_model()  # rebuilt by the same factory, same argument filtering
+    with ckpt_format.local_checkpoint(result.checkpoint_path) as directory:
+        saved = ckpt_format.load_model_state(directory)
+    state = model.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    initial = _initial_weights(cfg)
+    assert any(v.is_floating_point() and not torch.equal(v, initial[k]) for k, v in state.items())  # it trained
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    return result
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("model,strategy,workers,devices", [
+    ("torchvision.models:resnet18", "ddp", 2, 1),
+    ("torchvision.models:mobilenet_v3_small", "dp_balanced", 1, 2),
+    ("test_factories:vit_tiny", "fsdp", 2, 1),
+    pytest.param("torchvision.models:mobilenet_v3_small", "ddp", 2, 1, marks=pytest.mark.slow),
+    pytest.param("torchvision.models:resnet18", "dp_balanced", 1, 2, marks=pytest.mark.slow),
+    pytest.param("torchvision.models:resnet18", "fsdp", 2, 1, marks=pytest.mark.slow),
+    pytest.param("torchvision.models:mobilenet_v3_small", "fsdp", 2, 1, marks=pytest.mark.slow),
+])
+def test_model_zoo_builders_train_on_data_parallel_strategies(model, strategy, workers, devices, ray_session,
+                                                              storage):
+    cfg = rtm.TrainConfig(**IMAGES, model=model, strategy=strategy, num_workers=workers, gpus_per_worker=devices,
+                          optimizer="sgd", lr=0.01, name=f"{model.split(':')[1]}-{strategy}", storage_path=storage)
+    _fit_and_check(cfg)
+
+
+# ----------------------------------------------------------------------------- custom optimizer resume
+
+
+@pytest.mark.ray
+@pytest.mark.slow  # three fits
+def test_a_custom_optimizer_resumes_exactly(ray_session, storage):
+    fields = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="synthetic", input_shape=[1, 8, 8],
+                  num_classes=4, num_samples=128, batch_size=32, seed=3, num_workers=2, lr=0.01,
+                  optimizer="test_factories:rmsprop", optimizer_kwargs={"alpha": 0.9, "momentum": 0.5},
+                  storage_path=storage)
+    whole = rtm.fit(rtm.TrainConfig(**fields, epochs=2, name="whole"))
+    first = rtm.fit(rtm.TrainConfig(**fields, epochs=1, name="split"))
+    with ckpt_format.local_checkpoint(first.checkpoint_path) as directory:
+        saved = ckpt_format.load_train_state(directory)["optimizer"]
+    # RMSprop's own state went into the checkpoint: its running averages and momentum buffers.
+    assert {"square_avg", "momentum_buffer"} <= set(saved["state"][0])
+    assert saved["param_groups"][0]["alpha"] == 0.9
+    resumed = rtm.fit(rtm.TrainConfig(**fields, epochs=2, name="split"))
+    assert [h["attempt"] for h in resumed.history] == [0, 1] and resumed.metrics["step"] == whole.metrics["step"]
+    # A resume that rebuilt RMSprop without its state would diverge from the first step on.
+    got, want = resumed.load_model().state_dict(), whole.load_model().state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
