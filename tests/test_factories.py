@@ -66,6 +66,10 @@ def vit_tiny(input_shape, num_classes):
                              mlp_dim=64, num_classes=num_classes)
 
 
+def small_mlp(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 16), nn.ReLU(), nn.Linear(16, num_classes))
+
+
 def rmsprop(params, lr, **kwargs):
     return torch.optim.RMSprop(params, lr=lr, **kwargs)
 
@@ -230,7 +234,9 @@ def test_model_zoo_builders_train_on_data_parallel_strategies(model, strategy, w
 @pytest.mark.ray
 @pytest.mark.slow  # three fits
 def test_a_custom_optimizer_resumes_exactly(ray_session, storage):
-    fields = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="synthetic", input_shape=[1, 8, 8],
+    # The model factory ships this module to the workers, the optimizer's with it (fit ships
+    # the modules of the model and dataset factories).
+    fields = dict(model="test_factories:small_mlp", dataset="synthetic", input_shape=[1, 8, 8],
                   num_classes=4, num_samples=128, batch_size=32, seed=3, num_workers=2, lr=0.01,
                   optimizer="test_factories:rmsprop", optimizer_kwargs={"alpha": 0.9, "momentum": 0.5},
                   storage_path=storage)
