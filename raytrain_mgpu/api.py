@@ -150,7 +150,7 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, printer: ProgressPrinter
             name=cfg.name, storage_path=cfg.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=worker_runtime_env(cfg.model, cfg.dataset)),
+            worker_runtime_env=worker_runtime_env(*cfg.code_specs())),
     )
     try:
         with SinkPump(sink, printer):

@@ -306,6 +306,10 @@ class TrainConfig:
         check_file_factories(values, ("model", "dataset", "optimizer"), str(path), allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
+    def code_specs(self) -> list:
+        """Every field value that may name user code (``pkg.module:function``): the workers get those modules."""
+        return [self.model, self.dataset, self.optimizer]
+
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
         for key, value in values.items():

@@ -135,6 +135,9 @@ def test_compare_checks_its_input_before_starting_ray(monkeypatch):
     with pytest.raises(ValueError, match="steps=0 must be a positive integer"):
         compare(cfg, steps=0)
     assert parse_bytes("64MiB") == 64 * 2**20 and parse_bytes("8e9") == 8 * 10**9
+    for endless in (float("inf"), float("nan")):  # found by test_config_property: OverflowError before
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_bytes(endless)
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
 

@@ -67,7 +67,7 @@ class StageGroup:
                 f"to finish, lower num_stages/num_workers/cpus_per_worker, or use placement='PACK' or "
                 f"'SPREAD' instead of a STRICT_ one.") from None
         actor_class = ray.remote(StageWorker)
-        runtime_env = worker_runtime_env(cfg.model, cfg.dataset)  # carries the GPU-emulation switch
+        runtime_env = worker_runtime_env(*cfg.code_specs())  # the user's modules, the GPU-emulation switch
         self.actors = [
             actor_class.options(
                 num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,

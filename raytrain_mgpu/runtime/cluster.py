@@ -246,21 +246,22 @@ def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Opt
         _check_alive(bundles, use_gpu, what, list(capacity.alive))
 
 
-def worker_runtime_env(model: str, dataset: str) -> dict:
+def worker_runtime_env(*specs: str) -> dict:
     """The runtime env of every training process (Ray Train workers and pipeline stages).
 
     - Ray starts worker processes at nice 15: on a node where anything else runs (Ray's own
       daemons at nice 0, on a small machine), a training worker yields to it; measured on 2
       cores, ``fit`` with 1 worker ran at 0.90x a plain loop. A worker owns its resources, so
       it runs at normal priority, as Ray's job drivers do.
-    - the user's own model/dataset modules, when they live outside installed packages.
+    - the user's own modules that ``specs`` name (``TrainConfig.code_specs()``: model, dataset,
+      optimizer, ...), when they live outside installed packages.
     - the GPU emulation switch, so every worker and stage actor emulates too, also when the
       driver called ``ray.init`` itself (workers inherit the raylet's environment, not the driver's).
     """
     from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
 
     env: dict = {"env_vars": {"RAY_worker_niceness": "0", **devices.runtime_env_vars()}}
-    shipped = local_modules_to_ship(model, dataset)
+    shipped = local_modules_to_ship(*specs)
     if shipped:
         env["py_modules"] = upload_modules(shipped)
     return env
