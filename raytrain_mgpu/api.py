@@ -36,22 +36,31 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What a run leaves behind. ``metrics`` is the last epoch's entry of ``history``."""
+    """What a run leaves behind. ``metrics`` is the last epoch's entry of ``history``;
+    ``best_checkpoint_path`` the checkpoint of the best ``monitor`` epoch (with ``keep_best``)."""
 
     config: TrainConfig
     history: List[dict]
     checkpoint_path: Optional[str]
     path: str
     metrics: dict = field(init=False)
+    best_checkpoint_path: Optional[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = self.history[-1] if self.history else {}
+        best = RunFolder(self.path).best_checkpoint() if self.config.keep_best else None  # reads meta.json files
+        self.best_checkpoint_path = None if best is None else best.uri
 
-    def load_model(self) -> nn.Module:
-        """The trained model, weights from the last checkpoint, on CPU, unwrapped."""
-        if self.checkpoint_path is None:
+    def load_model(self, best: bool = False) -> nn.Module:
+        """The trained model, weights from the last checkpoint (``best``: the best epoch's), on CPU, unwrapped."""
+        path = self.best_checkpoint_path if best else self.checkpoint_path
+        if path is None and best:
+            raise ValueError(f"run {self.config.name!r} has no best checkpoint: it is kept with keep_best=True and "
+                             f"monitor set (monitor={self.config.monitor!r}, keep_best={self.config.keep_best}). "
+                             f"Train with them, or call load_model() for the last checkpoint.")
+        if path is None:
             raise ValueError(f"run {self.config.name!r} has no checkpoint to load.")
-        with ckpt_format.local_checkpoint(self.checkpoint_path) as directory:
+        with ckpt_format.local_checkpoint(path) as directory:
             meta = ckpt_format.read_meta(directory)
             state = ckpt_format.load_model_state(directory)
         model = build_model(self.config.model, tuple(meta["input_shape"]), meta["num_classes"],
@@ -148,6 +157,8 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, printer: ProgressPrinter
                                      placement_strategy=cfg.placement),
         run_config=RunConfig(
             name=cfg.name, storage_path=cfg.storage_path,
+            # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
+            # best (and the latest). keep_best's best is copied aside by the loop (RunFolder.save_best).
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             worker_runtime_env=worker_runtime_env(*cfg.code_specs())),

@@ -31,6 +31,7 @@ LrScaling = Literal[None, "linear", "sqrt"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block counts per stage
+MonitorMode = Literal["min", "max"]
 
 
 # ----------------------------------------------------------------------------- sections
@@ -237,6 +238,16 @@ class TrainConfig:
     """Ray cluster to use; default ``RAY_ADDRESS`` or a new local instance."""
     verbose: bool = False
     """Show Ray's own per-worker logs on the driver."""
+
+    # --- checkpoints: the best one and early stopping
+    monitor: Optional[str] = None
+    """History key that ranks epochs, e.g. ``test_loss`` or ``test_accuracy`` (measured on evaluated epochs only); None: no best tracking."""
+    mode: MonitorMode = "min"
+    """``min``: a lower ``monitor`` is better (losses); ``max``: higher is better (accuracy)."""
+    keep_best: bool = False
+    """Keep the checkpoint of the best ``monitor`` besides the last ``num_checkpoints_to_keep`` (``TrainResult.best_checkpoint_path``, ``load_model(best=True)``)."""
+    early_stopping_patience: Optional[int] = None
+    """Stop after this many evaluated epochs in a row without a strictly better ``monitor``; None: train all ``epochs``."""
 
     def __post_init__(self) -> None:
         self._unused_options = validate(self)  # {option: value} the strategy never reads

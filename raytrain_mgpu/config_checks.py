@@ -22,11 +22,11 @@ from typing import Any, Dict, Literal
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
-          "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose")
+          "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose", "keep_best")
 _POSITIVE_INTS = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
                   "num_checkpoints_to_keep", "eval_every_epochs")
-_OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes")
+_OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience")
 _NON_EMPTY_STRINGS = ("model", "dataset", "strategy", "image_column", "label_column")
 _OPTIONAL_STRINGS = ("data_root", "address")
 SEED_LIMIT = 2**63
@@ -173,6 +173,7 @@ def check_fields(cfg) -> None:
     _check_factory_choices(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
+    _check_monitor(cfg)
 
 
 def check_sync_batchnorm(cfg, strategy_cls) -> None:
@@ -283,6 +284,32 @@ def _check_shapes(cfg) -> None:
                 fail(name, value, "is not of the form 'package.module:function'",
                      "Write e.g. 'my_models:build' for build() in my_models.py.")
             check_factory_spec(value, name)
+
+
+def monitor_keys(cfg) -> tuple:
+    """The history keys ``monitor`` may name: ``train_``/``test_`` + ``loss`` or a metric the run records."""
+    metrics = getattr(cfg, "metrics", None)  # user metrics, where the config has them
+    names = ["accuracy"] if metrics is None else [str(m).rsplit(":", 1)[-1] for m in metrics]
+    return tuple(f"{split}_{name}" for split in ("train", "test") for name in ["loss", *names])
+
+
+def _check_monitor(cfg) -> None:
+    """``monitor`` names an epoch-row key; ``keep_best`` and ``early_stopping_patience`` need it."""
+    monitor = cfg.monitor
+    if monitor is None:
+        for name in ("keep_best", "early_stopping_patience"):
+            if getattr(cfg, name) not in (False, None):
+                fail(name, getattr(cfg, name), "needs monitor, the history key that ranks epochs",
+                     "Set monitor, e.g. monitor='test_loss' (with mode='min') or 'test_accuracy' (mode='max').")
+        return
+    valid = monitor_keys(cfg)
+    if not isinstance(monitor, str) or monitor not in valid:
+        fail("monitor", monitor, f"is not a history key of this run ({', '.join(valid)})",
+             "Set monitor to one of them, or leave it unset.")
+    if monitor.startswith("test_") and cfg.eval_every_epochs > cfg.epochs:
+        fail("monitor", monitor, f"is measured on evaluated epochs only, and eval_every_epochs="
+                                 f"{cfg.eval_every_epochs} > epochs={cfg.epochs} evaluates only the last one",
+             "Set eval_every_epochs to 1 (or a divisor of epochs), or monitor a train_* key.")
 
 
 # Sizes like memory_budget_bytes="24GiB": parsed here, below the config, so a bad size costs no torch import.

@@ -17,7 +17,7 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.run_folder import RunFolder
-from raytrain_mgpu.runtime.run_state import RunState, checkpoint_meta, epoch_row
+from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, stops_early
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.models.partition import Partition
@@ -77,7 +77,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
             if state.finished(cfg):
                 break
             metrics = _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition)
-            last = epoch + 1 == cfg.epochs or state.finished(cfg)
+            # the last epoch is evaluated, also one that stops early
+            last = epoch + 1 == cfg.epochs or state.finished(cfg) or stops_early(state.history + [metrics], cfg)
             if last or (epoch + 1) % cfg.eval_every_epochs == 0:
                 metrics.update(_evaluate(group))
             state.epoch = epoch + 1
@@ -148,7 +149,9 @@ def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Parti
     with folder.writable(tmp) as directory:
         ckpt_format.write_checkpoint(directory, meta=meta, history=state.history)  # last: marks it complete
     published = folder.publish(tmp, name)
-    folder.prune(CHECKPOINT_PREFIX, cfg.num_checkpoints_to_keep)
+    best = best_row(state.history, cfg.monitor, cfg.mode) if cfg.keep_best else None
+    folder.prune(CHECKPOINT_PREFIX, cfg.num_checkpoints_to_keep,  # keep_best: the best besides the last N
+                 spare=None if best is None else f"{CHECKPOINT_PREFIX}{best['epoch']:06d}")
     logger.info("checkpoint %s", redact(published.uri))
     return published.uri
 

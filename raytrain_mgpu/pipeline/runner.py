@@ -83,7 +83,8 @@ def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> 
         state = load_state(cfg)
         state.attempt = max(state.attempt, failures)  # a restart before the first checkpoint counts too
         if state.finished(cfg) and state.checkpoint is not None:
-            logger.info("%s is already trained (epoch %d, step %d): nothing to do", cfg.name, state.epoch, state.step)
+            logger.info("%s is already trained (epoch %d, step %d%s): nothing to do", cfg.name, state.epoch,
+                        state.step, ", stopped early" if state.meta.get("stopped_early") else "")
             return RunOutcome(state.checkpoint, state.history)
         try:
             path, history = train_attempt(cfg, plan, reporter, state, fail_at if failures == 0 else None)

@@ -29,7 +29,8 @@ from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduc
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.run_state import RunState, checkpoint_meta, epoch_row
+from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, stops_early
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import RunPlan
 
@@ -107,11 +108,14 @@ def train_worker(payload: dict) -> dict:
             data.train.prefetch(list(sampler))
         metrics = loop.train_epoch(epoch, state)
         state.epoch = epoch + 1
-        if state.finished(cfg) or state.epoch % cfg.eval_every_epochs == 0:
+        # the last epoch is evaluated, also one that stops early (same all-reduced rows on every rank)
+        if (state.finished(cfg) or stops_early(state.history + [metrics], cfg)
+                or state.epoch % cfg.eval_every_epochs == 0):
             metrics.update(loop.evaluate(test_loader))
         state.history.append(metrics)
         reporter.epoch(metrics)
         _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info)
+    # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 
 
@@ -290,6 +294,10 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
                            "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
             ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
                                          model_state=model_state, train_state=train_state)
+            if cfg.keep_best and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]:
+                # Ray Train prunes by age here (its score order would keep the N best, not the last N):
+                # a new best's model is copied aside, one more model write per improvement.
+                RunFolder.of(cfg).save_best(directory)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
         ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=checkpoint)
     # A rank that dies before Ray Train's controller has taken its report would drop this

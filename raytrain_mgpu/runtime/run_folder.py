@@ -8,9 +8,16 @@ opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
     {run}/.raytrain-mgpu.lock           the driver's lock (runtime/runlock.py)
     {run}/checkpoint*/meta.json         one per checkpoint, written last: marks it complete
     {run}/checkpoint_manager_snapshot.json   Ray Train's own record of its checkpoints
+    {run}/best_checkpoint/              the best epoch's model, for a Ray Train run with keep_best
 
 Ray Train names its checkpoints ``checkpoint_<time>``; the pipeline driver
 ``checkpoint_epoch<E>``. :meth:`RunFolder.checkpoints` is the one scanner of both.
+
+``keep_best``: the best checkpoint is kept besides the last ``num_checkpoints_to_keep``.
+The pipeline driver's :meth:`RunFolder.prune` spares the best epoch's folder. Ray Train
+cannot: with ``checkpoint_score_attribute`` its ``num_to_keep`` keeps the N *best* (and
+the latest), not the last N, and a folder deleted behind its back fails its resume. So
+its rank 0 copies a new best's model into ``best_checkpoint/`` (:meth:`RunFolder.save_best`).
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ from raytrain_mgpu.runtime.run_state import RunState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFolder", "CheckpointInfo", "HISTORY_FILE", "RAY_TRAIN_SNAPSHOT"]
+__all__ = ["RunFolder", "CheckpointInfo", "HISTORY_FILE", "RAY_TRAIN_SNAPSHOT", "BEST_CHECKPOINT"]
 
 HISTORY_FILE = "history.parquet"
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
 """Ray Train's record of its checkpoints; its ``latest_checkpoint_result`` is what it resumes from."""
+BEST_CHECKPOINT = "best_checkpoint"
+"""The copy of the best epoch's model (not named ``checkpoint*``: it is never resumed from)."""
 
 
 class CheckpointInfo(NamedTuple):
@@ -203,10 +212,42 @@ class RunFolder:
             self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
             self.fs.copy_file(path, target)
 
-    def prune(self, prefix: str, keep: int) -> None:
-        """Delete all but the newest ``keep`` folders named ``{prefix}*`` (names sort by age)."""
+    def prune(self, prefix: str, keep: int, spare: Optional[str] = None) -> None:
+        """Delete all but the newest ``keep`` folders named ``{prefix}*`` (names sort by age),
+        and the folder named ``spare`` (the best checkpoint, with ``keep_best``)."""
         for old in self._folders(prefix)[:-keep]:
-            self.fs.delete_dir(old.path)
+            if old.base_name != spare:
+                self.fs.delete_dir(old.path)
+
+    def save_best(self, directory: str) -> CheckpointInfo:
+        """Copy the model parts, ``meta.json`` and ``history.json`` of the local checkpoint
+        ``directory`` into :data:`BEST_CHECKPOINT` (no train state: it is loaded, not resumed)."""
+        import shutil
+        from pathlib import Path
+
+        from raytrain_mgpu.runtime.checkpoint import model_part_files
+
+        tmp = self.temporary(BEST_CHECKPOINT)
+        with self.writable(tmp) as target:
+            for source in [*model_part_files(directory), Path(directory) / CHECKPOINT_HISTORY_FILE,
+                           Path(directory) / META_FILE]:  # meta.json last: it marks the copy complete
+                shutil.copyfile(source, Path(target) / source.name)
+        return self.publish(tmp, BEST_CHECKPOINT)
+
+    def best_checkpoint(self) -> Optional[CheckpointInfo]:
+        """The checkpoint of the best epoch the newest checkpoint's ``meta.json`` names (see
+        ``run_state.best_record``): a kept checkpoint of that epoch, else :data:`BEST_CHECKPOINT`
+        if it holds that epoch (its own record says the same epoch and value: a copy written
+        just before a kill is of an epoch the resumed run trained again); None without one."""
+        newest = self.newest_checkpoint()
+        best = newest.meta.get("best") if newest is not None else None
+        if not best:
+            return None
+        copy = self.read_json(self.join(BEST_CHECKPOINT, META_FILE))
+        copies = [CheckpointInfo(BEST_CHECKPOINT, self.join(BEST_CHECKPOINT), self.uri_of(self.join(BEST_CHECKPOINT)),
+                                 copy)] if copy is not None else []
+        return next((c for c in [*self.checkpoints(), *copies]
+                     if c.meta.get("epoch") == best["epoch"] and c.meta.get("best") == best), None)
 
     def remove_temporaries(self) -> List[str]:
         """Remove the temporary checkpoint folders a killed driver (or attempt) left; returns their names.
@@ -222,7 +263,7 @@ class RunFolder:
             logger.warning("run folder %s is locked by another live driver (host %s, pid %s): its temporary "
                            "checkpoint folders are left alone", self.display, owner.get("host"), owner.get("pid"))
             return []
-        stale = self._folders(f"{TMP_PREFIX}checkpoint")
+        stale = self._folders(f"{TMP_PREFIX}checkpoint") + self._folders(f"{TMP_PREFIX}{BEST_CHECKPOINT}")
         for entry in stale:
             self.fs.delete_dir(entry.path)
         if stale:

@@ -2,7 +2,8 @@
 
 One place defines what survives a restart (:class:`RunState`), what a checkpoint's
 ``meta.json`` holds (:func:`checkpoint_meta`), what one epoch's history row holds
-(:func:`epoch_row`), and when a run is finished (:meth:`RunState.finished`). Either
+(:func:`epoch_row`), when a run is finished (:meth:`RunState.finished`), and which epoch
+is the best and whether the run stops early (:func:`best_row`, :func:`stops_early`). Either
 runner adds its own extra keys (the pipeline its partition and bubble, the loop its
 Ray node ids); the shared keys are the same, so a run folder reads the same whoever
 wrote it. Light on purpose: no torch, no Ray.
@@ -15,7 +16,7 @@ from typing import List, Optional
 
 from raytrain_mgpu._redact import redact
 
-__all__ = ["RunState", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row"]
+__all__ = ["RunState", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early"]
 
 META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_shape", "num_classes", "config")
 """Every checkpoint's ``meta.json`` (plus ``format_version``): what it is, how far it got,
@@ -50,15 +51,67 @@ class RunState:
         return self.meta.get("partition")
 
     def finished(self, cfg) -> bool:
-        """All ``cfg.epochs`` done, or ``cfg.max_steps`` reached (the loops stop on either)."""
-        return self.epoch >= cfg.epochs or (cfg.max_steps is not None and self.step >= cfg.max_steps)
+        """All ``cfg.epochs`` done, ``cfg.max_steps`` reached, or stopped early (the loops stop on
+        any). Early stopping is read from the history under ``cfg``'s rule, so a run stopped
+        early is finished, and raising ``early_stopping_patience`` lets it train on."""
+        return (self.epoch >= cfg.epochs or (cfg.max_steps is not None and self.step >= cfg.max_steps)
+                or stops_early(self.history, cfg))
+
+
+def _value(row: dict, monitor: str) -> Optional[float]:
+    """``row[monitor]``, None on an epoch that did not measure it (``test_*`` between evaluations)."""
+    value = row.get(monitor)
+    if value is None and (not monitor.startswith("test_") or row.get("test_loss") is not None):
+        raise ValueError(f"TrainConfig.monitor={monitor!r} is not in the history of epoch {row.get('epoch')} "
+                         f"(keys: {', '.join(k for k, v in row.items() if isinstance(v, (int, float)))}). "
+                         f"Set monitor to one of them.")
+    return value
+
+
+def best_row(history: list, monitor: str, mode: str) -> Optional[dict]:
+    """The first row with the best ``monitor`` (``mode`` min or max); None before any is measured.
+    A later epoch must be strictly better to take its place; NaN is never better."""
+    best = None
+    for row in history:
+        value = _value(row, monitor)
+        if value is None or value != value:  # not measured, or NaN
+            continue
+        if best is None or (value < best[monitor] if mode == "min" else value > best[monitor]):
+            best = row
+    return best
+
+
+def _epochs_since_best(history: list, monitor: str, mode: str) -> int:
+    """Epochs after the best one that measured ``monitor`` (NaN counts: it did not improve)."""
+    best = best_row(history, monitor, mode)
+    after = history[history.index(best) + 1:] if best is not None else history
+    return sum(1 for row in after if _value(row, monitor) is not None)
+
+
+def stops_early(history: list, cfg) -> bool:
+    """``cfg.early_stopping_patience`` measured epochs in a row without improving ``cfg.monitor``.
+
+    Every data-parallel rank holds the same history (all-reduced metrics), so every rank
+    decides the same and they stop after the same epoch."""
+    patience = getattr(cfg, "early_stopping_patience", None)  # plot's stand-in config has none
+    return patience is not None and _epochs_since_best(history, cfg.monitor, cfg.mode) >= patience
+
+
+def best_record(cfg, history: list) -> dict:
+    """``meta.json``'s ``best`` (monitor, mode, epoch, value) and ``stopped_early``; empty without ``monitor``."""
+    if getattr(cfg, "monitor", None) is None:
+        return {}
+    row = best_row(history, cfg.monitor, cfg.mode)
+    best = None if row is None else {"monitor": cfg.monitor, "mode": cfg.mode, "epoch": row["epoch"],
+                                     "value": row[cfg.monitor]}
+    return {"best": best, "stopped_early": stops_early(history, cfg)}
 
 
 def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
     """``meta.json`` of the checkpoint after ``state``; ``shape_info``: input_shape, num_classes."""
     return {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy, "epoch": state.epoch,
-            "step": state.step, "attempt": state.attempt, **extra, **shape_info,
-            "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
+            "step": state.step, "attempt": state.attempt, **best_record(cfg, state.history), **extra,
+            **shape_info, "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
 
 
 def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, correct: float, samples: float,
