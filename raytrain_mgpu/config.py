@@ -31,6 +31,7 @@ LrScaling = Literal[None, "linear", "sqrt"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block counts per stage
+Loss = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "smooth_l1"]  # or a "module:function"
 MonitorMode = Literal["min", "max"]
 
 
@@ -202,6 +203,10 @@ class TrainConfig:
     """``32``, ``16-mixed`` (fp16 autocast + GradScaler, CUDA only) or ``bf16-mixed``."""
     optimizer_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments for the optimizer, e.g. ``{"betas": [0.9, 0.95]}`` for ``adamw`` or ``{"alpha": 0.9}`` for your own."""
+    loss: Union[Loss, str] = "cross_entropy"
+    """``cross_entropy``, ``mse``, ``l1``, ``bce_with_logits``, ``smooth_l1`` or ``pkg.module:function``, called as ``function(outputs, targets)``, returning the MEAN loss over the batch as a scalar tensor. Every strategy applies it where it computes the loss (``dp_balanced`` per device, the pipeline on its last stage, ``ddp2`` on the node's whole batch)."""
+    metrics: Optional[list] = None
+    """A list of names (``accuracy``, ``top5``, ``mae``, ``mse``) or ``pkg.module:function`` entries, each called as ``function(outputs, targets)``, returning ``(sum, count)`` for the batch; reported per epoch as ``train_<name>``/``test_<name>`` (a function's own name), exact over all ranks and devices. None: ``accuracy`` for a classification dataset, none when its ``num_classes`` is None."""
 
     # --- DDP and model options
     find_unused_parameters: bool = False
@@ -314,12 +319,15 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise ValueError(f"config file {str(path)!r}: expected a mapping of TrainConfig fields, got "
                              f"{type(values).__name__}. Write one `key: value` per line.")
-        check_file_factories(values, ("model", "dataset", "optimizer"), str(path), allow_code)
+        metrics = values.get("metrics")  # a list: each entry may name code
+        entries = {f"metrics[{i}]": m for i, m in enumerate(metrics)} if isinstance(metrics, list) else {}
+        check_file_factories({**values, **entries}, ("model", "dataset", "optimizer", "loss", *entries), str(path),
+                             allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
     def code_specs(self) -> list:
         """Every field value that may name user code (``pkg.module:function``): the workers get those modules."""
-        return [self.model, self.dataset, self.optimizer]
+        return [self.model, self.dataset, self.optimizer, self.loss, *(self.metrics or [])]
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)

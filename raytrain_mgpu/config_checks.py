@@ -156,6 +156,8 @@ def coerce(cfg) -> None:
             setattr(cfg, name, tuple(getattr(cfg, name)))
     if _is_int(cfg.precision):
         cfg.precision = str(cfg.precision)
+    if isinstance(cfg.metrics, tuple):
+        cfg.metrics = list(cfg.metrics)
     if isinstance(cfg.memory_budget_bytes, (str, float)) and not isinstance(cfg.memory_budget_bytes, bool):
         cfg.memory_budget_bytes = parse_bytes(cfg.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
     if "://" not in storage:
@@ -171,6 +173,7 @@ def check_fields(cfg) -> None:
         if not (value is None or isinstance(value, str)) or value not in valid:
             fail(name, value, f"is not one of {list(valid)}", f"Set {name} to one of them.")
     _check_factory_choices(cfg)
+    _check_metrics(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
     _check_monitor(cfg)
@@ -269,6 +272,38 @@ def _check_factory_choices(cfg) -> None:
     if clash:
         fail("optimizer_kwargs", kwargs, f"must not set {clash}: the trainer passes them to the optimizer",
              "Remove them, and set TrainConfig.lr (for sgd/adamw also momentum, weight_decay) instead.")
+
+
+def _check_metrics(cfg) -> None:
+    """``metrics``: None or a list of names or ``module:function`` entries, reported under distinct names."""
+    from raytrain_mgpu._factory import check_factory_spec, is_factory
+
+    from raytrain_mgpu.objectives import METRICS  # imports torch, as the strategy check after this does
+
+    metrics = cfg.metrics
+    valid = tuple(METRICS)
+    fix = f"Write a list, e.g. metrics=['mae'] or ['my_metrics:within_tenth'], of {list(valid)} or your functions."
+    if metrics is None:
+        return
+    if not isinstance(metrics, list):
+        fail("metrics", metrics, "must be a list of metric names or 'package.module:function's", fix)
+    seen = set()
+    for entry in metrics:
+        if isinstance(entry, str) and is_factory(entry):
+            if not FACTORY_RE.match(entry):
+                fail("metrics", metrics, f"entry {entry!r} is not of the form 'package.module:function'", fix)
+            check_factory_spec(entry, "metrics")
+        elif not isinstance(entry, str) or entry not in valid:
+            fail("metrics", metrics, f"entry {entry!r} is not one of {list(valid)} or a 'package.module:function'",
+                 fix)
+        name = entry.split(":", 1)[-1]
+        if name == "loss":
+            fail("metrics", metrics, f"entry {entry!r} would be reported as train_loss/test_loss, the loss's "
+                                     f"own keys", "Rename the function, e.g. to my_loss_metric.")
+        if name in seen:
+            fail("metrics", metrics, f"two entries would both be reported as train_{name}/test_{name}",
+                 "List each metric once, and give each metric function its own name.")
+        seen.add(name)
 
 
 def _check_shapes(cfg) -> None:

@@ -135,8 +135,11 @@ LAYERS = [
     ("_redact", "_factory"),
     # What knows nothing of a run: plain nn.Modules with their registry and partitioning,
     # and the dataset readers with theirs. Each receives its config section duck-typed (the
-    # DataConfig import is under TYPE_CHECKING), so both sit below the config.
-    ("models", "data"),
+    # DataConfig import is under TYPE_CHECKING), so both sit below the config. objectives (the
+    # loss and metric registries) is torch functions on outputs and targets, like the models: it
+    # sits with them, below the config checks (which read its names) and the strategies and
+    # pipeline stages (which apply it).
+    ("models", "data", "objectives"),
     # The config checks a model or dataset name against those registries; everything
     # above reads the config.
     ("config_checks", "config"),

@@ -17,7 +17,8 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.run_folder import RunFolder
-from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, stops_early
+from raytrain_mgpu.runtime.run_state import (RunState, add_metric_totals, best_row, checkpoint_meta, epoch_row,
+                                             eval_columns, stops_early)
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.models.partition import Partition
@@ -117,7 +118,8 @@ def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunSta
     stage_times = [mean(s["step_s"] / steps for s in stats if s["prank"] == p) for p in range(cfg.num_stages)]
     return epoch_row(
         epoch=epoch, state=state, lr=stats[0]["lr"], loss_sum=sum(s["loss_sum"] for s in stats),
-        correct=sum(s["correct"] for s in stats), samples=sum(s["targets"] for s in stats),  # tokens for an LM
+        metric_totals=add_metric_totals(s["metrics"] for s in stats),  # the last stages' sums, over replicas
+        samples=sum(s["targets"] for s in stats),  # tokens for an LM
         elapsed_s=elapsed, steps=steps, peak_memory_bytes=[s["peak_memory_bytes"] for s in stats],
         data_wait_share=sum(s["data_wait_s"] for s in readers) / max(sum(s["step_s"] for s in readers), 1e-9),
         # intended devices and backend (cuda:k and nccl also under GPU emulation, which computes on CPU)
@@ -132,9 +134,9 @@ def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunSta
 
 
 def _evaluate(group: StageGroup) -> dict:
-    sums = [s for s in group.call("evaluate") if s is not None]
-    loss_sum, correct, count = (sum(column) for column in zip(*sums))
-    return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1)}
+    sums = [s for s in group.call("evaluate") if s is not None]  # one per replica: its last stage's
+    return eval_columns(sum(s["loss_sum"] for s in sums), sum(s["targets"] for s in sums),
+                        add_metric_totals(s["metrics"] for s in sums))
 
 
 def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Partition, shape_info: dict) -> str:

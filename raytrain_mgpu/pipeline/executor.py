@@ -37,8 +37,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
+from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import HEADER_LEN, Comm, header, parse_header
 from raytrain_mgpu.pipeline.schedule import BACKWARD, FORWARD, Action, Order, format_grid, stage_rank
 
@@ -108,16 +108,19 @@ class PipelineExecutor:
     ``modules[stage]`` is the module of each stage on this rank; ``peers[r]`` the global
     rank of pipeline rank r of this replica; ``channels`` the one-way groups this rank
     belongs to, all used through ``comm`` (bounded waits, NCCL semantics when emulated).
-    ``meter.add(loss, logits, y)`` receives every last-stage micro-batch.
+    ``objective`` (default: cross-entropy and accuracy) gives the last stage its loss;
+    ``meter.add(loss, outputs, y)`` receives every last-stage micro-batch and measures the
+    metrics there, where the outputs live: only its sums leave the stage, once an epoch.
     """
 
     def __init__(self, modules: Dict[int, nn.Module], rank: int, num_ranks: int, num_stages: int,
                  peers: Sequence[int], channels: Dict[Channel, Optional[dist.ProcessGroup]],
                  device: torch.device, comm: Comm, autocast_dtype: Optional[torch.dtype] = None,
-                 lookahead: int = 2):
+                 lookahead: int = 2, objective: Optional[Objective] = None):
         self.modules, self.rank, self.num_ranks, self.num_stages = modules, rank, num_ranks, num_stages
         self.peers, self.channels, self.device, self.comm = list(peers), channels, device, comm
         self.autocast_dtype, self.lookahead = autocast_dtype, lookahead
+        self.objective = objective if objective is not None else Objective()
         self._in_meta: Dict[Tuple[int, int], tuple] = {}   # (stage, rows) -> (shape, dtype) of its input
         self._out_meta: Dict[Tuple[int, int], tuple] = {}  # (stage, rows) -> (shape, dtype) of its output
         self._sent_meta: set = set()                      # (stage, rows) whose header was sent
@@ -189,7 +192,7 @@ class PipelineExecutor:
             out = self.modules[stage](x)
             if stage == self.num_stages - 1:
                 y = self._targets[mb].to(self.device, non_blocking=True)
-                loss = F.cross_entropy(out, y)
+                loss = self.objective.loss(out, y)  # TrainConfig.loss, the mean over the micro-batch
         self._clock.stop(started)
         if stage == self.num_stages - 1:
             if self._meter is not None:

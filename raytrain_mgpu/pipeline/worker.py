@@ -35,6 +35,7 @@ from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
 from raytrain_mgpu.runtime.prefetch import Prefetcher
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
 from raytrain_mgpu.models.partition import Partition, blocks_of, build_stage_modules, profile_costs
@@ -118,9 +119,12 @@ class StageWorker:
                        if stage_rank(s, self.num_ranks) == self.prank}
         del model, stages  # other ranks' blocks are freed here
         self.params = [p for stage in self.stages.values() for p in stage.parameters()]
+        # The loss and metrics (factories imported on every rank; the last stage applies them).
+        self.objective = Objective.of(cfg, self.data.num_classes)
         self.executor = PipelineExecutor(self.stages, self.prank, self.num_ranks, self.num_stages,
                                          [self.replica * self.num_ranks + r for r in range(self.num_ranks)],
-                                         self.groups.channels, self.device, self.comm, _AUTOCAST.get(cfg.precision))
+                                         self.groups.channels, self.device, self.comm, _AUTOCAST.get(cfg.precision),
+                                         objective=self.objective)
         self._build_data()
         from raytrain_mgpu.optim import build_optimizer, build_scheduler
 
@@ -178,7 +182,7 @@ class StageWorker:
         for stage in self.stages.values():
             stage.train()
         reset_peak_memory([self.device])
-        self.meter = EpochMeter(self.device)
+        self.meter = EpochMeter(self.device, self.objective)
         self.totals = StageTotals()
 
     def train_steps(self, num_steps: int) -> None:
@@ -256,21 +260,22 @@ class StageWorker:
             grad.mul_(coef.to(grad.dtype))
 
     def finish_epoch(self) -> dict:
-        """This rank's sums for the epoch; the driver combines the ranks."""
-        loss_sum, correct, targets = self.meter.sums.tolist() if self.is_last else (0.0, 0.0, 0.0)
+        """This rank's sums for the epoch (the last stage's with its loss and metric sums); the driver adds the ranks."""
+        if self.is_last:
+            self.totals.take(self.meter)  # one device read per epoch
         return {**self.totals.as_dict(), **self.assignment.record(), "gpu_ids": ray_gpu_ids(),
                 "nccl_semantics": self.emulate_nccl, "rank": self.rank, "prank": self.prank, "replica": self.replica,
-                "is_last": self.is_last, "loss_sum": loss_sum, "correct": correct, "targets": targets,
+                "is_last": self.is_last,
                 "peak_memory_bytes": peak_memory_bytes([self.device])[0], "node_ip": node_ip(),
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> Optional[List[float]]:
-        """Loss and accuracy sums over this replica's test shard (from the last rank; others None)."""
+    def evaluate(self) -> Optional[dict]:
+        """Loss and metric sums over this replica's test shard (``StageTotals``' keys; from the last rank, others None)."""
         for stage in self.stages.values():
             stage.eval()
-        meter = EpochMeter(self.device)
+        meter = EpochMeter(self.device, self.objective)
         size, bs = len(self.test_shard), self.test_batch
         batches = iter(DataLoader(self.test_shard, batch_size=bs)) if self.is_first else None
         for start in range(0, size, bs):
@@ -281,7 +286,11 @@ class StageWorker:
             self._wait_targets_sent(sends)
         for stage in self.stages.values():
             stage.train()
-        return meter.sums.tolist() if self.is_last else None
+        if not self.is_last:
+            return None
+        totals = StageTotals()
+        totals.take(meter)
+        return {"loss_sum": totals.loss_sum, "targets": totals.targets, "metrics": totals.metrics}
 
     # ------------------------------------------------------------------ checkpoints
 

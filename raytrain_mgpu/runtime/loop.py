@@ -27,10 +27,11 @@ from raytrain_mgpu.runtime.devices import resolve_devices
 from raytrain_mgpu.runtime.faults import name_stuck_ranks, wait_until_report_collected
 from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.run_folder import RunFolder
-from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, stops_early
+from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import RunPlan
 
@@ -69,10 +70,11 @@ def train_worker(payload: dict) -> dict:
     plan: RunPlan = payload["plan"]  # built once by fit: the batch arithmetic is not derived again here
     torch.set_num_threads(cfg.cpus_per_worker)
     ctx = _context(cfg)
-    strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx)
+    data = build_datasets(cfg.data)
+    # The loss and metrics (factories imported here, on every worker): the strategy applies them.
+    strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
     reporter = WorkerReporter(payload.get("sink") if ctx.world_rank == 0 else None)
 
-    data = build_datasets(cfg.data)
     model = _build_model(cfg, strategy, data.input_shape, data.num_classes)
     state, restored = _restore(cfg, strategy, model)
     model = strategy.setup_model(model)
@@ -161,7 +163,7 @@ class _Loop:
         cfg, accum = self.cfg, self.cfg.grad_accum_steps
         self.model.train()
         reset_peak_memory(self.strategy.memory_devices())
-        meter = EpochMeter(self.device)
+        meter = EpochMeter(self.device, self.strategy.objective)
         batches = iter(self.loader)
         steps = 0
         for _ in range(self.steps_per_epoch):
@@ -176,9 +178,9 @@ class _Loop:
                 sync = contextlib.nullcontext() if micro == accum - 1 else self.strategy.no_sync(self.model)
                 with sync:
                     with self.autocast():
-                        loss, logits = self.strategy.compute_loss(self.model, x, y)
+                        loss, outputs = self.strategy.compute_loss(self.model, x, y)
                     self.scaler.scale(loss / accum).backward()
-                meter.add(loss, logits, y)
+                meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
             self._optimizer_step()
             state.step += 1
             steps += 1
@@ -196,28 +198,30 @@ class _Loop:
 
     def _epoch_metrics(self, epoch: int, state: _State, meter: EpochMeter, steps: int) -> dict:
         elapsed = meter.elapsed()
-        totals = all_reduce_sum(torch.cat([meter.sums, torch.tensor(
-            [meter.data_wait_s, elapsed], dtype=torch.float64, device=meter.sums.device)])).tolist()
-        loss_sum, correct, samples, wait_sum, elapsed_sum = totals
+        sums = meter.totals  # one all-reduce of every rank's loss and metric sums and counts, and its times
+        totals = all_reduce_sum(torch.cat([sums, torch.tensor(
+            [meter.data_wait_s, elapsed], dtype=torch.float64, device=sums.device)])).tolist()
+        *sums, wait_sum, elapsed_sum = totals
+        loss_sum, samples, metric_totals = meter.split(sums)
         peaks = all_gather_list(peak_memory_bytes(self.strategy.memory_devices()))
         # samples count targets (tokens for LMs); throughput uses the mean worker's time
         return epoch_row(epoch=epoch, state=state, lr=self.optimizer.param_groups[0]["lr"], loss_sum=loss_sum,
-                         correct=correct, samples=samples, elapsed_s=elapsed_sum / self.strategy.ctx.world_size,
-                         steps=steps, data_wait_share=wait_sum / max(elapsed_sum, 1e-9), peak_memory_bytes=peaks,
+                         metric_totals=metric_totals, samples=samples,
+                         elapsed_s=elapsed_sum / self.strategy.ctx.world_size, steps=steps,
+                         data_wait_share=wait_sum / max(elapsed_sum, 1e-9), peak_memory_bytes=peaks,
                          devices=_device_record(self.strategy.ctx))  # one small object all-gather per epoch
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict:
-        """Loss and accuracy over the whole test split: every worker takes a disjoint shard."""
+        """Loss and metrics over the whole test split: every worker takes a disjoint shard."""
         self.model.eval()
-        meter = EpochMeter(self.device)
+        meter = EpochMeter(self.device, self.strategy.objective)
         for x, y in loader:
             x, y = self._to_device(x, y)
             with self.autocast():
-                loss, logits = self.strategy.compute_loss(self.model, x, y)
-            meter.add(loss.float(), logits, y)
-        loss_sum, correct, samples = all_reduce_sum(meter.sums).tolist()
-        return {"test_loss": loss_sum / max(samples, 1), "test_accuracy": correct / max(samples, 1)}
+                loss, outputs = self.strategy.compute_loss(self.model, x, y)
+            meter.add(loss.float(), outputs, y)
+        return eval_columns(*meter.split(all_reduce_sum(meter.totals).tolist()))
 
 
 def _test_loader(test, shard: int, num_shards: int, batch_size: int) -> DataLoader:

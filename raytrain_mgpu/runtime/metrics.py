@@ -5,10 +5,12 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from raytrain_mgpu.objectives import Objective, Predictions
 
 
 def peak_memory_bytes(devices: Sequence[torch.device]) -> List[int]:
@@ -34,29 +36,67 @@ def reset_peak_memory(devices: Sequence[torch.device]) -> None:
 
 
 class EpochMeter:
-    """Counts samples, loss and correct predictions; times steps and data waits."""
+    """Sums the loss and every metric's ``(sum, count)``; counts samples; times steps and data waits.
 
-    def __init__(self, device: torch.device):
-        # Sums stay on the device: reading a CUDA scalar every step is a sync point. The
-        # sample count is known on the host, so it stays a Python int: building a device
-        # tensor from it every micro-batch would be a blocking host-to-device copy.
-        self._device_sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss*n, correct
+    ``add`` gets the outputs themselves (the metrics run here, where they live) or, from
+    strategies whose outputs stay on other devices, :class:`~raytrain_mgpu.objectives.Predictions`
+    holding the pairs already computed there.
+    """
+
+    def __init__(self, device: torch.device, objective: Optional[Objective] = None):
+        self.objective = objective if objective is not None else Objective()
+        self.names = self.objective.names
+        m = len(self.names)
+        # One slot per value, in the order of ``totals``: [loss*n, sum_1..sum_m, samples, count_1..count_m].
+        # Sums stay on the device: reading a CUDA scalar every step is a sync point. What is
+        # known on the host (the sample count, a count a metric returns as an int) stays a
+        # Python number: building a device tensor from it every micro-batch would be a
+        # blocking host-to-device copy.
+        self._device_sums = torch.zeros(2 + 2 * m, dtype=torch.float64, device=device)
+        self._host_sums = [0.0] * (2 + 2 * m)
         self.samples = 0
         self.data_wait_s = 0.0
         self.steps = 0
         self.start = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, outputs, y: torch.Tensor) -> None:
         n = y.numel()
-        correct = (logits.detach().argmax(dim=1) == y.to(logits.device)).sum()
-        self._device_sums += torch.stack([loss.detach().double() * n, correct.double()])
+        if isinstance(outputs, Predictions):  # measured where the outputs live
+            pairs = outputs.pairs
+        else:
+            pairs = self.objective.measure(outputs, y.to(outputs.device))
+        self._device_sums[0] += loss.detach().double() * n
+        m = len(self.names)
+        for i, (total, count) in enumerate(pairs):
+            self._accumulate(1 + i, total)
+            self._accumulate(2 + m + i, count)
         self.samples += n
+
+    def _accumulate(self, slot: int, value) -> None:
+        if isinstance(value, torch.Tensor):
+            self._device_sums[slot] += value.detach()  # in place on the device: no sync
+        else:
+            self._host_sums[slot] += value
+
+    @property
+    def totals(self) -> torch.Tensor:
+        """``[loss*n, sum_1..sum_m, samples, count_1..count_m]`` as one float64 tensor on the device.
+
+        One host-to-device copy: read it once an epoch (``split`` names its values).
+        """
+        host = list(self._host_sums)
+        host[1 + len(self.names)] += float(self.samples)
+        return self._device_sums + torch.tensor(host, dtype=torch.float64, device=self._device_sums.device)
 
     @property
     def sums(self) -> torch.Tensor:
-        """``[loss*n, correct, n]`` as one float64 tensor on the device (one copy: read it once an epoch)."""
-        n = torch.tensor([float(self.samples)], dtype=torch.float64, device=self._device_sums.device)
-        return torch.cat([self._device_sums, n])
+        """``[loss*n, sum_1..sum_m, samples]`` (accuracy alone: ``[loss*n, correct, n]``)."""
+        return self.totals[: 2 + len(self.names)]
+
+    def split(self, values: Sequence[float]) -> Tuple[float, float, Dict[str, Tuple[float, float]]]:
+        """``(loss_sum, samples, {metric: (sum, count)})`` from ``totals`` (summed over ranks, as floats)."""
+        m = len(self.names)
+        return values[0], values[1 + m], {name: (values[1 + i], values[2 + m + i]) for i, name in enumerate(self.names)}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -85,10 +125,20 @@ def summarise_memory(peaks: List[int]) -> Dict[str, float]:
 
 
 class StageTotals:
-    """One pipeline rank's sums for an epoch (host floats: the executor times its own steps)."""
+    """One pipeline rank's sums for an epoch (host floats: the executor times its own steps).
+
+    The last stage's loss and metric sums join them once an epoch (``take``), as ``loss_sum``,
+    ``targets`` and ``metrics`` (``{name: [sum, count]}``); the driver adds them over replicas.
+    """
 
     def __init__(self):
         self.steps, self.busy_s, self.schedule_s, self.step_s, self.data_wait_s, self.bytes_sent = 0, 0.0, 0.0, 0.0, 0.0, 0
+        self.loss_sum, self.targets, self.metrics = 0.0, 0.0, {}
+
+    def take(self, meter: EpochMeter) -> None:
+        """The meter's sums (one device read: call once, at the end of the epoch)."""
+        self.loss_sum, self.targets, pairs = meter.split(meter.totals.tolist())
+        self.metrics = {name: list(pair) for name, pair in pairs.items()}
 
     def add_step(self, stats, step_s: float) -> None:
         """``stats``: the executor's ``busy_s``, ``wall_s`` and ``bytes_sent`` of one step."""
@@ -100,4 +150,5 @@ class StageTotals:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "busy_s": self.busy_s, "schedule_s": self.schedule_s, "step_s": self.step_s,
-                "data_wait_s": self.data_wait_s, "bytes_sent": self.bytes_sent}
+                "data_wait_s": self.data_wait_s, "bytes_sent": self.bytes_sent, "loss_sum": self.loss_sum,
+                "targets": self.targets, "metrics": self.metrics}

@@ -19,6 +19,19 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+_SHORT = {"accuracy": "acc"}  # the line's name for a metric, where it differs
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def metric_names(row: dict) -> list:
+    """The metrics a history row reports (``train_<name>``), in its order; accuracy only where measured."""
+    return [key[len("train_"):] for key, value in row.items()
+            if key.startswith("train_") and key != "train_loss" and (key != "train_accuracy" or value is not None)]
+
+
 class ProgressPrinter:
     """Renders progress to a stream (the CLI's stdout by default)."""
 
@@ -45,11 +58,15 @@ class ProgressPrinter:
             self._bar_shown = False
         memory = m.get("peak_memory_bytes") or []
         mem = f"mem/device {_mib(max(memory))}" + (f" (min {_mib(min(memory))})" if len(memory) > 1 else "") if memory else ""
-        test = (f"test_loss {m['test_loss']:.4f}  test_acc {m['test_accuracy']:.4f}  "
-                if m.get("test_loss") is not None else "")
+        names = metric_names(m)
+        train = "".join(f"{_SHORT.get(name, name)} {_number(m[f'train_{name}'])}  " for name in names
+                        if name != "accuracy")  # the train accuracy of a run that has one stays off the line, as before
+        test = (f"test_loss {m['test_loss']:.4f}  " + "".join(
+            f"test_{_SHORT.get(name, name)} {_number(m.get(f'test_{name}'))}  " for name in names)
+            if m.get("test_loss") is not None else "")
         restart = f"  [restart {m['attempt']}]" if m.get("attempt") else ""
         self._write(f"epoch {m['epoch']:>3}/{self.total_epochs}  step {m['step']:>6}  "
-                    f"loss {m['train_loss']:.4f}  {test}"
+                    f"loss {m['train_loss']:.4f}  {train}{test}"
                     f"{m['samples_per_s']:,.0f} samples/s  {mem}{restart}\n")
 
     def _write(self, text: str) -> None:

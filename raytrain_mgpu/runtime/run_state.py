@@ -12,11 +12,12 @@ wrote it. Light on purpose: no torch, no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterable, List, Mapping, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
 
-__all__ = ["RunState", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early"]
+__all__ = ["RunState", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
+           "metric_columns", "eval_columns", "add_metric_totals"]
 
 META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_shape", "num_classes", "config")
 """Every checkpoint's ``meta.json`` (plus ``format_version``): what it is, how far it got,
@@ -25,7 +26,8 @@ the shapes ``TrainResult.load_model()`` builds the model with, and the config (r
 EPOCH_KEYS = ("epoch", "step", "attempt", "lr", "train_loss", "train_accuracy", "samples_per_s", "step_time_s",
               "data_wait_share", "peak_memory_bytes", "test_loss", "test_accuracy", "devices_per_rank", "backend",
               "gpu_ids_per_rank")
-"""Every history row, in this order; ``test_*`` are None on epochs without evaluation."""
+"""Every history row, in this order; ``test_*`` are None on epochs without evaluation, ``*_accuracy``
+without an accuracy metric. Other metrics ``X`` follow as ``train_X``, ``test_X``, then a runner's own keys."""
 
 
 @dataclass
@@ -114,22 +116,52 @@ def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
             **shape_info, "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
 
 
-def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, correct: float, samples: float,
-              elapsed_s: float, steps: int, data_wait_share: float, peak_memory_bytes: list, devices: dict,
+def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, samples: float, elapsed_s: float,
+              steps: int, data_wait_share: float, peak_memory_bytes: list, devices: dict,
+              metric_totals: Optional[Mapping[str, Sequence[float]]] = None, correct: Optional[float] = None,
               **extra) -> dict:
     """One epoch's history row from the epoch's sums over every rank.
 
     ``samples`` counts targets (tokens for a language model); ``elapsed_s`` is the
     epoch's wall time (the mean worker's, for the data-parallel loop); ``devices`` holds
-    ``devices_per_rank``, ``backend`` and ``gpu_ids_per_rank``.
+    ``devices_per_rank``, ``backend`` and ``gpu_ids_per_rank``. ``metric_totals``:
+    ``{metric: (sum, count)}`` over every rank and device, reported as ``train_<metric>``
+    (and ``test_<metric>``, None until evaluated); ``correct`` is short for an accuracy
+    whose count is ``samples``. ``train_accuracy``/``test_accuracy`` are in every row (None
+    without an accuracy metric, e.g. for regression); other metrics follow the shared keys.
     """
+    totals = dict(metric_totals or {})
+    if correct is not None:
+        totals.setdefault("accuracy", (correct, samples))
+    train = metric_columns("train", totals)
+    others = {k: v for k, v in train.items() if k != "train_accuracy"}
     return {
         "epoch": epoch + 1, "step": state.step, "attempt": state.attempt, "lr": lr,
-        "train_loss": loss_sum / max(samples, 1), "train_accuracy": correct / max(samples, 1),
+        "train_loss": loss_sum / max(samples, 1), "train_accuracy": train.get("train_accuracy"),
         "samples_per_s": samples / max(elapsed_s, 1e-9),
         "step_time_s": elapsed_s / max(steps, 1),
         "data_wait_share": data_wait_share,
         "peak_memory_bytes": [int(b) for b in peak_memory_bytes],
         "test_loss": None, "test_accuracy": None,
-        **devices, **extra,
+        **devices, **others, **{f"test_{k[len('train_'):]}": None for k in others}, **extra,
     }
+
+
+def metric_columns(prefix: str, metric_totals: Mapping[str, Sequence[float]]) -> dict:
+    """``{prefix_<metric>: sum / count}`` (None for a metric that counted nothing)."""
+    return {f"{prefix}_{name}": (total / count if count else None) for name, (total, count) in metric_totals.items()}
+
+
+def eval_columns(loss_sum: float, samples: float, metric_totals: Mapping[str, Sequence[float]]) -> dict:
+    """An evaluation's ``test_loss`` and ``test_<metric>`` from its sums over every rank and device."""
+    return {"test_loss": loss_sum / max(samples, 1), **metric_columns("test", metric_totals)}
+
+
+def add_metric_totals(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict:
+    """``{metric: [sum, count]}`` added over several ranks' (or replicas') totals."""
+    added: dict = {}
+    for part in parts:
+        for name, (total, count) in part.items():
+            previous = added.get(name, [0.0, 0.0])
+            added[name] = [previous[0] + total, previous[1] + count]
+    return added

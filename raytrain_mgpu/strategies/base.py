@@ -7,7 +7,8 @@ A strategy decides three things, and nothing else:
    replicas split the global batch (``data_parallel_size``);
 2. on a worker: where the model lives and how it is wrapped (``setup_model``), which
    shard of the data this worker reads (``data_shard``), and how a loss is computed
-   (``compute_loss``, overridden by ``dp_balanced``);
+   (``compute_loss``: the run's :class:`~raytrain_mgpu.objectives.Objective`, applied where the
+   outputs are; overridden by ``dp_balanced``);
 3. how to get the plain model back for checkpoints (``unwrap``/``state_dict``, and the
    optimizer's state for sharded strategies).
 
@@ -29,8 +30,9 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager, FrozenSet, Iterator,
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from raytrain_mgpu.objectives import Objective, Predictions, move_pairs
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config import ParallelConfig, TrainConfig
@@ -52,29 +54,6 @@ class WorkerContext:
     devices: Tuple[torch.device, ...]  # the devices this worker computes on (CPU: one cpu device)
     # Where it would compute on GPUs ("cuda:k", nccl): set by the loop, recorded in the metrics.
     assignment: Optional["DeviceAssignment"] = None
-
-
-class Predictions:
-    """Predicted class indices standing in for logits, for strategies that never gather logits.
-
-    ``dp_balanced`` and model-parallel outputs live on other devices than the meter; moving
-    ``argmax`` indices (one int per target) is far cheaper than moving the logits (one float
-    per class and target). ``EpochMeter.add`` only reads ``logits.device`` and
-    ``logits.detach().argmax(dim=1)``, which this class answers.
-    """
-
-    def __init__(self, indices: torch.Tensor):
-        self.indices = indices
-
-    @property
-    def device(self) -> torch.device:
-        return self.indices.device
-
-    def detach(self) -> "Predictions":
-        return self
-
-    def argmax(self, dim: int = 1) -> torch.Tensor:
-        return self.indices
 
 
 class ModelWrapper(nn.Module):
@@ -103,9 +82,10 @@ class Strategy(ABC):
     options_used: ClassVar[FrozenSet[str]] = DDP_OPTIONS | {"sync_batchnorm"}
     """Which of the optional TrainConfig fields this strategy reads; others set are warned about."""
 
-    def __init__(self, cfg: "ParallelConfig", ctx: WorkerContext):
+    def __init__(self, cfg: "ParallelConfig", ctx: WorkerContext, objective: Optional[Objective] = None):
         self.cfg = cfg
         self.ctx = ctx
+        self.objective = objective if objective is not None else Objective()  # default: cross-entropy, accuracy
 
     # ------------------------------------------------------------- driver side (pure)
 
@@ -228,19 +208,21 @@ class Strategy(ABC):
         """Context that skips gradient sync (non-final accumulation micro-steps)."""
         return contextlib.nullcontext()
 
-    def compute_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(mean loss, logits)`` for one micro-batch, both on ``self.device``.
+    def compute_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, object]:
+        """``(mean loss, outputs)`` for one micro-batch (``self.objective``'s loss), on ``self.device``.
 
-        When the model's output lands on another device (model parallel, ``output_device``),
-        the loss is computed there and only the scalar loss and the argmax indices come back
-        (as :class:`Predictions`), never the logits.
+        When the model's output lands on another device (model parallel), the loss and every
+        metric's ``(sum, count)`` are computed there and only those scalars come back (as
+        :class:`~raytrain_mgpu.objectives.Predictions`), never the outputs.
         """
         with explain_ddp_errors(self.unwrap(model)):
-            logits = model(x)
-        loss = F.cross_entropy(logits, y.to(logits.device))
-        if logits.device == self.device:
-            return loss, logits
-        return loss.to(self.device), Predictions(logits.detach().argmax(dim=1).to(self.device))
+            outputs = model(x)
+        y = y.to(outputs.device)
+        loss = self.objective.loss(outputs, y)
+        if outputs.device == self.device:
+            return loss, outputs
+        pairs = move_pairs(self.objective.measure(outputs, y), self.device)
+        return loss.to(self.device), Predictions(pairs, [outputs], self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's model inside ``torch.compile``, DDP, DataParallel and our own wrappers."""

@@ -2,9 +2,13 @@
 
 Lightning's ``ddp2`` (removed in Lightning 1.7), rebuilt on torch: each worker wraps the
 model in DataParallel over its ``gpus_per_worker`` devices, and DDP (``device_ids=None``)
-all-reduces the gathered gradients between workers. The loss of a step sees the whole
-node's batch at once, which is what losses with in-batch negatives (contrastive
-learning) want; otherwise ``ddp`` with one worker per GPU is faster.
+all-reduces the gathered gradients between workers. The outputs of the node's devices are
+gathered on ``output_device`` and the run's loss (``TrainConfig.loss``) is computed there,
+once, on the node's whole batch: that is what ``ddp2`` is for. A loss that needs the whole
+batch at once, e.g. InfoNCE, whose negatives for a sample are the other samples of the
+batch, sees every sample of the node (``ddp`` would give it one GPU's slice, ``dp_balanced``
+one device's). For a loss that is a mean over samples, ``ddp`` with one worker per GPU
+computes the same and is faster.
 
 With GPUs, more than one worker must use ``placement='STRICT_SPREAD'`` so that Ray puts
 each on its own node. On CPU the workers stand in for nodes on one machine, so any

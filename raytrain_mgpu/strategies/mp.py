@@ -17,8 +17,8 @@ and the model moves its layers and, in ``forward``, its activations:
         def forward(self, x):
             return self.sub_net2(self.sub_net1(x.to(self.devices[0])).to(self.devices[-1]))
 
-The loss is computed where the output lands; only the scalar loss and the argmax indices
-move back to the first device (``Strategy.compute_loss``). On CPU every "device" is the
+The loss and the metrics are computed where the output lands; only the scalar loss and each
+metric's ``(sum, count)`` move back to the first device (``Strategy.compute_loss``). On CPU every "device" is the
 CPU (GPU emulation and tests), so the split and the hops run (the hops as no-ops) and
 ``SplitModel.block_device_indices`` says which of the worker's devices holds each block.
 """
