@@ -111,6 +111,8 @@ def _saved_bytes(blocks: Sequence[nn.Module], x: torch.Tensor, params: set) -> T
             current[0] = index
             h = block(h)
         current[0] = len(blocks)
+        # Cross-entropy whatever TrainConfig.loss is: this estimates memory, and what a loss saves
+        # for backward is small next to the blocks' activations (a user loss is not imported here).
         loss = F.cross_entropy(h, _targets_for(h))
     del loss  # the graph (and the saved tensors the ids refer to) lived until here
     return per_block[:-1], per_block[-1], h.untyped_storage().nbytes()
