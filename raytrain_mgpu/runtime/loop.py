@@ -181,6 +181,7 @@ class _Loop:
                         loss, outputs = self.strategy.compute_loss(self.model, x, y)
                     self.scaler.scale(loss / accum).backward()
                 meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
+                del outputs  # not held through the next forward: one micro-batch of outputs less per device
             self._optimizer_step()
             state.step += 1
             steps += 1
