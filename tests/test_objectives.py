@@ -150,6 +150,27 @@ def test_regression_losses_view_the_targets_in_the_outputs_shape():
     assert torch.allclose(LOSSES["l1"](out, y), (out.squeeze(1) - y).abs().mean())
 
 
+def host_numbers(outputs, targets):
+    """A metric whose sum and count are Python numbers (kept on the host by the meter)."""
+    return 0.5 * len(targets), len(targets)
+
+
+def test_built_in_metrics_and_host_number_pairs():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]])
+    targets = torch.tensor([1, 2, 0])
+    assert [int(v) for v in METRICS["accuracy"](logits, targets)] == [1, 3]
+    assert [int(v) for v in METRICS["top5"](logits, targets)] == [3, 3]  # 3 classes: top-5 is all of them
+    lm = torch.randn(2, 7, 4)  # (batch, vocabulary, tokens): the class dimension is 1, as cross_entropy's
+    total, count = METRICS["accuracy"](lm, lm.argmax(dim=1))
+    assert (int(total), count) == (8, 8)
+    assert torch.allclose(LOSSES["bce_with_logits"](torch.zeros(4, 1), torch.ones(4)), torch.tensor(math.log(2)))
+    meter = EpochMeter(CPU, Objective("mse", ["test_objectives:host_numbers", "mse"]))
+    for out, y in _batches():
+        meter.add(torch.tensor(1.0), out, y)
+    _, samples, totals = meter.split(meter.totals.tolist())
+    assert totals["host_numbers"] == (7.5, 15.0) and totals["mse"][1] == samples == 15
+
+
 def test_epoch_values_are_sum_over_count_by_hand_and_the_meter_never_syncs():
     from test_host_sync import HostSyncDetector
 
