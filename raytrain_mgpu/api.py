@@ -135,7 +135,8 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
     device = f"{plan.devices_per_worker} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
     if cfg.use_gpu and devices.is_emulated():
         device += f" (emulated by {devices.EMULATE_ENV}: computed on CPU with gloo)"
-    return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {num_classes} classes | "
+    outputs = f"{num_classes} classes" if num_classes is not None else "outputs (no classes)"
+    return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {outputs} | "
             f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | {plan.describe()} | "
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 

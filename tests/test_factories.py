@@ -181,6 +181,10 @@ def _refuse_ray(monkeypatch):
      r"optimizer='test_factories:not_an_optimizer': not_an_optimizer\(params, lr=0.02\) returned a list"),
     (dict(model="mlp", optimizer_kwargs={"betaz": [0.9, 0.9]}),
      r"TrainConfig.optimizer='adamw' with optimizer_kwargs=\{'betaz': \[0.9, 0.9\]\} does not build: TypeError"),
+    (dict(model="mlp", loss="test_factories:no_such_loss"),
+     r"TrainConfig.loss='test_factories:no_such_loss': module 'test_factories' has no function 'no_such_loss'"),
+    (dict(model="mlp", metrics=["accuracy", "test_factories:no_such_metric"]),
+     r"TrainConfig.metrics='test_factories:no_such_metric': module 'test_factories' has no function"),
 ])
 def test_a_factory_that_raises_fails_before_ray(fields, message, monkeypatch, tmp_path):
     _refuse_ray(monkeypatch)

@@ -31,7 +31,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import Datasets, build_datasets
@@ -391,10 +391,7 @@ PIPELINE_STEPS = 5  # 4 steps per epoch (64 samples, batch 16): the last epoch r
 
 
 def _pipeline_config() -> rtm.TrainConfig:
-    # num_classes=2 only for the driver-side data check, which reads an int (the data's targets are floats
-    # and the metrics are listed, so no accuracy is measured).
-    return rtm.TrainConfig(**{**REGRESSION, "strategy": "pipeline", "num_stages": 2, "num_microbatches": 4,
-                              "num_classes": 2})
+    return rtm.TrainConfig(**{**REGRESSION, "strategy": "pipeline", "num_stages": 2, "num_microbatches": 4})
 
 
 def _pipeline_reference(cfg, steps: int):
@@ -445,8 +442,7 @@ def test_a_two_stage_pipeline_trains_a_user_loss_like_the_unsplit_model():
 def test_fit_reports_a_user_metric_in_the_result_and_history(ray_session, storage):
     import pyarrow.parquet as pq
 
-    # num_classes=2: see _pipeline_config.
-    cfg = rtm.TrainConfig(**{**REGRESSION, "loss": "mse", "num_workers": 2, "num_classes": 2, "name": "regression",
+    cfg = rtm.TrainConfig(**{**REGRESSION, "loss": "mse", "num_workers": 2, "name": "regression",
                              "storage_path": storage})
     result = rtm.fit(cfg)
     for split in ("train", "test"):

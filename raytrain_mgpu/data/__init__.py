@@ -139,5 +139,5 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     else:
         built = build_datasets(cfg)
         input_shape, num_classes = built.input_shape, built.num_classes
-    logger.debug("dataset %s: input_shape=%s num_classes=%d", cfg.dataset, input_shape, num_classes)
-    return tuple(input_shape), int(num_classes)
+    logger.debug("dataset %s: input_shape=%s num_classes=%s", cfg.dataset, input_shape, num_classes)
+    return tuple(input_shape), None if num_classes is None else int(num_classes)  # None: not classification

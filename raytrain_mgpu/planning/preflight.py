@@ -255,11 +255,12 @@ def train_split_size(data) -> Optional[int]:
     return None
 
 
-def check_data_fits(cfg, num_classes: int) -> Optional[int]:
-    """Refuse a dataset with fewer than 2 classes and a global batch larger than the
-    training split (no full step per epoch; the workers would find out). Returns the
-    split size, or None where it is not known cheaply."""
-    if num_classes < 2:
+def check_data_fits(cfg, num_classes: Optional[int]) -> Optional[int]:
+    """Refuse a classification dataset with fewer than 2 classes (``num_classes`` None: not
+    classification, e.g. regression) and a global batch larger than the training split (no
+    full step per epoch; the workers would find out). Returns the split size, or None where
+    it is not known cheaply."""
+    if num_classes is not None and num_classes < 2:
         raise ValueError(f"TrainConfig.dataset={redact(cfg.dataset)!r}: the data has {num_classes} class(es); a "
                          f"classifier needs at least 2. Check the label column (label_column="
                          f"{cfg.label_column!r}) or num_classes.")
@@ -279,6 +280,7 @@ def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> N
     import torch
 
     from raytrain_mgpu.models import build_model
+    from raytrain_mgpu.objectives import Objective
     from raytrain_mgpu.optim import build_optimizer
 
     try:
@@ -292,6 +294,7 @@ def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> N
         with torch.random.fork_rng(devices=[]):
             model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
         logger.info("model %r does not build on the meta device (%s); it builds on CPU", cfg.model, meta_error)
+    Objective.of(cfg, num_classes)  # a loss or metric factory that does not import fails here, named
     try:
         build_optimizer(model.parameters(), cfg.optim)
     except ValueError:
