@@ -23,6 +23,17 @@ from raytrain_mgpu.runtime.devices import EMULATE_ENV
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 
 
+def pytest_collection_modifyitems(config, items):
+    """The quick tier (``-m "not slow"``): unit tests, local multi-process (gloo) tests and the
+    few Ray runs marked ``quick``. Every other test that trains through Ray (the shared
+    instance, or a Ray of its own: marked ``ray``) costs 10-60 s on 2 cores, so it is ``slow``:
+    the full suite runs it, the quick tier does not."""
+    for item in items:
+        uses_ray = "ray_session" in item.fixturenames or item.get_closest_marker("ray") is not None
+        if uses_ray and item.get_closest_marker("quick") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     import ray

@@ -127,6 +127,7 @@ def _clean_env(root: Path, **extra: str) -> dict:
     return base_env(root / "home", RAY_AUTH_MODE="disabled", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", **extra)
 
 
+@pytest.mark.ray  # a Ray of its own, in a subprocess
 def test_fit_starts_its_own_ray_with_the_emulated_gpus():
     # No ray.init before fit, no address: fit starts a local Ray, which must get the 2 fake
     # GPUs (without them the cluster check refuses use_gpu=True). RAY_TMPDIR: a private

@@ -70,6 +70,7 @@ def _refuse_ray(monkeypatch):
     monkeypatch.setattr(api, "connect", refuse)
 
 
+@pytest.mark.quick  # the quick tier's Ray Train run: a ddp fit, then the answer from its folder
 def test_a_finished_run_is_answered_from_its_folder_without_ray(ray_session, storage, monkeypatch, capsys):
     import time
 

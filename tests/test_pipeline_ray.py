@@ -44,6 +44,7 @@ def assert_same_weights(path: str, cfg: TrainConfig, steps: int) -> None:
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.quick  # the quick tier's pipeline run: stage actors, checkpoints, a resume
 def test_pipeline_trains_checkpoints_and_resumes(ray_session, storage):
     cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, storage_path=storage,
                       name="pipe")
