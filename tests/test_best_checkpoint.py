@@ -200,7 +200,7 @@ def _check_stopped_early(result, patience: int, epochs: int) -> int:
     losses = [row["test_loss"] for row in result.history]
     best_epoch = losses.index(min(losses)) + 1
     assert all(loss is not None for loss in losses)  # eval_every_epochs=1
-    assert len(result.history) == best_epoch + patience < epochs, losses
+    assert 1 < best_epoch and len(result.history) == best_epoch + patience < epochs, losses  # neither first nor last
     meta = ckpt_format.read_meta(result.checkpoint_path)
     assert meta["stopped_early"] is True and meta["epoch"] == len(result.history)
     assert meta["best"] == {"monitor": "test_loss", "mode": "min", "epoch": best_epoch, "value": min(losses)}
@@ -229,7 +229,6 @@ def test_ray_train_keeps_the_best_besides_the_last_and_stops_early(ray_session, 
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_the_pipeline_stops_early_and_spares_the_best_epochs_folder(ray_session, storage, monkeypatch):
     cfg = rtm.TrainConfig(**DIVERGING, strategy="pipeline", num_stages=2, num_microbatches=4, monitor="test_loss",
                           keep_best=True, num_checkpoints_to_keep=1, early_stopping_patience=2, storage_path=storage,
