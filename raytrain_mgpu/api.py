@@ -27,6 +27,7 @@ from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.planning.preflight import (check_data_fits, check_model_builds, check_run_folder,
                                               check_storage_reachable)
 from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.run_state import stops_early
 from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.strategies import get_strategy
@@ -147,6 +148,7 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, printer: ProgressPrinter
 
     from raytrain_mgpu.runtime.loop import train_worker
 
+    RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
     sink = ProgressSink.remote()
     trainer = TorchTrainer(
         train_worker,
@@ -202,9 +204,14 @@ def _stored_result(cfg: TrainConfig, stream=None) -> Optional[TrainResult]:
     history = folder.read_history()
     if not history or history[-1].get("step") != state.step:  # killed before history.parquet was written
         history = state.history
+    if stops_early(state.history, cfg):
+        why = (f"stopped early: {cfg.monitor} did not improve for early_stopping_patience="
+               f"{cfg.early_stopping_patience} evaluated epoch(s). Raise early_stopping_patience")
+    else:
+        why = "Raise epochs (or max_steps)"
     ProgressPrinter(cfg.epochs, stream).banner(
         f"raytrain-mgpu: run {folder.display} is already finished (epoch {state.epoch}, step {state.step}); "
-        f"nothing to train. Raise epochs (or max_steps) to train it further, or use another name for a new run.")
+        f"nothing to train. {why} to train it further, or use another name for a new run.")
     return TrainResult(cfg, history, state.checkpoint, folder.uri)
 
 

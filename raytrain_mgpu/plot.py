@@ -207,7 +207,10 @@ def _finished(path: str) -> bool:
     config = state.meta.get("config") or {}
     if "epochs" not in config:
         return False  # no checkpoint yet
-    return state.finished(SimpleNamespace(epochs=config["epochs"], max_steps=config.get("max_steps")))
+    # the stored config's own stopping rule, early stopping included (a run stopped early is finished)
+    return state.finished(SimpleNamespace(epochs=config["epochs"], max_steps=config.get("max_steps"),
+                                          monitor=config.get("monitor"), mode=config.get("mode", "min"),
+                                          early_stopping_patience=config.get("early_stopping_patience")))
 
 
 def watch_runs(run_paths: Sequence[str], out: Optional[str] = None, metric: Optional[str] = None,

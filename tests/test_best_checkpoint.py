@@ -4,6 +4,8 @@ Ray Train fit and one pipeline fit that stop early and keep the best epoch's wei
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 
 import pytest
@@ -229,7 +231,7 @@ def test_ray_train_keeps_the_best_besides_the_last_and_stops_early(ray_session, 
 
 
 @pytest.mark.ray
-def test_the_pipeline_stops_early_and_spares_the_best_epochs_folder(ray_session, storage, monkeypatch):
+def test_the_pipeline_stops_early_and_spares_the_best_epochs_folder(ray_session, storage, monkeypatch, capsys):
     cfg = rtm.TrainConfig(**DIVERGING, strategy="pipeline", num_stages=2, num_microbatches=4, monitor="test_loss",
                           keep_best=True, num_checkpoints_to_keep=1, early_stopping_patience=2, storage_path=storage,
                           name="best-pipe")
@@ -242,5 +244,8 @@ def test_the_pipeline_stops_early_and_spares_the_best_epochs_folder(ray_session,
                                                                           rel=1e-4)
 
     _refuse_ray(monkeypatch)
-    again = rtm.fit(cfg)
+    capsys.readouterr()
+    again = rtm.fit(cfg, stream=sys.stdout)
     assert again.history == result.history and again.best_checkpoint_path == result.best_checkpoint_path
+    assert "nothing to train. stopped early: test_loss did not improve for early_stopping_patience=2 evaluated " \
+           "epoch(s). Raise early_stopping_patience to train it further" in capsys.readouterr().out

@@ -38,11 +38,11 @@ def _run(tmp_path, name: str, epochs: int, **row_options) -> str:
     return folder.uri
 
 
-def _checkpoint(run: str, epoch: int, epochs: int) -> None:
-    """A checkpoint after ``epoch`` of a run started with ``epochs``, as a runner leaves it."""
+def _checkpoint(run: str, epoch: int, epochs: int, **fields) -> None:
+    """A checkpoint after ``epoch`` of a run started with ``epochs`` (and ``fields``), as a runner leaves it."""
     folder = RunFolder(run)
     state = RunState(epoch=epoch, step=epoch * STEPS_PER_EPOCH, history=[_row(e) for e in range(1, epoch + 1)])
-    cfg = TrainConfig(epochs=epochs, storage_path=run.rsplit("/", 1)[0], name=run.rsplit("/", 1)[1])
+    cfg = TrainConfig(epochs=epochs, storage_path=run.rsplit("/", 1)[0], name=run.rsplit("/", 1)[1], **fields)
     tmp = folder.temporary(f"checkpoint_epoch{epoch:06d}")
     for name, value in ((CHECKPOINT_HISTORY_FILE, state.history),
                         (META_FILE, checkpoint_meta(cfg, state, {"input_shape": [1, 8, 8], "num_classes": 10}))):
@@ -170,3 +170,14 @@ def test_cli_plot_writes_the_png(tmp_path, capsys):
     assert out.stat().st_size > 10_000 and f"curves: {out}" in capsys.readouterr().out
     assert main(["plot", first, "--metric", "nope"]) == 2
     assert "raytrain-mgpu: error: metric 'nope' is in no run's history (a)" in capsys.readouterr().err
+
+
+def test_live_sees_a_run_stopped_early_as_finished(tmp_path):
+    from raytrain_mgpu.plot import _finished
+
+    run = str(tmp_path / "stopped")
+    # test_loss falls every epoch, so with mode="max" epoch 1 stays best: patience 1 stops after epoch 2
+    _checkpoint(run, 2, 5, monitor="test_loss", mode="max", early_stopping_patience=1)
+    assert _finished(run)
+    _checkpoint(str(tmp_path / "going"), 2, 5, monitor="test_loss", mode="min", early_stopping_patience=1)
+    assert not _finished(str(tmp_path / "going"))  # still improving: 3 of 5 epochs to go

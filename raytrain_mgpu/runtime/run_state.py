@@ -95,7 +95,7 @@ def stops_early(history: list, cfg) -> bool:
 
     Every data-parallel rank holds the same history (all-reduced metrics), so every rank
     decides the same and they stop after the same epoch."""
-    patience = getattr(cfg, "early_stopping_patience", None)  # plot's stand-in config has none
+    patience = getattr(cfg, "early_stopping_patience", None)
     return patience is not None and _epochs_since_best(history, cfg.monitor, cfg.mode) >= patience
 
 
