@@ -47,7 +47,7 @@ SPLIT_SEED = 0  # the same split in every run
 TEST_VIEWS_SEED = 1  # the test split's views are drawn once: every evaluation sees the same pairs
 
 
-def augment(images: torch.Tensor, generator: torch.Generator = None) -> torch.Tensor:
+def augment(images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """A random view of each ``(N, 8, 8)`` image in [0, 1]: shifted by up to a pixel, noisy, some pixels dropped."""
     n = len(images)
     padded = F.pad(images, (1, 1, 1, 1))
@@ -63,7 +63,7 @@ def augment(images: torch.Tensor, generator: torch.Generator = None) -> torch.Te
 class TwoViews(Dataset):
     """Items ``(views: (2, 64) float32, label)``; new random views on every access, or fixed ones with ``seed``."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, seed: int = None):
+    def __init__(self, images: np.ndarray, labels: np.ndarray, seed: int | None = None):
         self.images = torch.from_numpy(images.astype(np.float32) / 16.0)  # digits' pixels are 0..16
         self.labels = torch.from_numpy(labels.astype(np.int64))
         self.fixed = None
@@ -135,7 +135,7 @@ def same_digit(outputs: torch.Tensor, targets: torch.Tensor):
     return (targets[_similarities(outputs).argmax(dim=1)] == targets).sum(), len(outputs)
 
 
-def main(epochs: int = 15, storage_path: str = None, stream=None) -> rtm.TrainResult:
+def main(epochs: int = 15, storage_path: str | None = None, stream=None) -> rtm.TrainResult:
     """Train with ``ddp2`` (2 workers x 2 CPU stand-in devices) and print the test retrieval accuracy."""
     cfg = rtm.TrainConfig(
         model="examples.contrastive:encoder", model_kwargs={"hidden": 128, "dim": 32},
