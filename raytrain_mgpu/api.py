@@ -136,6 +136,8 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
     device = f"{plan.devices_per_worker} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
     if cfg.use_gpu and devices.is_emulated():
         device += f" (emulated by {devices.EMULATE_ENV}: computed on CPU with gloo)"
+    elif not cfg.use_gpu and plan.devices_per_worker > 1:  # dp, dp_balanced, mp, ddp2, ddp_mp on CPU
+        device += f" ({plan.devices_per_worker} CPU stand-in devices)"
     outputs = f"{num_classes} classes" if num_classes is not None else "outputs (no classes)"
     return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {outputs} | "
             f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | {plan.describe()} | "

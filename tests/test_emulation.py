@@ -205,3 +205,5 @@ def test_the_banner_says_when_gpus_are_emulated(monkeypatch):
     assert "2 worker(s) x 2 GPU (emulated by RAYTRAIN_MGPU_EMULATE_GPUS" in _banner(cfg, build_plan(cfg), (1, 8, 8), 10)
     monkeypatch.delenv(EMULATE_ENV)
     assert "emulated" not in _banner(cfg, build_plan(cfg), (1, 8, 8), 10)
+    on_cpu = cfg.replace(use_gpu=False)  # the devices a CPU worker splits over are named too
+    assert "2 worker(s) x 1 CPU (2 CPU stand-in devices)" in _banner(on_cpu, build_plan(on_cpu), (1, 8, 8), 10)
