@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
