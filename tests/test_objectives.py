@@ -22,6 +22,7 @@ processes and on the shared test Ray's workers.
 
 from __future__ import annotations
 
+import io
 import math
 import multiprocessing as mp
 import os
@@ -318,8 +319,12 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            queue.put((rank, {"ddp": _run_loop(rank, world, REGRESSION), "ddp2": _run_loop(rank, world, INFO_NCE)},
-                       None))
+            out = {"ddp": _run_loop(rank, world, REGRESSION), "ddp2": _run_loop(rank, world, INFO_NCE)}
+            # As bytes: a tensor put on the queue travels as a file descriptor that this process owns,
+            # and it may have exited before the parent unpickles it (CI: "Connection reset by peer").
+            buffer = io.BytesIO()
+            torch.save(out, buffer)
+            queue.put((rank, buffer.getvalue(), None))
         finally:
             dist.destroy_process_group()
     except Exception:
@@ -342,7 +347,7 @@ def two_workers():
             process.join(timeout=30)
     errors = [error for _, error in results.values() if error]
     assert not errors, "\n".join(errors)
-    return results[0][0]
+    return torch.load(io.BytesIO(results[0][0]))
 
 
 def test_a_user_loss_and_metrics_train_the_same_on_1_and_2_workers(two_workers):
