@@ -8,12 +8,15 @@ seconds on a small machine.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import queue as queue_module
 import threading
 import time
 import traceback
 from typing import List, NamedTuple, Optional, Sequence
+
+import torch
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
@@ -66,7 +69,7 @@ def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
                 remaining -= steps
                 epoch += 1
             state = worker.model_state() if worker.replica == 0 else {}
-            results.put((index, rank, None, state, worker.finish_epoch()))
+            results.put((index, rank, None, _to_bytes(state), worker.finish_epoch()))
         except Exception:  # reported to the parent, which raises it
             results.put((index, rank, traceback.format_exc(), None, None))
         finally:
@@ -75,6 +78,17 @@ def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
             except threading.BrokenBarrierError:  # a peer died: the parent reports it
                 pass
             worker.close()
+
+
+def _to_bytes(state: dict) -> bytes:
+    """A state dict as bytes for the results queue.
+
+    A tensor put on a multiprocessing queue travels as a file descriptor that the sending
+    rank owns; the rank may exit before the parent unpickles it ("Connection reset by peer").
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 def _next_result(results, processes, timeout_s: float):
@@ -147,7 +161,7 @@ def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors:
             parts = sorted(collected[index], key=lambda item: item[0])
             merged: dict = {}
             for _, state, _ in parts:
-                merged.update(state)
+                merged.update(torch.load(io.BytesIO(state)))
             out.append(LocalResult(merged, [stats for _, _, stats in parts], partition))
         return out
     finally:
