@@ -254,6 +254,10 @@ class TrainConfig:
     early_stopping_patience: Optional[int] = None
     """Stop after this many evaluated epochs in a row without a strictly better ``monitor``; None: train all ``epochs``."""
 
+    # --- watching a run: loggers and callbacks
+    log_every_n_steps: int = 50
+    """Rank 0 sends per-step scalars (``train/loss``, ``train/lr``, ``train/grad_norm`` when clipping, ``train/samples_per_s``, ``train/data_wait_share``) every this many optimizer steps; read from the device once per N steps, never per step."""
+
     def __post_init__(self) -> None:
         self._unused_options = validate(self)  # {option: value} the strategy never reads
         warn_unused(self._unused_options, self.strategy, stacklevel=3)  # 3: the line that built the config

@@ -25,7 +25,7 @@ _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "stat
           "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose", "keep_best")
 _POSITIVE_INTS = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
-                  "num_checkpoints_to_keep", "eval_every_epochs")
+                  "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience")
 _NON_EMPTY_STRINGS = ("model", "dataset", "strategy", "image_column", "label_column")
 _OPTIONAL_STRINGS = ("data_root", "address")
