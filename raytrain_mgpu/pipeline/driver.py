@@ -17,6 +17,7 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.step_scalars import stage_scalars
 from raytrain_mgpu.runtime.run_state import (RunState, add_metric_totals, best_row, checkpoint_meta, epoch_row,
                                              eval_columns, stops_early)
 from raytrain_mgpu.data import check_data
@@ -47,7 +48,11 @@ def load_state(cfg: TrainConfig) -> RunState:
 
 def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
                   fail_at_step: Optional[int]) -> Tuple[str, list]:
-    """Start the actor group, train the remaining epochs, checkpoint each; always tear down."""
+    """Start the actor group, train the remaining epochs, checkpoint each; always tear down.
+
+    ``reporter``: ``step``, ``epoch`` and, where it has one, ``scalars(step, values)``: the
+    ``train/*`` scalars every ``log_every_n_steps`` steps and the ``stage{k}/*`` figures once an epoch.
+    """
     # Plan before any actor starts, so a model that cannot be split fails at once; only
     # balance="time" needs the actors (to profile on their device), after a cheap check.
     partition = None
@@ -86,6 +91,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
             state.history.append(metrics)
             path = _save(cfg, group, state, partition, shape_info)
             reporter.epoch(metrics)
+            if hasattr(reporter, "checkpoint"):  # RunEvents (fit's); a caller's own reporter may not listen
+                reporter.checkpoint(path)  # after the epoch, as Ray Train's rank 0 sends them
         group.shutdown(graceful=True)
         return path, state.history
     finally:
@@ -100,14 +107,31 @@ def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: in
     while done < steps:
         n = min(chunk, steps - done)
         call_start = time.perf_counter()
-        group.call("train_steps", n)
+        closed = group.call("train_steps", n)
         elapsed = time.perf_counter() - call_start
         done += n
         state.step += n
+        _report_scalars(reporter, closed)
         reporter.step(done, steps, epoch + 1)  # as the data-parallel loop reports: within the epoch
         chunk = max(1, int(n * TARGET_CALL_S / max(elapsed, 1e-3)))
     elapsed = time.perf_counter() - start
-    return epoch_metrics(cfg, group.call("finish_epoch"), epoch, state, elapsed, partition)
+    stats = group.call("finish_epoch")
+    if hasattr(reporter, "scalars"):  # the stage figures the epoch row sums up, per stage
+        reporter.scalars(state.step, stage_scalars(stats, cfg.num_stages))
+    return epoch_metrics(cfg, stats, epoch, state, elapsed, partition)
+
+
+def _report_scalars(reporter, closed: List[list]) -> None:
+    """Every rank's closed windows (``train_steps``' results), merged by step: the last stage's
+    loss, lr, grad norm and samples/s with the first stage's data-wait share."""
+    if not hasattr(reporter, "scalars"):
+        return
+    merged: dict = {}
+    for windows in closed:
+        for step, values in windows or ():
+            merged.setdefault(step, {}).update(values)
+    for step in sorted(merged):
+        reporter.scalars(step, merged[step])
 
 
 def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunState, elapsed: float,

@@ -34,6 +34,7 @@ from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals, peak_memory_b
 from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
 from raytrain_mgpu.runtime.prefetch import Prefetcher
 from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.step_scalars import StepWindow, WindowedMeter
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
@@ -81,6 +82,10 @@ class StageWorker:
         self.device = self.assignment.compute[0]
         self.replica_batch = self.plan.replica_batch
         self.rows = [self.plan.micro_batch] * self.plan.micro_batches_per_step
+        # Per-step scalars from replica 0: its last stage sees the loss, its first reads the data.
+        reports = self.replica == 0 and (self.is_first or self.is_last)
+        self.window = StepWindow(self.device, self.num_replicas, sees_loss=self.is_last,
+                                 reads_data=self.is_first) if reports else None
 
     # ------------------------------------------------------------------ setup
 
@@ -184,10 +189,20 @@ class StageWorker:
         reset_peak_memory([self.device])
         self.meter = EpochMeter(self.device, self.objective)
         self.totals = StageTotals()
+        self._step_meter = self.meter
+        if self.window is not None:
+            self.window.resume()
+            if self.is_last:
+                self._step_meter = WindowedMeter(self.meter, self.window)
 
-    def train_steps(self, num_steps: int) -> None:
+    def train_steps(self, num_steps: int) -> list:
+        """``num_steps`` optimizer steps; ``[(step, scalars)]`` of the ``log_every_n_steps`` windows that closed."""
+        closed = []
         for _ in range(num_steps):
             self._train_step()
+            if self.window is not None and self.step % self.cfg.log_every_n_steps == 0:
+                closed.append((self.step, self.window.read()))  # one device read per N steps
+        return closed
 
     def _train_step(self) -> None:
         if self.fail_at_step is not None and self.step == self.fail_at_step and self.rank == self.num_ranks - 1:
@@ -196,16 +211,23 @@ class StageWorker:
         start = time.perf_counter()
         inputs, targets, sends = self._read_batch(self._batches, self.cfg.num_microbatches)
         if self.is_first:
-            self.totals.data_wait_s += time.perf_counter() - start  # loading is synchronous
-        stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self.meter)
+            waited = time.perf_counter() - start  # loading is synchronous
+            self.totals.data_wait_s += waited
+            if self.window is not None:
+                self.window.add_data_wait(waited)
+        stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self._step_meter)
         self._wait_targets_sent(sends)
         self._average_gradients()
+        grad_norm = None
         if self.cfg.grad_clip_norm is not None:
-            self._clip_gradients(self.cfg.grad_clip_norm)
+            grad_norm = self._clip_gradients(self.cfg.grad_clip_norm)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        if self.window is not None:
+            self.window.end_step(lr, grad_norm)
         self.totals.add_step(stats, time.perf_counter() - start)
 
     def _read_batch(self, batches, num_chunks: int) -> tuple:
@@ -248,16 +270,18 @@ class StageWorker:
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(synced)
 
-    def _clip_gradients(self, max_norm: float) -> None:
-        """Clip by the norm over the whole model: the squared norms of all stages are summed."""
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over the whole model: the squared norms of all stages are summed; that norm (unread)."""
         grads = self._grads()
         squared = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else \
             torch.zeros((), device=self.device)
         if self.groups.replica is not None:
             self.comm.all_reduce(squared, self.groups.replica)
-        coef = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+        norm = squared.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
+        return norm
 
     def finish_epoch(self) -> dict:
         """This rank's sums for the epoch (the last stage's with its loss and metric sums); the driver adds the ranks."""

@@ -32,6 +32,7 @@ from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, eval_columns, stops_early
+from raytrain_mgpu.runtime.step_scalars import StepWindow
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import RunPlan
 
@@ -116,7 +117,7 @@ def train_worker(payload: dict) -> dict:
             metrics.update(loop.evaluate(test_loader))
         state.history.append(metrics)
         reporter.epoch(metrics)
-        _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info)
+        _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter)
     # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 
@@ -152,6 +153,8 @@ class _Loop:
         self.device = strategy.device
         dtype = _DTYPES.get(cfg.precision)
         self.autocast = lambda: torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+        # Per-step scalars on the rank that holds the sink (rank 0); the other ranks do nothing extra.
+        self.window = StepWindow(self.device, strategy.data_shard()[1]) if reporter.sink is not None else None
 
     def _to_device(self, x, y):
         x = x.to(self.device, non_blocking=True)
@@ -165,14 +168,17 @@ class _Loop:
         reset_peak_memory(self.strategy.memory_devices())
         meter = EpochMeter(self.device, self.strategy.objective)
         batches = iter(self.loader)
-        steps = 0
+        steps, window = 0, self.window
+        if window is not None:
+            window.resume()
         for _ in range(self.steps_per_epoch):
             if cfg.max_steps is not None and state.step >= cfg.max_steps:
                 break
             for micro in range(accum):
                 wait_start = time.perf_counter()
                 x, y = next(batches)
-                meter.data_wait_s += time.perf_counter() - wait_start
+                waited = time.perf_counter() - wait_start
+                meter.data_wait_s += waited
                 x, y = self._to_device(x, y)
                 # Gradients are all-reduced only on the last micro-step of a step.
                 sync = contextlib.nullcontext() if micro == accum - 1 else self.strategy.no_sync(self.model)
@@ -180,22 +186,34 @@ class _Loop:
                     with self.autocast():
                         loss, outputs = self.strategy.compute_loss(self.model, x, y)
                     self.scaler.scale(loss / accum).backward()
+                counted = meter.samples
                 meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
                 del outputs  # not held through the next forward: one micro-batch of outputs less per device
-            self._optimizer_step()
+                if window is not None:
+                    window.add_loss(loss, meter.samples - counted)  # the samples (targets) the meter counted
+                    window.add_data_wait(waited)
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
+            grad_norm = self._optimizer_step()
             state.step += 1
             steps += 1
+            if window is not None:
+                window.end_step(lr, grad_norm)
+                if state.step % cfg.log_every_n_steps == 0:
+                    self.reporter.scalars(state.step, window.read())  # one device read per N steps
             self.reporter.step(steps, self.steps_per_epoch, epoch + 1)
         return self._epoch_metrics(epoch, state, meter, steps)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> Optional[torch.Tensor]:
+        """One optimizer step; the gradients' total norm (on the device, unread) where they are clipped."""
+        grad_norm = None
         if self.cfg.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        return grad_norm
 
     def _epoch_metrics(self, epoch: int, state: _State, meter: EpochMeter, steps: int) -> dict:
         elapsed = meter.elapsed()
@@ -286,8 +304,10 @@ def _restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: in
 
 
 def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
-                     state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict) -> None:
-    """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint."""
+                     state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict,
+                     reporter: WorkerReporter) -> None:
+    """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint
+    and then tells the driver where Ray Train persisted it (``on_checkpoint``)."""
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     rng_states = _gather_rng_states()  # collective: each rank keeps its own stream on resume
@@ -308,3 +328,9 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
     # A rank that dies before Ray Train's controller has taken its report would drop this
     # checkpoint although it is uploaded; waiting costs up to one controller poll (2 s).
     wait_until_report_collected()
+    if checkpoint is not None:
+        # A synchronous report has uploaded the checkpoint before it returns, and the latest
+        # reported checkpoint is then the persisted one (its path in the storage filesystem).
+        persisted = ray.train.get_checkpoint()
+        if persisted is not None:
+            reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))
