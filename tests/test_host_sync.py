@@ -86,10 +86,22 @@ def test_epoch_meter_add_makes_no_sync():
     assert samples == 24 and abs(loss_sum - 12.0) < 1e-9 and 0 <= correct <= 24
 
 
-def _loop(grad_accum_steps: int, grad_clip_norm=None) -> _Loop:
+class RecordingSink:
+    """Stands in for the ``ProgressSink`` actor: ``put.remote(kind, payload)`` is recorded."""
+
+    def __init__(self):
+        self.events: list = []
+        self.put = self  # sink.put.remote(...)
+
+    def remote(self, kind, payload):
+        self.events.append((kind, payload))
+
+
+def _loop(grad_accum_steps: int, grad_clip_norm=None, log_every_n_steps: int = 50, sink=None) -> _Loop:
+    """Rank 0's loop when ``sink`` is given (it holds the progress sink), another rank's without."""
     cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=8 * grad_accum_steps,
                       grad_accum_steps=grad_accum_steps, optimizer="sgd", momentum=0.9,
-                      grad_clip_norm=grad_clip_norm, epochs=1)
+                      grad_clip_norm=grad_clip_norm, epochs=1, log_every_n_steps=log_every_n_steps)
     ctx = WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),))
     strategy = get_strategy("ddp")(cfg.parallel, ctx)
     torch.manual_seed(0)
@@ -99,7 +111,7 @@ def _loop(grad_accum_steps: int, grad_clip_norm=None) -> _Loop:
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, 4, 1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    return _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, WorkerReporter(None), 4)
+    return _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, WorkerReporter(sink), 4)
 
 
 def _train_epoch_watched(loop: _Loop) -> HostSyncDetector:
@@ -128,3 +140,21 @@ def test_train_epoch_check_fails_on_a_sync_in_the_step(monkeypatch):
     monkeypatch.setattr(EpochMeter, "add", _old_meter_add)
     detector, _ = _train_epoch_watched(_loop(grad_accum_steps=2))
     assert detector.found == ["tensor"] * 8
+
+
+def test_step_scalars_read_the_device_once_per_n_steps_on_rank_0():
+    """log_every_n_steps=2 over 4 steps: two reads (one ``tolist`` per window), loss and grad norm included."""
+    sink = RecordingSink()
+    detector, _ = _train_epoch_watched(_loop(grad_accum_steps=2, grad_clip_norm=1.0, log_every_n_steps=2, sink=sink))
+    assert detector.found == ["tolist"] * 2
+    scalars = [payload for kind, payload in sink.events if kind == "scalars"]
+    assert [step for step, _ in scalars] == [2, 4]
+    assert all({"train/loss", "train/grad_norm", "train/lr"} <= set(values) for _, values in scalars)
+
+
+def test_step_scalars_add_nothing_on_other_ranks():
+    """A rank without the sink (every rank but 0) keeps no window and reads nothing, even at N=1."""
+    loop = _loop(grad_accum_steps=2, grad_clip_norm=1.0, log_every_n_steps=1)
+    assert loop.window is None
+    detector, _ = _train_epoch_watched(loop)
+    assert detector.found == []

@@ -52,6 +52,9 @@ class ProgressPrinter:
         self._write(f"\r  epoch {epoch} [{'#' * done}{'.' * (width - done)}] {step}/{total} steps")
         self._bar_shown = True
 
+    def scalars(self, step: int, values: dict) -> None:
+        """Rank 0's per-step scalars (``train/loss``, ...) at global ``step``: not shown on the line."""
+
     def epoch(self, m: dict) -> None:
         if self._bar_shown:
             self._write("\r" + " " * 70 + "\r")
@@ -103,6 +106,11 @@ class WorkerReporter:
             self._last = now
             self.sink.put.remote("step", (step, total, epoch))
 
+    def scalars(self, step: int, values: dict) -> None:
+        """Every ``log_every_n_steps`` steps (the caller decides): not throttled, every call is sent."""
+        if self.sink is not None:
+            self.sink.put.remote("scalars", (step, values))
+
     def epoch(self, metrics: dict) -> None:
         if self.sink is not None:
             self.sink.put.remote("epoch", metrics)
@@ -137,5 +145,7 @@ class SinkPump:
         for kind, payload in events:
             if kind == "epoch":
                 self.printer.epoch(payload)
+            elif kind == "scalars":
+                self.printer.scalars(*payload)
             else:
                 self.printer.step(*payload)

@@ -1,0 +1,167 @@
+"""Per-step scalars every ``log_every_n_steps`` (issue 15): the values, the steps, both runners.
+
+The loop test drives ``_Loop.train_epoch`` without Ray (as tests/test_host_sync.py does) and
+checks every scalar against the values recorded by hand; the two fits check that the
+scalars reach the driver's printer from Ray Train's rank 0 and from the pipeline's stages.
+How often the device is read is tests/test_host_sync.py's business.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.runtime import loop as loop_module
+from raytrain_mgpu.runtime import step_scalars
+from raytrain_mgpu.runtime.loop import _Loop, _State
+from raytrain_mgpu.runtime.progress import ProgressPrinter, WorkerReporter
+from raytrain_mgpu.runtime.step_scalars import StepWindow, stage_scalars
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+STEPS_PER_EPOCH, ACCUM = 4, 2
+
+
+class RecordingSink:
+    """Stands in for the ``ProgressSink`` actor: ``put.remote(kind, payload)`` is recorded."""
+
+    def __init__(self):
+        self.events: list = []
+        self.put = self
+
+    def remote(self, kind, payload):
+        self.events.append((kind, payload))
+
+
+def _loop(monkeypatch, log_every_n_steps: int, sink) -> tuple:
+    """Rank 0's loop with a cosine schedule and clipping; ``seen``: what each micro-batch and step used."""
+    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})  # it asks Ray for GPU ids
+    cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=8 * ACCUM,
+                      grad_accum_steps=ACCUM, optimizer="sgd", lr=0.5, lr_schedule="cosine", grad_clip_norm=0.5,
+                      epochs=2, log_every_n_steps=log_every_n_steps)
+    strategy = get_strategy("ddp")(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
+    torch.manual_seed(0)
+    model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
+    loader = [(torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,))) for _ in range(STEPS_PER_EPOCH * ACCUM)]
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, STEPS_PER_EPOCH, cfg.epochs)
+    seen = {"losses": [], "lrs": [], "norms": []}
+    compute_loss, clip = strategy.compute_loss, torch.nn.utils.clip_grad_norm_
+
+    def recorded_loss(*args):
+        loss, outputs = compute_loss(*args)
+        seen["losses"].append(loss.item())
+        return loss, outputs
+
+    def recorded_clip(*args, **kwargs):  # just before each optimizer step
+        norm = clip(*args, **kwargs)
+        seen["norms"].append(norm.item())
+        seen["lrs"].append(optimizer.param_groups[0]["lr"])
+        return norm
+
+    monkeypatch.setattr(strategy, "compute_loss", recorded_loss)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded_clip)
+    loop = _Loop(cfg, strategy, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), loader,
+                 WorkerReporter(sink), STEPS_PER_EPOCH)
+    return loop, seen
+
+
+def test_loop_sends_the_mean_of_the_last_n_steps_at_n_2n(monkeypatch):
+    """N=3 over 2 epochs of 4 steps: scalars at steps 3 and 6 (the second window spans the epochs)."""
+    sink = RecordingSink()
+    loop, seen = _loop(monkeypatch, 3, sink)
+    state = _State()
+    for epoch in range(2):
+        loop.train_epoch(epoch, state)
+    scalars = [payload for kind, payload in sink.events if kind == "scalars"]
+    assert [step for step, _ in scalars] == [3, 6]
+    assert len(seen["losses"]) == 8 * ACCUM and len(seen["lrs"]) == 8 and len(set(seen["lrs"])) > 4  # cosine moves
+    for step, values in scalars:
+        micro = seen["losses"][(step - 3) * ACCUM: step * ACCUM]  # this window's micro-batches
+        assert values["train/loss"] == pytest.approx(sum(micro) / len(micro), rel=1e-6)
+        assert values["train/grad_norm"] == pytest.approx(sum(seen["norms"][step - 3: step]) / 3, rel=1e-6)
+        assert values["train/lr"] == seen["lrs"][step - 1]  # the rate the window's last step used
+        assert values["train/samples_per_s"] > 0 and 0 <= values["train/data_wait_share"] < 1
+        assert set(values) == {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s",
+                               "train/data_wait_share"}
+
+
+def test_window_rates_count_replicas_and_leave_out_the_time_between_epochs(monkeypatch):
+    clock = iter([0.0, 1.0, 2.0, 10.0, 11.0, 20.0, 21.0])  # resume, step, step | resume (an epoch later), step
+    monkeypatch.setattr(step_scalars, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    window = StepWindow(torch.device("cpu"), replicas=4)
+    window.resume()
+    for loss, wait in ((1.0, 0.25), (2.0, 0.25)):
+        window.add_loss(torch.tensor(loss), samples=8)
+        window.add_data_wait(wait)
+        window.end_step(lr=0.1)
+    window.resume()
+    window.add_loss(torch.tensor(6.0), samples=8)
+    window.end_step(lr=0.2)
+    values = window.read()
+    # 3 steps of 1 s (the 8 s between the epochs are not counted); 24 samples on this replica x 4
+    assert values == {"train/loss": 3.0, "train/lr": 0.2, "train/samples_per_s": 32.0,
+                      "train/data_wait_share": pytest.approx(0.5 / 3)}
+    assert "train/grad_norm" not in values  # no clipping, no norm
+    window.resume()
+    window.add_loss(torch.tensor(5.0), samples=8)
+    window.end_step(lr=0.2)
+    assert window.read()["train/loss"] == 5.0  # a new window: the sums were cleared
+
+
+def test_stage_scalars_per_stage_from_finish_epoch_stats():
+    stats = [{"prank": 0, "steps": 2, "step_s": 1.0, "busy_s": 0.6, "schedule_s": 0.8, "peak_memory_bytes": 10},
+             {"prank": 1, "steps": 2, "step_s": 1.2, "busy_s": 0.4, "schedule_s": 0.8, "peak_memory_bytes": 30},
+             {"prank": 0, "steps": 2, "step_s": 1.4, "busy_s": 0.4, "schedule_s": 0.8, "peak_memory_bytes": 20},
+             {"prank": 1, "steps": 2, "step_s": 1.6, "busy_s": 0.4, "schedule_s": 0.8, "peak_memory_bytes": 5}]
+    assert stage_scalars(stats, 2) == pytest.approx({
+        "stage0/step_time_s": 0.6, "stage0/bubble": 0.375, "stage0/peak_memory_bytes": 20,
+        "stage1/step_time_s": 0.7, "stage1/bubble": 0.5, "stage1/peak_memory_bytes": 30})
+
+
+@pytest.fixture
+def printed_scalars(monkeypatch) -> list:
+    """What fit's printer receives through ``scalars`` (on the driver)."""
+    received: list = []
+    monkeypatch.setattr(ProgressPrinter, "scalars", lambda self, step, values: received.append((step, values)))
+    return received
+
+
+# 72 samples, batch 24: 3 steps per epoch; with N=3 a window is an epoch, so on one replica its
+# train/loss is the epoch's train_loss.
+SMALL = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
+             model_kwargs={"widths": [24, 24, 24]}, batch_size=24, optimizer="sgd", lr=0.1, seed=5, epochs=2,
+             grad_clip_norm=1.0, log_every_n_steps=3)
+
+
+def _check_train_scalars(received: list, history: list) -> None:
+    train = [(step, values) for step, values in received if "train/loss" in values]
+    assert [step for step, _ in train] == [3, 6]
+    for (_, values), row in zip(train, history):
+        assert values["train/loss"] == pytest.approx(row["train_loss"], rel=1e-5)
+        assert values["train/lr"] == pytest.approx(0.1)
+        assert math.isfinite(values["train/grad_norm"]) and values["train/grad_norm"] > 0
+        assert values["train/samples_per_s"] > 0 and 0 <= values["train/data_wait_share"] <= 1
+
+
+def test_ray_train_rank_0_scalars_reach_the_driver(ray_session, storage, printed_scalars):
+    result = rtm.fit(TrainConfig(**SMALL, strategy="ddp", num_workers=1, storage_path=storage))
+    _check_train_scalars(printed_scalars, result.history)
+
+
+def test_pipeline_scalars_and_stage_figures_reach_the_driver(ray_session, storage, printed_scalars):
+    result = rtm.fit(TrainConfig(**SMALL, strategy="pipeline", num_stages=2, num_microbatches=4,
+                                 storage_path=storage))
+    _check_train_scalars(printed_scalars, result.history)
+    stages = [(step, values) for step, values in printed_scalars if "stage0/bubble" in values]
+    assert [step for step, _ in stages] == [3, 6]  # once an epoch
+    for (_, values), row in zip(stages, result.history):
+        for k in range(2):
+            assert values[f"stage{k}/step_time_s"] == pytest.approx(row["stage_step_time_s"][k])
+            assert 0 <= values[f"stage{k}/bubble"] < 1 and values[f"stage{k}/peak_memory_bytes"] > 0
