@@ -15,6 +15,7 @@ from typing import List, Optional
 import ray
 from torch import nn
 
+from raytrain_mgpu.batches import as_shape, shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu._factory import is_factory, load_factory
@@ -64,7 +65,7 @@ class TrainResult:
         with ckpt_format.local_checkpoint(path) as directory:
             meta = ckpt_format.read_meta(directory)
             state = ckpt_format.load_model_state(directory)
-        model = build_model(self.config.model, tuple(meta["input_shape"]), meta["num_classes"],
+        model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
                             self.config.model_kwargs)
         model.load_state_dict(state)
         return model.eval()
@@ -80,7 +81,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
     check_model_builds(cfg, input_shape, num_classes)  # on meta: a factory that raises fails here, named
-    data_info = {"input_shape": list(input_shape), "num_classes": num_classes,
+    data_info = {"input_shape": shape_record(input_shape), "num_classes": num_classes,
                  "train_split_size": check_data_fits(cfg, num_classes)}  # >= 2 classes, batch <= split
     lock = RunLock.acquire(_run_path(cfg))  # a second driver on this run folder is refused
     started = False
@@ -139,7 +140,7 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
     elif not cfg.use_gpu and plan.devices_per_worker > 1:  # dp, dp_balanced, mp, ddp2, ddp_mp on CPU
         device += f" ({plan.devices_per_worker} CPU stand-in devices)"
     outputs = f"{num_classes} classes" if num_classes is not None else "outputs (no classes)"
-    return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {tuple(input_shape)} -> {outputs} | "
+    return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {as_shape(input_shape)} -> {outputs} | "
             f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | {plan.describe()} | "
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 

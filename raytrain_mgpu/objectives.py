@@ -30,6 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from raytrain_mgpu._factory import is_factory, load_factory
+from raytrain_mgpu.batches import detach
 
 __all__ = ["LOSSES", "METRICS", "Objective", "metric_name", "default_metrics", "Predictions", "move_pairs", "add_pairs"]
 
@@ -131,7 +132,7 @@ class Objective:
 
     def measure(self, outputs: torch.Tensor, targets: torch.Tensor) -> List[Pair]:
         """Every metric's ``(sum, count)`` for one batch, where ``outputs`` live (no host sync)."""
-        outputs = outputs.detach()
+        outputs = detach(outputs)
         pairs = []
         for spec, metric in zip(self.metric_specs, self._metrics):
             pair = metric(outputs, targets)
@@ -155,7 +156,7 @@ class Predictions:
 
     def __init__(self, pairs: Sequence[Pair], outputs: Sequence[torch.Tensor], device: torch.device):
         self.pairs = list(pairs)
-        self._outputs = [o.detach() for o in outputs]
+        self._outputs = [detach(o) for o in outputs]
         self.device = device
 
     def detach(self) -> "Predictions":

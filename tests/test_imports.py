@@ -139,7 +139,7 @@ LAYERS = [
     # loss and metric registries) is torch functions on outputs and targets, like the models: it
     # sits with them, below the config checks (which read its names) and the strategies and
     # pipeline stages (which apply it).
-    ("models", "data", "objectives"),
+    ("models", "data", "objectives", "batches"),
     # The config checks a model or dataset name against those registries; everything
     # above reads the config.
     ("config_checks", "config"),

@@ -140,4 +140,7 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
         built = build_datasets(cfg)
         input_shape, num_classes = built.input_shape, built.num_classes
     logger.debug("dataset %s: input_shape=%s num_classes=%s", cfg.dataset, input_shape, num_classes)
-    return tuple(input_shape), None if num_classes is None else int(num_classes)  # None: not classification
+    from raytrain_mgpu.batches import as_shape
+
+    # None: not classification. A structured input's shape is a dict (or tuple) of shapes (raytrain_mgpu.batches).
+    return as_shape(input_shape), None if num_classes is None else int(num_classes)

@@ -77,7 +77,9 @@ def build_model(name: str, input_shape: tuple, num_classes: int, model_kwargs: d
 
 def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> dict:
     """The keyword arguments model factory ``spec`` is called with (see the module's docstring)."""
-    from_data = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    from raytrain_mgpu.batches import as_shape
+
+    from_data = {"input_shape": as_shape(input_shape), "num_classes": num_classes}
     given = sorted(k for k in model_kwargs if k == "input_shape" or (k == "num_classes" and num_classes is not None))
     if given:
         raise ValueError(f"TrainConfig.model_kwargs={model_kwargs!r} sets {given}, which the dataset gives "

@@ -26,6 +26,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from raytrain_mgpu.batches import call_model, detach, to_device
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["blocks_of", "block_names", "param_costs", "profile_costs", "balanced_split", "Partition",
@@ -90,24 +92,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # timing must wait for the queued kernels
 
 
-def profile_costs(blocks: Sequence[nn.Module], sample: torch.Tensor, device: torch.device,
+def profile_costs(blocks: Sequence[nn.Module], sample, device: torch.device,
                   repeats: int = 3) -> List[float]:
-    """Forward+backward seconds of each block on ``sample`` (one micro-batch).
+    """Forward+backward seconds of each block on ``sample`` (one micro-batch; a tuple or dict batch too).
 
     Blocks run one at a time, each moved to ``device`` and back, so a model that does not
     fit on one device can still be profiled. The minimum over ``repeats`` runs (after one
     warm-up) is kept: other processes only ever add time.
     """
-    x = sample.to(device)
+    x = to_device(sample, device)
     costs = []
-    for block in blocks:
+    for index, block in enumerate(blocks):
         was_on = next(block.parameters(), torch.empty(0)).device
         block.to(device)
         best = math.inf
         for run in range(repeats + 1):
-            inputs = x.detach().requires_grad_(x.is_floating_point())
+            inputs = detach(x)
+            if isinstance(inputs, torch.Tensor):
+                inputs.requires_grad_(inputs.is_floating_point())
             start = time.perf_counter()
-            out = block(inputs)
+            out = call_model(block, inputs) if index == 0 else block(inputs)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
             _sync(device)
@@ -232,6 +236,12 @@ class StageModule(nn.Sequential):
     def __init__(self, blocks: Sequence[nn.Module], names: Sequence[str]):
         super().__init__(*blocks)
         self.block_names = list(names)
+
+    def forward(self, x):
+        """The blocks in order; the first takes a tuple or dict batch as the whole model does (``call_model``)."""
+        for index, block in enumerate(self):
+            x = call_model(block, x) if index == 0 else block(x)
+        return x
 
     def model_state_dict(self) -> dict:
         """This stage's weights under the unsplit model's keys (e.g. ``"3.qkv.weight"``)."""

@@ -13,6 +13,7 @@ import time
 from statistics import mean
 from typing import List, Optional, Tuple
 
+from raytrain_mgpu.batches import shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
@@ -77,7 +78,7 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
                     plan.describe(), steps_per_epoch,
                     ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos))
         input_shape, num_classes = check_data(cfg.data)
-        shape_info = {"input_shape": list(input_shape), "num_classes": num_classes}  # for load_model()
+        shape_info = {"input_shape": shape_record(input_shape), "num_classes": num_classes}  # for load_model()
         path = state.checkpoint
         for epoch in range(state.epoch, cfg.epochs):
             if state.finished(cfg):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_mgpu.batches import detach, to_device
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import HEADER_LEN, Comm, header, parse_header
 from raytrain_mgpu.pipeline.schedule import BACKWARD, FORWARD, Action, Order, format_grid, stage_rank
@@ -182,7 +183,7 @@ class PipelineExecutor:
     def _forward(self, index: int, action: Action) -> None:
         stage, _, mb = action
         if stage == 0:
-            x = self._inputs[mb].to(self.device, non_blocking=True)
+            x = to_device(self._inputs[mb], self.device)  # a tensor, or a tuple/dict batch (raytrain_mgpu.batches)
         else:
             x = self._receive(index, FORWARD, stage, mb)
             if self._scale is not None and x.is_floating_point():
@@ -191,12 +192,12 @@ class PipelineExecutor:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.modules[stage](x)
             if stage == self.num_stages - 1:
-                y = self._targets[mb].to(self.device, non_blocking=True)
+                y = to_device(self._targets[mb], self.device)
                 loss = self.objective.loss(out, y)  # TrainConfig.loss, the mean over the micro-batch
         self._clock.stop(started)
         if stage == self.num_stages - 1:
             if self._meter is not None:
-                self._meter.add(loss.detach().float(), out.detach(), y)
+                self._meter.add(loss.detach().float(), detach(out), y)
             out = loss
         else:
             self._out_meta[(stage, self._rows[mb])] = (tuple(out.shape), out.dtype)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
+from raytrain_mgpu.batches import flatten, split, unflatten
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
@@ -86,6 +87,7 @@ class StageWorker:
         reports = self.replica == 0 and (self.is_first or self.is_last)
         self.window = StepWindow(self.device, self.num_replicas, sees_loss=self.is_last,
                                  reads_data=self.is_first) if reports else None
+        self._targets_spec = None  # the last rank's: how the targets' tensors rebuild a batch's targets
 
     # ------------------------------------------------------------------ setup
 
@@ -239,15 +241,24 @@ class StageWorker:
         if self.is_first:
             x, y = next(batches)
             sends = []
-            if self.groups.targets is not None:
-                sends = self.comm.isend_with_header(y.to(self.device), self.last_peer, self.groups.targets)
-            targets = list(y.tensor_split(num_chunks)) if self.is_last else None
-            return list(x.tensor_split(num_chunks)), targets, sends
+            if self.groups.targets is not None:  # a structured target: its tensors one after the other
+                for tensor in flatten(y)[0]:
+                    sends += self.comm.isend_with_header(tensor.to(self.device), self.last_peer, self.groups.targets)
+            targets = split(y, num_chunks) if self.is_last else None
+            return split(x, num_chunks), targets, sends
         if self.is_last:
-            y = self.comm.recv_with_header(self.first_peer, self.groups.targets, self.device,
-                                           f"rank {self.rank}: the targets from rank {self.first_peer}")
-            return None, list(y.tensor_split(num_chunks)), []
+            spec = self._target_spec()
+            y = unflatten([self.comm.recv_with_header(self.first_peer, self.groups.targets, self.device,
+                                                      f"rank {self.rank}: the targets from rank {self.first_peer}")
+                           for _ in range(spec.num_leaves)], spec)
+            return None, split(y, num_chunks), []
         return None, None, []
+
+    def _target_spec(self):
+        """The structure of a batch's targets (every sample has the same), from one sample of the data."""
+        if self._targets_spec is None:
+            self._targets_spec = flatten(default_collate([self.data.train[0]])[1])[1]
+        return self._targets_spec
 
     def _wait_targets_sent(self, sends: list) -> None:
         for work, _ in sends:

@@ -20,6 +20,7 @@ import ray.train
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from raytrain_mgpu.batches import shape_record, to_device
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
@@ -100,7 +101,7 @@ def train_worker(payload: dict) -> dict:
     if restored is not None:
         _load_train_state(strategy, model, optimizer, scheduler, scaler, restored)
 
-    shape_info = {"input_shape": list(data.input_shape), "num_classes": data.num_classes}
+    shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
     test_loader = _test_loader(data.test, shard, num_shards, plan.replica_batch)
     for epoch in range(state.epoch, cfg.epochs):
@@ -157,10 +158,8 @@ class _Loop:
         self.window = StepWindow(self.device, strategy.data_shard()[1]) if reporter.sink is not None else None
 
     def _to_device(self, x, y):
-        x = x.to(self.device, non_blocking=True)
-        if self.cfg.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y.to(self.device, non_blocking=True)
+        """Inputs and targets (tensors, or tuples/dicts of them: ``raytrain_mgpu.batches``) on the device."""
+        return to_device(x, self.device, self.cfg.channels_last), to_device(y, self.device)
 
     def train_epoch(self, epoch: int, state: _State) -> dict:
         cfg, accum = self.cfg, self.cfg.grad_accum_steps

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from raytrain_mgpu.batches import first_tensor, target_count, to_device
 from raytrain_mgpu.objectives import Objective, Predictions
 
 
@@ -60,11 +61,11 @@ class EpochMeter:
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, outputs, y: torch.Tensor) -> None:
-        n = y.numel()
+        n = target_count(y)  # numel of a tensor target (tokens for an LM), the rows of a structured one
         if isinstance(outputs, Predictions):  # measured where the outputs live
             pairs = outputs.pairs
         else:
-            pairs = self.objective.measure(outputs, y.to(outputs.device))
+            pairs = self.objective.measure(outputs, to_device(y, first_tensor(outputs).device))
         self._device_sums[0] += loss.detach().double() * n
         m = len(self.names)
         for i, (total, count) in enumerate(pairs):

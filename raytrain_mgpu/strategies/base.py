@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from raytrain_mgpu.batches import call_model, first_tensor, to_device
 from raytrain_mgpu.objectives import Objective, Predictions, move_pairs
 
 if TYPE_CHECKING:
@@ -208,18 +209,22 @@ class Strategy(ABC):
         """Context that skips gradient sync (non-final accumulation micro-steps)."""
         return contextlib.nullcontext()
 
-    def compute_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, object]:
+    def compute_loss(self, model: nn.Module, x, y) -> Tuple[torch.Tensor, object]:
         """``(mean loss, outputs)`` for one micro-batch (``self.objective``'s loss), on ``self.device``.
+
+        ``x`` and ``y`` are tensors, or tuples/dicts of tensors (:mod:`raytrain_mgpu.batches`:
+        a dict ``x`` is passed as keyword arguments).
 
         When the model's output lands on another device (model parallel), the loss and every
         metric's ``(sum, count)`` are computed there and only those scalars come back (as
         :class:`~raytrain_mgpu.objectives.Predictions`), never the outputs.
         """
         with explain_ddp_errors(self.unwrap(model)):
-            outputs = model(x)
-        y = y.to(outputs.device)
+            outputs = call_model(model, x)
+        where = first_tensor(outputs).device
+        y = to_device(y, where)
         loss = self.objective.loss(outputs, y)
-        if outputs.device == self.device:
+        if where == self.device:
             return loss, outputs
         pairs = move_pairs(self.objective.measure(outputs, y), self.device)
         return loss.to(self.device), Predictions(pairs, [outputs], self.device)

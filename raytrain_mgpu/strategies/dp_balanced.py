@@ -26,6 +26,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
+from raytrain_mgpu.batches import call_model, detach, target_count
 from raytrain_mgpu.objectives import Objective, Predictions, add_pairs, move_pairs
 from raytrain_mgpu.strategies._dp_ops import parallel_apply, replicate, scatter
 from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, require_one_worker
@@ -33,11 +34,10 @@ from raytrain_mgpu.strategies.dp import (autocast_state, call_with_autocast, dat
                                          one_node_layout)
 
 
-def _slice_loss(objective: Objective, model: nn.Module, x: torch.Tensor,
-                y: torch.Tensor) -> Tuple[torch.Tensor, list, int, torch.Tensor]:
+def _slice_loss(objective: Objective, model: nn.Module, x, y) -> Tuple[torch.Tensor, list, int, object]:
     """One device's ``(mean loss, metric pairs, number of targets, outputs)``, all on that device."""
-    outputs = model(x)
-    return objective.loss(outputs, y), objective.measure(outputs, y), y.numel(), outputs.detach()
+    outputs = call_model(model, x)
+    return objective.loss(outputs, y), objective.measure(outputs, y), target_count(y), detach(outputs)
 
 
 class DPBalancedStrategy(Strategy):

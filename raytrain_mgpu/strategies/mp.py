@@ -30,6 +30,7 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
+from raytrain_mgpu.batches import to_device
 from raytrain_mgpu.models.partition import blocks_of, plan_partition
 from raytrain_mgpu.strategies._memory import replica_on, split_parts
 from raytrain_mgpu.strategies.base import ModelWrapper, Strategy, num_blocks, require_one_worker
@@ -50,8 +51,11 @@ class SplitModel(ModelWrapper):
         # are all equal, so this is what shows the split).
         self.block_device_indices = list(device_indices)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block, device in self._stages:
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        (first, device), rest = self._stages[0], self._stages[1:]
+        # The first block takes the model's inputs (a tuple or dict batch too); then one tensor per hop.
+        x = first(*to_device(args, device), **to_device(kwargs, device))
+        for block, device in rest:
             x = block(x.to(device, non_blocking=True))  # a device-to-device copy per hop
         return x
 
