@@ -3,7 +3,9 @@
 - ``examples.regression`` (diabetes, ``loss="mse"``, ``metrics=["mae"]``, 2 ddp workers): the
   final test MAE is clearly below predicting the training mean, computed here from the data;
 - ``examples.contrastive`` (InfoNCE under ``ddp2``, 2 workers x 2 CPU stand-in devices): the
-  test retrieval accuracy is far above chance (1/64) and above the untrained encoder's.
+  test retrieval accuracy is far above chance (1/64) and above the untrained encoder's;
+- ``examples.two_inputs`` (dict inputs, dict targets, dict outputs): ddp on 2 workers and a
+  2-stage pipeline learn both heads, to the same numbers (the same global batches).
 
 The examples are a local folder, not an installed package: ``fit`` ships it to the workers
 (checked here without Ray), and factories given from Python need no ``allow_code``.
@@ -21,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # as load_factory does for the working folder: never ahead of installed packages
 
-from examples import contrastive, regression  # noqa: E402
+from examples import contrastive, regression, two_inputs  # noqa: E402
 
 
 def test_the_examples_folder_is_shipped_to_the_workers():
@@ -77,3 +79,21 @@ def test_the_contrastive_example_retrieves_far_above_chance_under_ddp2(ray_sessi
     accuracy = result.metrics["test_retrieval_accuracy"]
     assert accuracy > 10 / 64 and accuracy > 2 * untrained_accuracy, (accuracy, untrained_accuracy)
     assert result.metrics["test_same_digit"] > 0.3  # chance about 0.1
+
+
+def test_the_two_input_example_learns_the_same_on_ddp_and_a_pipeline(ray_session, storage):
+    ddp = two_inputs.main("ddp", epochs=2, storage_path=storage)
+    pipeline = two_inputs.main("pipeline", epochs=2, storage_path=storage)
+    for result in (ddp, pipeline):
+        history = _history(result)
+        assert history[1]["train_loss"] < history[0]["train_loss"]
+        assert result.metrics["test_digit_accuracy"] > 0.6 and result.metrics["test_parity_accuracy"] > 0.7  # chance 0.1, 0.5
+    for key in ("train_loss", "test_loss", "test_digit_accuracy", "test_parity_accuracy"):
+        assert abs(ddp.metrics[key] - pipeline.metrics[key]) <= 1e-3 * abs(ddp.metrics[key]), key
+    # The checkpoint keeps the dict of input shapes: the model reloads and predicts as trained.
+    x, y = next(iter(torch.utils.data.DataLoader(two_inputs.digit_views(None).test, batch_size=359)))
+    with torch.no_grad():
+        for result in (ddp, pipeline):
+            outputs = result.load_model()(**x)
+            correct, count = two_inputs.digit_accuracy(outputs, y)
+            assert abs(int(correct) / count - result.metrics["test_digit_accuracy"]) < 1e-9
