@@ -157,3 +157,10 @@ def test_a_two_stage_pipeline_trains_dict_batches_like_the_unsplit_model():
     assert last["targets"] == samples == PIPELINE_STEPS * 16
     assert abs(last["loss_sum"] - loss_sum) <= 1e-4 * abs(loss_sum)
     assert last["metrics"]["digit_accuracy"] == pytest.approx(totals["digit_accuracy"])
+
+
+def test_the_memory_estimate_refuses_structured_inputs_with_the_fix():
+    from raytrain_mgpu.planning.memory import profile_model
+
+    with pytest.raises(ValueError, match=r"structured \(input_shape=\{'image'.*Choose strategy and layout yourself"):
+        profile_model(two_inputs.two_input_net(10), {"image": (1, 8, 8), "profile": (16,)})

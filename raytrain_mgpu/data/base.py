@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,11 +29,13 @@ class Datasets(NamedTuple):
     """What a dataset builder returns."""
 
     train: Dataset
-    """Map-style; an item is ``(x: torch.Tensor, y: int)``."""
+    """Map-style; an item is ``(x, y)``: a tensor and a class index, or tensors, tuples or dicts of
+    tensors for either (``raytrain_mgpu.batches``: a dict ``x`` is passed to the model as keyword arguments)."""
     test: Dataset
     input_shape: tuple
-    """Shape of one ``x``, e.g. ``(1, 8, 8)``."""
-    num_classes: int
+    """Shape of one ``x``, e.g. ``(1, 8, 8)``; for a dict (or tuple) ``x``, a dict (tuple) of shapes."""
+    num_classes: Optional[int]
+    """Classes of a classification dataset; None for anything else (then no ``accuracy`` by default)."""
 
 
 class PixelNormaliser:

@@ -145,6 +145,10 @@ def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw"
         blocks, splittable = [model], False
     device = next(model.parameters(), torch.empty(0)).device.type
     model.train()
+    if isinstance(input_shape, dict) or any(isinstance(n, (tuple, list)) for n in input_shape):
+        raise ValueError(f"the memory estimate feeds the model one input tensor, but the dataset's inputs are "
+                         f"structured (input_shape={input_shape}). Choose strategy and layout yourself (not "
+                         f"strategy='auto'), or measure with `raytrain-mgpu compare`.")
     small, large = (_forward_bytes(blocks, tuple(input_shape), b, device) for b in batches)
     span = batches[1] - batches[0]
     per_sample = [max(0.0, (l - s) / span) for s, l in zip(small[0], large[0])]
