@@ -222,6 +222,10 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.step_scalars:
+        from raytrain_mgpu.bench import step_scalars
+
+        return step_scalars.run_and_print(args)
     from raytrain_mgpu.bench import ddp as bench
 
     return bench.run_and_print(args)

@@ -2,6 +2,7 @@
 
 - ``ddp.py``               ``fit`` vs a plain loop, torchrun and a hand-written Ray Train loop;
 - ``_torchrun_ddp.py``     the torchrun baseline's ranks;
+- ``step_scalars.py``      ``bench --step-scalars``: fit with per-step scalars every step, at the default N, off;
 - ``pipeline.py``          the pipeline benchmark (efficiency, torchrun + pipelining, naive mp);
 - ``_torchrun_pipeline.py`` its torchrun + ``torch.distributed.pipelining`` ranks;
 - ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of the README.

@@ -232,6 +232,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="times every variant runs, interleaved")
     parser.add_argument("--batch-size", type=int, default=BENCH_CONFIG["batch_size"],
                         help="global batch; larger batches make a step compute-bound (the all-reduce stays 23 MB)")
+    parser.add_argument("--step-scalars", action="store_true",
+                        help="instead: fit with per-step scalars every step, at the default log_every_n_steps and "
+                             "off, side by side (raytrain_mgpu.bench.step_scalars)")
+    parser.add_argument("--num-workers", type=int, default=1, help="ddp workers for --step-scalars")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
