@@ -31,6 +31,7 @@ from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.run_state import stops_early
 from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
+from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks, stop_main_thread_on_failure
 from raytrain_mgpu.strategies import get_strategy
 
 logger = logging.getLogger(__name__)
@@ -76,15 +77,17 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
 
     ``strategy="auto"`` is resolved once Ray is connected (it reads the cluster's devices);
     the choice and its reason are printed, logged, and added to every history row.
+    ``cfg.loggers`` and ``cfg.callbacks`` see the run's events (``runtime/callbacks.py``).
     """
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
+    cfg, watchers = _watchers(cfg)  # a callback that does not import, or a logger not installed, fails before Ray
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
     check_model_builds(cfg, input_shape, num_classes)  # on meta: a factory that raises fails here, named
     data_info = {"input_shape": shape_record(input_shape), "num_classes": num_classes,
                  "train_split_size": check_data_fits(cfg, num_classes)}  # >= 2 classes, batch <= split
     lock = RunLock.acquire(_run_path(cfg))  # a second driver on this run folder is refused
-    started = False
+    started, events = False, None
     try:
         auto_record = {}
         if cfg.strategy == "auto":
@@ -112,25 +115,47 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
             check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
-        printer = ProgressPrinter(cfg.epochs, stream)
+        events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what both runners report to
         if auto_record:
-            printer.banner(f"strategy=auto chose {auto_record['auto_reason']}")
-        printer.banner(_banner(cfg, plan, input_shape, num_classes))
+            events.banner(f"strategy=auto chose {auto_record['auto_reason']}")
+        events.banner(_banner(cfg, plan, input_shape, num_classes))
+        events.train_start(_run_info(cfg))
         if plan.runner == "actor_group":
             from raytrain_mgpu.pipeline.runner import run_pipeline
 
-            outcome = run_pipeline(cfg, printer, plan)
+            outcome = run_pipeline(cfg, events, plan)
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
         else:
-            history, checkpoint_path = _run_train_workers(cfg, plan, printer)
+            history, checkpoint_path = _run_train_workers(cfg, plan, events)
         history = [{**row, **auto_record} for row in history]
         run_path = _run_path(cfg)
         _write_history(history, run_path)
-        return TrainResult(cfg, history, checkpoint_path, run_path)
+        result = TrainResult(cfg, history, checkpoint_path, run_path)
+        events.train_end(result)
+        return result
     finally:
+        if events is not None:
+            events.close()  # the loggers' files and MLflow run, also after a failure
         if started:
             ray.shutdown()
         lock.release()
+
+
+def _watchers(cfg: TrainConfig):
+    """The loggers and callbacks as ``(label, callback)``, and ``cfg`` without callback objects:
+    the config is shipped to workers and recorded in checkpoints, where only names travel."""
+    from raytrain_mgpu.runtime.loggers import build_loggers
+
+    watchers = build_loggers(cfg) + load_callbacks(cfg.callbacks)
+    if any(not isinstance(entry, str) for entry in cfg.callbacks):
+        cfg = cfg.replace(callbacks=[entry for entry in cfg.callbacks if isinstance(entry, str)])
+    return cfg, watchers
+
+
+def _run_info(cfg: TrainConfig) -> RunInfo:
+    state = RunFolder.of(cfg).state()  # the checkpoint this fit resumes from, if any
+    return RunInfo(config=redact(cfg.to_dict()), path=_run_path(cfg), resumed=state.checkpoint is not None,
+                   start_epoch=state.epoch, start_step=state.step)
 
 
 def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
@@ -145,7 +170,7 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
-def _run_train_workers(cfg: TrainConfig, plan: RunPlan, printer: ProgressPrinter):
+def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -169,13 +194,20 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, printer: ProgressPrinter
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             worker_runtime_env=worker_runtime_env(*cfg.code_specs())),
     )
+    pump = SinkPump(sink, events)
     try:
-        with SinkPump(sink, printer):
+        with stop_main_thread_on_failure(events), pump:  # a callback's failure aborts the run
             result = trainer.fit()
-    except ray.train.TrainingFailedError as exc:
-        raise RuntimeError(_failure_message(cfg, exc)) from exc
+    except BaseException as exc:
+        if pump.failure is not None:  # the run was stopped for it: the callback's error, named
+            raise pump.failure
+        if isinstance(exc, ray.train.TrainingFailedError):
+            raise RuntimeError(_failure_message(cfg, exc)) from exc
+        raise
     finally:
         ray.kill(sink)
+    if pump.failure is not None:  # on the last events, after the run ended
+        raise pump.failure
     if result.checkpoint is None:
         return [], None
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are

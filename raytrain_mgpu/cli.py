@@ -76,6 +76,18 @@ def _parse_value(kind: str):
     return parse
 
 
+class _ListOption(argparse.Action):
+    """A list field: ``--loggers tensorboard csv``, or one YAML value (``--metrics '[mae, mse]'``, ``null``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) == 1:
+            value = _parse_value("yaml")(values[0])
+            if value is None or isinstance(value, list):
+                setattr(namespace, self.dest, value)
+                return
+        setattr(namespace, self.dest, list(values))
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     docs = _field_docs()
     hints = typing.get_type_hints(TrainConfig)
@@ -94,6 +106,10 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         kind = "str" if hint in (str, Optional[str]) or names else "yaml"
         if f.name in ("input_shape", "balance"):
             kind = "shape" if f.name == "input_shape" else "yaml"
+        if list in (hint, typing.get_origin(hint)) or hint == Optional[list]:  # metrics, loggers, callbacks
+            group.add_argument(flag, dest=f.name, nargs="+", action=_ListOption, default=argparse.SUPPRESS,
+                               metavar=f.name.upper()[:-1], help=help_text)
+            continue
         group.add_argument(flag, dest=f.name, type=_parse_value(kind), default=argparse.SUPPRESS,
                            metavar=f.name.upper(), help=help_text)
 

@@ -32,6 +32,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block counts per stage
 Loss = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "smooth_l1"]  # or a "module:function"
+Logger = Literal["tensorboard", "mlflow", "csv"]  # TrainConfig.loggers is a list of these
 MonitorMode = Literal["min", "max"]
 
 
@@ -257,6 +258,12 @@ class TrainConfig:
     # --- watching a run: loggers and callbacks
     log_every_n_steps: int = 50
     """Rank 0 sends per-step scalars (``train/loss``, ``train/lr``, ``train/grad_norm`` when clipping, ``train/samples_per_s``, ``train/data_wait_share``) every this many optimizer steps; read from the device once per N steps, never per step."""
+    loggers: list[Logger] = field(default_factory=list)
+    """Where the run's scalars also go, any of ``tensorboard`` (event files under ``<run>/tensorboard``; ``pip install raytrain-mgpu[tensorboard]``), ``mlflow`` (one MLflow run per training run, resumed with it; ``pip install raytrain-mgpu[mlflow]``), ``csv`` (``<run>/metrics.csv``: step, epoch, name, value)."""
+    mlflow_tracking_uri: Optional[str] = None
+    """``loggers=["mlflow"]``: the MLflow tracking URI, e.g. ``http://mlflow:5000``; None: a file store in ``<run>/mlruns`` (local storage only)."""
+    callbacks: list = field(default_factory=list)
+    """Your driver-side hooks: ``pkg.module:Class`` entries (built with no arguments) or, from Python, ``raytrain_mgpu.runtime.callbacks.Callback`` instances; called on ``on_train_start``, ``on_step``, ``on_epoch_end``, ``on_checkpoint``, ``on_train_end``. An exception in one fails the run, naming it."""
 
     def __post_init__(self) -> None:
         self._unused_options = validate(self)  # {option: value} the strategy never reads
@@ -323,8 +330,10 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise ValueError(f"config file {str(path)!r}: expected a mapping of TrainConfig fields, got "
                              f"{type(values).__name__}. Write one `key: value` per line.")
-        metrics = values.get("metrics")  # a list: each entry may name code
-        entries = {f"metrics[{i}]": m for i, m in enumerate(metrics)} if isinstance(metrics, list) else {}
+        entries = {}  # list fields: each entry may name code
+        for name in ("metrics", "callbacks"):
+            listed = values.get(name)
+            entries.update({f"{name}[{i}]": m for i, m in enumerate(listed)} if isinstance(listed, list) else {})
         check_file_factories({**values, **entries}, ("model", "dataset", "optimizer", "loss", *entries), str(path),
                              allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))

@@ -156,8 +156,9 @@ def coerce(cfg) -> None:
             setattr(cfg, name, tuple(getattr(cfg, name)))
     if _is_int(cfg.precision):
         cfg.precision = str(cfg.precision)
-    if isinstance(cfg.metrics, tuple):
-        cfg.metrics = list(cfg.metrics)
+    for name in ("metrics", "loggers", "callbacks"):
+        if isinstance(getattr(cfg, name), tuple):
+            setattr(cfg, name, list(getattr(cfg, name)))
     if isinstance(cfg.memory_budget_bytes, (str, float)) and not isinstance(cfg.memory_budget_bytes, bool):
         cfg.memory_budget_bytes = parse_bytes(cfg.memory_budget_bytes, "TrainConfig.memory_budget_bytes")
     if "://" not in storage:
@@ -177,6 +178,7 @@ def check_fields(cfg) -> None:
     _check_balance(cfg)
     _check_shapes(cfg)
     _check_monitor(cfg)
+    _check_watching(cfg)
 
 
 def check_sync_batchnorm(cfg, strategy_cls) -> None:
@@ -345,6 +347,38 @@ def _check_monitor(cfg) -> None:
         fail("monitor", monitor, f"is measured on evaluated epochs only, and eval_every_epochs="
                                  f"{cfg.eval_every_epochs} > epochs={cfg.epochs} evaluates only the last one",
              "Set eval_every_epochs to 1 (or a divisor of epochs), or monitor a train_* key.")
+
+
+_HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # runtime/callbacks.py
+
+
+def _check_watching(cfg) -> None:
+    """``loggers`` (distinct ``Logger`` names), ``mlflow_tracking_uri``, ``callbacks`` (``module:Class``s, objects)."""
+    from raytrain_mgpu._factory import check_factory_spec
+    valid = typing.get_args(typing.get_args(typing.get_type_hints(type(cfg))["loggers"])[0])
+    loggers = cfg.loggers
+    if not isinstance(loggers, list) or not all(isinstance(n, str) and n in valid for n in loggers):
+        fail("loggers", loggers, f"must be a list of {list(valid)}",
+             "Write e.g. loggers=['tensorboard', 'csv'] (CLI: --loggers tensorboard csv).")
+    if len(set(loggers)) != len(loggers):
+        fail("loggers", loggers, "names a logger twice", "List each logger once.")
+    uri = cfg.mlflow_tracking_uri
+    if uri is not None and (not isinstance(uri, str) or not uri.strip()):
+        fail("mlflow_tracking_uri", uri, "must be a non-empty URI or None",
+             "Write e.g. http://mlflow:5000 or file:/data/mlruns, or leave it unset for <run>/mlruns.")
+    callbacks = cfg.callbacks
+    fix = "Write a list of 'package.module:Class' entries, e.g. callbacks=['my_hooks:Notify']."
+    if not isinstance(callbacks, list):
+        fail("callbacks", callbacks, "must be a list", fix)
+    for entry in callbacks:
+        if isinstance(entry, str):
+            if not FACTORY_RE.match(entry):
+                fail("callbacks", callbacks, f"entry {entry!r} is not of the form 'package.module:Class'", fix)
+            check_factory_spec(entry, "callbacks")
+        elif not any(callable(getattr(entry, hook, None)) for hook in _HOOKS):
+            fail("callbacks", callbacks, f"entry {entry!r} has none of the hooks {', '.join(_HOOKS)}",
+                 "Pass an instance of a raytrain_mgpu.runtime.callbacks.Callback subclass, or a "
+                 "'package.module:Class'.")
 
 
 # Sizes like memory_budget_bytes="24GiB": parsed here, below the config, so a bad size costs no torch import.

@@ -92,6 +92,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
             state.history.append(metrics)
             path = _save(cfg, group, state, partition, shape_info)
             reporter.epoch(metrics)
+            if hasattr(reporter, "checkpoint"):  # RunEvents (fit's); a caller's own reporter may not listen
+                reporter.checkpoint(path)  # after the epoch, as Ray Train's rank 0 sends them
         group.shutdown(graceful=True)
         return path, state.history
     finally:

@@ -64,7 +64,8 @@ def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> 
     """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of
     ``{storage_path}/{name}`` if there is one, restart after failures (``max_failures``).
 
-    ``reporter.epoch(metrics)`` is called once per epoch, ``reporter.step(step, total)``
+    ``reporter.epoch(metrics)`` is called once per epoch, then ``reporter.checkpoint(path)``
+    (where the reporter has it: ``fit``'s ``RunEvents``), ``reporter.step(step, total)``
     every few steps.
     """
     from raytrain_mgpu.runtime.cluster import check_placeable

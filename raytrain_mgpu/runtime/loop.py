@@ -118,7 +118,7 @@ def train_worker(payload: dict) -> dict:
             metrics.update(loop.evaluate(test_loader))
         state.history.append(metrics)
         reporter.epoch(metrics)
-        _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info)
+        _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter)
     # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 
@@ -303,8 +303,10 @@ def _restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: in
 
 
 def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
-                     state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict) -> None:
-    """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint."""
+                     state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict,
+                     reporter: Optional[WorkerReporter] = None) -> None:
+    """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint
+    and then tells the driver where Ray Train persisted it (``on_checkpoint``)."""
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     rng_states = _gather_rng_states()  # collective: each rank keeps its own stream on resume
@@ -325,3 +327,9 @@ def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sch
     # A rank that dies before Ray Train's controller has taken its report would drop this
     # checkpoint although it is uploaded; waiting costs up to one controller poll (2 s).
     wait_until_report_collected()
+    if checkpoint is not None and reporter is not None:
+        # A synchronous report has uploaded the checkpoint before it returns, and the latest
+        # reported checkpoint is then the persisted one (its path in the storage filesystem).
+        persisted = ray.train.get_checkpoint()
+        if persisted is not None:
+            reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))

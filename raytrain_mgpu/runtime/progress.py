@@ -1,8 +1,10 @@
 """What the user sees on the driver: a start banner, a live bar, one line per epoch.
 
 Workers never print. Rank 0 sends events to a zero-CPU ``ProgressSink`` actor; a driver
-thread drains it and renders. Runners that live on the driver (the pipeline's actor
-group) call the same ``ProgressPrinter`` directly.
+thread (``SinkPump``) drains it and hands them on. Runners that live on the driver (the
+pipeline's actor group) call the same object directly: ``fit`` gives both a
+``runtime.callbacks.RunEvents``, which passes them to the ``ProgressPrinter`` and to the
+loggers and callbacks.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class ProgressPrinter:
 
     def scalars(self, step: int, values: dict) -> None:
         """Rank 0's per-step scalars (``train/loss``, ...) at global ``step``: not shown on the line."""
+
+    def checkpoint(self, path: str) -> None:
+        """A checkpoint was persisted: not shown (the run's folder is in the banner)."""
 
     def epoch(self, m: dict) -> None:
         if self._bar_shown:
@@ -115,12 +120,22 @@ class WorkerReporter:
         if self.sink is not None:
             self.sink.put.remote("epoch", metrics)
 
+    def checkpoint(self, path: str) -> None:
+        """The path or URI of the checkpoint Ray Train has just persisted (sent after its epoch)."""
+        if self.sink is not None:
+            self.sink.put.remote("checkpoint", path)
+
 
 class SinkPump:
-    """Driver thread: moves events from the sink to the printer until stopped."""
+    """Driver thread: moves events from the sink to the printer (a ``RunEvents``) until stopped.
+
+    ``failure``: the exception the printer raised for an event (a callback's, named by
+    ``RunEvents``), or None; the events after it are dropped and the runner re-raises it.
+    """
 
     def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25):
         self.sink, self.printer, self.interval_s = sink, printer, interval_s
+        self.failure: Optional[BaseException] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-mgpu-progress", daemon=True)
 
@@ -138,14 +153,22 @@ class SinkPump:
             self._pump()
 
     def _pump(self) -> None:
+        if self.failure is not None:
+            return
         try:
             events = ray.get(self.sink.drain.remote(), timeout=10)
         except Exception:  # progress must never break training
             return
         for kind, payload in events:
-            if kind == "epoch":
-                self.printer.epoch(payload)
-            elif kind == "scalars":
-                self.printer.scalars(*payload)
-            else:
-                self.printer.step(*payload)
+            try:
+                if kind == "epoch":
+                    self.printer.epoch(payload)
+                elif kind == "scalars":
+                    self.printer.scalars(*payload)
+                elif kind == "checkpoint":
+                    self.printer.checkpoint(payload)
+                else:
+                    self.printer.step(*payload)
+            except Exception as exc:  # a callback or logger raised: the run fails with it, never silently
+                self.failure = exc
+                return

@@ -307,11 +307,23 @@ class RunFolder:
 
     def write_json(self, name: str, value) -> None:
         """``{run}/{name}``, atomically: a kill leaves the old file or the new one, never half."""
+        self.write_text(name, json.dumps(value, indent=1, default=str))
+
+    def read_text(self, name: str) -> Optional[str]:
+        """The text of the small file ``{run}/{name}``, or None if there is none."""
+        try:
+            with self.fs.open_input_stream(self.join(name)) as f:
+                return f.read().decode()
+        except (FileNotFoundError, OSError):
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        """``{run}/{name}`` (a small file: a logger's CSV, an id), atomically as :meth:`write_json`."""
         self.fs.create_dir(self.path, recursive=True)
         path = self.join(name)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         with self.fs.open_output_stream(tmp) as f:
-            f.write(json.dumps(value, indent=1, default=str).encode())
+            f.write(text.encode())
         self.fs.move(tmp, path)
 
 

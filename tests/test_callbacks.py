@@ -1,0 +1,206 @@
+"""Callbacks (``TrainConfig.callbacks``): the protocol, its checks, and the events of real runs
+on both runners (Ray Train workers and the pipeline's actor group), across a resume."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+
+import pytest
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.cli import _build_parser, config_from_args
+from raytrain_mgpu.runtime.callbacks import Callback, CallbackError, RunEvents, RunInfo, load_callbacks
+from raytrain_mgpu.runtime.progress import ProgressPrinter
+from raytrain_mgpu.runtime.run_folder import RunFolder
+
+# 256 digits samples, batch 32: a few steps per epoch; a step's scalars every 2 steps.
+SMALL = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256, batch_size=32,
+             optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2)
+
+
+class Recorder(Callback):
+    """Every event, in order, as (hook, what)."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_train_start(self, run):
+        self.events.append(("start", run))
+
+    def on_step(self, step, scalars):
+        self.events.append(("step", (step, scalars)))
+
+    def on_epoch_end(self, epoch, metrics):
+        self.events.append(("epoch", (epoch, metrics)))
+
+    def on_checkpoint(self, path):
+        self.events.append(("checkpoint", path))
+
+    def on_train_end(self, result):
+        self.events.append(("end", result))
+
+    def kinds(self):
+        return [kind for kind, _ in self.events]
+
+
+class FailsAtEpoch(Callback):
+    """Raises at the end of the first epoch."""
+
+    def on_epoch_end(self, epoch, metrics):
+        raise RuntimeError(f"disk full at epoch {epoch}")
+
+
+class NoHooks:
+    pass
+
+
+def _assert_in_order(recorder: Recorder, result, epochs: list) -> None:
+    """start; per epoch its steps, its row, its checkpoint; end; steps only increase."""
+    kinds = recorder.kinds()
+    assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("start") == kinds.count("end") == 1
+    rows = [what for kind, what in recorder.events if kind == "epoch"]
+    assert [epoch for epoch, _ in rows] == epochs
+    assert [row for _, row in rows] == result.history[-len(epochs):]
+    # each epoch's row is followed by its checkpoint (the last one is TrainResult's)
+    checkpoints = [what for kind, what in recorder.events if kind == "checkpoint"]
+    assert len(checkpoints) == len(epochs) and checkpoints[-1] == result.checkpoint_path
+    assert [kinds[i + 1] for i, kind in enumerate(kinds) if kind == "epoch"] == ["checkpoint"] * len(epochs)
+    steps = [what[0] for kind, what in recorder.events if kind == "step"]
+    assert steps == sorted(steps)  # a step may have two events (the pipeline's train/* and stage*/*) ...
+    named = [(what[0], name) for kind, what in recorder.events if kind == "step" for name in what[1]]
+    assert len(named) == len(set(named))  # ... but never the same scalar twice
+    for index, (kind, what) in enumerate(recorder.events):  # an epoch's row comes after its steps
+        if kind == "epoch":
+            assert all(w[0] <= what[1]["step"] for k, w in recorder.events[:index] if k == "step")
+    assert recorder.events[-1][1] is result
+
+
+# ---------------------------------------------------------------------------- no Ray
+
+
+def test_run_events_fan_out_in_order_and_a_raising_callback_is_named():
+    first, second = Recorder(), Recorder()
+    events = RunEvents(ProgressPrinter(2, io.StringIO(), live=False), [("callbacks entry 'a:A'", first),
+                                                                       ("callbacks entry 'b:B'", second)])
+    events.train_start(RunInfo({}, "/run", False, 0, 0))
+    events.scalars(2, {"train/loss": 1.0})
+    row = {"epoch": 1, "step": 2, "train_loss": 1.0, "samples_per_s": 1.0}
+    events.epoch(row)
+    events.checkpoint("/run/checkpoint_1")
+    assert first.kinds() == second.kinds() == ["start", "step", "epoch", "checkpoint"]
+
+    failing = RunEvents(ProgressPrinter(2, io.StringIO(), live=False),
+                        [("callbacks entry 'tests:FailsAtEpoch'", FailsAtEpoch()), ("after", first)])
+    seen = []
+    failing.on_failure = seen.append
+    with pytest.raises(CallbackError, match=r"callbacks entry 'tests:FailsAtEpoch' raised in on_epoch_end: "
+                                            r"RuntimeError: disk full at epoch 1") as info:
+        failing.epoch(row)
+    assert isinstance(info.value.__cause__, RuntimeError) and seen == [info.value]
+    assert first.kinds() == ["start", "step", "epoch", "checkpoint"]  # the one after it was not called
+    failing.checkpoint("/run/x")  # after a failure nothing more is delivered (and nothing raised again)
+    assert first.kinds()[-1] == "checkpoint" and len(first.events) == 4
+
+
+def test_callbacks_load_from_names_and_bad_entries_fail_with_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "my_hooks.py").write_text(
+        "from raytrain_mgpu.runtime.callbacks import Callback\n"
+        "class Notify(Callback):\n    pass\n"
+        "class NeedsArg(Callback):\n    def __init__(self, url):\n        self.url = url\n"
+        "class Plain:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    [(label, callback)] = load_callbacks(["my_hooks:Notify"])
+    assert label == "callbacks entry 'my_hooks:Notify'" and type(callback).__name__ == "Notify"
+    with pytest.raises(ValueError, match=r"callbacks entry 'my_hooks:NeedsArg': building it with no arguments"):
+        load_callbacks(["my_hooks:NeedsArg"])
+    with pytest.raises(ValueError, match=r"'my_hooks:Plain' built a Plain, which has none of the hooks"):
+        load_callbacks(["my_hooks:Plain"])
+    with pytest.raises(ValueError, match=r"TrainConfig.callbacks='nowhere:X': cannot import module 'nowhere'"):
+        load_callbacks(["nowhere:X"])
+    # config checks, before anything is imported
+    with pytest.raises(ValueError, match=r"TrainConfig.callbacks=\['os:system'\]|'os' is a standard-library"):
+        rtm.TrainConfig(callbacks=["os:system"])
+    with pytest.raises(ValueError, match=r"entry 'no_colon' is not of the form 'package.module:Class'"):
+        rtm.TrainConfig(callbacks=["no_colon"])
+    with pytest.raises(ValueError, match=r"has none of the hooks on_train_start"):
+        rtm.TrainConfig(callbacks=[NoHooks()])
+    # a config FILE names code only when allowed
+    (tmp_path / "run.yaml").write_text("callbacks: [my_hooks:Notify]\n")
+    with pytest.raises(ValueError, match=r"callbacks\[0\]='my_hooks:Notify' names code to run"):
+        rtm.TrainConfig.from_yaml(tmp_path / "run.yaml")
+    assert rtm.TrainConfig.from_yaml(tmp_path / "run.yaml", allow_code=True).callbacks == ["my_hooks:Notify"]
+
+
+def test_a_bad_callback_fails_fit_before_ray(storage, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    with pytest.raises(ValueError, match=r"TrainConfig.callbacks='nowhere:Hook': cannot import module 'nowhere'"):
+        rtm.fit(rtm.TrainConfig(**SMALL, callbacks=["nowhere:Hook"], storage_path=storage))
+
+
+def test_cli_takes_loggers_and_callbacks_as_lists():
+    args = _build_parser().parse_args(["train", "--loggers", "tensorboard", "csv", "--callbacks", "my_hooks:Notify",
+                                       "--metrics", "[top5]"])
+    cfg = config_from_args(args)
+    assert cfg.loggers == ["tensorboard", "csv"] and cfg.callbacks == ["my_hooks:Notify"] and cfg.metrics == ["top5"]
+    with pytest.raises(ValueError, match=r"TrainConfig.loggers=\['wandb'\]: must be a list of \['tensorboard', "
+                                         r"'mlflow', 'csv'\]"):
+        config_from_args(_build_parser().parse_args(["train", "--loggers", "wandb"]))
+
+
+# ---------------------------------------------------------------------------- real runs
+
+
+@pytest.mark.slow
+def test_ddp_events_in_order_across_a_resume_and_logged(ray_session, storage):
+    from test_loggers import assert_logged  # the loggers' files, checked where they are tested
+
+    first = Recorder()
+    cfg = rtm.TrainConfig(**SMALL, num_workers=2, epochs=1, name="watched", storage_path=storage,
+                          callbacks=[first], loggers=["tensorboard", "mlflow", "csv"])
+    one = rtm.fit(cfg)
+    start = first.events[0][1]
+    assert start.resumed is False and (start.start_epoch, start.start_step) == (0, 0)
+    assert start.config["name"] == "watched" and start.path == one.path
+    _assert_in_order(first, one, [1])
+    scalars = [what for kind, what in first.events if kind == "step"]
+    assert scalars and {"train/loss", "train/lr"} <= set(scalars[0][1])
+    assert one.config.callbacks == []  # objects are not part of the recorded config
+
+    second = Recorder()
+    two = rtm.fit(cfg.replace(epochs=2, callbacks=[second]))
+    start = second.events[0][1]
+    assert start.resumed is True and (start.start_epoch, start.start_step) == (1, one.metrics["step"])
+    _assert_in_order(second, two, [2])  # only the second epoch
+    assert all(what[0] > one.metrics["step"] for kind, what in second.events if kind == "step")
+    assert_logged(two.path, two.history, steps_per_log=2)
+
+
+@pytest.mark.slow
+def test_pipeline_events_in_order(ray_session, storage):
+    recorder = Recorder()
+    cfg = rtm.TrainConfig(**SMALL, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2,
+                          name="piped", storage_path=storage, callbacks=[recorder])
+    result = rtm.fit(cfg)
+    _assert_in_order(recorder, result, [1, 2])
+    assert recorder.events[0][1].resumed is False
+    assert all(os.path.isdir(path) for kind, path in recorder.events if kind == "checkpoint")
+
+
+@pytest.mark.slow
+def test_a_raising_callback_stops_a_ray_train_run_early_and_fails_fit_naming_it(ray_session, storage):
+    cfg = rtm.TrainConfig(**SMALL, num_workers=2, epochs=30, name="failing", storage_path=storage,
+                          callbacks=[FailsAtEpoch()])
+    started, handler = time.perf_counter(), signal.getsignal(signal.SIGINT)
+    with pytest.raises(CallbackError, match=r"callbacks entry 'test_callbacks:FailsAtEpoch' raised in "
+                                            r"on_epoch_end: RuntimeError: disk full at epoch 1"):
+        rtm.fit(cfg)
+    # stopped early: far from 30 epochs (each takes about a second here)
+    assert RunFolder.of(cfg).state().epoch <= 3
+    assert time.perf_counter() - started < 60
+    assert signal.getsignal(signal.SIGINT) is handler  # Ray Train's handler, bound to the stopped run, is gone

@@ -1,0 +1,168 @@
+"""The loggers of ``TrainConfig.loggers`` (TensorBoard, MLflow, CSV): files that their own readers
+parse, a resume that continues them without duplicate steps, remote storage through pyarrow.
+
+The events are driven by hand here (no Ray); tests/test_callbacks.py checks the files a real
+fit and its resume leave, with :func:`assert_logged`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+
+import pytest
+
+pytest.importorskip("tensorboard", reason="the [tensorboard] extra is not installed")
+pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
+
+import raytrain_mgpu as rtm  # noqa: E402
+from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo  # noqa: E402
+from raytrain_mgpu.runtime.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RUN_FILE, TENSORBOARD_DIR,  # noqa: E402
+                                           CsvLogger, MlflowLogger, TensorBoardLogger)
+from raytrain_mgpu.runtime.progress import ProgressPrinter  # noqa: E402
+from raytrain_mgpu.runtime.run_folder import RunFolder  # noqa: E402
+
+
+def tensorboard_scalars(run_path: str) -> dict:
+    """{tag: [(step, value)]} as TensorBoard's own reader shows them (purged events hidden)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(os.path.join(run_path, TENSORBOARD_DIR))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def csv_rows(run_path: str) -> list:
+    with open(os.path.join(run_path, CSV_FILE), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def mlflow_runs(run_path: str):
+    """The MLflow client of the run's default file store, and the runs of its experiment."""
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient("file:" + os.path.join(run_path, "mlruns"))
+    experiment = client.get_experiment_by_name(MLFLOW_EXPERIMENT)
+    return client, client.search_runs([experiment.experiment_id])
+
+
+def history(client, run_id: str, key: str) -> list:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def assert_logged(run_path: str, rows: list, steps_per_log: int) -> None:
+    """What a fit (and its resume) with loggers=[tensorboard, mlflow, csv] leaves: every epoch row
+    and the step scalars every ``steps_per_log`` steps, each step once, in one MLflow run."""
+    last = rows[-1]["step"]
+    logged_steps = list(range(steps_per_log, last + 1, steps_per_log))
+    tb = tensorboard_scalars(run_path)
+    assert [step for step, _ in tb["train/loss"]] == logged_steps  # no duplicates after the resume
+    assert [(step, value) for step, value in tb["epoch/train_loss"]] == \
+        [(row["step"], pytest.approx(row["train_loss"])) for row in rows]
+    table = csv_rows(run_path)
+    assert [int(r["step"]) for r in table if r["name"] == "train/loss"] == logged_steps
+    assert [(int(r["epoch"]), float(r["value"])) for r in table if r["name"] == "epoch/train_loss"] == \
+        [(row["epoch"], pytest.approx(row["train_loss"])) for row in rows]
+    client, runs = mlflow_runs(run_path)
+    assert len(runs) == 1  # the resume logged to the same MLflow run
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.params["epochs"] == "1"  # a param never changes
+    assert [step for step, _ in history(client, run.info.run_id, "epoch/train_loss")] == [r["step"] for r in rows]
+    assert [step for step, _ in history(client, run.info.run_id, "train/loss")] == logged_steps
+
+
+def _events(folder: RunFolder, tracking_uri=None) -> RunEvents:
+    loggers = [("tensorboard", TensorBoardLogger(folder)), ("csv", CsvLogger(folder))]
+    if tracking_uri is not False:
+        loggers.append(("mlflow", MlflowLogger(folder, tracking_uri)))
+    return RunEvents(ProgressPrinter(3, io.StringIO(), live=False), loggers)
+
+
+def _row(epoch: int, step: int) -> dict:
+    return {"epoch": epoch, "step": step, "train_loss": 1.0 / epoch, "test_loss": None, "samples_per_s": 100.0,
+            "peak_memory_bytes": [2**20], "devices": {"backend": "gloo"}}
+
+
+def _train(folder, start_epoch, start_step, steps, config=None, tracking_uri=None):
+    events = _events(folder, tracking_uri)
+    events.train_start(RunInfo(config or {"name": "run", "epochs": 2}, folder.uri, start_step > 0, start_epoch,
+                               start_step))
+    for step in steps:
+        if isinstance(step, dict):
+            events.epoch(step)
+        else:
+            events.scalars(step, {"train/loss": 10.0 / step, "train/lr": 0.1})
+    events.close()
+
+
+def test_a_resume_continues_every_logger_without_duplicate_steps(tmp_path):
+    folder = RunFolder(str(tmp_path / "run"))
+    # Epoch 1 ends at step 4 (checkpointed); the run is killed after logging steps 6 and 8.
+    _train(folder, 0, 0, [2, 4, _row(1, 4), 6, 8])
+    # The resume starts after step 4: it logs 6 and 8 again, then 10, 12 and epoch 2 (and 3, with epochs raised).
+    _train(folder, 1, 4, [6, 8, _row(2, 8), 10, 12, _row(3, 12)], config={"name": "run", "epochs": 3})
+    tb = tensorboard_scalars(folder.uri)
+    assert [step for step, _ in tb["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    assert tb["epoch/train_loss"] == [(4, 1.0), (8, 0.5), (12, pytest.approx(1 / 3))]
+    assert "epoch/step" not in tb and "epoch/peak_memory_bytes" not in tb  # the x axis; lists are left out
+    rows = csv_rows(folder.uri)
+    assert [(r["step"], r["epoch"]) for r in rows if r["name"] == "train/loss"] == \
+        [("2", "1"), ("4", "1"), ("6", "2"), ("8", "2"), ("10", "3"), ("12", "3")]
+    assert [r["step"] for r in rows if r["name"] == "epoch/train_loss"] == ["4", "8", "12"]
+    client, runs = mlflow_runs(folder.uri)
+    assert len(runs) == 1 and runs[0].info.run_id == folder.read_json(folder.join(MLFLOW_RUN_FILE))["run_id"]
+    assert runs[0].data.params == {"name": "run", "epochs": "2"}  # MLflow params never change
+    # MLflow's metric history is append-only: the redone steps 6 and 8 are there twice (documented)
+    assert [step for step, _ in history(client, runs[0].info.run_id, "train/loss")] == [2, 4, 6, 8, 6, 8, 10, 12]
+    assert [step for step, _ in history(client, runs[0].info.run_id, "epoch/train_loss")] == [4, 8, 12]
+
+
+def test_a_restart_inside_one_fit_hides_the_redone_steps(tmp_path):
+    folder = RunFolder(str(tmp_path / "run"))
+    # Ray Train restarts from the checkpoint at step 4: steps 6, 8 come again in the same fit (8 right
+    # after 8: a redo, because the same scalar comes again). Another scalar at step 4 is no redo.
+    events = _events(folder, tracking_uri=False)
+    events.train_start(RunInfo({"name": "run"}, folder.uri, False, 0, 0))
+    for step in (2, 4):
+        events.scalars(step, {"train/loss": 10.0 / step})
+    events.scalars(4, {"stage0/bubble": 0.25})  # the pipeline's stage figures share the epoch's last step
+    events.epoch(_row(1, 4))
+    for step in (6, 8, 8, 6, 8):
+        events.scalars(step, {"train/loss": 10.0 / step})
+    events.epoch(_row(2, 8))
+    events.close()
+    tb = tensorboard_scalars(folder.uri)
+    assert [step for step, _ in tb["train/loss"]] == [2, 4, 6, 8] and tb["stage0/bubble"] == [(4, 0.25)]
+    rows = csv_rows(folder.uri)
+    assert [r["step"] for r in rows if r["name"] == "train/loss"] == ["2", "4", "6", "8"]
+    assert [r["step"] for r in rows if r["name"] == "stage0/bubble"] == ["4"]
+
+
+def test_remote_storage_is_written_locally_and_uploaded(tmp_path):
+    import pyarrow.fs as pafs
+
+    # A filesystem that is not LocalFileSystem takes the upload path, as s3:// or gs:// would.
+    remote = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())
+    (tmp_path / "bucket").mkdir()
+    folder = RunFolder("mock://bucket/run", filesystem=(remote, "run"))
+    assert not folder.is_local
+    _train(folder, 0, 0, [2, 4, _row(1, 4)], tracking_uri=False)
+    _train(folder, 1, 4, [6, 8, _row(2, 8)], tracking_uri=False)  # the CSV is downloaded, appended
+    local = str(tmp_path / "bucket" / "run")
+    assert [step for step, _ in tensorboard_scalars(local)["train/loss"]] == [2, 4, 6, 8]
+    assert [r["step"] for r in csv_rows(local) if r["name"] == "train/loss"] == ["2", "4", "6", "8"]
+    with pytest.raises(ValueError, match=r"the default MLflow store \(file:<run>/mlruns\) needs local storage. "
+                                         r"Set mlflow_tracking_uri"):
+        MlflowLogger(folder, None)
+
+
+def test_a_missing_package_names_the_extra(monkeypatch, storage):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ValueError, match=r"TrainConfig.loggers='mlflow' needs the mlflow package, which is not "
+                                         r"installed. Install it with: pip install 'raytrain-mgpu\[mlflow\]'"):
+        rtm.fit(rtm.TrainConfig(model="mlp", dataset="digits", loggers=["mlflow"], storage_path=storage))
