@@ -177,3 +177,6 @@ def test_bench_report_takes_the_median_within_round_ratio_to_off():
     text = report({label: [Measured(label, r) for r in values] for label, values in rates.items()})
     assert "0.995x  0.995-1.000x  target >= 0.99 ok" in text
     assert "every step (N=1)" in text and "0.900x  0.867-0.900x" in text
+    # 10 us per step + 50 us per read against a 256 / 1500 s step
+    text = report({label: [Measured(label, r) for r in values] for label, values in rates.items()}, 256, (1e-5, 5e-5))
+    assert f"0.006 % at N={DEFAULT_N}, 0.035 % at N=1" in text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import fields
 from typing import Dict, List
 
@@ -52,7 +53,32 @@ def run(num_samples: int, epochs: int, rounds: int, batch_size: int, num_workers
     return measured
 
 
-def report(measured: Dict[str, List[Measured]]) -> str:
+def window_cost_s(steps: int = 2000, repeats: int = 5) -> tuple:
+    """``(per step, per read)`` seconds rank 0 adds (a micro-batch loss and a clipped norm added on
+    the device, the host counters; one read), timed in this process: the fastest of ``repeats``
+    (other processes only ever add time), so it holds on a loaded machine where the fits cannot
+    resolve 1 %."""
+    import torch
+
+    from raytrain_mgpu.runtime.step_scalars import StepWindow
+
+    window, loss, norm = StepWindow(torch.device("cpu")), torch.tensor(0.5), torch.tensor(1.5)
+    per_step, per_read = [], []
+    for _ in range(repeats):
+        window.resume()
+        start = time.perf_counter()
+        for _ in range(steps):
+            window.add_loss(loss, 256)
+            window.add_data_wait(0.0)
+            window.end_step(0.1, norm)
+        per_step.append((time.perf_counter() - start) / steps)
+        start = time.perf_counter()
+        window.read()
+        per_read.append(time.perf_counter() - start)
+    return min(per_step), min(per_read)
+
+
+def report(measured: Dict[str, List[Measured]], batch_size: int = 0, cost: tuple = ()) -> str:
     """One line per variant: median samples/s, median within-round ratio to "off", its range."""
     off = measured["off"]
     lines = [f"{'per-step scalars':<22} {'samples/s':>10}  {'vs off':>7}  {'range':>11}", "-" * 56]
@@ -66,6 +92,13 @@ def report(measured: Dict[str, List[Measured]]) -> str:
                      f"{min(ratios):.3f}-{max(ratios):.3f}x{flag}")
     lines.append(f"samples/s: median over {len(off)} round(s) of the steady state; ratio: median of the "
                  f"within-round ratios (range: lowest-highest round)")
+    if cost and batch_size:
+        step_s = batch_size / statistics.median(o.samples_per_s for o in off)
+        per_step, per_read = cost
+        lines.append(f"rank 0's added work, timed in-process: {per_step * 1e6:.1f} us per step + {per_read * 1e6:.1f} us "
+                     f"per read (every N steps), against a {step_s * 1e3:.0f} ms step: "
+                     f"{100 * (per_step + per_read / DEFAULT_N) / step_s:.3f} % at N={DEFAULT_N}, "
+                     f"{100 * (per_step + per_read) / step_s:.3f} % at N=1 (plus its message to the driver)")
     return "\n".join(lines)
 
 
@@ -74,5 +107,6 @@ def run_and_print(args) -> int:
     print(f"per-step scalars on rank 0: model mlp 784-2048-2048-10, synthetic 1x28x28, global batch "
           f"{args.batch_size}, {steps} steps per epoch, ddp with {args.num_workers} worker(s), 1 torch thread "
           f"per worker, {os.cpu_count()} CPU cores, {args.rounds} round(s)")
-    print(report(run(args.num_samples, args.epochs, args.rounds, args.batch_size, args.num_workers)))
+    measured = run(args.num_samples, args.epochs, args.rounds, args.batch_size, args.num_workers)
+    print(report(measured, args.batch_size, window_cost_s()))
     return 0
