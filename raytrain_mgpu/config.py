@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Tuple, Union
 
 from raytrain_mgpu.config_checks import validate, warn_unused
+from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
 
 # The fixed choices: ``config_checks`` checks each ``Literal`` field against its type's values.
 Precision = Literal["32", "16-mixed", "bf16-mixed"]
@@ -52,6 +53,13 @@ class DataConfig:
     image_column: str
     label_column: str
     seed: int
+    # data loading (runtime/loaders.py) and per-sample transforms (data/transforms.py); defaults for readers
+    # used on their own (``data convert``, tests): the TrainConfig fields' defaults
+    loader_workers: int = 0
+    prefetch_factor: Optional[int] = None
+    persistent_workers: bool = True
+    train_transform: Optional[str] = None
+    test_transform: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,18 @@ class TrainConfig:
     """``parquet``: the column with the images."""
     label_column: str = "label"
     """``parquet``: the column with the integer labels."""
+
+    # --- data loading
+    loader_workers: int = 0
+    """``DataLoader`` worker processes per training worker (per first pipeline stage) that read, decode and transform samples; 0: in the training process. The samples, their order and the weights are the same for every count."""
+    prefetch_factor: Optional[int] = None
+    """Batches each loader worker reads ahead (``loader_workers`` > 0); None: torch's default (2)."""
+    persistent_workers: bool = True
+    """Keep the loader workers between epochs (``loader_workers`` > 0); datasets that load each epoch's rows in the training process (``parquet``) restart them every epoch regardless."""
+    train_transform: Optional[str] = None
+    """Per-sample augmentation of the training inputs: ``random_crop_flip`` (RandomCrop with padding 4 and RandomHorizontalFlip, the CIFAR recipe), ``resize:<n>`` (to n x n, e.g. ``resize:96`` as d2l does for Fashion-MNIST), several joined with ``+``, or ``pkg.module:function`` returning a callable on one input tensor. Seeded by (seed, epoch, sample): reproducible, and a resumed run equals an uninterrupted one."""
+    test_transform: Optional[str] = None
+    """The same for the test split (e.g. ``resize:96`` when training with it; a transform that changes the shape must be given for both)."""
 
     # --- parallelism
     strategy: str = "ddp"
@@ -334,13 +354,16 @@ class TrainConfig:
         for name in ("metrics", "callbacks"):
             listed = values.get(name)
             entries.update({f"{name}[{i}]": m for i, m in enumerate(listed)} if isinstance(listed, list) else {})
+        for name in ("train_transform", "test_transform"):  # their code parts ("resize:96" is a recipe)
+            entries.update({f"{name}[{i}]": m for i, m in enumerate(factory_parts(values.get(name)))})
         check_file_factories({**values, **entries}, ("model", "dataset", "optimizer", "loss", *entries), str(path),
                              allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
     def code_specs(self) -> list:
         """Every field value that may name user code (``pkg.module:function``): the workers get those modules."""
-        return [self.model, self.dataset, self.optimizer, self.loss, *(self.metrics or [])]
+        return [self.model, self.dataset, self.optimizer, self.loss, *(self.metrics or []),
+                *factory_parts(self.train_transform), *factory_parts(self.test_transform)]
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)

@@ -44,11 +44,11 @@ def validate(cfg) -> Dict[str, Any]:
     if cfg.name is None:
         cfg.name = f"{cfg.model}-{cfg.dataset.replace(':', '.')}-{cfg.strategy}"
     # The registries import torch: imported here, not at module top, so the config imports light.
-    from raytrain_mgpu.data import check_dataset_name
+    from raytrain_mgpu.data import check_data_fields
     from raytrain_mgpu.models import check_model_name
 
     check_model_name(cfg.model)
-    check_dataset_name(cfg.dataset)
+    check_data_fields(cfg)  # the dataset name, loader workers and transforms
     from raytrain_mgpu.strategies import get_strategy  # imports torch: after the cheap name checks
 
     if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()

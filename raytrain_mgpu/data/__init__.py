@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from raytrain_mgpu.data.base import Datasets
 
 __all__ = ["Datasets", "DATASETS", "ImageArrayDataset", "PixelNormaliser", "dataset_names",
-           "check_dataset_name", "build_datasets", "check_data"]
+           "check_dataset_name", "check_data_fields", "build_datasets", "check_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,29 @@ def check_dataset_name(name: str) -> None:
                      f"own factory that takes the DataConfig and returns raytrain_mgpu.data.Datasets.")
 
 
+def check_data_fields(cfg) -> None:
+    """The ``TrainConfig`` fields this package reads, checked before Ray starts (``config_checks.validate``):
+    the dataset name, the loader workers (``runtime/loaders.py``) and the transform specs (parsed, not built)."""
+    from raytrain_mgpu.data.transforms import check_transform_spec
+
+    check_dataset_name(cfg.dataset)
+    workers, factor = cfg.loader_workers, cfg.prefetch_factor
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"TrainConfig.loader_workers={workers!r}: must be an integer >= 0. Set 0 to load in "
+                         f"the training process, or a few loader processes per worker, e.g. 2.")
+    if factor is not None and (not isinstance(factor, int) or isinstance(factor, bool) or factor < 1):
+        raise ValueError(f"TrainConfig.prefetch_factor={factor!r}: must be a positive integer or None. Set the "
+                         f"batches each loader worker reads ahead, e.g. 2, or leave it unset.")
+    if factor is not None and workers == 0:
+        raise ValueError(f"TrainConfig.prefetch_factor={factor!r}: only applies with loader_workers > 0 (torch "
+                         f"refuses it without workers). Set loader_workers, or leave prefetch_factor unset.")
+    if not isinstance(cfg.persistent_workers, bool):
+        raise ValueError(f"TrainConfig.persistent_workers={cfg.persistent_workers!r}: must be true or false. "
+                         f"Write persistent_workers: true or false (YAML booleans, not quoted strings).")
+    for name in ("train_transform", "test_transform"):
+        check_transform_spec(name, getattr(cfg, name))
+
+
 def _import_factory(spec: str) -> Callable:
     from raytrain_mgpu._factory import load_factory
 
@@ -111,7 +134,25 @@ def _import_factory(spec: str) -> Callable:
 
 
 def build_datasets(cfg: "DataConfig") -> "Datasets":
-    """Build train and test datasets for a registry name or a ``pkg.module:function``."""
+    """Build train and test datasets for a registry name or a ``pkg.module:function``, with the
+    config's per-sample transforms (``data/transforms.py``) around each split."""
+    built = _build_untransformed(cfg)
+    if not (cfg.train_transform or cfg.test_transform):
+        return built
+    from raytrain_mgpu.data.transforms import TransformedDataset, build_transform, transformed_shape
+
+    input_shape = transformed_shape(cfg.train_transform, cfg.test_transform, built.input_shape)
+    train, test = built.train, built.test
+    if cfg.train_transform:
+        train = TransformedDataset(train, build_transform(cfg.train_transform, built.input_shape,
+                                                          "train_transform")[0], cfg.seed)
+    if cfg.test_transform:  # the test split keeps epoch 0: every evaluation sees the same inputs
+        test = TransformedDataset(test, build_transform(cfg.test_transform, built.input_shape,
+                                                        "test_transform")[0], cfg.seed)
+    return built._replace(train=train, test=test, input_shape=input_shape)
+
+
+def _build_untransformed(cfg: "DataConfig") -> "Datasets":
     from raytrain_mgpu.data.base import Datasets
 
     check_dataset_name(cfg.dataset)
@@ -137,8 +178,12 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     if check is not None:
         input_shape, num_classes = check(cfg)
     else:
-        built = build_datasets(cfg)
+        built = _build_untransformed(cfg)
         input_shape, num_classes = built.input_shape, built.num_classes
+    if cfg.train_transform or cfg.test_transform:  # e.g. resize:96: the model is built for the new shape
+        from raytrain_mgpu.data.transforms import transformed_shape
+
+        input_shape = transformed_shape(cfg.train_transform, cfg.test_transform, input_shape)
     logger.debug("dataset %s: input_shape=%s num_classes=%s", cfg.dataset, input_shape, num_classes)
     from raytrain_mgpu.batches import as_shape
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 from raytrain_mgpu.batches import flatten, split, unflatten
@@ -31,6 +31,7 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
 from raytrain_mgpu.runtime.prefetch import Prefetcher
@@ -163,10 +164,8 @@ class StageWorker:
                              f"({len(self.data.train)} samples): no full step fits in an epoch. Lower batch_size.")
         self.sampler = DistributedSampler(self.data.train, num_replicas=D, rank=self.replica, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
-        self.loader = DataLoader(self.data.train, batch_size=self.replica_batch, sampler=self.sampler,
-                                 drop_last=True, pin_memory=self.device.type == "cuda")
-        self.test_shard = Subset(self.data.test, range(self.replica, len(self.data.test), D))
-        self.test_batch = max(self.replica_batch, 64)
+        self.loader = train_loader(cfg.data, self.data.train, self.sampler, self.replica_batch, self.device)
+        self.test_loader = test_loader(cfg.data, self.data.test, self.replica, D, self.replica_batch, self.device)
 
     def _restore(self, directory: str) -> None:
         state, train_state = ckpt_format.load_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}")
@@ -182,9 +181,11 @@ class StageWorker:
     # ------------------------------------------------------------------ training
 
     def start_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)  # the loader hands the epoch to transforms with the indices
         if getattr(self, "_batches", None) is not None:
             self._batches.close()
+        if self.is_first:  # Parquet: this replica's rows of the epoch, loaded once before the loader forks
+            prefetch(self.data.train, self.sampler)
         self._batches = Prefetcher(iter(self.loader)) if self.is_first else None
         for stage in self.stages.values():
             stage.train()
@@ -311,8 +312,8 @@ class StageWorker:
         for stage in self.stages.values():
             stage.eval()
         meter = EpochMeter(self.device, self.objective)
-        size, bs = len(self.test_shard), self.test_batch
-        batches = iter(DataLoader(self.test_shard, batch_size=bs)) if self.is_first else None
+        size, bs = len(self.test_loader.dataset), self.test_loader.batch_size
+        batches = iter(self.test_loader) if self.is_first else None
         for start in range(0, size, bs):
             rows = microbatch_rows(min(bs, size - start), self.cfg.num_microbatches)
             order = self._eval_orders.setdefault(len(rows), forward_only(self.num_ranks, len(rows), self.num_stages))

@@ -18,7 +18,7 @@ from typing import Optional
 
 import ray.train
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_mgpu.batches import shape_record, to_device
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
@@ -26,6 +26,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
 from raytrain_mgpu.runtime.faults import name_stuck_ranks, wait_until_report_collected
+from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
@@ -88,8 +89,7 @@ def train_worker(payload: dict) -> dict:
     micro_batch = plan.micro_batch
     sampler = DistributedSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    loader = DataLoader(data.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                        pin_memory=strategy.device.type == "cuda")
+    loader = train_loader(cfg.data, data.train, sampler, micro_batch, strategy.device)
     steps_per_epoch = len(loader) // plan.micro_batches_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
@@ -103,19 +103,18 @@ def train_worker(payload: dict) -> dict:
 
     shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
-    test_loader = _test_loader(data.test, shard, num_shards, plan.replica_batch)
+    test_batches = test_loader(cfg.data, data.test, shard, num_shards, plan.replica_batch, strategy.device)
     for epoch in range(state.epoch, cfg.epochs):
         if state.finished(cfg):
             break
-        sampler.set_epoch(epoch)
-        if hasattr(data.train, "prefetch"):  # Parquet: load exactly this worker's rows once
-            data.train.prefetch(list(sampler))
+        sampler.set_epoch(epoch)  # the loader hands the epoch to transforms with the indices (runtime/loaders.py)
+        prefetch(data.train, sampler)  # Parquet: load exactly this worker's rows once, before the loader forks
         metrics = loop.train_epoch(epoch, state)
         state.epoch = epoch + 1
         # the last epoch is evaluated, also one that stops early (same all-reduced rows on every rank)
         if (state.finished(cfg) or stops_early(state.history + [metrics], cfg)
                 or state.epoch % cfg.eval_every_epochs == 0):
-            metrics.update(loop.evaluate(test_loader))
+            metrics.update(loop.evaluate(test_batches))
         state.history.append(metrics)
         reporter.epoch(metrics)
         _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter)
@@ -243,8 +242,8 @@ class _Loop:
 
 
 def _test_loader(test, shard: int, num_shards: int, batch_size: int) -> DataLoader:
-    # A strided shard without padding: each test sample is counted exactly once overall.
-    return DataLoader(Subset(test, range(shard, len(test), num_shards)), batch_size=max(batch_size, 64))
+    """The test shard without loader workers (tests/test_objectives.py runs the loop without Ray with it)."""
+    return test_loader(None, test, shard, num_shards, batch_size)
 
 
 def _restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:

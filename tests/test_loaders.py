@@ -1,0 +1,151 @@
+"""Loader workers (``loader_workers``): the same samples in the same order, so the same weights as 0 workers.
+
+The worker loop (``runtime/loop.py``'s ``_Loop`` with ``runtime/loaders.py``'s loader) runs here
+without Ray, in this process, on the digits with a small CNN that has dropout (so a DataLoader that
+drew from the training process's random stream would show) and a seeded augmentation. Then:
+
+- 0, 2 (persistent) and 2 (restarted each epoch) loader workers give bit-identical weights;
+- a dataset with ``prefetch`` (as ``parquet``) serves each epoch's rows to its loader workers
+  (``test_loaders:strict_prefetch_data`` raises on a row it was not told about);
+- a run stopped after epoch 1 and resumed (weights, optimizer, random stream restored; the loader
+  and its workers new) equals an uninterrupted one;
+- one Ray ``fit`` with ``loader_workers=1`` ends with the local run's weights (its model built for
+  the resized inputs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.runtime import loop as loop_module
+from raytrain_mgpu.runtime.loaders import prefetch, train_loader
+from raytrain_mgpu.runtime.progress import WorkerReporter
+from raytrain_mgpu.runtime.run_state import RunState
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+CPU = torch.device("cpu")
+
+
+def dropout_cnn(input_shape, num_classes):
+    """Dropout draws from the training process's generator every step."""
+    return nn.Sequential(nn.Conv2d(input_shape[0], 4, 3, padding=1), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(),
+                         nn.Linear(4 * input_shape[1] * input_shape[2], num_classes))
+
+
+class _StrictPrefetch(torch.utils.data.Dataset):
+    """Serves only the rows of the last ``prefetch`` call: a loader worker with an old copy fails."""
+
+    def __init__(self, dataset):
+        self.dataset, self.rows = dataset, frozenset()
+
+    def prefetch(self, indices):
+        self.rows = frozenset(int(i) for i in indices)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        if index not in self.rows:
+            raise RuntimeError(f"row {index} was not prefetched for this epoch")
+        return self.dataset[index]
+
+
+def strict_prefetch_data(cfg):
+    digits = build_datasets(rtm.TrainConfig(dataset="digits", seed=cfg.seed).data)
+    return digits._replace(train=_StrictPrefetch(digits.train))
+
+
+BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", num_workers=1, batch_size=64,
+            optimizer="sgd", lr=0.1, seed=5, epochs=2, cpus_per_worker=1,
+            # digits are 8 x 8: the model is built for the resized 12 x 12 inputs
+            train_transform="resize:12+random_crop_flip", test_transform="resize:12")
+
+
+def _train_locally(fields: dict, epochs: int = 2, start: int = 0, restored=None):
+    """The data part of ``train_worker`` and its epochs, without Ray: ``(weights, optimizer state, rng state)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = rtm.TrainConfig(**fields)
+        data = build_datasets(cfg.data)
+        ctx = WorkerContext(0, 1, 0, 1, 0, (CPU,))
+        strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
+        model = strategy.setup_model(loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes))
+        sampler = DistributedSampler(data.train, 1, 0, shuffle=True, seed=cfg.seed, drop_last=True)
+        loader = train_loader(cfg.data, data.train, sampler, cfg.batch_size, CPU)
+        optimizer = build_optimizer(model.parameters(), cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, len(loader), cfg.epochs)
+        if restored is not None:  # as a resumed worker: weights, optimizer and its random stream
+            model.load_state_dict(restored[0])
+            optimizer.load_state_dict(restored[1])
+            torch.set_rng_state(restored[2])
+        loop = loop_module._Loop(cfg, strategy, model, optimizer, scheduler,
+                                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(None), len(loader))
+        state = RunState()
+        for epoch in range(start, epochs):
+            sampler.set_epoch(epoch)
+            prefetch(data.train, sampler)
+            loop.train_epoch(epoch, state)
+        return ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), torch.get_rng_state())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_device_record():
+    saved, loop_module._device_record = loop_module._device_record, lambda ctx: {}  # it asks Ray for GPU ids
+    yield
+    loop_module._device_record = saved
+
+
+@pytest.fixture(scope="module")
+def no_workers():
+    return _train_locally(BASE)[0]
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_two_loader_workers_train_the_same_weights_as_none(no_workers, persistent):
+    weights = _train_locally({**BASE, "loader_workers": 2, "persistent_workers": persistent, "prefetch_factor": 3})[0]
+    _assert_equal(weights, no_workers, f"2 loader workers (persistent={persistent}) vs 0")
+
+
+def test_the_augmentation_and_the_dropout_matter(no_workers):
+    """The equalities above are not trivial: the transform changes the weights."""
+    plain = _train_locally({**BASE, "train_transform": "resize:12"})[0]
+    assert not torch.equal(plain["4.weight"], no_workers["4.weight"])
+
+
+def test_loader_workers_see_each_epochs_prefetched_rows():
+    fields = {**BASE, "dataset": "test_loaders:strict_prefetch_data"}
+    reference = _train_locally(fields)[0]
+    _assert_equal(_train_locally({**fields, "loader_workers": 2})[0], reference, "prefetching dataset, 2 workers")
+
+
+def test_a_resumed_run_with_loader_workers_equals_an_uninterrupted_one(no_workers):
+    fields = {**BASE, "loader_workers": 2}
+    first = _train_locally(fields, epochs=1)
+    resumed = _train_locally(fields, epochs=2, start=1, restored=first)[0]
+    _assert_equal(resumed, no_workers, "stopped after epoch 1 and resumed vs uninterrupted")
+
+
+def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, storage, no_workers):
+    result = rtm.fit(rtm.TrainConfig(**BASE, loader_workers=1, name="loader-workers", storage_path=storage))
+    model = result.load_model()
+    assert model[4].in_features == 4 * 12 * 12  # built for the resized inputs
+    weights = model.state_dict()
+    for key in no_workers:
+        torch.testing.assert_close(weights[key], no_workers[key], rtol=0, atol=1e-6)
