@@ -150,6 +150,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun",
                         add_arguments=_bench_arguments)
+    commands.add_parser("bench-data", help="images per second to the training loop: our Parquet reader vs torchvision "
+                                           "ImageFolder on the same PNG files, with 0/1/2 loader workers",
+                        add_arguments=_bench_data_arguments)
     commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the README "
                                            "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
                         add_arguments=_gpu_report_arguments)
@@ -174,6 +177,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from raytrain_mgpu.bench.ddp import add_arguments
+
+    add_arguments(parser)
+
+
+def _bench_data_arguments(parser: argparse.ArgumentParser) -> None:
+    from raytrain_mgpu.bench.data import add_arguments
 
     add_arguments(parser)
 
@@ -260,6 +269,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _train(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "bench-data":
+            from raytrain_mgpu.bench import data as bench_data
+
+            return bench_data.run_and_print(args)
         if args.command == "compare":
             return _compare(args)
         if args.command == "plot":

@@ -1,0 +1,222 @@
+"""Images per second delivered to the training loop: our Parquet reader vs torchvision ``ImageFolder``.
+
+    raytrain-mgpu bench-data [--data-root FOLDER] [--loader-workers 0 1 2]
+
+The same PNG images twice: a Parquet folder (one binary PNG per row; ``--data-root``, or written
+here from random images) and an ``ImageFolder`` tree of ``.png`` files (written here from the
+Parquet rows' bytes, unchanged). Each path delivers the same normalised ``float32`` tensors in
+batches of ``--batch-size`` to a consumer loop that only counts them:
+
+- ``parquet``: ``dataset="parquet"`` through ``runtime/loaders.py``, exactly as a training worker
+  reads it (a ``DistributedSampler`` shuffle, ``prefetch`` of the epoch's rows, ``loader_workers``);
+- ``imagefolder``: ``torchvision.datasets.ImageFolder`` (PIL decode, ``v2.ToImage``, ``ToDtype``,
+  ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``.
+
+An epoch is timed from the start of its iterator (worker start-up and the prefetch included) to
+its last batch; a path's figure is the median over ``--rounds`` rounds (interleaved) of ``--epochs``
+epochs each, after a warm-up epoch per round. :data:`PATHS` lists the paths; another ingest adds
+an entry (name, epoch function).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["PATHS", "Setup", "add_arguments", "run", "report", "run_and_print", "write_images"]
+
+
+@dataclass
+class Setup:
+    """What every path reads: the same images in two layouts."""
+
+    parquet_root: str
+    imagefolder_root: str
+    num_images: int
+    image_shape: tuple
+    batch_size: int
+    seed: int
+
+
+EpochFunction = Callable[[Setup, int], Callable[[int], Iterable]]
+"""``(setup, loader_workers) -> epoch(e) -> batches ((x, y) pairs)``: built once, called per epoch."""
+
+
+def _parquet_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.runtime.loaders import prefetch, train_loader
+
+    cfg = TrainConfig(dataset="parquet", data_root=setup.parquet_root, loader_workers=workers, seed=setup.seed).data
+    data = build_datasets(cfg)
+    sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=setup.seed, drop_last=True)
+    loader = train_loader(cfg, data.train, sampler, setup.batch_size, torch.device("cpu"))
+
+    def epoch(e: int) -> Iterable:
+        sampler.set_epoch(e)
+        prefetch(data.train, sampler)  # as the training loop does, inside the timed epoch
+        return loader
+    return epoch
+
+
+def _imagefolder_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
+    import torch
+    from torch.utils.data import DataLoader
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import v2
+
+    channels = setup.image_shape[0]
+    transform = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+                            v2.Normalize([0.5] * channels, [0.5] * channels)])
+    dataset = ImageFolder(setup.imagefolder_root, transform=transform, loader=functools.partial(_pil_open, channels=channels))
+    loader = DataLoader(dataset, batch_size=setup.batch_size, shuffle=True, drop_last=True, num_workers=workers,
+                        generator=torch.Generator().manual_seed(setup.seed))
+    return lambda e: loader
+
+
+def _pil_open(path: str, channels: int):
+    from PIL import Image
+
+    with open(path, "rb") as f:
+        return Image.open(f).convert("L" if channels == 1 else "RGB")
+
+
+PATHS: List[Tuple[str, EpochFunction]] = [
+    ("parquet", _parquet_epochs),
+    ("imagefolder", _imagefolder_epochs),
+]
+"""The paths timed side by side; ``imagefolder`` is the reference of the ratios."""
+
+
+# ----------------------------------------------------------------------------- the images
+
+
+def write_images(parquet_root: str, num_images: int, shape: tuple, seed: int, num_classes: int = 10) -> None:
+    """``num_images`` random PNG images (smooth blobs plus noise, so they compress like photos
+    rather than like noise) as ``parquet_root/train/part-0.parquet`` and a small ``test`` split."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels, height, width = shape
+    yy, xx = np.mgrid[0:height, 0:width]
+
+    def png(label: int) -> bytes:
+        cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(width / 8, width / 2)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * r * r))[None] * rng.uniform(60, 200, (channels, 1, 1))
+        pixels = np.clip(blob + 25 * label + rng.normal(0, 12, shape), 0, 255).astype(np.uint8)
+        image = Image.fromarray(pixels[0] if channels == 1 else pixels.transpose(1, 2, 0))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    for split, rows in (("train", num_images), ("test", max(1, num_images // 10))):
+        labels = rng.integers(0, num_classes, rows)
+        table = pa.table({"image": pa.array([png(int(y)) for y in labels], pa.binary()), "label": labels})
+        os.makedirs(os.path.join(parquet_root, split), exist_ok=True)
+        pq.write_table(table, os.path.join(parquet_root, split, "part-0.parquet"), row_group_size=1024)
+
+
+def export_imagefolder(parquet_root: str, out: str) -> int:
+    """The PNG bytes of the rows our reader trains on, unchanged, as ``out/<label>/<row>.png`` (the
+    ``train/`` folder, or without one every row but each tenth, ``parquet``'s test split); the count."""
+    import pyarrow.dataset as ds
+
+    from raytrain_mgpu.data.parquet import TEST_EVERY
+
+    split = os.path.join(parquet_root, "train")
+    table = ds.dataset(split if os.path.isdir(split) else parquet_root, format="parquet").to_table(
+        columns=["image", "label"])
+    images, labels = table.column("image").to_pylist(), table.column("label").to_pylist()
+    rows = range(len(images)) if os.path.isdir(split) else [r for r in range(len(images)) if r % TEST_EVERY != TEST_EVERY - 1]
+    for row in rows:
+        value, label = images[row], labels[row]
+        data = value["bytes"] if isinstance(value, dict) else value
+        if not isinstance(data, bytes) or not data.startswith(b"\x89PNG"):
+            raise ValueError(f"bench-data: row {row} of {parquet_root} is not a PNG image. Point --data-root at "
+                             f"a Parquet folder of PNG bytes (an 'image' and a 'label' column), or leave it unset.")
+        os.makedirs(os.path.join(out, f"{int(label):04d}"), exist_ok=True)
+        with open(os.path.join(out, f"{int(label):04d}", f"{row:07d}.png"), "wb") as f:
+            f.write(data)
+    return len(rows)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _time_epochs(epoch: Callable[[int], Iterable], epochs: int) -> List[float]:
+    """Images/s of each of ``epochs`` epochs, after one warm-up epoch."""
+    rates = []
+    for e in range(epochs + 1):
+        start, count = time.perf_counter(), 0
+        for x, _ in epoch(e):
+            count += x.shape[0]  # the consumer: counts what it receives
+        if e > 0:
+            rates.append(count / (time.perf_counter() - start))
+    return rates
+
+
+def run(setup: Setup, workers: Iterable[int], epochs: int, rounds: int = 1,
+        paths: Optional[List[Tuple[str, EpochFunction]]] = None) -> Dict[Tuple[str, int], float]:
+    """``{(path, loader workers): median images/s}``; every path and worker count once per round, in
+    an order rotated from round to round (a shared machine drifts between rounds)."""
+    combos = [(name, build, count) for count in workers for name, build in (paths or PATHS)]
+    rates: Dict[Tuple[str, int], List[float]] = {(name, count): [] for name, _, count in combos}
+    for r in range(rounds):
+        for name, build, count in combos[r % len(combos):] + combos[:r % len(combos)]:
+            rates[(name, count)] += _time_epochs(build(setup, count), epochs)
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
+def report(results: Dict[Tuple[str, int], float], reference: str = "imagefolder") -> str:
+    lines = [f"{'loader workers':>14}  {'path':<12} {'images/s':>10}  vs {reference}"]
+    for (name, count), rate in results.items():
+        base = results.get((reference, count))
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        lines.append(f"{count:>14}  {name:<12} {rate:>10.0f}  {ratio}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--data-root", help="Parquet folder of PNG images (an 'image' and a 'label' column; default: "
+                                            "random images written to a temporary folder)")
+    parser.add_argument("--num-images", type=int, default=4096, help="images to write when --data-root is unset")
+    parser.add_argument("--image-size", type=int, default=32, help="height and width of the written images")
+    parser.add_argument("--channels", type=int, default=3, choices=(1, 3), help="channels of the written images")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per batch delivered to the loop")
+    parser.add_argument("--loader-workers", type=int, nargs="+", default=[0, 1, 2], help="loader worker counts")
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per path and round (after a warm-up epoch)")
+    parser.add_argument("--rounds", type=int, default=3, help="times every path runs, interleaved")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_and_print(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-bench-data-") as scratch:
+        root = args.data_root
+        if root is None:
+            root = os.path.join(scratch, "parquet")
+            write_images(root, args.num_images, (args.channels, args.image_size, args.image_size), args.seed)
+        folder = os.path.join(scratch, "imagefolder")
+        num_images = export_imagefolder(root, folder)
+        from raytrain_mgpu.data import check_data
+        from raytrain_mgpu.config import TrainConfig
+
+        shape, _ = check_data(TrainConfig(dataset="parquet", data_root=root).data)
+        setup = Setup(root, folder, num_images, shape, args.batch_size, args.seed)
+        print(f"bench-data: {num_images} PNG images {'x'.join(map(str, shape))} from {args.data_root or 'random images'}"
+              f", batch {args.batch_size}, {os.cpu_count()} CPU cores; median of {args.rounds} round(s) x "
+              f"{args.epochs} epoch(s); the same files as Parquet rows and as an ImageFolder tree", flush=True)
+        print(report(run(setup, args.loader_workers, args.epochs, args.rounds)))
+    return 0
