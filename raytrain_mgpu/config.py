@@ -258,6 +258,8 @@ class TrainConfig:
     """Restarts of the worker group after a failure (each resumes from the last checkpoint)."""
     num_checkpoints_to_keep: int = 2
     """Older checkpoints are deleted."""
+    checkpoint_every_n_steps: Optional[int] = None
+    """Also checkpoint every this many optimizer steps inside an epoch; a resume continues mid-epoch (spot nodes)."""
     eval_every_epochs: int = 1
     """Evaluate on the test split every this many epochs (and always after the last)."""
     address: Optional[str] = None

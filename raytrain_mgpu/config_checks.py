@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Literal
 
+from raytrain_mgpu._units import parse_bytes
+
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
@@ -26,7 +28,8 @@ _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "stat
 _POSITIVE_INTS = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
                   "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
-_OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience")
+_OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience",
+                           "checkpoint_every_n_steps")
 _NON_EMPTY_STRINGS = ("model", "dataset", "strategy", "image_column", "label_column")
 _OPTIONAL_STRINGS = ("data_root", "address")
 SEED_LIMIT = 2**63
@@ -379,20 +382,3 @@ def _check_watching(cfg) -> None:
             fail("callbacks", callbacks, f"entry {entry!r} has none of the hooks {', '.join(_HOOKS)}",
                  "Pass an instance of a raytrain_mgpu.runtime.callbacks.Callback subclass, or a "
                  "'package.module:Class'.")
-
-
-# Sizes like memory_budget_bytes="24GiB": parsed here, below the config, so a bad size costs no torch import.
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
-
-
-def parse_bytes(text, what: str = "memory budget") -> int:
-    """``"24GiB"``, ``"512 MiB"``, ``"8e9"`` or a number -> bytes; ``what`` names the value in errors."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not math.isfinite(text):  # int(inf) raises OverflowError, not the error below
-            raise ValueError(f"{what}={text!r} is not a size. Write e.g. 24GiB, 512MiB or 8e9 (bytes).")
-        return int(text)
-    found = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not found or found.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}={text!r} is not a size. Write e.g. 24GiB, 512MiB or 8e9 (bytes).")
-    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])

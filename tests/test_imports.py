@@ -131,8 +131,8 @@ def _one_cycle(graph: Dict[str, Set[str]], component: Set[str]) -> List[str]:
 # longest prefix listed (``runtime.loop`` is a runner, the rest of ``runtime`` is not), so a
 # new module lands in its package's layer without an edit here.
 LAYERS = [
-    # Standard library only: credential redaction and the `module:function` factory loader.
-    ("_redact", "_factory"),
+    # Standard library only: credential redaction, the `module:function` factory loader, size parsing.
+    ("_redact", "_factory", "_units"),
     # What knows nothing of a run: plain nn.Modules with their registry and partitioning,
     # and the dataset readers with theirs. Each receives its config section duck-typed (the
     # DataConfig import is under TYPE_CHECKING), so both sit below the config. objectives (the

@@ -35,7 +35,7 @@ from raytrain_mgpu.planning.auto import ClusterInfo, candidates, cluster_info, d
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
-from raytrain_mgpu.config_checks import parse_bytes
+from raytrain_mgpu._units import parse_bytes
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)
 from raytrain_mgpu.strategies.plan import build_plan

@@ -18,7 +18,7 @@ from typing import Optional
 
 import ray.train
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from raytrain_mgpu.batches import shape_record, to_device
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
@@ -33,6 +33,7 @@ from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH, ResumableSampler, step_checkpoint_due
 from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.runtime.step_scalars import StepWindow
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
@@ -87,8 +88,8 @@ def train_worker(payload: dict) -> dict:
     shard, num_shards = strategy.data_shard()
     assert num_shards == plan.replicas, f"{cfg.strategy}: {num_shards} data shards, but the plan has {plan.replicas}"
     micro_batch = plan.micro_batch
-    sampler = DistributedSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
+    sampler = ResumableSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
+                               seed=cfg.seed, drop_last=True)
     loader = train_loader(cfg.data, data.train, sampler, micro_batch, strategy.device)
     steps_per_epoch = len(loader) // plan.micro_batches_per_step
     if steps_per_epoch == 0:
@@ -103,6 +104,13 @@ def train_worker(payload: dict) -> dict:
 
     shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
+    if state.step_in_epoch:  # a step checkpoint: the epoch goes on after the positions it had trained
+        sampler.resume_at(state.epoch, state.step_in_epoch * plan.micro_batches_per_step * micro_batch)
+        loop.partials = restored.get("epoch_partial_per_rank")
+    loop.save_step = lambda meter: _save_and_report(  # checkpoint_every_n_steps (runtime/step_checkpoints.py)
+        cfg, strategy, model, optimizer, scheduler, scaler, state,
+        {"epoch": state.epoch, "step": state.step, STEP_IN_EPOCH: state.step_in_epoch}, ctx, shape_info,
+        reporter, epoch_partial=meter.partial())
     test_batches = test_loader(cfg.data, data.test, shard, num_shards, plan.replica_batch, strategy.device)
     for epoch in range(state.epoch, cfg.epochs):
         if state.finished(cfg):
@@ -153,6 +161,8 @@ class _Loop:
         self.device = strategy.device
         dtype = _DTYPES.get(cfg.precision)
         self.autocast = lambda: torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+        self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
+        self.save_step = None  # writes a step checkpoint (set by train_worker)
         # Per-step scalars on the rank that holds the sink (rank 0); the other ranks do nothing extra.
         self.window = StepWindow(self.device, strategy.data_shard()[1]) if reporter.sink is not None else None
 
@@ -166,10 +176,12 @@ class _Loop:
         reset_peak_memory(self.strategy.memory_devices())
         meter = EpochMeter(self.device, self.strategy.objective)
         batches = iter(self.loader)
-        steps, window = 0, self.window
+        steps, window = state.step_in_epoch, self.window  # a step checkpoint resumes part-way
+        if steps:
+            meter.resume(_own_partials(self.partials, self.strategy.ctx))
         if window is not None:
             window.resume()
-        for _ in range(self.steps_per_epoch):
+        for _ in range(steps, self.steps_per_epoch):
             if cfg.max_steps is not None and state.step >= cfg.max_steps:
                 break
             for micro in range(accum):
@@ -199,6 +211,10 @@ class _Loop:
                 if state.step % cfg.log_every_n_steps == 0:
                     self.reporter.scalars(state.step, window.read())  # one device read per N steps
             self.reporter.step(steps, self.steps_per_epoch, epoch + 1)
+            state.step_in_epoch = steps
+            if self.save_step is not None and step_checkpoint_due(cfg, state.step, steps, self.steps_per_epoch):
+                self.save_step(meter)
+        state.step_in_epoch = 0
         return self._epoch_metrics(epoch, state, meter, steps)
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
@@ -246,6 +262,15 @@ def _test_loader(test, shard: int, num_shards: int, batch_size: int) -> DataLoad
     return test_loader(None, test, shard, num_shards, batch_size)
 
 
+def _own_partials(partials: Optional[list], ctx: WorkerContext) -> list:
+    """This rank's saved epoch sums; all of them on rank 0 when the world size changed (they are summed anyway)."""
+    if not partials:
+        return []
+    if len(partials) == ctx.world_size:
+        return [partials[ctx.world_rank]]
+    return list(partials) if ctx.world_rank == 0 else []
+
+
 def _restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
     """Load the last checkpoint of this run, if Ray Train has one (resume or restart)."""
     checkpoint = ray.train.get_checkpoint()
@@ -280,11 +305,16 @@ def _rng_state() -> dict:
 
 def _gather_rng_states() -> list:
     """Every rank's ``_rng_state()``, in rank order (collective: every rank calls it)."""
+    return _gather_objects(_rng_state())
+
+
+def _gather_objects(own) -> list:
+    """Every rank's ``own``, in rank order (collective: every rank calls it; small objects only)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [_rng_state()]
-    states: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(states, _rng_state())
-    return states
+        return [own]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, own)
+    return gathered
 
 
 def _restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int) -> None:
@@ -303,21 +333,26 @@ def _restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: in
 
 def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
                      state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict,
-                     reporter: Optional[WorkerReporter] = None) -> None:
+                     reporter: Optional[WorkerReporter] = None, epoch_partial: Optional[dict] = None) -> None:
     """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint
     and then tells the driver where Ray Train persisted it (``on_checkpoint``)."""
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     rng_states = _gather_rng_states()  # collective: each rank keeps its own stream on resume
+    # A step checkpoint (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's.
+    partials = _gather_objects(epoch_partial) if epoch_partial is not None else None
     with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
         checkpoint: Optional[ray.train.Checkpoint] = None
         if ctx.world_rank == 0:
-            meta = checkpoint_meta(cfg, state, shape_info)
+            meta = checkpoint_meta(cfg, state, shape_info, **({STEP_IN_EPOCH: state.step_in_epoch} if partials else {}))
             train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                            "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
+            if partials:
+                train_state["epoch_partial_per_rank"] = partials
             ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
                                          model_state=model_state, train_state=train_state)
-            if cfg.keep_best and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]:
+            if (cfg.keep_best and not partials
+                    and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]):
                 # Ray Train prunes by age here (its score order would keep the N best, not the last N):
                 # a new best's model is copied aside, one more model write per improvement.
                 RunFolder.of(cfg).save_best(directory)

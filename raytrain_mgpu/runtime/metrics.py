@@ -102,6 +102,17 @@ class EpochMeter:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def partial(self) -> dict:
+        """What this epoch has summed so far (a step checkpoint keeps it; ``resume`` adds it back)."""
+        return {"totals": self.totals.detach().cpu(), "data_wait_s": self.data_wait_s, "elapsed_s": self.elapsed()}
+
+    def resume(self, partials: Sequence[dict]) -> None:
+        """Start from the sums of ``partials`` (one rank's, or several ranks' when the world size changed)."""
+        for part in partials:
+            self._device_sums += part["totals"].to(self._device_sums.device)
+            self.data_wait_s += part["data_wait_s"]
+            self.start -= part["elapsed_s"]
+
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():

@@ -40,12 +40,14 @@ class RunState:
     history: list = field(default_factory=list)
     checkpoint: Optional[str] = None   # the newest checkpoint (path or URI), None for a new run
     meta: dict = field(default_factory=dict)
+    step_in_epoch: int = 0    # steps of the unfinished epoch already trained (a step checkpoint's)
 
     @classmethod
     def resumed(cls, meta: dict, history: list, checkpoint: Optional[str]) -> "RunState":
         """The state after the checkpoint with ``meta``: the next attempt continues it."""
         return cls(epoch=meta["epoch"], step=meta["step"], attempt=meta.get("attempt", 0) + 1,
-                   history=list(history), checkpoint=checkpoint, meta=meta)
+                   history=list(history), checkpoint=checkpoint, meta=meta,
+                   step_in_epoch=meta.get("step_in_epoch", 0))
 
     @property
     def partition(self) -> Optional[List[int]]:

@@ -46,6 +46,11 @@ class PipelineStrategy(Strategy):
     def validate(cls, cfg: "TrainConfig") -> None:
         check_schedule(cfg.schedule, cfg.num_stages, cfg.num_microbatches)
         cls._check_batch(cfg)
+        if cfg.checkpoint_every_n_steps is not None:
+            raise ValueError(
+                f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps}: strategy={cls.name!r} "
+                f"checkpoints once an epoch (step checkpoints are the Ray Train runner's so far). Leave it unset, "
+                f"or use a data-parallel strategy.")
         if cfg.grad_accum_steps != 1:
             raise ValueError(
                 f"TrainConfig.grad_accum_steps={cfg.grad_accum_steps}: a pipeline already accumulates gradients "

@@ -1,0 +1,115 @@
+"""Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``runtime/step_checkpoints.py``).
+
+The Ray run: rank 1 is SIGKILLed in the middle of epoch 2 (``_probe_data``'s plan); the restart
+resumes from the last step checkpoint, inside the epoch, and the run ends with the weights and
+the epoch rows of an undisturbed run. What the restarted worker trained on is exactly the rest
+of the epoch after that checkpoint, so a reclaimed node cost fewer than K steps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.runtime.metrics import EpochMeter
+from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler, step_checkpoint_due
+
+# As in test_faults: no BatchNorm or dropout, so runs that see the same batches agree exactly.
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
+           num_workers=2, epochs=2)
+STEPS_PER_EPOCH = 1438 // 64   # 22: digits' train split, global batch 64
+EVERY = 5                      # step checkpoints at global steps 5, 10, ..., 40 (not 22 and 44: epoch ends)
+KILL_AT_SAMPLE = 22 * 32 + 12 * 32 + 5  # rank 1, in epoch 2's 13th step (global step 35)
+RESUMED_AT = 30                # the last step checkpoint before it: 8 steps into epoch 2
+
+
+def test_the_sampler_leaves_out_the_trained_positions_of_the_resumed_epoch_only():
+    data = list(range(100))
+    plain = ResumableSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True)
+    resumed = ResumableSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=True)
+    resumed.resume_at(epoch=3, skip=12)
+    for epoch in (2, 3, 4):
+        plain.set_epoch(epoch)
+        resumed.set_epoch(epoch)
+        assert list(resumed) == (list(plain)[12:] if epoch == 3 else list(plain)), epoch
+    resumed.set_epoch(3)
+    assert list(resumed) == list(resumed)  # prefetch reads the order too: iterating twice gives the same
+
+
+@pytest.mark.parametrize("step,step_in_epoch,max_steps,due", [
+    (30, 8, None, True), (31, 9, None, False), (20, 22, None, False),  # the epoch checkpoint comes anyway
+    (30, 8, 30, False), (30, 8, 40, True)])
+def test_a_step_checkpoint_is_due_every_k_steps_but_not_where_an_epoch_one_follows(step, step_in_epoch, max_steps,
+                                                                                  due):
+    cfg = rtm.TrainConfig(checkpoint_every_n_steps=10, max_steps=max_steps)
+    assert step_checkpoint_due(cfg, step, step_in_epoch, 22) is due
+    assert not step_checkpoint_due(rtm.TrainConfig(), step, step_in_epoch, 22)
+
+
+def test_an_epochs_sums_continue_from_a_partial():
+    objective = Objective()
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(n, 10, generator=generator), torch.randint(0, 10, (n,), generator=generator))
+               for n in (4, 6, 5)]
+    whole, first, rest = (EpochMeter(torch.device("cpu"), objective) for _ in range(3))
+    for i, (outputs, y) in enumerate(batches):
+        loss = torch.nn.functional.cross_entropy(outputs, y)
+        whole.add(loss, outputs, y)
+        (first if i == 0 else rest).add(loss, outputs, y)
+    first.data_wait_s = 0.25
+    rest.resume([first.partial()])
+    torch.testing.assert_close(rest.totals, whole.totals)
+    assert rest.data_wait_s == 0.25 and rest.elapsed() >= first.elapsed()
+
+
+def test_pipeline_strategies_and_ray_data_refuse_step_checkpoints_with_the_fix():
+    with pytest.raises(ValueError, match=r"checkpoint_every_n_steps=5: strategy='pipeline' checkpoints once an epoch"):
+        rtm.TrainConfig(strategy="pipeline", num_workers=1, checkpoint_every_n_steps=5)
+    with pytest.raises(ValueError, match="checkpoint_every_n_steps=0: must be a positive integer or None"):
+        rtm.TrainConfig(checkpoint_every_n_steps=0)
+
+
+@pytest.mark.slow  # two fits, one with a restart: 60-120 s on 2 cores
+def test_a_worker_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
+        ray_session, tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "plan.json").write_text(json.dumps([
+        {"action": "kill_process", "rank": 1, "after_samples": KILL_AT_SAMPLE}]))
+    common = dict(MLP, dataset="_probe_data:digits", checkpoint_every_n_steps=EVERY,
+                  storage_path=str(tmp_path / "results"))
+    printed = io.StringIO()
+    killed = rtm.fit(rtm.TrainConfig(**common, data_root=str(probe), max_failures=1, name="killed"), stream=printed)
+    undisturbed = rtm.fit(rtm.TrainConfig(**common, name="undisturbed"))
+    assert (probe / "done-kill_process").exists()
+
+    # The same weights, bit for bit, and the same epoch rows (the resumed epoch's sums continued).
+    with ckpt_format.local_checkpoint(killed.checkpoint_path) as a, \
+            ckpt_format.local_checkpoint(undisturbed.checkpoint_path) as b:
+        got, want = ckpt_format.load_model_state(a), ckpt_format.load_model_state(b)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert [(h["epoch"], h["step"], h["attempt"]) for h in killed.history] == [
+        (1, STEPS_PER_EPOCH, 0), (2, 2 * STEPS_PER_EPOCH, 1)]
+    for got_row, want_row in zip(killed.history, undisturbed.history):
+        for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+            assert math.isclose(got_row[key], want_row[key], rel_tol=1e-9), key
+
+    # What the restarted rank 1 trained on: the rest of epoch 2 after step 30, nothing before it.
+    infos = sorted((json.loads(p.read_text()) for p in probe.glob("worker-1-*.json")), key=lambda i: i["started"])
+    first, second = ([int(i) for i in (probe / f"indices-1-{info['pid']}.txt").read_text().split()]
+                     for info in infos)
+    resumed_at = STEPS_PER_EPOCH * 32 + (RESUMED_AT - STEPS_PER_EPOCH) * 32  # rank 1's samples before step 30
+    assert len(second) == 2 * STEPS_PER_EPOCH * 32 - resumed_at
+    assert second[:len(first) - resumed_at] == first[resumed_at:]  # the same order: redone steps only
+    lost_steps = math.ceil((len(first) - resumed_at) / 32)
+    assert 0 < lost_steps <= EVERY, lost_steps
