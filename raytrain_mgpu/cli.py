@@ -59,6 +59,7 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
+        message = message.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever was typed
         raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -81,7 +82,10 @@ class _ListOption(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if len(values) == 1:
-            value = _parse_value("yaml")(values[0])
+            try:
+                value = _parse_value("yaml")(values[0])
+            except argparse.ArgumentTypeError as exc:  # argparse reports this one as a usage error; a type's only
+                raise argparse.ArgumentError(self, str(exc)) from exc
             if value is None or isinstance(value, list):
                 setattr(namespace, self.dest, value)
                 return
