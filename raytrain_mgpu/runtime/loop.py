@@ -164,7 +164,8 @@ class _Loop:
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
         self.save_step = None  # writes a step checkpoint (set by train_worker)
         # Per-step scalars on the rank that holds the sink (rank 0); the other ranks do nothing extra.
-        self.window = StepWindow(self.device, strategy.data_shard()[1]) if reporter.sink is not None else None
+        self.window = (StepWindow(self.device, strategy.data_shard()[1])
+                       if getattr(reporter, "sink", None) is not None else None)
 
     def _to_device(self, x, y):
         """Inputs and targets (tensors, or tuples/dicts of them: ``raytrain_mgpu.batches``) on the device."""
