@@ -174,6 +174,7 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain_mgpu.runtime import ray_ingest
     from raytrain_mgpu.runtime.loop import train_worker
 
     RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
@@ -193,6 +194,8 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             worker_runtime_env=worker_runtime_env(*cfg.code_specs())),
+        # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
+        **ray_ingest.trainer_datasets(cfg, sum(bundle.get("CPU", 0) for bundle in plan.bundles)),
     )
     pump = SinkPump(sink, events)
     try:

@@ -35,6 +35,7 @@ Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block co
 Loss = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "smooth_l1"]  # or a "module:function"
 Logger = Literal["tensorboard", "mlflow", "csv"]  # TrainConfig.loggers is a list of these
 MonitorMode = Literal["min", "max"]
+Ingest = Literal["loader", "ray_data"]  # how the training split reaches the workers
 
 
 # ----------------------------------------------------------------------------- sections
@@ -60,6 +61,7 @@ class DataConfig:
     persistent_workers: bool = True
     train_transform: Optional[str] = None
     test_transform: Optional[str] = None
+    ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (runtime/ray_ingest.py)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class TrainConfig:
     """Per-sample augmentation of the training inputs: ``random_crop_flip`` (RandomCrop with padding 4 and RandomHorizontalFlip, the CIFAR recipe), ``resize:<n>`` (to n x n, e.g. ``resize:96`` as d2l does for Fashion-MNIST), several joined with ``+``, or ``pkg.module:function`` returning a callable on one input tensor. Seeded by (seed, epoch, sample): reproducible, and a resumed run equals an uninterrupted one."""
     test_transform: Optional[str] = None
     """The same for the test split (e.g. ``resize:96`` when training with it; a transform that changes the shape must be given for both)."""
+    ingest: Ingest = "loader"
+    """How the training split reaches the workers (the pipeline's first stages): ``loader`` (a ``DataLoader`` over the map-style dataset, in ``DistributedSampler`` order) or ``ray_data`` (``parquet`` only: Ray Data reads, decodes and normalises on CPU tasks and streams an equal share to each worker; the order is Ray Data's, so 1 vs N workers no longer give equal weights; README: Feeding the GPUs)."""
 
     # --- parallelism
     strategy: str = "ddp"

@@ -48,10 +48,12 @@ def validate(cfg) -> Dict[str, Any]:
         cfg.name = f"{cfg.model}-{cfg.dataset.replace(':', '.')}-{cfg.strategy}"
     # The registries import torch: imported here, not at module top, so the config imports light.
     from raytrain_mgpu.data import check_data_fields
+    from raytrain_mgpu.data.ingest import check_ingest
     from raytrain_mgpu.models import check_model_name
 
     check_model_name(cfg.model)
     check_data_fields(cfg)  # the dataset name, loader workers and transforms
+    check_ingest(cfg)  # ingest="ray_data": the datasets Ray Data streams (data/ingest.py)
     from raytrain_mgpu.strategies import get_strategy  # imports torch: after the cheap name checks
 
     if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()

@@ -10,7 +10,10 @@ batches of ``--batch-size`` to a consumer loop that only counts them:
 - ``parquet``: ``dataset="parquet"`` through ``runtime/loaders.py``, exactly as a training worker
   reads it (a ``DistributedSampler`` shuffle, ``prefetch`` of the epoch's rows, ``loader_workers``);
 - ``imagefolder``: ``torchvision.datasets.ImageFolder`` (PIL decode, ``v2.ToImage``, ``ToDtype``,
-  ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``.
+  ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``;
+- ``ray_data`` (with ``--ray-data``): ``ingest="ray_data"``, a training worker's Ray Data iterator
+  over the whole split (read and decoded by Ray Data's tasks on a local Ray's CPUs; loader workers
+  do not apply, so its rows repeat one configuration at each count).
 
 An epoch is timed from the start of its iterator (worker start-up and the prefetch included) to
 its last batch, ``--epochs`` epochs per round after a warm-up epoch, ``--rounds`` rounds interleaved.
@@ -21,6 +24,7 @@ an entry (name, epoch function).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -93,11 +97,44 @@ def _pil_open(path: str, channels: int):
         return Image.open(f).convert("L" if channels == 1 else "RGB")
 
 
+def _ray_data_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
+    """``ingest="ray_data"``: the training worker's own iterator (``runtime/ray_ingest.py``) over the whole
+    stream; Ray Data decodes on the Ray instance's CPUs (:func:`_local_ray`): ``workers`` does not apply."""
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.runtime.ray_ingest import ShardLoader, train_dataset
+
+    dataset = train_dataset(TrainConfig(dataset="parquet", data_root=setup.parquet_root, seed=setup.seed).data)
+    loader = ShardLoader(dataset.iterator(), setup.batch_size, setup.num_images // setup.batch_size, setup.seed, 0)
+
+    def epoch(e: int) -> Iterable:
+        loader.set_epoch(e)
+        return loader
+    return epoch
+
+
 PATHS: List[Tuple[str, EpochFunction]] = [
     ("parquet", _parquet_epochs),
     ("imagefolder", _imagefolder_epochs),
 ]
 """The paths timed side by side; ``imagefolder`` is the reference of the ratios."""
+RAY_DATA_PATH: Tuple[str, EpochFunction] = ("ray_data", _ray_data_epochs)
+"""Timed too with ``--ray-data`` (it starts a local Ray, a few seconds)."""
+
+
+@contextlib.contextmanager
+def _local_ray(needed: bool):
+    """A local Ray for the ``ray_data`` path, unless one is connected; shut down after the timing."""
+    import ray
+
+    started = needed and not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 # ----------------------------------------------------------------------------- the images
@@ -202,6 +239,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per path and round (after a warm-up epoch)")
     parser.add_argument("--rounds", type=int, default=3, help="times every path runs, interleaved")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ray-data", action="store_true", help="also time ingest='ray_data' (Ray Data's tasks decode "
+                                                                "on a local Ray's CPUs; loader workers do not apply)")
 
 
 def run_and_print(args) -> int:
@@ -220,5 +259,7 @@ def run_and_print(args) -> int:
         print(f"bench-data: {num_images} PNG images {'x'.join(map(str, shape))} from {args.data_root or 'random images'}"
               f", batch {args.batch_size}, {os.cpu_count()} CPU cores; fastest and median epoch of {args.rounds} "
               f"round(s) x {args.epochs} epoch(s); the same files as Parquet rows and as an ImageFolder tree", flush=True)
-        print(report(run(setup, args.loader_workers, args.epochs, args.rounds)))
+        paths = PATHS + ([RAY_DATA_PATH] if args.ray_data else [])
+        with _local_ray(args.ray_data):
+            print(report(run(setup, args.loader_workers, args.epochs, args.rounds, paths)))
     return 0

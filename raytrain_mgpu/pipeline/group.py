@@ -84,7 +84,19 @@ class StageGroup:
 
     def setup(self, partition: Partition, resume_dir: Optional[str], start_step: int) -> List[dict]:
         address, port = ray.get(self.actors[0].address.remote())
+        self._give_data_shards()
         return self.call("setup", address, port, partition, resume_dir, start_step)
+
+    def _give_data_shards(self) -> None:
+        """``ingest="ray_data"``: each replica's actors get its share of a fresh equal split (the
+        first stage reads it; ``runtime/ray_ingest.py``). An attempt after a failure splits anew."""
+        if self.cfg.ingest != "ray_data":
+            return
+        from raytrain_mgpu.runtime.ray_ingest import replica_shards
+
+        shards = replica_shards(self.cfg, self.plan.replicas)
+        wait_all([actor.use_data_shard.remote(shards[rank // self.cfg.num_stages])
+                  for rank, actor in enumerate(self.actors)])  # rank = replica * stages + stage
 
     def call(self, method: str, *args) -> list:
         """``method(*args)`` on every actor at once (SPMD); results in rank order."""

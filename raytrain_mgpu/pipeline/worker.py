@@ -35,6 +35,7 @@ from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
 from raytrain_mgpu.runtime.prefetch import Prefetcher
+from raytrain_mgpu.runtime.ray_ingest import ShardLoader
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.step_scalars import StepWindow, WindowedMeter
 from raytrain_mgpu.models import build_model
@@ -89,11 +90,16 @@ class StageWorker:
         self.window = StepWindow(self.device, self.num_replicas, sees_loss=self.is_last,
                                  reads_data=self.is_first) if reports else None
         self._targets_spec = None  # the last rank's: how the targets' tensors rebuild a batch's targets
+        self.data_shard = None  # ingest="ray_data": this replica's Ray Data iterator (use_data_shard)
 
     # ------------------------------------------------------------------ setup
 
     def address(self) -> tuple:
         return free_address()
+
+    def use_data_shard(self, shard) -> None:
+        """``ingest="ray_data"``: this replica's share of the stream, read by its first stage (before ``setup``)."""
+        self.data_shard = shard
 
     def profile_blocks(self) -> List[float]:
         """Forward+backward seconds per block on one training micro-batch (``balance="time"``)."""
@@ -165,6 +171,9 @@ class StageWorker:
         self.sampler = DistributedSampler(self.data.train, num_replicas=D, rank=self.replica, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
         self.loader = train_loader(cfg.data, self.data.train, self.sampler, self.replica_batch, self.device)
+        if cfg.ingest == "ray_data":  # Ray Data streams this replica's equal share instead (runtime/ray_ingest.py)
+            self.loader = ShardLoader(self.data_shard, self.replica_batch, self.steps_per_epoch, cfg.seed, self.replica)
+            self.sampler = self.loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
         self.test_loader = test_loader(cfg.data, self.data.test, self.replica, D, self.replica_batch, self.device)
 
     def _restore(self, directory: str) -> None:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from raytrain_mgpu.batches import shape_record, to_device
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import ray_ingest
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
@@ -91,6 +92,9 @@ def train_worker(payload: dict) -> dict:
     sampler = ResumableSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
                                seed=cfg.seed, drop_last=True)
     loader = train_loader(cfg.data, data.train, sampler, micro_batch, strategy.device)
+    if cfg.ingest == "ray_data":  # Ray Data streams each worker an equal share instead (runtime/ray_ingest.py)
+        loader = ray_ingest.shard_loader(cfg, micro_batch, len(data.train))
+        sampler = loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
     steps_per_epoch = len(loader) // plan.micro_batches_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "

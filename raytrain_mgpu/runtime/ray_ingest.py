@@ -1,0 +1,215 @@
+"""``ingest="ray_data"``: the training split streamed by Ray Data into the Ray Train workers,
+or into the first stage of each pipeline replica (:func:`replica_shards`, the same equal split).
+
+Driver (:func:`trainer_datasets`): the ``parquet`` dataset's training split as a Ray Dataset,
+handed to ``TorchTrainer(datasets={"train": ds}, dataset_config=DataConfig(...))``. Ray Train
+splits it with ``streaming_split(num_workers, equal=True)``: every worker gets the same number
+of rows, ``len(train) // num_workers``, the same count the loader path's
+``DistributedSampler(drop_last=True)`` gives each replica.
+
+- Files split into ``train/`` and ``test/`` (or ``train*``/``test*`` files; what
+  ``raytrain-mgpu data convert`` writes): ``ray.data.read_parquet`` of the train files, from a
+  local path, ``file://`` or ``s3://``/``gs://``.
+- One set of files split 90/10 by global row (``data/parquet.py``): the training rows are read
+  by number, a block of consecutive rows per task, with the reader's own row-group reads, so
+  exactly the loader path's rows train.
+
+Either way the image column is decoded (PNG/JPEG), reshaped (raw bytes, lists) and normalised
+in ``map_batches`` on Ray Data's CPU tasks, by the loader path's own functions
+(``ParquetTable.to_pixels``/``pixels`` and its ``PixelNormaliser``): the same rows give
+bit-identical tensors. Evaluation keeps the map-style test split (exact, every sample once).
+
+Worker (:func:`shard_loader`): ``get_dataset_shard("train").iter_torch_batches(batch_size=
+micro_batch, drop_last=True)``, taken as ``(x, y)``; ``len()`` is the planned micro-batches of
+an epoch, the same on every rank, so each optimizer step has exactly ``batch_size`` samples
+over the replicas and every rank reports the same number of times.
+
+What streaming changes, against the loader path:
+- Order: rows reach a worker in the order Ray Data's parallel read tasks finish, then through a
+  local shuffle buffer (``SHUFFLE_BUFFER_BATCHES`` micro-batches, seeded by seed, epoch and
+  rank) and, for ``read_parquet``, a file order shuffled per epoch (``FileShuffleConfig``,
+  seeded, reseeded each epoch). The samples of a step are not the ``DistributedSampler``'s, so a
+  run is not bit-reproducible and 1 vs N workers do not give equal weights. A global
+  ``ds.random_shuffle()`` per epoch would move every row through the object store: not done.
+- Resume: an interrupted epoch restarts from its beginning with a fresh stream (the checkpoint
+  is taken at epoch ends, so no sample position is lost, but none is kept either).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from raytrain_mgpu.config import DataConfig, TrainConfig
+    from raytrain_mgpu.data.parquet_table import ParquetTable
+
+__all__ = ["trainer_datasets", "replica_shards", "train_dataset", "shard_loader", "ShardLoader"]
+
+logger = logging.getLogger(__name__)
+
+SHUFFLE_BUFFER_BATCHES = 4
+"""Micro-batches of rows a worker's local shuffle buffer holds (``local_shuffle_buffer_size``)."""
+ROWS_PER_READ_TASK = 1024
+"""Rows one map task reads by number (the 90/10 split's path)."""
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def trainer_datasets(cfg: "TrainConfig", reserved_cpus: float = 0.0) -> dict:
+    """``TorchTrainer`` keyword arguments: none for ``ingest="loader"``; for ``"ray_data"`` the
+    training split as ``datasets={"train": ...}`` and the ``DataConfig`` that splits it equally.
+    ``reserved_cpus``: what the workers will take of the CPUs free now."""
+    if cfg.ingest != "ray_data":
+        return {}
+    from ray.train import DataConfig
+
+    warn_if_no_cpu_left(reserved_cpus)
+
+    return {"datasets": {"train": train_dataset(cfg.data)}, "dataset_config": DataConfig(datasets_to_split=["train"])}
+
+
+def replica_shards(cfg: "TrainConfig", num_replicas: int) -> list:
+    """The pipeline runner's split: one ``DataIterator`` per replica (``streaming_split(equal=True)``,
+    as Ray Train's ``DataConfig``), for that replica's first stage; a fresh split per attempt."""
+    warn_if_no_cpu_left(0.0)  # the stage actors' placement group holds its CPUs already
+    return train_dataset(cfg.data).streaming_split(num_replicas, equal=True)
+
+
+def warn_if_no_cpu_left(reserved_cpus: float) -> None:
+    """Ray Data's read and decode tasks need a CPU the workers do not hold; without one they wait
+    (for ever on a fixed cluster, until a node is added on an autoscaling one): say so and how to fix it."""
+    import ray
+
+    free = ray.available_resources().get("CPU", 0.0) - reserved_cpus
+    if free < 1:
+        logger.warning("ingest='ray_data': the workers take every CPU of the cluster (%g free after them), so Ray "
+                       "Data's read and decode tasks wait for one until a node is added. Lower num_workers or "
+                       "cpus_per_worker, or add a CPU node.", max(free, 0.0))
+
+
+def train_dataset(data_cfg: "DataConfig", transform=None):
+    """The training split of the ``parquet`` dataset ``data_cfg`` as a Ray Dataset of
+    ``{"x": float32 (rows, *shape), "y": int64}``, decoded and normalised on CPU tasks.
+
+    ``transform``: the hook for a per-sample transform (a function of one normalised sample
+    tensor), applied in the same ``map_batches`` task; None today.
+    """
+    import ray.data
+
+    from raytrain_mgpu.data.parquet import TEST_EVERY, discover
+    from raytrain_mgpu.data.parquet_table import ParquetTable
+
+    filesystem, train_files, test_files = discover(data_cfg)  # the split rules of the loader path
+    table = ParquetTable(filesystem, train_files, data_cfg.image_column, data_cfg.label_column)
+    if test_files:  # every row of the train files trains
+        shuffle = ray.data.FileShuffleConfig(seed=data_cfg.seed, reseed_after_execution=True)
+        dataset = ray.data.read_parquet(list(train_files), filesystem=filesystem, shuffle=shuffle).select_columns(
+            [data_cfg.image_column, data_cfg.label_column])
+        return dataset.map_batches(functools.partial(_decode_table, table=table, transform=transform),
+                                   batch_format="pyarrow")
+    rows = np.arange(len(table), dtype=np.int64)
+    rows = rows[rows % TEST_EVERY != TEST_EVERY - 1]  # data/parquet.py's 90/10 split: the same rows
+    blocks = np.array_split(rows, max(1, -(-len(rows) // ROWS_PER_READ_TASK)))
+    dataset = ray.data.from_numpy(blocks)  # column "data": row numbers, one block per task
+    return dataset.map_batches(functools.partial(_read_rows, table=table, transform=transform),
+                               batch_format="numpy", batch_size=None)
+
+
+def _decode_table(batch, table: "ParquetTable", transform) -> dict:
+    """A ``read_parquet`` batch (a pyarrow Table) -> normalised samples and labels."""
+    column = batch.column(table.image_column).combine_chunks()
+    pixels = table.to_pixels(column, table.where)
+    labels = batch.column(table.label_column).to_numpy().astype(np.int64)
+    return _samples(table, pixels, np.arange(len(labels)), labels, transform)
+
+
+def _read_rows(batch: dict, table: "ParquetTable", transform) -> dict:
+    """Row numbers -> their normalised samples and labels, read one row group at a time."""
+    rows = np.sort(np.asarray(batch["data"], np.int64))
+    return _samples(table, table.read_rows(rows), rows, table.labels[rows], transform)
+
+
+def _samples(table: "ParquetTable", pixels, rows: np.ndarray, labels: np.ndarray, transform) -> dict:
+    if isinstance(pixels, np.ndarray):  # raw pixels: one normalisation for the batch (elementwise, the same bits)
+        x = table.normaliser(torch.from_numpy(pixels))
+    else:  # PNG/JPEG (or mixed): ParquetImageDataset's per-item decode
+        x = torch.stack([table.pixels(pixels, i, int(row)) for i, row in enumerate(rows)])
+        x = table.normaliser(x)
+    if transform is not None:
+        x = torch.stack([transform(sample) for sample in x])
+    return {"x": x.numpy(), "y": labels}
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+class ShardLoader:
+    """This worker's micro-batches of one epoch from its Ray Data shard, as ``(x, y)`` tensors.
+
+    ``len()`` is the planned number of micro-batches (the same on every rank); an epoch that
+    stops early (``max_steps``, a partial last step) leaves the rest of its stream, which the
+    next epoch's ``iter()`` reads off first, so every shard iterator starts its epochs together.
+    """
+
+    def __init__(self, shard, micro_batch: int, num_batches: int, seed: int, rank: int):
+        self.shard, self.micro_batch, self.num_batches = shard, micro_batch, num_batches
+        self.seed, self.rank, self.epoch = seed, rank, 0
+        self._open: Optional[Iterator] = None
+        self.sampler = _EpochOnly(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator:
+        if self._open is not None:
+            for _ in self._open:  # drain the previous epoch's stream
+                pass
+        batches = self.shard.iter_torch_batches(
+            batch_size=self.micro_batch, drop_last=True, device="cpu",
+            local_shuffle_buffer_size=SHUFFLE_BUFFER_BATCHES * self.micro_batch,
+            local_shuffle_seed=(self.seed * 1_000_003 + self.epoch) * 1009 + self.rank)
+        self._open = iter(batches)
+        return self._batches(self._open)
+
+    def _batches(self, stream: Iterator) -> Iterator:
+        for count in range(self.num_batches):
+            batch = next(stream, None)
+            if batch is None:
+                raise RuntimeError(f"ingest='ray_data': rank {self.rank}'s shard ended after {count} of "
+                                   f"{self.num_batches} micro-batches of {self.micro_batch}; Ray Data's equal "
+                                   f"split should give every rank the same rows. Use ingest='loader'.")
+            yield batch["x"], batch["y"]
+
+
+class _EpochOnly:
+    """What the loop's per-epoch calls see in place of a ``DistributedSampler``: ``set_epoch``, and no
+    indices (the ``parquet`` reader's ``prefetch`` gets none: the rows come from the stream)."""
+
+    def __init__(self, loader: ShardLoader):
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator:
+        return iter(())
+
+
+def shard_loader(cfg: "TrainConfig", micro_batch: int, num_train: int) -> ShardLoader:
+    """The batch iterator of this Ray Train worker's share (``streaming_split(equal=True)``:
+    ``num_train // world_size`` rows), in micro-batches of ``micro_batch``."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    num_batches = num_train // ctx.get_world_size() // micro_batch
+    return ShardLoader(ray.train.get_dataset_shard("train"), micro_batch, num_batches, cfg.seed,
+                       ctx.get_world_rank())

@@ -1,0 +1,135 @@
+"""``ingest="ray_data"``: the training split streamed by Ray Data (``runtime/ray_ingest.py``).
+
+The Ray Data samples of a split are the loader path's, bit for bit (compared sorted by label
+and pixels, since the stream's order is Ray Data's): PNG Parquet in train/test folders
+(``read_parquet``), one PNG file split 90/10 (rows read by number), and ``data convert``'s raw
+output against the original digits. A fit through Ray Data learns, with the loader path's steps
+and full micro-batches, on Ray Train workers and on a pipeline's first stage. Bad
+combinations are refused when the config is built, before Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.data.convert import convert_to_parquet
+
+DIGITS_META = {b"raytrain_mgpu.max_value": b"16", b"raytrain_mgpu.mean": b"0.5", b"raytrain_mgpu.std": b"0.5"}
+
+
+def micro_batch_rows(outputs, targets):
+    """A metric: the mean micro-batch size (every micro-batch counts once)."""
+    return torch.ones_like(targets).sum(), 1
+
+
+def write_png_parquet(out, split_folders: bool = True) -> None:
+    """digits as PNG bytes: train/ and test/ with two files each, or one file of both splits."""
+    from torchvision.io import encode_png
+
+    digits = build_datasets(rtm.TrainConfig(dataset="digits").data)
+    splits = {"train": digits.train, "test": digits.test}
+    if not split_folders:
+        splits = {"all": digits.train}
+    for split, dataset in splits.items():
+        encoded = [encode_png(torch.from_numpy(image.copy())).numpy().tobytes() for image in dataset.images]
+        folder = os.path.join(out, split) if split_folders else out
+        os.makedirs(folder, exist_ok=True)
+        half = len(encoded) // 2
+        for part, rows in enumerate((slice(0, half), slice(half, None))):
+            table = pa.table({"image": pa.array(encoded[rows], pa.binary()),
+                              "label": pa.array(dataset.labels[rows], pa.int64())})
+            pq.write_table(table.replace_schema_metadata(DIGITS_META), os.path.join(folder, f"part-{part}.parquet"),
+                           row_group_size=200)
+            if not split_folders:
+                return  # one file: the reader splits its rows 90/10
+
+
+def sorted_samples(xs: torch.Tensor, ys: torch.Tensor) -> tuple:
+    """Samples ordered by (label, pixel bytes): an order that does not depend on how they were read."""
+    keys = [(int(y), x.numpy().tobytes()) for x, y in zip(xs, ys)]
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return xs[order], ys[order]
+
+
+def loader_samples(data_cfg) -> tuple:
+    train = build_datasets(data_cfg).train
+    items = [train[i] for i in range(len(train))]
+    return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+def ray_data_samples(data_cfg) -> tuple:
+    from raytrain_mgpu.runtime.ray_ingest import train_dataset
+
+    batches = list(train_dataset(data_cfg).iter_torch_batches(batch_size=256, device="cpu"))
+    return torch.cat([b["x"] for b in batches]), torch.cat([b["y"] for b in batches])
+
+
+def assert_same_samples(data_cfg) -> int:
+    loader_x, loader_y = sorted_samples(*loader_samples(data_cfg))
+    ray_x, ray_y = sorted_samples(*ray_data_samples(data_cfg))
+    assert ray_x.dtype == loader_x.dtype == torch.float32
+    assert torch.equal(ray_y, loader_y) and torch.equal(ray_x, loader_x)  # bit-identical, every row once
+    return len(loader_y)
+
+
+def test_ray_data_samples_are_the_loader_paths_bit_for_bit(ray_session, tmp_path):
+    write_png_parquet(tmp_path / "folders")
+    cfg = rtm.TrainConfig(dataset="parquet", data_root=str(tmp_path / "folders"), ingest="ray_data")
+    assert assert_same_samples(cfg.data) == 1438  # read_parquet of train/, PNG decoded in map_batches
+
+    write_png_parquet(tmp_path / "one", split_folders=False)
+    single = cfg.replace(data_root=str(tmp_path / "one" / "part-0.parquet"))
+    assert assert_same_samples(single.data) == 719 - 719 // 10  # the 90/10 split's training rows only
+
+    # `raytrain-mgpu data convert` output (raw bytes, train/ and test/) reads as the original digits.
+    convert_to_parquet(rtm.TrainConfig(dataset="digits").data, str(tmp_path / "converted"), rows_per_file=500)
+    converted = cfg.replace(data_root=f"file://{tmp_path / 'converted'}")
+    digits_x, digits_y = sorted_samples(*loader_samples(rtm.TrainConfig(dataset="digits").data))
+    ray_x, ray_y = sorted_samples(*ray_data_samples(converted.data))
+    assert torch.equal(ray_y, digits_y) and torch.equal(ray_x, digits_x)
+
+
+def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tmp_path, storage):
+    write_png_parquet(tmp_path / "png")
+    common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
+                  batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
+                  metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
+    streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed"))
+    loaded = rtm.fit(rtm.TrainConfig(**common, name="loaded"))
+    steps = 1438 // 2 // 32  # each worker's equal share of rows, in full micro-batches of 64 / 2
+    assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded.history] == [steps, 2 * steps]
+    # Every micro-batch held exactly 32 samples: each step had the global batch of 64.
+    assert [row["train_micro_batch_rows"] for row in streamed.history] == [32.0, 32.0]
+    assert streamed.metrics["test_accuracy"] > 0.85  # evaluated on the map-style test split
+    assert streamed.history[-1]["train_loss"] < streamed.history[0]["train_loss"]
+
+
+def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
+    write_png_parquet(tmp_path / "png")
+    common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
+                  batch_size=64, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2, optimizer="sgd",
+                  lr=0.1, storage_path=storage)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
+    streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed"))
+    steps = 1438 // 64  # one replica: the whole split (a streaming_split of 1) in batches of 64
+    assert [row["step"] for row in streamed.history] == [steps, 2 * steps]
+    assert streamed.metrics["test_accuracy"] > 0.85
+    assert streamed.history[-1]["train_loss"] < streamed.history[0]["train_loss"]
+
+
+def test_bad_combinations_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"ingest='ray_data': Ray Data reads Parquet files, and dataset='digits' is "
+                                         r"not 'parquet'\. Write it as Parquet \(`raytrain-mgpu data convert"):
+        rtm.TrainConfig(dataset="digits", ingest="ray_data")
+    with pytest.raises(ValueError, match=r"train_transform='random_crop_flip' is not applied to Ray Data's stream"):
+        rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", train_transform="random_crop_flip")
+    with pytest.raises(ValueError, match=r"ingest.*is not one of \['loader', 'ray_data'\]"):
+        rtm.TrainConfig(ingest="ray")
+    assert rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data").data.ingest == "ray_data"
