@@ -98,6 +98,11 @@ class Strategy(ABC):
         warns about the options this strategy does not read (``options_used``).
         """
         check_batch_divisible(cfg, cls.data_parallel_size(cfg))
+        if cfg.checkpoint_every_n_steps is not None and cfg.ingest == "ray_data":
+            raise ValueError(
+                f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with ingest='ray_data': a "
+                f"Ray Data stream restarts its epoch on resume, so a step checkpoint could not continue where it "
+                f"stopped. Leave checkpoint_every_n_steps unset, or use ingest='loader'.")
         if cfg.precision == "16-mixed" and not cfg.use_gpu:
             raise ValueError(
                 "TrainConfig.precision='16-mixed' needs CUDA (fp16 autocast with a GradScaler), but "
