@@ -124,6 +124,37 @@ def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
     assert streamed.history[-1]["train_loss"] < streamed.history[0]["train_loss"]
 
 
+class FakeShard:
+    """A stand-in for a Ray Data shard: ``rows`` rows in batches, and what each call asked for."""
+
+    def __init__(self, rows: int):
+        self.rows, self.calls, self.read = rows, [], []
+
+    def iter_torch_batches(self, batch_size, drop_last, **options):
+        self.calls.append(options["local_shuffle_seed"])
+        for start in range(0, self.rows - batch_size + 1 if drop_last else self.rows, batch_size):
+            self.read.append(start)
+            yield {"x": torch.full((batch_size, 1), float(start)), "y": torch.zeros(batch_size, dtype=torch.long)}
+
+
+def test_shard_loader_gives_the_planned_batches_and_ends_each_stream():
+    from raytrain_mgpu.runtime.ray_ingest import ShardLoader
+
+    shard = FakeShard(rows=100)  # 12 micro-batches of 8 (4 rows dropped)
+    loader = ShardLoader(shard, micro_batch=8, num_batches=12, seed=3, rank=1)
+    assert len(loader) == 12 and list(loader.sampler) == []  # the parquet reader gets nothing to prefetch
+    assert [int(x[0, 0]) for x, _ in loader] == list(range(0, 96, 8))
+    loader.sampler.set_epoch(1)
+    batches = iter(loader)
+    next(batches)  # an epoch that stops after one micro-batch (max_steps)
+    shard.read.clear()
+    assert sum(1 for _ in loader) == 12 and len(shard.read) == 23  # the 11 left over read off first, then 12
+    assert len(set(shard.calls)) == 2  # each epoch its own shuffle seed
+    short = ShardLoader(FakeShard(rows=40), micro_batch=8, num_batches=6, seed=0, rank=0)
+    with pytest.raises(RuntimeError, match=r"rank 0's shard ended after 5 of 6 micro-batches of 8"):
+        list(short)
+
+
 def test_bad_combinations_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"ingest='ray_data': Ray Data reads Parquet files, and dataset='digits' is "
                                          r"not 'parquet'\. Write it as Parquet \(`raytrain-mgpu data convert"):

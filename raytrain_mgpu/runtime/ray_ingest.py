@@ -152,9 +152,9 @@ def _samples(table: "ParquetTable", pixels, rows: np.ndarray, labels: np.ndarray
 class ShardLoader:
     """This worker's micro-batches of one epoch from its Ray Data shard, as ``(x, y)`` tensors.
 
-    ``len()`` is the planned number of micro-batches (the same on every rank); an epoch that
-    stops early (``max_steps``, a partial last step) leaves the rest of its stream, which the
-    next epoch's ``iter()`` reads off first, so every shard iterator starts its epochs together.
+    ``len()`` is the planned number of micro-batches (the same on every rank). The stream is read
+    to its end with the last of them (under one micro-batch is left); an epoch that stops early
+    (``max_steps``, a partial last step) leaves the rest, which the next ``iter()`` reads off first.
     """
 
     def __init__(self, shard, micro_batch: int, num_batches: int, seed: int, rank: int):
@@ -170,9 +170,7 @@ class ShardLoader:
         return self.num_batches
 
     def __iter__(self) -> Iterator:
-        if self._open is not None:
-            for _ in self._open:  # drain the previous epoch's stream
-                pass
+        self._drain()  # the previous epoch's stream, where the loop stopped early
         batches = self.shard.iter_torch_batches(
             batch_size=self.micro_batch, drop_last=True, device="cpu",
             local_shuffle_buffer_size=SHUFFLE_BUFFER_BATCHES * self.micro_batch,
@@ -187,7 +185,15 @@ class ShardLoader:
                 raise RuntimeError(f"ingest='ray_data': rank {self.rank}'s shard ended after {count} of "
                                    f"{self.num_batches} micro-batches of {self.micro_batch}; Ray Data's equal "
                                    f"split should give every rank the same rows. Use ingest='loader'.")
+            if count == self.num_batches - 1:  # the rest is under one micro-batch (drop_last): end the stream now
+                self._drain()
             yield batch["x"], batch["y"]
+
+    def _drain(self) -> None:
+        if self._open is not None:
+            for _ in self._open:
+                pass
+            self._open = None
 
 
 class _EpochOnly:
