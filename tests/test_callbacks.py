@@ -200,7 +200,8 @@ def test_a_raising_callback_stops_a_ray_train_run_early_and_fails_fit_naming_it(
     with pytest.raises(CallbackError, match=r"callbacks entry 'test_callbacks:FailsAtEpoch' raised in "
                                             r"on_epoch_end: RuntimeError: disk full at epoch 1"):
         rtm.fit(cfg)
-    # stopped early: far from 30 epochs (each takes about a second here)
-    assert RunFolder.of(cfg).state().epoch <= 3
+    # stopped early: far from 30 epochs. Each takes about a second; the driver polls events every
+    # 0.25 s and the workers stop at their next report, so a loaded CI machine reached epoch 4.
+    assert RunFolder.of(cfg).state().epoch <= 10
     assert time.perf_counter() - started < 60
     assert signal.getsignal(signal.SIGINT) is handler  # Ray Train's handler, bound to the stopped run, is gone
