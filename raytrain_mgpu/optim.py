@@ -20,7 +20,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from raytrain_mgpu._factory import is_factory, load_factory
-from raytrain_mgpu.config import OptimConfig
+from raytrain_mgpu.config_sections import OptimConfig
 
 
 def build_optimizer(params: Iterable, cfg: OptimConfig) -> torch.optim.Optimizer:

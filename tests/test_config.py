@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu.config import DataConfig, OptimConfig, ParallelConfig
+from raytrain_mgpu.config_sections import DataConfig, OptimConfig, ParallelConfig
 from raytrain_mgpu.optim import lr_factor
 
 

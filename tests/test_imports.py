@@ -142,7 +142,7 @@ LAYERS = [
     ("models", "data", "objectives", "batches"),
     # The config checks a model or dataset name against those registries; everything
     # above reads the config.
-    ("config_checks", "config"),
+    ("config_checks", "config_sections", "config"),
     # What a run needs whatever its strategy: devices, metrics, checkpoints, the run folder,
     # progress, the run lock, the cluster, fault injection, the optimizer from its section.
     # planning.preflight sits here, not with planning: runtime.cluster probes the Ray address

@@ -94,7 +94,7 @@ REGRESSION = dict(model="test_objectives:regressor", dataset="test_objectives:re
 def test_registries_match_the_config_and_the_default_is_cross_entropy_and_accuracy():
     import typing
 
-    from raytrain_mgpu.config import Loss
+    from raytrain_mgpu.config_sections import Loss
 
     assert set(typing.get_args(Loss)) == set(LOSSES)
     assert set(METRICS) == {"accuracy", "top5", "mae", "mse"}

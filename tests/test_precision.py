@@ -19,7 +19,11 @@ from torch import nn
 from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.runtime.checkpoint import load_train_state
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.loop import _Loop, _State, _load_train_state, _restore, _save_and_report
+from raytrain_mgpu.runtime import worker_checkpoint
+from raytrain_mgpu.runtime.loop import _Loop, _State
+from raytrain_mgpu.runtime.worker_checkpoint import load_train_state as _load_train_state
+from raytrain_mgpu.runtime.worker_checkpoint import restore as _restore
+from raytrain_mgpu.runtime.worker_checkpoint import save_and_report as _save_and_report
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
@@ -99,14 +103,14 @@ def test_gradients_are_unscaled_before_clipping():
 
 
 def checkpoint_roundtrip(monkeypatch, tmp_path, loop: _Loop, cfg: TrainConfig, state: _State, after_save=None):
-    """Save through ``loop._save_and_report`` and read it back through ``loop._restore`` (no Ray Train)."""
+    """Save through ``worker_checkpoint.save_and_report`` and read it back through ``worker_checkpoint.restore`` (no Ray Train)."""
     saved = tmp_path / "checkpoint"
 
     def report(metrics, checkpoint=None):
         shutil.copytree(checkpoint.path, saved)
 
     monkeypatch.setattr(ray.train, "report", report)
-    monkeypatch.setattr(loop_module, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
     _save_and_report(cfg, loop.strategy, loop.model, loop.optimizer, loop.scheduler, loop.scaler, state,
                      {"epoch": state.epoch}, loop.strategy.ctx, {"input_shape": [1, 4, 4], "num_classes": 3})
     if after_save is not None:

@@ -13,7 +13,9 @@ import torch
 
 from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.loop import _build_model, _gather_rng_states, _restore_rng, _State
+from raytrain_mgpu.runtime.loop import _build_model, _State
+from raytrain_mgpu.runtime.worker_checkpoint import gather_rng_states as _gather_rng_states
+from raytrain_mgpu.runtime.worker_checkpoint import restore_rng as _restore_rng
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from test_precision import _config, _loop, checkpoint_roundtrip
 

@@ -19,7 +19,7 @@ from ray.train.v2._internal.execution import context as train_context
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.runtime import faults
-from raytrain_mgpu.runtime import loop
+from raytrain_mgpu.runtime import loop, worker_checkpoint
 from raytrain_mgpu.strategies import WorkerContext
 
 COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long after it was queued
@@ -34,7 +34,7 @@ def test_train_worker_is_wrapped_by_name_stuck_ranks():
 
 
 class _Strategy:
-    """What _save_and_report asks of a strategy: the plain (unsharded) states."""
+    """What save_and_report asks of a strategy: the plain (unsharded) states."""
 
     def state_dict(self, model):
         return model.state_dict()
@@ -87,7 +87,7 @@ def test_save_and_report_returns_only_after_the_controller_took_the_report(rank,
     ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
     shape_info = {"input_shape": [1, 8, 8], "num_classes": 10}
     start = time.monotonic()
-    loop._save_and_report(cfg, _Strategy(), model, optimizer, scheduler, scaler, state, {"train_loss": 1.0},
+    worker_checkpoint.save_and_report(cfg, _Strategy(), model, optimizer, scheduler, scaler, state, {"train_loss": 1.0},
                           ctx, shape_info)
     events.append("returned")
     controller.thread.join(timeout=30)

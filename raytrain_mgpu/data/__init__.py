@@ -20,7 +20,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import DataConfig
+    from raytrain_mgpu.config_sections import DataConfig
     from raytrain_mgpu.data.base import Datasets
 
 __all__ = ["Datasets", "DATASETS", "ImageArrayDataset", "PixelNormaliser", "dataset_names",

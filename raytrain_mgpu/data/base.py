@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import DataConfig
+    from raytrain_mgpu.config_sections import DataConfig
 
 __all__ = ["Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files",
            "download_with_torchvision"]

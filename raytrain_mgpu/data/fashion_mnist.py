@@ -25,7 +25,7 @@ from raytrain_mgpu.data.base import (Datasets, ImageArrayDataset, PixelNormalise
                                      download_with_torchvision, find_files)
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import DataConfig
+    from raytrain_mgpu.config_sections import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from raytrain_mgpu.data.transforms import TransformedDataset
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import DataConfig
+    from raytrain_mgpu.config_sections import DataConfig
 
 __all__ = ["train_loader", "test_loader", "prefetch", "base_dataset"]
 

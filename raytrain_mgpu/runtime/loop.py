@@ -10,9 +10,7 @@ of one seeded permutation per epoch, so optimizer step s always sees positions
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import tempfile
 import time
 from typing import Optional
 
@@ -21,26 +19,25 @@ import torch
 from torch.utils.data import DataLoader
 
 from raytrain_mgpu.batches import shape_record, to_device
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import ray_ingest
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
-from raytrain_mgpu.runtime.faults import name_stuck_ranks, wait_until_report_collected
+from raytrain_mgpu.runtime.faults import name_stuck_ranks
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH, ResumableSampler, step_checkpoint_due
-from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta, epoch_row, eval_columns, stops_early
+from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.runtime.step_scalars import StepWindow
+from raytrain_mgpu.runtime.worker_checkpoint import (load_train_state, restore, save_and_report,
+                                                   seed_rank_stream)
 from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import RunPlan
 
-logger = logging.getLogger(__name__)
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
@@ -81,7 +78,7 @@ def train_worker(payload: dict) -> dict:
     reporter = WorkerReporter(payload.get("sink") if ctx.world_rank == 0 else None)
 
     model = _build_model(cfg, strategy, data.input_shape, data.num_classes)
-    state, restored = _restore(cfg, strategy, model)
+    state, restored = restore(cfg, strategy, model)
     model = strategy.setup_model(model)
     if cfg.compile:
         model = torch.compile(model)
@@ -104,14 +101,14 @@ def train_worker(payload: dict) -> dict:
     # fp16 on the compute device's type: "cpu" under GPU emulation, so the scaler runs there too.
     scaler = torch.amp.GradScaler(strategy.device.type, enabled=cfg.precision == "16-mixed")
     if restored is not None:
-        _load_train_state(strategy, model, optimizer, scheduler, scaler, restored)
+        load_train_state(strategy, model, optimizer, scheduler, scaler, restored)
 
     shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
     if state.step_in_epoch:  # a step checkpoint: the epoch goes on after the positions it had trained
         sampler.resume_at(state.epoch, state.step_in_epoch * plan.micro_batches_per_step * micro_batch)
         loop.partials = restored.get("epoch_partial_per_rank")
-    loop.save_step = lambda meter: _save_and_report(  # checkpoint_every_n_steps (runtime/step_checkpoints.py)
+    loop.save_step = lambda meter: save_and_report(  # checkpoint_every_n_steps (runtime/step_checkpoints.py)
         cfg, strategy, model, optimizer, scheduler, scaler, state,
         {"epoch": state.epoch, "step": state.step, STEP_IN_EPOCH: state.step_in_epoch}, ctx, shape_info,
         reporter, epoch_partial=meter.partial())
@@ -129,7 +126,7 @@ def train_worker(payload: dict) -> dict:
             metrics.update(loop.evaluate(test_batches))
         state.history.append(metrics)
         reporter.epoch(metrics)
-        _save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter)
+        save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter)
     # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 
@@ -145,13 +142,8 @@ def _build_model(cfg: TrainConfig, strategy: Strategy, input_shape: tuple, num_c
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     # With the shared seed every rank would draw the same dropout masks: R copies of one mask.
-    _seed_rank_stream(cfg.seed, strategy.ctx.world_rank)
+    seed_rank_stream(cfg.seed, strategy.ctx.world_rank)
     return model
-
-
-def _seed_rank_stream(seed: int, rank: int, step: int = 0) -> None:
-    """Seed this rank's CPU and CUDA generators: distinct per rank, and per step when re-seeding a resume."""
-    torch.manual_seed((seed + 1 + rank) + 1_000_003 * step)
 
 
 class _Loop:
@@ -274,101 +266,3 @@ def _own_partials(partials: Optional[list], ctx: WorkerContext) -> list:
     if len(partials) == ctx.world_size:
         return [partials[ctx.world_rank]]
     return list(partials) if ctx.world_rank == 0 else []
-
-
-def _restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
-    """Load the last checkpoint of this run, if Ray Train has one (resume or restart)."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return _State(), None
-    with checkpoint.as_directory() as directory:
-        meta = ckpt_format.read_meta(directory)
-        ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
-        if not strategy.build_on_meta():  # a meta model holds no data: rank 0 sends its weights
-            model.load_state_dict(ckpt_format.load_model_state(directory))
-        train_state = ckpt_format.load_train_state(directory)
-        history = ckpt_format.read_history(directory)
-    state = RunState.resumed(meta, history, getattr(checkpoint, "path", None))
-    _restore_rng(train_state.get("rng_per_rank"), cfg.seed, strategy.ctx, state.step)
-    if strategy.ctx.world_rank == 0:
-        logger.info("resuming %s from epoch %d, step %d", cfg.name, state.epoch, state.step)
-    return state, train_state
-
-
-def _load_train_state(strategy: Strategy, model, optimizer, scheduler, scaler, train_state: dict) -> None:
-    """Optimizer, LR schedule and grad scaler (scale, growth tracker) from a checkpoint's train state."""
-    strategy.load_optimizer_state_dict(model, optimizer, train_state["optimizer"])
-    scheduler.load_state_dict(train_state["scheduler"])
-    scaler.load_state_dict(train_state["scaler"])
-
-
-def _rng_state() -> dict:
-    """This rank's generators as ByteTensors (loadable with ``weights_only=True``)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def _gather_rng_states() -> list:
-    """Every rank's ``_rng_state()``, in rank order (collective: every rank calls it)."""
-    return _gather_objects(_rng_state())
-
-
-def _gather_objects(own) -> list:
-    """Every rank's ``own``, in rank order (collective: every rank calls it; small objects only)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [own]
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, own)
-    return gathered
-
-
-def _restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int) -> None:
-    """This rank's saved generators; a different world size (or an old checkpoint) re-seeds per rank and step."""
-    if not states or len(states) != ctx.world_size:
-        if ctx.world_rank == 0:
-            logger.info("RNG states saved for %s ranks, %d now: re-seeding each rank's stream at step %d",
-                        len(states) if states else "no", ctx.world_size, step)
-        _seed_rank_stream(seed, ctx.world_rank, step)
-        return
-    own = states[ctx.world_rank]
-    torch.set_rng_state(own["cpu"])
-    if own["cuda"] and torch.cuda.is_available() and len(own["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(own["cuda"])
-
-
-def _save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
-                     state: _State, metrics: dict, ctx: WorkerContext, shape_info: dict,
-                     reporter: Optional[WorkerReporter] = None, epoch_partial: Optional[dict] = None) -> None:
-    """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint
-    and then tells the driver where Ray Train persisted it (``on_checkpoint``)."""
-    model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
-    optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
-    rng_states = _gather_rng_states()  # collective: each rank keeps its own stream on resume
-    # A step checkpoint (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's.
-    partials = _gather_objects(epoch_partial) if epoch_partial is not None else None
-    with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
-        checkpoint: Optional[ray.train.Checkpoint] = None
-        if ctx.world_rank == 0:
-            meta = checkpoint_meta(cfg, state, shape_info, **({STEP_IN_EPOCH: state.step_in_epoch} if partials else {}))
-            train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                           "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
-            if partials:
-                train_state["epoch_partial_per_rank"] = partials
-            ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
-                                         model_state=model_state, train_state=train_state)
-            if (cfg.keep_best and not partials
-                    and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]):
-                # Ray Train prunes by age here (its score order would keep the N best, not the last N):
-                # a new best's model is copied aside, one more model write per improvement.
-                RunFolder.of(cfg).save_best(directory)
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=checkpoint)
-    # A rank that dies before Ray Train's controller has taken its report would drop this
-    # checkpoint although it is uploaded; waiting costs up to one controller poll (2 s).
-    wait_until_report_collected()
-    if checkpoint is not None and reporter is not None:
-        # A synchronous report has uploaded the checkpoint before it returns, and the latest
-        # reported checkpoint is then the persisted one (its path in the storage filesystem).
-        persisted = ray.train.get_checkpoint()
-        if persisted is not None:
-            reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))

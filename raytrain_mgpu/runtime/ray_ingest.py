@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import DataConfig, TrainConfig
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config_sections import DataConfig
     from raytrain_mgpu.data.parquet_table import ParquetTable
 
 __all__ = ["trainer_datasets", "replica_shards", "train_dataset", "shard_loader", "ShardLoader"]

@@ -36,7 +36,8 @@ from raytrain_mgpu.batches import call_model, first_tensor, to_device
 from raytrain_mgpu.objectives import Objective, Predictions, move_pairs
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import ParallelConfig, TrainConfig
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config_sections import ParallelConfig
     from raytrain_mgpu.runtime.devices import DeviceAssignment
     from raytrain_mgpu.strategies._memory import DeviceMemory
 

@@ -1,0 +1,108 @@
+"""The config's fixed choices (``Literal`` types) and the sections components receive.
+
+``TrainConfig`` (``config.py``) is what users write; each component gets only its own section
+(``cfg.data``, ``cfg.optim``, ``cfg.parallel``), filled by keyword from the fields of the
+same names. No torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Tuple, Union
+
+# The fixed choices: ``config_checks`` checks each ``Literal`` field against its type's values.
+Precision = Literal["32", "16-mixed", "bf16-mixed"]
+Optimizer = Literal["sgd", "adamw"]  # or a "module:function": fields typed Union[Literal, str] take both
+LrSchedule = Literal["constant", "step", "cosine"]
+LrScaling = Literal[None, "linear", "sqrt"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block counts per stage
+Loss = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "smooth_l1"]  # or a "module:function"
+Logger = Literal["tensorboard", "mlflow", "csv"]  # TrainConfig.loggers is a list of these
+MonitorMode = Literal["min", "max"]
+Ingest = Literal["loader", "ray_data"]  # how the training split reaches the workers
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the data readers need."""
+
+    dataset: str
+    data_root: Optional[str]
+    download: bool
+    num_samples: Optional[int]
+    input_shape: Optional[tuple]
+    num_classes: Optional[int]
+    image_column: str
+    label_column: str
+    seed: int
+    # data loading (runtime/loaders.py) and per-sample transforms (data/transforms.py); defaults for readers
+    # used on their own (``data convert``, tests): the TrainConfig fields' defaults
+    loader_workers: int = 0
+    prefetch_factor: Optional[int] = None
+    persistent_workers: bool = True
+    train_transform: Optional[str] = None
+    test_transform: Optional[str] = None
+    ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (runtime/ray_ingest.py)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """What the optimizer, LR schedule and gradient handling need."""
+
+    optimizer: Union[Optimizer, str]
+    lr: float
+    momentum: float
+    weight_decay: float
+    lr_schedule: LrSchedule
+    warmup_epochs: float
+    lr_step_epochs: int
+    lr_step_gamma: float
+    lr_scaling: LrScaling
+    base_batch_size: int
+    batch_size: int
+    grad_clip_norm: Optional[float]
+    optimizer_kwargs: dict
+
+    def scaled_lr(self) -> float:
+        """Peak LR after scaling with the global batch (Goyal et al. 2017)."""
+        ratio = self.batch_size / self.base_batch_size
+        if self.lr_scaling == "linear":
+            return self.lr * ratio
+        if self.lr_scaling == "sqrt":
+            return self.lr * ratio**0.5
+        return self.lr
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the work is spread over processes and devices."""
+
+    strategy: str
+    num_workers: int
+    use_gpu: bool
+    gpus_per_worker: int
+    cpus_per_worker: int
+    batch_size: int
+    grad_accum_steps: int
+    precision: Precision
+    # model / pipeline parallel
+    num_stages: int
+    num_microbatches: int
+    schedule: Schedule
+    balance: Balance
+    placement: Placement
+    output_device: Optional[int]
+    # DDP pass-through options
+    find_unused_parameters: bool
+    static_graph: bool
+    bucket_cap_mb: Optional[float]
+    gradient_as_bucket_view: bool
+    sync_batchnorm: bool
+    compile: bool
+    channels_last: bool
+    collective_timeout_s: float
