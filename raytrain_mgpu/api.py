@@ -192,7 +192,10 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
             # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
             # best (and the latest). keep_best's best is copied aside by the loop (RunFolder.save_best).
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            # A preemption (a node drained with reason preemption) counts apart from max_failures.
+            failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                         max_preemption_failures=cfg.max_preemption_failures,
+                                         preemption_grace_s=cfg.preemption_grace_s),
             worker_runtime_env=worker_runtime_env(*cfg.code_specs())),
         # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
         **ray_ingest.trainer_datasets(cfg, sum(bundle.get("CPU", 0) for bundle in plan.bundles)),

@@ -175,6 +175,10 @@ class TrainConfig:
     """Ray cluster to use; default ``RAY_ADDRESS`` or a new local instance."""
     verbose: bool = False
     """Show Ray's own per-worker logs on the driver."""
+    max_preemption_failures: int = -1
+    """Restarts after a node preemption (a drain with reason preemption: a spot reclaim), counted apart from ``max_failures``; -1: unlimited. Each resumes from the checkpoint saved on the notice (``runtime/preemption.py``)."""
+    preemption_grace_s: float = 0.0
+    """How long Ray Train lets the surviving workers run past a preemption's deadline before it restarts the group (Ray's ``FailureConfig.preemption_grace_s``)."""
 
     # --- checkpoints: the best one and early stopping
     monitor: Optional[str] = None

@@ -228,6 +228,11 @@ def _check_ranges(cfg) -> None:
     if not _is_int(cfg.max_failures) or cfg.max_failures < -1:
         fail("max_failures", cfg.max_failures, "must be -1 (retry forever) or a count >= 0",
              "Set max_failures to 0 to fail fast.")
+    if not _is_int(cfg.max_preemption_failures) or cfg.max_preemption_failures < -1:
+        fail("max_preemption_failures", cfg.max_preemption_failures,
+             "must be -1 (restart after every preemption) or a count >= 0",
+             "Leave it at -1 on spot nodes; 0 fails the run on the first preemption.")
+    _number(cfg, "preemption_grace_s", 0, fix="Set preemption_grace_s to 0 (restart at the deadline) or a few seconds.")
     if not _is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
         fail("seed", cfg.seed, "must be an integer in [0, 2**63)", "Set seed to e.g. 0.")
     if cfg.output_device is not None and (not _is_int(cfg.output_device) or cfg.output_device < 0):
