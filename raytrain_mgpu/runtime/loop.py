@@ -29,8 +29,9 @@ from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduc
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.runtime.preemption import PreemptionCheck
 from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH, ResumableSampler, step_checkpoint_due
+from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH, ResumableSampler
 from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.runtime.step_scalars import StepWindow
 from raytrain_mgpu.runtime.worker_checkpoint import (load_train_state, restore, save_and_report,
@@ -159,6 +160,7 @@ class _Loop:
         self.autocast = lambda: torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
         self.save_step = None  # writes a step checkpoint (set by train_worker)
+        self.preemption = PreemptionCheck(cfg, reporter)  # checks only where save_step is set (on Ray Train)
         # Per-step scalars on the rank that holds the sink (rank 0); the other ranks do nothing extra.
         self.window = (StepWindow(self.device, strategy.data_shard()[1])
                        if getattr(reporter, "sink", None) is not None else None)
@@ -174,6 +176,7 @@ class _Loop:
         meter = EpochMeter(self.device, self.strategy.objective)
         batches = iter(self.loader)
         steps, window = state.step_in_epoch, self.window  # a step checkpoint resumes part-way
+        self.preemption.resumed(state, self.steps_per_epoch)  # the driver's "resuming at step S", once
         if steps:
             meter.resume(_own_partials(self.partials, self.strategy.ctx))
         if window is not None:
@@ -209,8 +212,8 @@ class _Loop:
                     self.reporter.scalars(state.step, window.read())  # one device read per N steps
             self.reporter.step(steps, self.steps_per_epoch, epoch + 1)
             state.step_in_epoch = steps
-            if self.save_step is not None and step_checkpoint_due(cfg, state.step, steps, self.steps_per_epoch):
-                self.save_step(meter)
+            if self.save_step is not None:  # checkpoint_every_n_steps, or the first preemption notice
+                self.preemption.after_step(state.step, steps, self.steps_per_epoch, lambda: self.save_step(meter))
         state.step_in_epoch = 0
         return self._epoch_metrics(epoch, state, meter, steps)
 

@@ -44,6 +44,9 @@ class ProgressPrinter:
         self._bar_shown = False
 
     def banner(self, text: str) -> None:
+        if self._bar_shown:  # a line in the middle of an epoch (a preemption notice) replaces the bar
+            self._write("\r" + " " * 70 + "\r")
+            self._bar_shown = False
         self._write(text + "\n")
 
     def step(self, step: int, total: int, epoch: int = 0) -> None:
@@ -125,6 +128,11 @@ class WorkerReporter:
         if self.sink is not None:
             self.sink.put.remote("checkpoint", path)
 
+    def notice(self, line: str) -> None:
+        """One line for the driver to print as it is (a preemption, a resume: ``runtime/preemption.py``)."""
+        if self.sink is not None:
+            self.sink.put.remote("notice", line)
+
 
 class SinkPump:
     """Driver thread: moves events from the sink to the printer (a ``RunEvents``) until stopped.
@@ -167,6 +175,8 @@ class SinkPump:
                     self.printer.scalars(*payload)
                 elif kind == "checkpoint":
                     self.printer.checkpoint(payload)
+                elif kind == "notice":
+                    self.printer.banner(payload)
                 else:
                     self.printer.step(*payload)
             except Exception as exc:  # a callback or logger raised: the run fails with it, never silently

@@ -1,0 +1,166 @@
+"""Preemption notices (issue 17): the check cadence, the save on the first notice only, the config checks.
+
+``get_preemption_info`` is faked; the loop test drives ``_Loop.train_epoch`` without Ray (as
+tests/test_step_scalars.py does). The real notice, from a drained node, is
+tests/test_two_node_spot.py's business.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.runtime import loop as loop_module
+from raytrain_mgpu.runtime.loop import _Loop, _State
+from raytrain_mgpu.runtime.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
+from raytrain_mgpu.runtime.progress import ProgressPrinter, WorkerReporter
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+from ray.train.v2.api.preemption import PreemptionInfo
+
+STEPS_PER_EPOCH = 25
+NODE = "a1b2c3d4e5f6" + "0" * 44
+
+
+class RecordingSink:
+    """Stands in for the ``ProgressSink`` actor: ``put.remote(kind, payload)`` is recorded."""
+
+    def __init__(self):
+        self.events: list = []
+        self.put = self
+
+    def remote(self, kind, payload):
+        self.events.append((kind, payload))
+
+
+class FakeInfo:
+    """``ray.train.get_preemption_info``: None until call ``notice_at`` (1-based), the notice from then on."""
+
+    def __init__(self, notice_at: int, deadline_ms: int = None):
+        self.calls, self.notice_at = 0, notice_at
+        self.info = PreemptionInfo(deadline_ms=deadline_ms, preempted_node_to_ranks={NODE: [1]})
+
+    def __call__(self):
+        self.calls += 1
+        return self.info if self.calls >= self.notice_at else None
+
+
+def _loop(monkeypatch, sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, **overrides) -> tuple:
+    """Rank 0's loop of ``steps_per_epoch`` steps an epoch; ``saves``: the (global step, step in epoch) of each save_step."""
+    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})  # it asks Ray for GPU ids
+    cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=4,
+                      optimizer="sgd", lr=0.1, epochs=3, **overrides)
+    strategy = get_strategy("ddp")(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
+    torch.manual_seed(0)
+    model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)))
+    loader = [(torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))) for _ in range(steps_per_epoch)]
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    loop = _Loop(cfg, strategy, model, optimizer, build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs),
+                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(sink), steps_per_epoch)
+    loop.preemption.get_info = get_info
+    saves: list = []
+    state = _State()
+    loop.save_step = lambda meter: saves.append((state.step, state.step_in_epoch))
+    return loop, state, saves
+
+
+def test_checks_every_n_global_steps_and_saves_once_on_the_first_notice(monkeypatch):
+    """Checks at steps 10, 20, 30, ... across epochs; the notice on the 3rd check (step 30, mid-epoch
+    2) saves there, once, and the checks stop for the rest of the attempt."""
+    sink, fake = RecordingSink(), FakeInfo(notice_at=3)
+    loop, state, saves = _loop(monkeypatch, sink, fake)
+    for epoch in range(3):
+        loop.train_epoch(epoch, state)
+        state.epoch = epoch + 1
+    assert CHECK_EVERY_N_STEPS == 10 and state.step == 75
+    assert fake.calls == 3 and loop.preemption.checks == 3  # steps 10, 20, 30; none after the notice
+    assert saves == [(30, 5)]  # global step 30 = step 5 of the second epoch
+    notices = [payload for kind, payload in sink.events if kind == "notice"]
+    assert notices == [f"preempted (node {NODE[:12]}): saved step 30"]
+
+
+def test_step_checkpoints_are_kept_and_the_notice_does_not_save_twice(monkeypatch):
+    """checkpoint_every_n_steps=5: saves at 5, 10, 15, 20 as before; the notice at check 2 (step 20)
+    falls on a due step and saves once; after it the K-step checkpoints go on."""
+    sink, fake = RecordingSink(), FakeInfo(notice_at=2)
+    loop, state, saves = _loop(monkeypatch, sink, fake, checkpoint_every_n_steps=5)
+    loop.train_epoch(0, state)
+    assert [step for step, _ in saves] == [5, 10, 15, 20]  # 25 is the epoch's end: the epoch checkpoint
+    assert fake.calls == 2
+
+
+def test_a_notice_at_the_epochs_last_step_leaves_the_save_to_the_epoch_checkpoint(monkeypatch):
+    """Epochs of 20 steps: the notice at step 20 is the epoch's end, where the epoch checkpoint is
+    written next; a step checkpoint there (step_in_epoch == steps per epoch) would resume past the epoch."""
+    sink, fake = RecordingSink(), FakeInfo(notice_at=2)
+    loop, state, saves = _loop(monkeypatch, sink, fake, steps_per_epoch=20)
+    loop.train_epoch(0, state)
+    assert saves == [] and fake.calls == 2
+    assert [payload for kind, payload in sink.events if kind == "notice"] == [
+        f"preempted (node {NODE[:12]}): saved step 20"]
+
+
+def test_no_check_without_save_step_and_the_resume_line_once(monkeypatch):
+    """Without Ray Train (no save_step) nothing is asked; a resumed attempt says where it starts, once."""
+    sink, fake = RecordingSink(), FakeInfo(notice_at=1)
+    loop, state, saves = _loop(monkeypatch, sink, fake)
+    loop.save_step = None
+    state.step, state.epoch, state.step_in_epoch = 30, 1, 5
+    loop.train_epoch(1, state)
+    assert fake.calls == 0 and state.step == 50
+    assert [payload for kind, payload in sink.events if kind == "notice"] == [
+        "resuming at step 30 (5/25 steps of epoch 2 done)"]
+
+
+def test_check_cadence_is_the_global_step_so_every_rank_agrees():
+    """The barrier is entered at the same global steps whatever the step in the epoch."""
+    fake = FakeInfo(notice_at=99)
+    check = PreemptionCheck(TrainConfig(), every=4, get_info=fake)
+    for step in range(1, 18):
+        check.after_step(step, step % 7 or 7, 7, lambda: pytest.fail("no notice, no save"))
+    assert fake.calls == 4  # steps 4, 8, 12, 16
+
+
+def test_notice_and_resume_lines():
+    info = PreemptionInfo(deadline_ms=1_000_000 + 12_400, preempted_node_to_ranks={NODE: [1, 2]})
+    assert notice_line(info, 140, now_s=1_000.0) == f"preempted (node {NODE[:12]}, deadline in 12 s): saved step 140"
+    assert resume_line(140, 2, 0, 50) == "resuming at step 140 (epoch 3)"
+
+
+def test_printer_shows_the_notice_on_its_own_line_over_the_bar():
+    import io
+
+    out = io.StringIO()
+    printer = ProgressPrinter(3, stream=out, live=True)
+    printer.step(5, 25, 1)
+    printer.banner("preempted (node x, deadline in 9 s): saved step 5")
+    assert out.getvalue().endswith("\r" + " " * 70 + "\rpreempted (node x, deadline in 9 s): saved step 5\n")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_preemption_failures", -2, r"TrainConfig.max_preemption_failures=-2: must be -1 \(restart after every "
+                                    r"preemption\) or a count >= 0\. Leave it at -1 on spot nodes"),
+    ("max_preemption_failures", 1.5, r"max_preemption_failures=1.5: must be -1"),
+    ("max_preemption_failures", True, r"max_preemption_failures=True: must be -1"),
+    ("preemption_grace_s", -1, r"TrainConfig.preemption_grace_s=-1: must be a finite number >= 0\. "
+                               r"Set preemption_grace_s to 0"),
+    ("preemption_grace_s", float("inf"), r"preemption_grace_s=inf: must be a finite number >= 0"),
+])
+def test_config_checks(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{field: value})
+
+
+def test_config_defaults_are_rays_and_reach_the_failure_config():
+    cfg = TrainConfig(max_preemption_failures=3, preemption_grace_s=2.5)
+    assert (TrainConfig().max_preemption_failures, TrainConfig().preemption_grace_s) == (-1, 0.0)
+    assert (cfg.max_preemption_failures, cfg.preemption_grace_s) == (3, 2.5)
+    import inspect
+
+    from raytrain_mgpu import api
+    source = inspect.getsource(api._run_train_workers)
+    assert "max_preemption_failures=cfg.max_preemption_failures" in source
+    assert "preemption_grace_s=cfg.preemption_grace_s" in source
