@@ -67,6 +67,9 @@ def _parse_value(kind: str):
     def parse(text: str) -> Any:
         if kind == "shape":  # "1,28,28" or "[1, 28, 28]"
             text = text if text.strip().startswith("[") else f"[{text}]"
+        low, dash, high = text.partition("-")
+        if kind == "range" and dash and low.strip().isdigit() and high.strip().isdigit():
+            return int(low), int(high)  # --num-workers 1-4: an elastic (min, max)
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as exc:  # argparse turns this into one usage error
@@ -110,6 +113,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         kind = "str" if hint in (str, Optional[str]) or names else "yaml"
         if f.name in ("input_shape", "balance"):
             kind = "shape" if f.name == "input_shape" else "yaml"
+        kind = "range" if f.name == "num_workers" else kind
         if list in (hint, typing.get_origin(hint)) or hint == Optional[list]:  # metrics, loggers, callbacks
             group.add_argument(flag, dest=f.name, nargs="+", action=_ListOption, default=argparse.SUPPRESS,
                                metavar=f.name.upper()[:-1], help=help_text)
@@ -161,6 +165,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                            "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
                         add_arguments=_gpu_report_arguments)
 
+    commands.add_parser("spot-watch", help="run on a spot node: on SIGTERM (or a cloud termination notice) drain "
+                                           "it as a preemption, so the run saves a step checkpoint",
+                        add_arguments=_spot_watch_arguments)
+
     plot = commands.add_parser("plot", help="loss and accuracy per epoch and per step of one or more runs, to a PNG")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run folder ({storage_path}/{name}): path or URI")
     plot.add_argument("--out", help="PNG path or URI (default: <first RUN>/curves.png)")
@@ -187,6 +195,12 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _bench_data_arguments(parser: argparse.ArgumentParser) -> None:
     from raytrain_mgpu.bench.data import add_arguments
+
+    add_arguments(parser)
+
+
+def _spot_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    from raytrain_mgpu.runtime.spot_watch import add_arguments
 
     add_arguments(parser)
 
@@ -281,6 +295,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _compare(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "spot-watch":
+            from raytrain_mgpu.runtime import spot_watch
+
+            return spot_watch.run_and_print(args)
         if args.command == "gpu-report":
             from raytrain_mgpu.bench import gpu_report
 
