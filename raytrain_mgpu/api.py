@@ -24,6 +24,7 @@ from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runti
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.strategies.elastic import describe_range
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.planning.preflight import (check_data_fits, check_model_builds, check_run_folder,
                                               check_storage_reachable)
@@ -166,7 +167,7 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
         device += f" ({plan.devices_per_worker} CPU stand-in devices)"
     outputs = f"{num_classes} classes" if num_classes is not None else "outputs (no classes)"
     return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {as_shape(input_shape)} -> {outputs} | "
-            f"strategy {cfg.strategy}, {cfg.num_workers} worker(s) x {device} | {plan.describe()} | "
+            f"strategy {cfg.strategy}, {describe_range(cfg)} worker(s) x {device} | {plan.describe()} | "
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
@@ -184,9 +185,12 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
         train_loop_config={"config": cfg, "plan": plan, "sink": sink},
         # nccl on GPUs; gloo on CPU and under GPU emulation (which records nccl as intended)
         torch_config=TorchConfig(backend=devices.backend(cfg.use_gpu), timeout_s=int(cfg.collective_timeout_s)),
-        scaling_config=ScalingConfig(num_workers=plan.num_processes, use_gpu=cfg.use_gpu,
-                                     resources_per_worker=plan.worker_resources,
-                                     placement_strategy=cfg.placement),
+        # Elastic (min, max): Ray Train starts with what the cluster has room for and restarts the group from
+        # the latest checkpoint when that changes (checked every elastic_resize_interval_s while it trains).
+        scaling_config=ScalingConfig(num_workers=(plan.min_workers, plan.num_processes) if plan.min_workers
+                                     else plan.num_processes, use_gpu=cfg.use_gpu,
+                                     resources_per_worker=plan.worker_resources, placement_strategy=cfg.placement,
+                                     elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s),
         run_config=RunConfig(
             name=cfg.name, storage_path=cfg.storage_path,
             # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N

@@ -19,7 +19,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 from raytrain_mgpu.config_checks import validate, warn_unused
 from raytrain_mgpu.config_sections import (Balance, DataConfig, Ingest, Logger, Loss, LrScaling, LrSchedule,
@@ -73,8 +73,8 @@ class TrainConfig:
     # --- parallelism
     strategy: str = "ddp"
     """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (README: choosing a strategy), or auto: chosen with its worker and stage counts from a memory estimate and the cluster's devices when fit starts."""
-    num_workers: int = 2
-    """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``."""
+    num_workers: Union[int, Tuple[int, int]] = 2
+    """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``; or ``(min, max)`` (YAML ``[1, 4]``, CLI ``--num-workers 1-4``) for an elastic run of ``ddp``, ``ddp_mp`` or ``fsdp``: it starts with what the cluster has room for, from min up, and grows or shrinks (a restart from the latest checkpoint) as nodes come and go; the micro-batch is fixed by max, the accumulation steps follow the count, so the global batch and LR schedule stay exact (README: Spot and elastic)."""
     use_gpu: bool = False
     """Give each worker GPUs (``gpus_per_worker``); otherwise train on CPU with gloo."""
     gpus_per_worker: int = 1
@@ -97,6 +97,8 @@ class TrainConfig:
     """``strategy="auto"``: also time the strategies whose estimate fits in a short compare run (about one short run each) and take the fastest."""
     memory_budget_bytes: Optional[int] = None
     """Memory one device may use, e.g. ``24GiB`` or ``24e9``: ``strategy="auto"`` and ``compare`` check their estimates against it (default: the GPU's memory; none on CPU)."""
+    elastic_resize_interval_s: float = 60.0
+    """Elastic ``num_workers=(min, max)``: how often Ray Train checks, while training, whether the cluster now has room for another worker count (Ray's ``ScalingConfig.elastic_resize_monitor_interval_s``); a resize restarts the group from the latest checkpoint."""
 
     # --- batch and optimisation
     epochs: int = 8

@@ -25,7 +25,7 @@ __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_n
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose", "keep_best")
-_POSITIVE_INTS = ("num_workers", "gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
+_POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
                   "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience",
@@ -55,11 +55,13 @@ def validate(cfg) -> Dict[str, Any]:
     check_data_fields(cfg)  # the dataset name, loader workers and transforms
     check_ingest(cfg)  # ingest="ray_data": the datasets Ray Data streams (data/ingest.py)
     from raytrain_mgpu.strategies import get_strategy  # imports torch: after the cheap name checks
+    from raytrain_mgpu.strategies.elastic import at_count, check_worker_range, worker_range
 
+    check_worker_range(cfg)  # a count, or (min, max) with an elastic strategy and a batch every count splits
     if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()
         return {}
     strategy = get_strategy(cfg.strategy)
-    strategy.validate(cfg)
+    strategy.validate(at_count(cfg, worker_range(cfg)[1]))  # elastic: the largest count fixes the micro-batch
     check_sync_batchnorm(cfg, strategy)
     return unused_options(cfg, strategy)
 

@@ -85,7 +85,9 @@ def train_worker(payload: dict) -> dict:
         model = torch.compile(model)
 
     shard, num_shards = strategy.data_shard()
-    assert num_shards == plan.replicas, f"{cfg.strategy}: {num_shards} data shards, but the plan has {plan.replicas}"
+    # Micro-steps per optimizer step for this world size: an elastic run's micro-batch is fixed by its max
+    # count, so W workers accumulate max x grad_accum_steps / W (the global batch and steps per epoch stay).
+    accum = plan.micro_batches_at(num_shards)  # ValueError for a count the plan does not have
     micro_batch = plan.micro_batch
     sampler = ResumableSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
                                seed=cfg.seed, drop_last=True)
@@ -93,7 +95,7 @@ def train_worker(payload: dict) -> dict:
     if cfg.ingest == "ray_data":  # Ray Data streams each worker an equal share instead (runtime/ray_ingest.py)
         loader = ray_ingest.shard_loader(cfg, micro_batch, len(data.train))
         sampler = loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
-    steps_per_epoch = len(loader) // plan.micro_batches_per_step
+    steps_per_epoch = len(loader) // accum
     if steps_per_epoch == 0:
         raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
                          f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
@@ -106,8 +108,9 @@ def train_worker(payload: dict) -> dict:
 
     shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
     loop = _Loop(cfg, strategy, model, optimizer, scheduler, scaler, loader, reporter, steps_per_epoch)
+    loop.accum_steps = accum
     if state.step_in_epoch:  # a step checkpoint: the epoch goes on after the positions it had trained
-        sampler.resume_at(state.epoch, state.step_in_epoch * plan.micro_batches_per_step * micro_batch)
+        sampler.resume_at(state.epoch, state.step_in_epoch * accum * micro_batch)
         loop.partials = restored.get("epoch_partial_per_rank")
     loop.save_step = lambda meter: save_and_report(  # checkpoint_every_n_steps (runtime/step_checkpoints.py)
         cfg, strategy, model, optimizer, scheduler, scaler, state,
@@ -159,6 +162,7 @@ class _Loop:
         dtype = _DTYPES.get(cfg.precision)
         self.autocast = lambda: torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
+        self.accum_steps = cfg.grad_accum_steps  # micro-steps per optimizer step (train_worker: its world size's)
         self.save_step = None  # writes a step checkpoint (set by train_worker)
         self.preemption = PreemptionCheck(cfg, reporter)  # checks only where save_step is set (on Ray Train)
         # Per-step scalars on the rank that holds the sink (rank 0); the other ranks do nothing extra.
@@ -170,7 +174,7 @@ class _Loop:
         return to_device(x, self.device, self.cfg.channels_last), to_device(y, self.device)
 
     def train_epoch(self, epoch: int, state: _State) -> dict:
-        cfg, accum = self.cfg, self.cfg.grad_accum_steps
+        cfg, accum = self.cfg, self.accum_steps
         self.model.train()
         reset_peak_memory(self.strategy.memory_devices())
         meter = EpochMeter(self.device, self.strategy.objective)
@@ -242,7 +246,8 @@ class _Loop:
                          metric_totals=metric_totals, samples=samples,
                          elapsed_s=elapsed_sum / self.strategy.ctx.world_size, steps=steps,
                          data_wait_share=wait_sum / max(elapsed_sum, 1e-9), peak_memory_bytes=peaks,
-                         devices=_device_record(self.strategy.ctx))  # one small object all-gather per epoch
+                         devices=_device_record(self.strategy.ctx),  # one small object all-gather per epoch
+                         workers=self.strategy.ctx.world_size)  # elastic: the count that ended the epoch
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict:

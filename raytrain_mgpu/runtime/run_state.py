@@ -23,11 +23,13 @@ META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_
 """Every checkpoint's ``meta.json`` (plus ``format_version``): what it is, how far it got,
 the shapes ``TrainResult.load_model()`` builds the model with, and the config (redacted)."""
 
-EPOCH_KEYS = ("epoch", "step", "attempt", "lr", "train_loss", "train_accuracy", "samples_per_s", "step_time_s",
-              "data_wait_share", "peak_memory_bytes", "test_loss", "test_accuracy", "devices_per_rank", "backend",
-              "gpu_ids_per_rank")
-"""Every history row, in this order; ``test_*`` are None on epochs without evaluation, ``*_accuracy``
-without an accuracy metric. Other metrics ``X`` follow as ``train_X``, ``test_X``, then a runner's own keys."""
+EPOCH_KEYS = ("epoch", "step", "attempt", "workers", "lr", "train_loss", "train_accuracy", "samples_per_s",
+              "step_time_s", "data_wait_share", "peak_memory_bytes", "test_loss", "test_accuracy", "devices_per_rank",
+              "backend", "gpu_ids_per_rank")
+"""Every history row, in this order; ``workers`` is the world size that trained the epoch (an elastic
+run's count at the epoch's end, when a resize restarted it part-way); ``test_*`` are None on epochs without
+evaluation, ``*_accuracy`` without an accuracy metric. Other metrics ``X`` follow as ``train_X``, ``test_X``,
+then a runner's own keys."""
 
 
 @dataclass
@@ -121,7 +123,7 @@ def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
 def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, samples: float, elapsed_s: float,
               steps: int, data_wait_share: float, peak_memory_bytes: list, devices: dict,
               metric_totals: Optional[Mapping[str, Sequence[float]]] = None, correct: Optional[float] = None,
-              **extra) -> dict:
+              workers: Optional[int] = None, **extra) -> dict:
     """One epoch's history row from the epoch's sums over every rank.
 
     ``samples`` counts targets (tokens for a language model); ``elapsed_s`` is the
@@ -131,6 +133,8 @@ def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, sample
     (and ``test_<metric>``, None until evaluated); ``correct`` is short for an accuracy
     whose count is ``samples``. ``train_accuracy``/``test_accuracy`` are in every row (None
     without an accuracy metric, e.g. for regression); other metrics follow the shared keys.
+    ``workers``: the processes that trained the epoch (default: one per ``peak_memory_bytes`` entry,
+    which the pipeline reports per stage actor).
     """
     totals = dict(metric_totals or {})
     if correct is not None:
@@ -138,7 +142,8 @@ def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, sample
     train = metric_columns("train", totals)
     others = {k: v for k, v in train.items() if k != "train_accuracy"}
     return {
-        "epoch": epoch + 1, "step": state.step, "attempt": state.attempt, "lr": lr,
+        "epoch": epoch + 1, "step": state.step, "attempt": state.attempt,
+        "workers": len(peak_memory_bytes) if workers is None else workers, "lr": lr,
         "train_loss": loss_sum / max(samples, 1), "train_accuracy": train.get("train_accuracy"),
         "samples_per_s": samples / max(elapsed_s, 1e-9),
         "step_time_s": elapsed_s / max(steps, 1),

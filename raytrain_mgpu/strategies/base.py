@@ -83,6 +83,9 @@ class Strategy(ABC):
     runner: ClassVar[str] = "train_workers"  # or "actor_group" (own runtime, see pipeline/)
     options_used: ClassVar[FrozenSet[str]] = DDP_OPTIONS | {"sync_batchnorm"}
     """Which of the optional TrainConfig fields this strategy reads; others set are warned about."""
+    elastic: ClassVar[bool] = False
+    """Whether ``num_workers=(min, max)`` may resize it: its workers are plain data-parallel replicas on
+    the Ray Train runner, so any count in the range trains the same steps (``strategies/elastic.py``)."""
 
     def __init__(self, cfg: "ParallelConfig", ctx: WorkerContext, objective: Optional[Objective] = None):
         self.cfg = cfg

@@ -15,6 +15,7 @@ class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the workers (gloo on CPU, NCCL on GPU)."""
 
     name = "ddp"
+    elastic = True  # one replica per worker: num_workers=(min, max) resizes it
 
     @classmethod
     def auto_layout(cls, cfg, info) -> dict:

@@ -34,6 +34,9 @@ class DDP2Strategy(Strategy):
     """DataParallel inside each worker (node), DDP between workers."""
 
     name = "ddp2"
+    # Not elastic: a worker count change regroups the samples of each node's micro-batch, which a
+    # loss over the whole batch (what ddp2 is for, e.g. InfoNCE) sees; the mean of a per-sample loss would not.
+    elastic = False
     options_used = DDP_OPTIONS | {"gpus_per_worker", "output_device"}
 
     @classmethod

@@ -24,6 +24,7 @@ class DDPMPStrategy(Strategy):
     """Data parallel over workers, model parallel inside each."""
 
     name = "ddp_mp"
+    elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = DDP_OPTIONS | {"gpus_per_worker", "balance", "sync_batchnorm"}
 
     @classmethod

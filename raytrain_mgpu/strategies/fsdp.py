@@ -63,6 +63,7 @@ class FSDPStrategy(Strategy):
     """Fully sharded data parallel (FSDP2) over the workers."""
 
     name = "fsdp"
+    elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = frozenset({"sync_batchnorm"})
 
     @classmethod

@@ -29,7 +29,7 @@ class RunPlan:
     """``train_workers`` (Ray Train's TorchTrainer) or ``actor_group`` (the pipeline's own actors)."""
     use_gpu: bool
     num_processes: int
-    """Ray Train workers, or stage actors (stages x replicas) for the pipeline."""
+    """Ray Train workers (an elastic run's max), or stage actors (stages x replicas) for the pipeline."""
     replicas: int
     """Data-parallel replicas; each takes ``replica_batch`` samples of every global batch."""
     devices_per_worker: int
@@ -37,7 +37,8 @@ class RunPlan:
     worker_resources: dict
     """Ray resources of one process."""
     bundles: Tuple[dict, ...]
-    """Every resource bundle the run needs at once (checked against the cluster before start)."""
+    """Every resource bundle the run needs at once (checked against the cluster before start); an
+    elastic run's: its min count's."""
     global_batch: int
     """Samples per optimizer step, every replica together (``TrainConfig.batch_size``)."""
     micro_batches_per_step: int
@@ -45,7 +46,24 @@ class RunPlan:
     the pipeline's micro-batches."""
     steps_per_epoch: Optional[int] = None
     """Optimizer steps in one epoch (the samplers drop the remainder); None until the
-    training split's size is known."""
+    training split's size is known. The same at every count of an elastic run."""
+    min_workers: Optional[int] = None
+    """Elastic runs (``num_workers=(min, max)``): the fewest workers it trains with; None: a fixed count.
+    ``replicas``, ``num_processes`` and ``micro_batches_per_step`` are then those of the max count
+    (which fixes the micro-batch), ``bundles`` those of the min (what must be free to start)."""
+
+    @property
+    def worker_counts(self) -> Tuple[int, ...]:
+        """Every data-parallel world size the run may train with (one for a fixed count)."""
+        return tuple(range(self.min_workers, self.replicas + 1)) if self.min_workers else (self.replicas,)
+
+    def micro_batches_at(self, world_size: int) -> int:
+        """Accumulation micro-steps per optimizer step when ``world_size`` replicas train (the micro-batch
+        stays; the global batch and the steps per epoch stay): ValueError for a count outside the plan."""
+        if world_size not in self.worker_counts:
+            raise ValueError(f"{self.strategy}: {world_size} data shard(s), but the plan has "
+                             f"{'/'.join(map(str, self.worker_counts))}")
+        return self.replicas * self.micro_batches_per_step // world_size
 
     @property
     def replica_batch(self) -> int:
@@ -65,6 +83,9 @@ class RunPlan:
     def describe(self) -> str:
         """``global batch 128 = 2 replica(s) x 32 x 2 micro-batch(es)`` for the banner."""
         kind = "micro-batch(es)" if self.runner == "actor_group" else "accumulation step(s)"
+        if self.min_workers:  # elastic: every count's split of the same global batch
+            splits = ", ".join(f"{w} x {self.micro_batch} x {self.micro_batches_at(w)}" for w in self.worker_counts)
+            return f"global batch {self.global_batch} = workers x micro-batch x {kind}, elastic: {splits}"
         return (f"global batch {self.global_batch} = {self.replicas} replica(s) x {self.micro_batch} x "
                 f"{self.micro_batches_per_step} {kind}")
 
@@ -73,17 +94,24 @@ def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
     """The plan of ``cfg`` (validated, strategy resolved: not ``auto``)."""
     from raytrain_mgpu.strategies import get_strategy
 
+    from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
+
     cls = get_strategy(cfg.strategy)
+    low, high = worker_range(cfg)
+    elastic = is_elastic(cfg)
+    bundles = tuple(cls.bundles(at_count(cfg, low)))  # elastic: the min's bundles must be free to start
+    cfg = at_count(cfg, high)  # elastic: the largest count fixes the micro-batch
     replicas = cls.data_parallel_size(cfg)
     micro_steps = cls.micro_batches_per_step(cfg)
-    bundles = tuple(cls.bundles(cfg))
     steps = None
     if train_split_size is not None:
         micro = cfg.batch_size // (replicas * micro_steps)
         # DistributedSampler(drop_last=True) gives each replica num_train // replicas samples;
         # the loader drops the last partial micro-batch, the loop the last partial step.
         steps = (train_split_size // replicas // micro) // micro_steps
-    return RunPlan(strategy=cfg.strategy, runner=cls.runner, use_gpu=cfg.use_gpu, num_processes=len(bundles),
-                   replicas=replicas, devices_per_worker=cls.devices_per_worker(cfg),
+    return RunPlan(strategy=cfg.strategy, runner=cls.runner, use_gpu=cfg.use_gpu,
+                   num_processes=high if elastic else len(bundles), replicas=replicas,
+                   devices_per_worker=cls.devices_per_worker(cfg),
                    worker_resources=cls.worker_resources(cfg), bundles=bundles, global_batch=cfg.batch_size,
-                   micro_batches_per_step=micro_steps, steps_per_epoch=steps)
+                   micro_batches_per_step=micro_steps, steps_per_epoch=steps,
+                   min_workers=low if elastic else None)
