@@ -1,9 +1,11 @@
 """Driver side of one attempt: epochs, metrics, checkpoints, over a :class:`StageGroup`.
 
-Checkpoints: ``{storage_path}/{name}/checkpoint_epoch{E:06d}/``. The actors of replica 0
-write their ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` into a temporary
-folder, the driver then writes ``meta.json`` and ``history.json`` and renames the folder
-into place, so a half-written checkpoint never carries the name a resume looks for.
+Checkpoints (``pipeline/checkpoints.py``): ``{storage_path}/{name}/checkpoint_epoch{E:06d}/`` after
+each epoch and, with ``checkpoint_every_n_steps``, ``checkpoint_epoch{E:06d}_step{S:09d}/`` inside
+one. The actors of replica 0 write their ``model-stage{p}.pt`` and ``train_state-stage{p}.pt``
+into a temporary folder in the background, the driver then writes ``meta.json`` and
+``history.json`` and renames the folder into place, so a half-written checkpoint never carries
+the name a resume looks for. A step checkpoint's resume continues its epoch after the trained steps.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from typing import List, Optional, Tuple
 
 from raytrain_mgpu.batches import shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.step_checkpoints import step_checkpoint_due
 from raytrain_mgpu.runtime.step_scalars import stage_scalars
-from raytrain_mgpu.runtime.run_state import (RunState, add_metric_totals, best_row, checkpoint_meta, epoch_row,
-                                             eval_columns, stops_early)
+from raytrain_mgpu.runtime.run_state import RunState, add_metric_totals, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.data import check_data
+from raytrain_mgpu.pipeline.checkpoints import EPOCH_ELAPSED, CheckpointSaver
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
@@ -30,7 +32,8 @@ from raytrain_mgpu.strategies.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint_epoch"
+CLOSE_UPLOAD_TIMEOUT_S = 60.0
+"""After a failed attempt's actors are killed: how long its upload in flight may take to give up."""
 TARGET_CALL_S = 1.0
 """Steps per driver call are chosen so that one call lasts about this long: each call
 costs a Ray round trip (about a millisecond), and progress is reported after each."""
@@ -64,13 +67,14 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
     else:
         partition = choose_partition(cfg)
     group = StageGroup(cfg, plan, fail_at_step)
+    saver = None
     try:
         started = time.perf_counter()
         group.start()
         logger.debug("actor group placed in %.1f s", time.perf_counter() - started)
         if partition is None:
             partition = choose_partition(cfg, profile=group.profile)
-        infos = group.setup(partition, _path_in_folder(cfg, state.checkpoint), state.step)
+        infos = group.setup(partition, _path_in_folder(cfg, state.checkpoint), state.step, state.step_in_epoch)
         logger.debug("actor group set up after %.1f s", time.perf_counter() - started)
         steps_per_epoch = infos[0]["steps_per_epoch"]
         logger.info("%s: %d replica(s) x %d stages (%s, partition %s); %s; %d steps per epoch; rank: node %s",
@@ -79,42 +83,54 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
                     ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos))
         input_shape, num_classes = check_data(cfg.data)
         shape_info = {"input_shape": shape_record(input_shape), "num_classes": num_classes}  # for load_model()
+        saver = CheckpointSaver(cfg, group, partition, shape_info)
         path = state.checkpoint
         for epoch in range(state.epoch, cfg.epochs):
             if state.finished(cfg):
                 break
-            metrics = _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition)
+            metrics = _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition, saver)
             # the last epoch is evaluated, also one that stops early
             last = epoch + 1 == cfg.epochs or state.finished(cfg) or stops_early(state.history + [metrics], cfg)
             if last or (epoch + 1) % cfg.eval_every_epochs == 0:
                 metrics.update(_evaluate(group))
             state.epoch = epoch + 1
             state.history.append(metrics)
-            path = _save(cfg, group, state, partition, shape_info)
+            path = saver.save(state, reporter)  # written in the background; on_checkpoint once published
             reporter.epoch(metrics)
-            if hasattr(reporter, "checkpoint"):  # RunEvents (fit's); a caller's own reporter may not listen
-                reporter.checkpoint(path)  # after the epoch, as Ray Train's rank 0 sends them
+        saver.finish(reporter)  # the last upload, before the actors go
         group.shutdown(graceful=True)
         return path, state.history
     finally:
+        if saver is not None:  # after a failure: an upload whose stages all finished is still published
+            saver.abandon(cfg.collective_timeout_s)
         group.shutdown()
+        if saver is not None:
+            saver.abandon(CLOSE_UPLOAD_TIMEOUT_S)  # nothing of this attempt writes when the next one starts
 
 
 def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: int, steps_per_epoch: int,
-                 reporter, partition: Partition) -> dict:
+                 reporter, partition: Partition, saver: CheckpointSaver) -> dict:
     group.call("start_epoch", epoch)
-    steps = steps_per_epoch if cfg.max_steps is None else min(steps_per_epoch, cfg.max_steps - state.step)
-    start, done, chunk = time.perf_counter(), 0, 1
+    # A step checkpoint's resume: the epoch goes on after the steps it had trained, on the clock it had
+    done = state.step_in_epoch
+    steps = steps_per_epoch if cfg.max_steps is None else min(steps_per_epoch, done + cfg.max_steps - state.step)
+    start, chunk = time.perf_counter() - ((state.meta.get(EPOCH_ELAPSED) or 0.0) if done else 0.0), 1
+    every = cfg.checkpoint_every_n_steps
     while done < steps:
-        n = min(chunk, steps - done)
+        n = min(chunk, steps - done, every - state.step % every if every else steps)  # stop at a step checkpoint
         call_start = time.perf_counter()
         closed = group.call("train_steps", n)
         elapsed = time.perf_counter() - call_start
         done += n
         state.step += n
+        state.step_in_epoch = done
         _report_scalars(reporter, closed)
         reporter.step(done, steps, epoch + 1)  # as the data-parallel loop reports: within the epoch
+        saver.poll(reporter)
+        if step_checkpoint_due(cfg, state.step, done, steps_per_epoch):
+            saver.save(state, reporter, epoch_elapsed_s=time.perf_counter() - start)
         chunk = max(1, int(n * TARGET_CALL_S / max(elapsed, 1e-3)))
+    state.step_in_epoch = 0
     elapsed = time.perf_counter() - start
     stats = group.call("finish_epoch")
     if hasattr(reporter, "scalars"):  # the stage figures the epoch row sums up, per stage
@@ -162,25 +178,6 @@ def _evaluate(group: StageGroup) -> dict:
     sums = [s for s in group.call("evaluate") if s is not None]  # one per replica: its last stage's
     return eval_columns(sum(s["loss_sum"] for s in sums), sum(s["targets"] for s in sums),
                         add_metric_totals(s["metrics"] for s in sums))
-
-
-def _save(cfg: TrainConfig, group: StageGroup, state: RunState, partition: Partition, shape_info: dict) -> str:
-    """Parts into a uniquely named temporary folder (two drivers, or a killed one's leftovers,
-    never share one), ``meta.json`` last, then published under the checkpoint's name."""
-    folder = RunFolder.of(cfg)
-    name = f"{CHECKPOINT_PREFIX}{state.epoch:06d}"
-    tmp = folder.temporary(name)
-    group.call("save", tmp)
-    meta = checkpoint_meta(cfg, state, shape_info, partition=list(partition.counts), num_stages=cfg.num_stages,
-                           schedule=cfg.schedule)
-    with folder.writable(tmp) as directory:
-        ckpt_format.write_checkpoint(directory, meta=meta, history=state.history)  # last: marks it complete
-    published = folder.publish(tmp, name)
-    best = best_row(state.history, cfg.monitor, cfg.mode) if cfg.keep_best else None
-    folder.prune(CHECKPOINT_PREFIX, cfg.num_checkpoints_to_keep,  # keep_best: the best besides the last N
-                 spare=None if best is None else f"{CHECKPOINT_PREFIX}{best['epoch']:06d}")
-    logger.info("checkpoint %s", redact(published.uri))
-    return published.uri
 
 
 def _path_in_folder(cfg: TrainConfig, checkpoint: Optional[str]) -> Optional[str]:

@@ -23,7 +23,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 from raytrain_mgpu.batches import flatten, split, unflatten
@@ -37,9 +36,11 @@ from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
 from raytrain_mgpu.runtime.prefetch import Prefetcher
 from raytrain_mgpu.runtime.ray_ingest import ShardLoader
 from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 from raytrain_mgpu.runtime.step_scalars import StepWindow, WindowedMeter
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.pipeline.checkpoints import BackgroundWriter, resume_sums, snapshot
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
 from raytrain_mgpu.models.partition import Partition, blocks_of, build_stage_modules, profile_costs
@@ -91,6 +92,8 @@ class StageWorker:
                                  reads_data=self.is_first) if reports else None
         self._targets_spec = None  # the last rank's: how the targets' tensors rebuild a batch's targets
         self.data_shard = None  # ingest="ray_data": this replica's Ray Data iterator (use_data_shard)
+        self.uploads = BackgroundWriter(f"rank {rank}'s checkpoint upload")  # pipeline/checkpoints.py
+        self._resume: Optional[tuple] = None  # (positions to skip, epoch_partial): a step checkpoint's epoch
 
     # ------------------------------------------------------------------ setup
 
@@ -110,8 +113,9 @@ class StageWorker:
         return profile_costs(blocks_of(model), x, self.device)
 
     def setup(self, master_addr: str, master_port: int, partition: Partition, resume_dir: Optional[str],
-              start_step: int) -> dict:
-        """Join the process group, build this rank's stages, data and optimizer; restore if resuming."""
+              start_step: int, step_in_epoch: int = 0) -> dict:
+        """Join the process group, build this rank's stages, data and optimizer; restore if resuming
+        (``step_in_epoch``: a step checkpoint's, whose epoch the next ``start_epoch`` continues)."""
         cfg = self.cfg
         backend = devices.backend(cfg.use_gpu)
         if self.device.type == "cuda":
@@ -146,7 +150,7 @@ class StageWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps_per_epoch, cfg.epochs)
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between replicas
         if resume_dir is not None:
-            self._restore(resume_dir)
+            self._restore(resume_dir, step_in_epoch)
         self.step = start_step
         self._eval_orders: Dict[int, Order] = {}
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
@@ -168,7 +172,7 @@ class StageWorker:
         if self.steps_per_epoch == 0:
             raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
                              f"({len(self.data.train)} samples): no full step fits in an epoch. Lower batch_size.")
-        self.sampler = DistributedSampler(self.data.train, num_replicas=D, rank=self.replica, shuffle=True,
+        self.sampler = ResumableSampler(self.data.train, num_replicas=D, rank=self.replica, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
         self.loader = train_loader(cfg.data, self.data.train, self.sampler, self.replica_batch, self.device)
         if cfg.ingest == "ray_data":  # Ray Data streams this replica's equal share instead (runtime/ray_ingest.py)
@@ -176,7 +180,7 @@ class StageWorker:
             self.sampler = self.loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
         self.test_loader = test_loader(cfg.data, self.data.test, self.replica, D, self.replica_batch, self.device)
 
-    def _restore(self, directory: str) -> None:
+    def _restore(self, directory: str, step_in_epoch: int) -> None:
         state, train_state = ckpt_format.load_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}")
         for stage in self.stages.values():
             stage.load_model_state_dict(state)
@@ -186,11 +190,15 @@ class StageWorker:
         self.optimizer.load_state_dict(train_state["optimizer"])
         self.scheduler.load_state_dict(train_state["scheduler"])
         torch.set_rng_state(train_state["torch_rng"])
+        if step_in_epoch:  # step s trains positions [sB, (s+1)B) of the epoch's order: b of them per replica
+            self._resume = (step_in_epoch * self.replica_batch, train_state["epoch_partial"])
 
     # ------------------------------------------------------------------ training
 
     def start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)  # the loader hands the epoch to transforms with the indices
+        if self._resume is not None:  # the epoch a step checkpoint stopped in goes on after its positions
+            self.sampler.resume_at(epoch, self._resume[0])
         if getattr(self, "_batches", None) is not None:
             self._batches.close()
         if self.is_first:  # Parquet: this replica's rows of the epoch, loaded once before the loader forks
@@ -201,6 +209,9 @@ class StageWorker:
         reset_peak_memory([self.device])
         self.meter = EpochMeter(self.device, self.objective)
         self.totals = StageTotals()
+        if self._resume is not None:
+            resume_sums(self._resume[1], self.totals, self.meter)
+            self._resume = None
         self._step_meter = self.meter
         if self.window is not None:
             self.window.resume()
@@ -219,7 +230,11 @@ class StageWorker:
     def _train_step(self) -> None:
         if self.fail_at_step is not None and self.step == self.fail_at_step and self.rank == self.num_ranks - 1:
             logger.error("failing on purpose at step %d (fault-injection hook)", self.step)
-            os._exit(1)
+            try:  # dies with its last checkpoint written (and, after a second, its answer to the driver's
+                self.uploads.wait()  # wait_upload sent): the steps lost are those since that checkpoint
+                time.sleep(1.0)
+            finally:
+                os._exit(1)
         start = time.perf_counter()
         inputs, targets, sends = self._read_batch(self._batches, self.cfg.num_microbatches)
         if self.is_first:
@@ -346,15 +361,21 @@ class StageWorker:
             state.update(stage.model_state_dict())
         return state
 
-    def save(self, directory: str) -> None:
-        """Replica 0 writes ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` into ``directory``
-        of the run folder, local or remote (replicas are identical)."""
+    def save(self, directory: str, in_epoch: bool = False) -> None:
+        """Replica 0 takes its state (a copy on CPU; ``in_epoch``: with the epoch's partial sums) and writes
+        ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` into ``directory`` of the run folder, local or
+        remote, in the background (replicas are identical). The previous upload's failure is raised here."""
         if self.replica != 0:
             return
-        train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                       "torch_rng": torch.get_rng_state()}
-        ckpt_format.save_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}", self.model_state(),
-                              train_state)
+        self.uploads.wait()  # one at a time (the driver has waited for it already: no stall here)
+        model_state, train_state = snapshot(self.model_state(), self.optimizer, self.scheduler,
+                                            *((self.totals, self.meter if self.is_last else None) if in_epoch else ()))
+        self.uploads.submit(ckpt_format.save_part, RunFolder.of(self.cfg), directory, f"-stage{self.prank}",
+                            model_state, train_state)
+
+    def wait_upload(self) -> None:
+        """Until this stage's upload in flight is written (its failure raised); called in the "upload" group."""
+        self.uploads.wait()
 
     def close(self) -> None:
         if getattr(self, "_batches", None) is not None:
