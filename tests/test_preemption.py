@@ -7,6 +7,9 @@ tests/test_two_node_spot.py's business.
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -164,3 +167,95 @@ def test_config_defaults_are_rays_and_reach_the_failure_config():
     source = inspect.getsource(api._run_train_workers)
     assert "max_preemption_failures=cfg.max_preemption_failures" in source
     assert "preemption_grace_s=cfg.preemption_grace_s" in source
+
+
+# ---------------------------------------------------------------- spot-watch (runtime/spot_watch.py)
+
+
+def _metadata_server(answers: list):
+    """A local HTTP server answering each GET with the next (status, body); the headers it got are kept."""
+    import http.server
+    import threading
+
+    seen: list = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            status, body = answers.pop(0) if len(answers) > 1 else answers[0]
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}/computeMetadata/v1/instance/preempted", seen
+
+
+@pytest.mark.parametrize("status, body, notice", [
+    (200, "FALSE", False), (200, "TRUE", True),  # GCP .../instance/preempted
+    (404, "", False), (200, '{"action": "terminate", "time": "2026-11-24T22:20:00Z"}', True),  # AWS instance-action
+])
+def test_notice_at_url_reads_gcp_and_aws_answers(status, body, notice):
+    from raytrain_mgpu.runtime.spot_watch import notice_at_url
+
+    server, url, seen = _metadata_server([(status, body)])
+    try:
+        assert notice_at_url(url) is notice
+        assert seen[0].get("Metadata-Flavor") == "Google"  # GCP refuses a request without it
+    finally:
+        server.shutdown()
+
+
+def test_notice_at_an_unreachable_url_is_no_notice():
+    from raytrain_mgpu.runtime.spot_watch import notice_at_url
+
+    assert notice_at_url("http://127.0.0.1:9/", timeout_s=0.5) is False
+
+
+def _fake_drains(monkeypatch) -> list:
+    from raytrain_mgpu.runtime import spot_watch
+
+    drains: list = []
+    monkeypatch.setattr(spot_watch, "drain_node", lambda address, node_id, grace_s, message: drains.append(
+        (address, node_id, grace_s, message, time.monotonic())))
+    return drains
+
+
+def test_watch_drains_its_node_on_sigterm_waits_the_grace_and_restores_the_handler(monkeypatch):
+    import signal
+    import threading
+
+    from raytrain_mgpu.runtime.spot_watch import watch
+
+    drains = _fake_drains(monkeypatch)
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    start = time.monotonic()
+    assert watch("10.0.0.1:6379", 0.5, node_id="ab" * 28, log=lambda line: None) == 0
+    (address, node_id, grace_s, message, at), = drains
+    assert (address, node_id, grace_s) == ("10.0.0.1:6379", "ab" * 28, 0.5) and "SIGTERM" in message
+    assert time.monotonic() - at >= 0.5 and at - start < 1.5  # drained at once, then waited out the deadline
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_watch_drains_on_a_metadata_notice(monkeypatch):
+    from raytrain_mgpu.runtime.spot_watch import watch
+
+    drains = _fake_drains(monkeypatch)
+    server, url, seen = _metadata_server([(200, "FALSE"), (200, "FALSE"), (200, "TRUE")])
+    try:
+        assert watch("h:1", 0.0, node_id="cd" * 28, notice_url=url, poll_s=0.05, log=lambda line: None) == 0
+    finally:
+        server.shutdown()
+    assert len(seen) == 3 and len(drains) == 1 and url in drains[0][3]
+
+
+def test_spot_watch_cli_checks_the_grace(capsys):
+    from raytrain_mgpu.cli import main
+
+    assert main(["spot-watch", "--grace-s", "-1"]) == 2
+    assert "spot-watch --grace-s=-1.0: must be a finite number >= 0" in capsys.readouterr().err

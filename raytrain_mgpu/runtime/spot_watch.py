@@ -98,14 +98,17 @@ def watch(address: str, grace_s: float, node_id: Optional[str] = None, node_ip: 
         why["notice"] = signal.Signals(signum).name
         noticed.set()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     log(f"spot-watch: node {node_id} at {address}; on SIGTERM{' or ' + notice_url if notice_url else ''} "
         f"it drains with a {grace_s:g} s deadline")
-    while not noticed.wait(poll_s if notice_url else 1.0):
-        if notice_url and notice_at_url(notice_url):  # a 1 s wake-up without a URL: nothing to poll
-            why["notice"] = notice_url
-            break
+    try:
+        while not noticed.wait(poll_s if notice_url else 1.0):
+            if notice_url and notice_at_url(notice_url):  # a 1 s wake-up without a URL: nothing to poll
+                why["notice"] = notice_url
+                break
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     drain_node(address, node_id, grace_s, f"spot termination notice ({why['notice']})")
     log(f"spot-watch: {why['notice']}: node {node_id} drained (preemption), deadline in {grace_s:g} s")
     time.sleep(grace_s)  # the drain's deadline: Ray Train restarts the group without this node
