@@ -187,6 +187,12 @@ def _metadata_server(answers: list):
             self.end_headers()
             self.wfile.write(body.encode())
 
+        def do_PUT(self):  # AWS IMDSv2's token
+            seen.append({"PUT": self.path, **dict(self.headers)})
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"tok123")
+
         def log_message(self, *args):
             pass
 
@@ -208,6 +214,21 @@ def test_notice_at_url_reads_gcp_and_aws_answers(status, body, notice):
         assert seen[0].get("Metadata-Flavor") == "Google"  # GCP refuses a request without it
     finally:
         server.shutdown()
+
+
+def test_notice_at_an_aws_url_asks_with_an_imdsv2_token():
+    from raytrain_mgpu.runtime.spot_watch import notice_at_url
+
+    server, url, seen = _metadata_server([(200, '{"action": "stop"}')])
+    aws = url.replace("/computeMetadata/v1/instance/preempted", "/latest/meta-data/spot/instance-action")
+    try:
+        assert notice_at_url(aws) is True
+    finally:
+        server.shutdown()
+    token, get = seen
+    assert token["PUT"] == "/latest/api/token", token
+    assert {k.lower(): v for k, v in token.items()}.get("x-aws-ec2-metadata-token-ttl-seconds") == "300", token
+    assert {k.lower(): v for k, v in get.items()}.get("x-aws-ec2-metadata-token") == "tok123", get
 
 
 def test_notice_at_an_unreachable_url_is_no_notice():

@@ -15,7 +15,8 @@ The notices:
 - ``notice_url``: a cloud metadata endpoint polled every ``poll_s``: GCP
   ``http://metadata.google.internal/computeMetadata/v1/instance/preempted`` ("TRUE" on a notice;
   sent with ``Metadata-Flavor: Google``), AWS ``http://169.254.169.254/latest/meta-data/spot/instance-action``
-  (404 until a notice; IMDSv1). A notice is any 200 answer whose body is not empty or ``FALSE``.
+  (404 until a notice; asked with an IMDSv2 token when one can be had). A notice is any 200 answer
+  whose body is not empty or ``FALSE``.
 
 Choose ``grace_s`` below the cloud's notice (GCP 30 s, AWS 120 s) minus the checkpoint's save
 time, so Ray restarts the group before the machine goes.
@@ -76,9 +77,26 @@ def drain_node(address: str, node_id: str, grace_s: float, message: str = "spot 
         raise RuntimeError(f"the GCS refused to drain node {node_id}: {why}")
 
 
+def _aws_token(url: str, timeout_s: float) -> Optional[str]:
+    """An IMDSv2 session token (cluster.yaml sets ``HttpTokens: required``: a GET without one gets 401)."""
+    root = url.split("/latest/meta-data/")[0]
+    request = urllib.request.Request(f"{root}/latest/api/token", method="PUT",
+                                     headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return answer.read().decode().strip()
+    except (urllib.error.URLError, OSError):  # IMDSv1 only, or unreachable: ask without a token
+        return None
+
+
 def notice_at_url(url: str, timeout_s: float = 2.0) -> bool:
     """Whether the cloud's metadata endpoint announces a termination (see the module's docstring)."""
-    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    headers = {"Metadata-Flavor": "Google"}
+    if "/latest/meta-data/" in url:  # AWS's instance metadata: IMDSv2 first
+        token = _aws_token(url, timeout_s)
+        if token:
+            headers["X-aws-ec2-metadata-token"] = token
+    request = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             body = answer.read().decode(errors="replace").strip()
