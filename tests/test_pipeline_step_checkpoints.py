@@ -26,7 +26,7 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.pipeline.checkpoints import (SYNC_UPLOAD_ENV, BackgroundWriter, CheckpointSaver, checkpoint_name,
-                                                snapshot)
+                                                epoch_partial, resume_sums, snapshot)
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.run_state import RunState
@@ -82,6 +82,7 @@ class _Group:
     def call(self, method, directory, in_epoch):
         assert method == "save"
         self.saves.append((directory, in_epoch))
+        return [{"rank": rank} for rank in range(2)] if in_epoch else [None, None]
 
     def wait_uploads(self):
         self.release.wait(10)
@@ -139,6 +140,7 @@ def test_a_step_checkpoint_is_no_resume_point_until_every_part_is_written_then_m
     resumed = folder.state()
     assert (resumed.epoch, resumed.step, resumed.step_in_epoch) == (1, 30, 8)
     assert resumed.meta["epoch_elapsed_s"] == 1.5 and resumed.meta["partition"] == [3, 1]
+    assert resumed.meta["epoch_partial_per_rank"] == [{"rank": 0}, {"rank": 1}]  # every rank's sums, in rank order
 
 
 def test_a_failed_upload_is_raised_at_the_next_save_and_publishes_nothing(tmp_path):
@@ -155,25 +157,40 @@ def test_a_failed_upload_is_raised_at_the_next_save_and_publishes_nothing(tmp_pa
         saver.finish(_Reporter())  # the end waits for the last upload and raises its failure
 
 
-def test_the_snapshot_is_a_copy_on_cpu_of_the_state_and_the_partial_sums():
-    from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals
-
+def test_the_snapshot_is_a_copy_on_cpu_of_the_state():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     layer(torch.ones(4, 3)).sum().backward()
     optimizer.step()
-    totals, meter = StageTotals(), EpochMeter(torch.device("cpu"))
-    totals.steps, totals.data_wait_s = 8, 0.5
-    model_state, train_state = snapshot(layer.state_dict(), optimizer, scheduler, totals, meter)
+    model_state, train_state = snapshot(layer.state_dict(), optimizer, scheduler)
     before = {k: v.clone() for k, v in model_state.items()}
     momentum = train_state["optimizer"]["state"][0]["momentum_buffer"].clone()
     optimizer.step()  # training goes on in place
     assert not torch.equal(layer.weight, before["weight"])
     assert all(torch.equal(model_state[k], before[k]) for k in before)
     assert torch.equal(train_state["optimizer"]["state"][0]["momentum_buffer"], momentum)
-    assert train_state["epoch_partial"]["totals"]["steps"] == 8 and train_state["epoch_partial"]["meter"] is not None
-    assert "epoch_partial" not in snapshot(layer.state_dict(), optimizer, scheduler)[1]  # an epoch checkpoint
+
+
+def test_a_ranks_partial_epoch_sums_survive_meta_json_exactly():
+    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(n, 10, generator=generator), torch.randint(0, 10, (n,), generator=generator))
+               for n in (4, 6, 5)]
+    whole, first, rest = (EpochMeter(torch.device("cpu"), Objective()) for _ in range(3))
+    for i, (outputs, y) in enumerate(batches):
+        loss = torch.nn.functional.cross_entropy(outputs, y)
+        whole.add(loss, outputs, y)
+        (first if i == 0 else rest).add(loss, outputs, y)
+    totals, resumed = StageTotals(), StageTotals()
+    totals.steps, totals.data_wait_s, totals.bytes_sent = 8, 0.1 + 0.2, 4096
+    part = json.loads(json.dumps(epoch_partial(totals, first)))  # as meta.json keeps it
+    resume_sums(part, resumed, rest)
+    assert torch.equal(rest.totals, whole.totals)  # bit for bit: JSON keeps a float64 exactly
+    assert (resumed.steps, resumed.data_wait_s, resumed.bytes_sent) == (8, 0.1 + 0.2, 4096)
+    assert epoch_partial(totals)["meter"] is None  # a stage that is not the last measures no loss
 
 
 def test_checkpoint_names_sort_by_age():
@@ -198,20 +215,23 @@ def _lines(path: Path) -> list:
 
 @pytest.mark.slow  # two pipeline runs, one with a restart: 30-90 s on 2 cores
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [dict(strategy="pipeline"), dict(strategy="ddp_pipeline", num_workers=2)],
+                         ids=["pipeline", "ddp_pipeline"])  # ddp_pipeline: each replica's own partial sums
 def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
-        ray_session, tmp_path, monkeypatch):
+        ray_session, tmp_path, monkeypatch, layout):
     from raytrain_mgpu.pipeline.runner import FAIL_AT_STEP_ENV, run_pipeline
 
     probe = tmp_path / "probe"
     probe.mkdir()
     storage = str(tmp_path / "results")
-    killed_cfg = rtm.TrainConfig(**PIPE, data_root=str(probe), checkpoint_every_n_steps=EVERY, max_failures=1,
+    pipe = {**PIPE, **layout}
+    killed_cfg = rtm.TrainConfig(**pipe, data_root=str(probe), checkpoint_every_n_steps=EVERY, max_failures=1,
                                  num_checkpoints_to_keep=20, storage_path=storage, name="killed")
     monkeypatch.setenv(FAIL_AT_STEP_ENV, str(FAIL_AT))
     reporter = _Reporter()
     killed = run_pipeline(killed_cfg, reporter)
     monkeypatch.delenv(FAIL_AT_STEP_ENV)
-    undisturbed = run_pipeline(rtm.TrainConfig(**PIPE, storage_path=storage, name="undisturbed"), _Reporter())
+    undisturbed = run_pipeline(rtm.TrainConfig(**pipe, storage_path=storage, name="undisturbed"), _Reporter())
 
     # The same weights, bit for bit, and the same epoch rows (the resumed epoch's sums continued).
     got, want = (ckpt_format.load_model_state(p) for p in (killed.checkpoint_path, undisturbed.checkpoint_path))
@@ -231,12 +251,14 @@ def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_l
     assert (step30["attempt"], step30["step_in_epoch"], step35["attempt"]) == (0, 30 - STEPS_PER_EPOCH, 1)
     assert reporter.checkpoints[-1] == killed.checkpoint_path  # on_checkpoint once the last one is published
 
-    # What the first stages read: the restarted one, exactly the rest of epoch 2 after step 30, in order.
-    first, second = sorted((_lines(p) for p in probe.glob("indices-*.txt")), key=len, reverse=True)
-    assert all(len(batch) == 64 for batch in first + second)
-    resumed_at = 2 * STEPS_PER_EPOCH - len(second)
-    assert resumed_at == 30
-    assert second[:len(first) - resumed_at] == first[resumed_at:]  # the same order: the redone steps only
+    # What the first stages read: the restarted ones, exactly the rest of epoch 2 after step 30, in order.
+    reads = sorted((_lines(p) for p in probe.glob("indices-*.txt")), key=len, reverse=True)
+    replicas = layout.get("num_workers", 1)
+    assert len(reads) == 2 * replicas and all(len(batch) == 64 // replicas for r in reads for batch in r)
+    for second in reads[replicas:]:  # the resumed attempt's: each replica's share (the first attempt's file of
+        resumed_at = 2 * STEPS_PER_EPOCH - len(second)  # the same replica is the one whose order matches)
+        assert resumed_at == 30
+        assert any(second[:len(first) - resumed_at] == first[resumed_at:] for first in reads[:replicas])
     redone = FAIL_AT - resumed_at
     print(f"killed at step {FAIL_AT}, resumed at step {resumed_at}: {redone} steps trained twice (K={EVERY})")
     assert 0 < redone < EVERY

@@ -16,8 +16,9 @@ attempt removes it, ``RunFolder.remove_temporaries``).
 Names: ``checkpoint_epoch{E:06d}`` after epoch E, ``checkpoint_epoch{E:06d}_step{S:09d}`` for a step
 checkpoint after global step S of the epoch after E: names sort by age, so ``num_checkpoints_to_keep``
 keeps the newest N of both kinds (as the Ray Train runner does, ``runtime/step_checkpoints.py``).
-A step checkpoint's ``meta.json`` holds ``step_in_epoch`` and ``epoch_elapsed_s`` (the driver's
-clock of the unfinished epoch); each stage's train state holds its ``epoch_partial`` sums.
+A step checkpoint's ``meta.json`` holds ``step_in_epoch``, ``epoch_elapsed_s`` (the driver's clock of
+the unfinished epoch) and ``epoch_partial_per_rank``: every rank's sums of it (:func:`epoch_partial`,
+a few numbers: every replica's, as each replica's last stage measures its own share of the loss).
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BackgroundWriter", "CheckpointSaver", "snapshot", "checkpoint_name", "CHECKPOINT_PREFIX",
-           "SYNC_UPLOAD_ENV", "EPOCH_ELAPSED"]
+__all__ = ["BackgroundWriter", "CheckpointSaver", "snapshot", "epoch_partial", "resume_sums", "checkpoint_name",
+           "CHECKPOINT_PREFIX", "SYNC_UPLOAD_ENV", "EPOCH_ELAPSED", "EPOCH_PARTIALS"]
 
 CHECKPOINT_PREFIX = "checkpoint_epoch"
 EPOCH_ELAPSED = "epoch_elapsed_s"
 """A step checkpoint's ``meta.json`` key: the unfinished epoch's wall time so far (its row's throughput)."""
+EPOCH_PARTIALS = "epoch_partial_per_rank"
+"""A step checkpoint's ``meta.json`` key: every rank's :func:`epoch_partial`, in rank order."""
 SYNC_UPLOAD_ENV = "RAYTRAIN_MGPU_PIPELINE_SYNC_UPLOAD"
 """Set to 1 to wait for every upload before training on (to measure what the background write saves)."""
 _TOTALS_KEYS = ("steps", "busy_s", "schedule_s", "step_s", "data_wait_s", "bytes_sent")
@@ -66,23 +69,27 @@ def cpu_copy(value: Any) -> Any:
     return value
 
 
-def snapshot(model_state: dict, optimizer, scheduler, totals=None, meter=None) -> tuple:
-    """``(model state, train state)`` of a stage, copied to CPU; with ``totals`` (a step checkpoint) its
-    partial epoch sums: the :class:`StageTotals` counters and, on the last stage, the meter's sums."""
+def snapshot(model_state: dict, optimizer, scheduler) -> tuple:
+    """``(model state, train state)`` of a stage, copied to CPU (the stall a save costs the stage)."""
     train_state = {"optimizer": cpu_copy(optimizer.state_dict()), "scheduler": cpu_copy(scheduler.state_dict()),
                    "torch_rng": torch.get_rng_state()}
-    if totals is not None:
-        train_state["epoch_partial"] = {"totals": {k: getattr(totals, k) for k in _TOTALS_KEYS},
-                                        "meter": meter.partial() if meter is not None else None}
     return cpu_copy(model_state), train_state
 
 
+def epoch_partial(totals, meter=None) -> dict:
+    """A rank's sums of the unfinished epoch, as JSON (floats round-trip exactly): its :class:`StageTotals`
+    counters and, on a last stage, its meter's loss and metric sums (one device read)."""
+    part = meter.partial() if meter is not None else None
+    return {"totals": {k: getattr(totals, k) for k in _TOTALS_KEYS},
+            "meter": None if part is None else {**part, "totals": part["totals"].tolist()}}
+
+
 def resume_sums(partial: dict, totals, meter) -> None:
-    """Continue an epoch's sums from a stage's ``epoch_partial`` (see :func:`snapshot`)."""
+    """Continue an epoch's sums from a rank's :func:`epoch_partial`."""
     for key in _TOTALS_KEYS:
         setattr(totals, key, partial["totals"][key])
     if partial["meter"] is not None:
-        meter.resume([partial["meter"]])
+        meter.resume([{**partial["meter"], "totals": torch.tensor(partial["meter"]["totals"], dtype=torch.float64)}])
 
 
 class BackgroundWriter:
@@ -149,8 +156,9 @@ class CheckpointSaver:
         step = epoch_elapsed_s is not None
         name = checkpoint_name(state.epoch, state.step if step else None)
         tmp = self.folder.temporary(name)
-        self.group.call("save", tmp, step)  # each stage snapshots its state and writes it in the background
-        extra = {STEP_IN_EPOCH: state.step_in_epoch, EPOCH_ELAPSED: epoch_elapsed_s} if step else {}
+        partials = self.group.call("save", tmp, step)  # each stage snapshots its state, writes it in the background
+        extra = {STEP_IN_EPOCH: state.step_in_epoch, EPOCH_ELAPSED: epoch_elapsed_s, EPOCH_PARTIALS: partials} \
+            if step else {}
         meta = checkpoint_meta(self.cfg, state, self.shape_info, partition=list(self.partition.counts),
                                num_stages=self.cfg.num_stages, schedule=self.cfg.schedule, **extra)
         self.uploads.submit(self._publish, tmp, name, meta, list(state.history))

@@ -23,7 +23,7 @@ from raytrain_mgpu.runtime.step_checkpoints import step_checkpoint_due
 from raytrain_mgpu.runtime.step_scalars import stage_scalars
 from raytrain_mgpu.runtime.run_state import RunState, add_metric_totals, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.data import check_data
-from raytrain_mgpu.pipeline.checkpoints import EPOCH_ELAPSED, CheckpointSaver
+from raytrain_mgpu.pipeline.checkpoints import EPOCH_ELAPSED, EPOCH_PARTIALS, CheckpointSaver
 from raytrain_mgpu.pipeline.group import StageGroup
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
@@ -74,7 +74,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
         logger.debug("actor group placed in %.1f s", time.perf_counter() - started)
         if partition is None:
             partition = choose_partition(cfg, profile=group.profile)
-        infos = group.setup(partition, _path_in_folder(cfg, state.checkpoint), state.step, state.step_in_epoch)
+        infos = group.setup(partition, _path_in_folder(cfg, state.checkpoint), state.step, state.step_in_epoch,
+                            state.meta.get(EPOCH_PARTIALS))  # a step checkpoint's: every rank's sums of its epoch
         logger.debug("actor group set up after %.1f s", time.perf_counter() - started)
         steps_per_epoch = infos[0]["steps_per_epoch"]
         logger.info("%s: %d replica(s) x %d stages (%s, partition %s); %s; %d steps per epoch; rank: node %s",

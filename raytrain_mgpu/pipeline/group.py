@@ -86,10 +86,10 @@ class StageGroup:
         return ray.get(self.actors[0].profile_blocks.remote())
 
     def setup(self, partition: Partition, resume_dir: Optional[str], start_step: int,
-              step_in_epoch: int = 0) -> List[dict]:
+              step_in_epoch: int = 0, partials: Optional[list] = None) -> List[dict]:
         address, port = ray.get(self.actors[0].address.remote())
         self._give_data_shards()
-        return self.call("setup", address, port, partition, resume_dir, start_step, step_in_epoch)
+        return self.call("setup", address, port, partition, resume_dir, start_step, step_in_epoch, partials)
 
     def _give_data_shards(self) -> None:
         """``ingest="ray_data"``: each replica's actors get its share of a fresh equal split (the

@@ -40,7 +40,7 @@ from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 from raytrain_mgpu.runtime.step_scalars import StepWindow, WindowedMeter
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.pipeline.checkpoints import BackgroundWriter, resume_sums, snapshot
+from raytrain_mgpu.pipeline.checkpoints import BackgroundWriter, epoch_partial, resume_sums, snapshot
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
 from raytrain_mgpu.models.partition import Partition, blocks_of, build_stage_modules, profile_costs
@@ -113,9 +113,9 @@ class StageWorker:
         return profile_costs(blocks_of(model), x, self.device)
 
     def setup(self, master_addr: str, master_port: int, partition: Partition, resume_dir: Optional[str],
-              start_step: int, step_in_epoch: int = 0) -> dict:
+              start_step: int, step_in_epoch: int = 0, partials: Optional[list] = None) -> dict:
         """Join the process group, build this rank's stages, data and optimizer; restore if resuming
-        (``step_in_epoch``: a step checkpoint's, whose epoch the next ``start_epoch`` continues)."""
+        (``step_in_epoch``, ``partials``: a step checkpoint's, whose epoch the next ``start_epoch`` continues)."""
         cfg = self.cfg
         backend = devices.backend(cfg.use_gpu)
         if self.device.type == "cuda":
@@ -150,7 +150,10 @@ class StageWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps_per_epoch, cfg.epochs)
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between replicas
         if resume_dir is not None:
-            self._restore(resume_dir, step_in_epoch)
+            self._restore(resume_dir)
+        if step_in_epoch:  # step s trains positions [sB, (s+1)B) of the epoch's order: b of them per replica
+            own = partials[self.rank] if partials and len(partials) == self.num_ranks * self.num_replicas else None
+            self._resume = (step_in_epoch * self.replica_batch, own)
         self.step = start_step
         self._eval_orders: Dict[int, Order] = {}
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
@@ -180,7 +183,7 @@ class StageWorker:
             self.sampler = self.loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
         self.test_loader = test_loader(cfg.data, self.data.test, self.replica, D, self.replica_batch, self.device)
 
-    def _restore(self, directory: str, step_in_epoch: int) -> None:
+    def _restore(self, directory: str) -> None:
         state, train_state = ckpt_format.load_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}")
         for stage in self.stages.values():
             stage.load_model_state_dict(state)
@@ -190,8 +193,6 @@ class StageWorker:
         self.optimizer.load_state_dict(train_state["optimizer"])
         self.scheduler.load_state_dict(train_state["scheduler"])
         torch.set_rng_state(train_state["torch_rng"])
-        if step_in_epoch:  # step s trains positions [sB, (s+1)B) of the epoch's order: b of them per replica
-            self._resume = (step_in_epoch * self.replica_batch, train_state["epoch_partial"])
 
     # ------------------------------------------------------------------ training
 
@@ -210,7 +211,8 @@ class StageWorker:
         self.meter = EpochMeter(self.device, self.objective)
         self.totals = StageTotals()
         if self._resume is not None:
-            resume_sums(self._resume[1], self.totals, self.meter)
+            if self._resume[1] is not None:  # None: saved by another world size; the row counts the rest only
+                resume_sums(self._resume[1], self.totals, self.meter)
             self._resume = None
         self._step_meter = self.meter
         if self.window is not None:
@@ -361,17 +363,17 @@ class StageWorker:
             state.update(stage.model_state_dict())
         return state
 
-    def save(self, directory: str, in_epoch: bool = False) -> None:
-        """Replica 0 takes its state (a copy on CPU; ``in_epoch``: with the epoch's partial sums) and writes
-        ``model-stage{p}.pt`` and ``train_state-stage{p}.pt`` into ``directory`` of the run folder, local or
-        remote, in the background (replicas are identical). The previous upload's failure is raised here."""
-        if self.replica != 0:
-            return
-        self.uploads.wait()  # one at a time (the driver has waited for it already: no stall here)
-        model_state, train_state = snapshot(self.model_state(), self.optimizer, self.scheduler,
-                                            *((self.totals, self.meter if self.is_last else None) if in_epoch else ()))
-        self.uploads.submit(ckpt_format.save_part, RunFolder.of(self.cfg), directory, f"-stage{self.prank}",
-                            model_state, train_state)
+    def save(self, directory: str, in_epoch: bool = False) -> Optional[dict]:
+        """Replica 0 takes its state (a copy on CPU) and writes ``model-stage{p}.pt`` and
+        ``train_state-stage{p}.pt`` into ``directory`` of the run folder, local or remote, in the background
+        (replicas are identical; the previous upload's failure is raised here). ``in_epoch``: every rank
+        returns its sums of the unfinished epoch (for the driver's ``meta.json``)."""
+        if self.replica == 0:
+            self.uploads.wait()  # one at a time (the driver has waited for it already: no stall here)
+            model_state, train_state = snapshot(self.model_state(), self.optimizer, self.scheduler)
+            self.uploads.submit(ckpt_format.save_part, RunFolder.of(self.cfg), directory, f"-stage{self.prank}",
+                                model_state, train_state)
+        return epoch_partial(self.totals, self.meter if self.is_last else None) if in_epoch else None
 
     def wait_upload(self) -> None:
         """Until this stage's upload in flight is written (its failure raised); called in the "upload" group."""
