@@ -33,7 +33,7 @@ from raytrain_mgpu.strategies.plan import RunPlan
 logger = logging.getLogger(__name__)
 
 CLOSE_UPLOAD_TIMEOUT_S = 60.0
-"""After a failed attempt's actors are killed: how long its upload in flight may take to give up."""
+"""After a failed attempt, before and after its actors are killed: how long its upload in flight may take."""
 TARGET_CALL_S = 1.0
 """Steps per driver call are chosen so that one call lasts about this long: each call
 costs a Ray round trip (about a millisecond), and progress is reported after each."""
@@ -103,10 +103,10 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
         return path, state.history
     finally:
         if saver is not None:  # after a failure: an upload whose stages all finished is still published
-            saver.abandon(cfg.collective_timeout_s)
+            saver.abandon(CLOSE_UPLOAD_TIMEOUT_S)
         group.shutdown()
-        if saver is not None:
-            saver.abandon(CLOSE_UPLOAD_TIMEOUT_S)  # nothing of this attempt writes when the next one starts
+        if saver is not None:  # a dead actor's wait_upload fails at once: nothing of this attempt writes on
+            saver.abandon(CLOSE_UPLOAD_TIMEOUT_S)  # when the next one starts (and removes its temporaries)
 
 
 def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: int, steps_per_epoch: int,
