@@ -109,7 +109,6 @@ class BackgroundWriter:
             self._start(job, args)
 
     def _start(self, job: Callable, args: tuple) -> None:
-
         def run():
             try:
                 self._outcome = (job(*args), None)
@@ -146,7 +145,6 @@ class CheckpointSaver:
         self.folder = RunFolder.of(cfg)
         self.uploads = BackgroundWriter("checkpoint upload")
         self.sync = os.environ.get(SYNC_UPLOAD_ENV) == "1"
-        self.stalls: list = []  # seconds the stages waited, per save
 
     def save(self, state: RunState, reporter, epoch_elapsed_s: Optional[float] = None) -> str:
         """Checkpoint ``state`` (a step checkpoint when ``epoch_elapsed_s`` is given); its URI once published."""
@@ -164,8 +162,7 @@ class CheckpointSaver:
         self.uploads.submit(self._publish, tmp, name, meta, list(state.history))
         if self.sync:
             self._report(reporter, self.uploads.wait())
-        stall = time.perf_counter() - started
-        self.stalls.append(stall)
+        stall = time.perf_counter() - started  # what the stages waited: logged, for measuring it
         logger.info("checkpoint %s: the stages paused %.3f s (%.3f s waiting for the previous upload)%s",
                     name, stall, waited, " (synchronous upload)" if self.sync else "",
                     extra={"checkpoint_stall_s": stall})
