@@ -85,9 +85,24 @@ class ProgressPrinter:
         self.stream.flush()
 
 
-@ray.remote(num_cpus=0)
 class ProgressSink:
-    """A mailbox between rank 0 and the driver."""
+    """A mailbox between rank 0 and the driver: ``ProgressSink.remote()`` starts it on the driver's node.
+
+    Anywhere else it would die with that node: a lost spot node took every later progress line
+    (epochs, "resuming at step S") with it, although the run went on (tests/test_two_node_spot.py).
+    """
+
+    @staticmethod
+    def remote():
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        return _Mailbox.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+
+
+@ray.remote(num_cpus=0)
+class _Mailbox:
+    """The sink's actor (see :class:`ProgressSink`)."""
 
     def __init__(self):
         self.events = []
