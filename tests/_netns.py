@@ -62,10 +62,15 @@ def unavailable_reason() -> Optional[str]:
 
 
 class TwoNodeCluster:
-    """Head in one namespace, worker node in another. Use as a context manager."""
+    """Head in one namespace, worker node in another. Use as a context manager.
 
-    def __init__(self, root: Path, private_dirs: Sequence[Path] = (), head_cpus: int = 1, worker_cpus: int = 1):
+    ``start_worker=False``: the head alone at first (its namespaces are both made); the test
+    starts the worker node later with ``start_worker_node()``, e.g. to grow an elastic run."""
+
+    def __init__(self, root: Path, private_dirs: Sequence[Path] = (), head_cpus: int = 1, worker_cpus: int = 1,
+                 start_worker: bool = True):
         self.root = Path(root)
+        self.start_worker = start_worker
         self.private_dirs = [Path(p) for p in private_dirs]
         self.head_cpus, self.worker_cpus = head_cpus, worker_cpus
         tag = uuid.uuid4().hex[:6]
@@ -86,7 +91,8 @@ class TwoNodeCluster:
             self.head = RayNode(self.root / "h", self.env, prefix=["ip", "netns", "exec", self.head_ns])
             self.head.start(["--head", "--node-ip-address", HEAD_IP, "--port", str(GCS_PORT),
                              "--num-cpus", str(self.head_cpus), "--include-dashboard=false"])
-            self.start_worker_node()
+            if self.start_worker:
+                self.start_worker_node()
         except BaseException:
             self.close()
             raise

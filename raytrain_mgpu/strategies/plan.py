@@ -93,7 +93,6 @@ class RunPlan:
 def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
     """The plan of ``cfg`` (validated, strategy resolved: not ``auto``)."""
     from raytrain_mgpu.strategies import get_strategy
-
     from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
 
     cls = get_strategy(cfg.strategy)

@@ -1,0 +1,167 @@
+"""An elastic run (``num_workers=(1, 2)``) on a real two-node cluster that grows and then shrinks under it.
+
+The cluster starts with the head alone (1 CPU: room for 1 worker). The run starts with 1 worker
+(micro-batch 32 fixed by the max count, 2 accumulation steps); once its first step checkpoint
+exists the test starts the worker node, Ray Train's elastic policy sees room for 2 and restarts
+the group from the latest checkpoint with 2 workers (1 accumulation step each); once the 2-worker
+group has finished an epoch the test SIGKILLs the worker node, the group fails (``max_failures=1``)
+and restarts with the 1 worker the head has room for. The run ends with the weights of an
+undisturbed 1-worker run, its history shows both counts, and each restart cost at most
+``checkpoint_every_n_steps`` steps (measured from what every worker process read).
+
+Namespaces need root, ``ip`` and ``unshare``: without them the tests skip with the reason,
+except on CI (``CI=true``), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _netns import HEAD_IP, WORKER_IP, TwoNodeCluster, unavailable_reason
+
+pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+EVERY = 5  # checkpoint_every_n_steps
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=6,
+           num_checkpoints_to_keep=100)  # every checkpoint kept: the test reads where each attempt resumed
+STEPS_PER_EPOCH = 1438 // 64
+DRIVER_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def site():
+    reason = unavailable_reason()  # creates and deletes a probe namespace: not at collection
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the two-node tests cannot run on this CI machine: {reason}")
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="rtm2e-", dir="/tmp"))  # short: Ray's socket paths live below
+    (root / "shared").mkdir()
+    try:
+        with TwoNodeCluster(root / "cluster", start_worker=False) as cluster:
+            yield cluster, root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _driver(cluster: TwoNodeCluster, folder: Path, steps: list) -> subprocess.Popen:
+    folder.mkdir()
+    (folder / "plan.json").write_text(json.dumps({"steps": steps}))
+    # A group that cannot be placed (2 workers asked on 1 node's room, before Ray's autoscaling
+    # coordinator sees the lost node) gives up after 20 s and is asked again.
+    return cluster.python(["tests/_fit_driver.py", str(folder / "plan.json"), str(folder / "results.json")],
+                          extra_env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}, cwd=str(REPO),
+                          stdout=open(folder / "driver.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _result(driver: subprocess.Popen, folder: Path) -> dict:
+    log = (folder / "driver.log").read_text()[-5000:]
+    assert driver.returncode == 0 and (folder / "results.json").is_file(), log
+    (result,) = json.loads((folder / "results.json").read_text())
+    assert result["ok"], result
+    return result
+
+
+def _registered(run: Path) -> list:
+    """The checkpoints Ray Train has registered (a restart resumes from the newest of them), each its
+    meta.json (step, attempt, step_in_epoch), oldest first. A checkpoint on disk whose report the
+    controller had not taken when its group stopped is not one of them."""
+    try:
+        snapshot = json.loads((run / "checkpoint_manager_snapshot.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return []
+    metas = []
+    for result in snapshot["checkpoint_results"]:
+        try:
+            metas.append(json.loads((run / result["checkpoint_dir_name"] / "meta.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(metas, key=lambda m: m["step"])
+
+
+def _attempts(probe: Path) -> list:
+    """Worker groups in start order: [(world size, micro-batches rank 0 read), ...]."""
+    infos = sorted((json.loads(p.read_text()) for p in probe.glob("worker-*.json")), key=lambda i: i["started"])
+    groups, index = [], 0
+    while index < len(infos):
+        size = infos[index]["world_size"]
+        group = infos[index:index + size]
+        rank0 = next(i for i in group if i["world_rank"] == 0)
+        batches = probe / f"batches-{rank0['pid']}.txt"
+        groups.append((size, len(batches.read_text().split()) if batches.exists() else 0,
+                       sorted(i["node_ip"] for i in group)))
+        index += size
+    return groups
+
+
+def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_worker(site):
+    cluster, root = site
+    shared = root / "shared"
+    reference = _driver(cluster, root / "driver-one", [{"kind": "fit", "weights": str(root / "one.pt"), "config": {
+        **MLP, "dataset": "digits", "num_workers": 1, "grad_accum_steps": 2, "name": "one",
+        "storage_path": str(shared)}}])
+    reference.wait(timeout=DRIVER_TIMEOUT_S)
+    one = _result(reference, root / "driver-one")
+    assert [row["workers"] for row in one["history"]] == [1] * MLP["epochs"]
+
+    probe = root / "probe"
+    probe.mkdir()
+    run = shared / "elastic"
+    driver = _driver(cluster, root / "driver-elastic", [{"kind": "fit", "weights": str(root / "elastic.pt"), "config": {
+        **MLP, "dataset": "_elastic_probe:slow_digits", "data_root": str(probe), "num_workers": [1, 2],
+        "checkpoint_every_n_steps": EVERY, "max_failures": 1, "elastic_resize_interval_s": 1.0,
+        "name": "elastic", "storage_path": str(shared)}}])
+    timeline = {}
+    start = time.monotonic()
+    try:
+        while driver.poll() is None:
+            assert time.monotonic() - start < DRIVER_TIMEOUT_S, "the elastic run did not finish in time"
+            metas = _registered(run)
+            if "grow" not in timeline and metas:
+                cluster.start_worker_node()  # a node joins: room for the second worker
+                timeline["grow"] = time.monotonic() - start
+            elif "shrink" not in timeline and any(m["attempt"] == 1 and not m.get("step_in_epoch") for m in metas):
+                cluster.worker.lose()  # the grown group's epoch is registered: its node is reclaimed
+                timeline["shrink"] = time.monotonic() - start
+            time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    elastic = _result(driver, root / "driver-elastic")
+    print("elastic run: node added at %.0f s, lost at %s s, finished at %.0f s" % (
+        timeline.get("grow", math.nan), timeline.get("shrink"), time.monotonic() - start))
+
+    # 1 worker on the head, 2 on both nodes, 1 again after the worker node was lost.
+    attempts = _attempts(probe)
+    assert [size for size, _, _ in attempts] == [1, 2, 1], attempts
+    assert attempts[1][2] == sorted([HEAD_IP, WORKER_IP]) and attempts[2][2] == [HEAD_IP]
+    history = elastic["history"]
+    assert [row["epoch"] for row in history] == list(range(1, MLP["epochs"] + 1))
+    assert {row["workers"] for row in history} == {1, 2}, [(row["epoch"], row["workers"]) for row in history]
+    assert history[-1]["step"] == MLP["epochs"] * STEPS_PER_EPOCH
+
+    # What each restart cost: the steps the stopped group started after the checkpoint the next one resumed.
+    metas = _registered(run)
+    resumed_at = [0] + [max(m["step"] for m in metas if m["attempt"] < a) for a in (1, 2)]
+    lost = []
+    for a, (size, batches, _) in enumerate(attempts[:2]):
+        reached = resumed_at[a] + math.ceil(batches / (2 // size))  # micro-batches / accumulation steps
+        lost.append(reached - resumed_at[a + 1])
+    print(f"steps lost at the grow and at the shrink: {lost} (checkpoint_every_n_steps={EVERY})")
+    assert all(0 <= n <= EVERY for n in lost), lost
+
+    reference_weights, weights = torch.load(root / "one.pt"), torch.load(root / "elastic.pt")
+    assert weights.keys() == reference_weights.keys()
+    for key in reference_weights:
+        torch.testing.assert_close(weights[key], reference_weights[key], rtol=1e-4, atol=1e-5, msg=key)
