@@ -123,7 +123,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
         "checkpoint_every_n_steps": EVERY, "max_failures": 1, "elastic_resize_interval_s": 1.0,
         "name": "elastic", "storage_path": str(shared)}}])
     timeline = {}
-    start = time.monotonic()
+    start, wall_start = time.monotonic(), time.time()
     try:
         while driver.poll() is None:
             assert time.monotonic() - start < DRIVER_TIMEOUT_S, "the elastic run did not finish in time"
@@ -132,6 +132,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
                 cluster.start_worker_node()  # a node joins: room for the second worker
                 timeline["grow"] = time.monotonic() - start
             elif "shrink" not in timeline and any(m["attempt"] == 1 and not m.get("step_in_epoch") for m in metas):
+                time.sleep(0.5)  # a few steps later, between two step checkpoints (0.15 s a micro-batch)
                 cluster.worker.lose()  # the grown group's epoch is registered: its node is reclaimed
                 timeline["shrink"] = time.monotonic() - start
             time.sleep(0.1)
@@ -139,8 +140,10 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
         if driver.poll() is None:
             driver.kill()
     elastic = _result(driver, root / "driver-elastic")
-    print("elastic run: node added at %.0f s, lost at %s s, finished at %.0f s" % (
-        timeline.get("grow", math.nan), timeline.get("shrink"), time.monotonic() - start))
+    started = sorted(json.loads(p.read_text())["started"] for p in probe.glob("worker-*.json"))
+    print("elastic run (s after the driver started): node added %.0f, lost %.0f, run finished %.0f; worker "
+          "processes started %s" % (timeline["grow"], timeline["shrink"], time.monotonic() - start,
+                                     [round(t - wall_start) for t in started]))
 
     # 1 worker on the head, 2 on both nodes, 1 again after the worker node was lost.
     attempts = _attempts(probe)
@@ -148,6 +151,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
     assert attempts[1][2] == sorted([HEAD_IP, WORKER_IP]) and attempts[2][2] == [HEAD_IP]
     history = elastic["history"]
     assert [row["epoch"] for row in history] == list(range(1, MLP["epochs"] + 1))
+    print("workers per epoch:", [row["workers"] for row in history])
     assert {row["workers"] for row in history} == {1, 2}, [(row["epoch"], row["workers"]) for row in history]
     assert history[-1]["step"] == MLP["epochs"] * STEPS_PER_EPOCH
 
