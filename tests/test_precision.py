@@ -106,7 +106,7 @@ def checkpoint_roundtrip(monkeypatch, tmp_path, loop: _Loop, cfg: TrainConfig, s
     """Save through ``worker_checkpoint.save_and_report`` and read it back through ``worker_checkpoint.restore`` (no Ray Train)."""
     saved = tmp_path / "checkpoint"
 
-    def report(metrics, checkpoint=None):
+    def report(metrics, checkpoint=None, **upload):
         shutil.copytree(checkpoint.path, saved)
 
     monkeypatch.setattr(ray.train, "report", report)

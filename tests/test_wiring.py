@@ -69,8 +69,9 @@ def test_save_and_report_returns_only_after_the_controller_took_the_report(rank,
     events: list = []
     controller = _Controller(events)
 
-    def report(metrics, checkpoint=None):  # what ray.train.report does in V2: queue the result
+    def report(metrics, checkpoint=None, **upload):  # what ray.train.report does in V2: queue the result
         if checkpoint is not None:
+            assert upload["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.SYNC
             assert (Path(checkpoint.path) / "meta.json").is_file()
         events.append("report")
         controller.results.put((metrics, checkpoint))
@@ -87,8 +88,10 @@ def test_save_and_report_returns_only_after_the_controller_took_the_report(rank,
     ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
     shape_info = {"input_shape": [1, 8, 8], "num_classes": 10}
     start = time.monotonic()
+    # Rank 0's synchronous upload (the run's last save, or upload=SYNC); its asynchronous one returns
+    # at once and is announced after the controller took it (tests/test_async_upload.py).
     worker_checkpoint.save_and_report(cfg, _Strategy(), model, optimizer, scheduler, scaler, state, {"train_loss": 1.0},
-                          ctx, shape_info)
+                          ctx, shape_info, upload=ray.train.CheckpointUploadMode.SYNC)
     events.append("returned")
     controller.thread.join(timeout=30)
     assert events == ["report", "collected", "returned"]

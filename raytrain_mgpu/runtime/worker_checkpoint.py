@@ -3,16 +3,49 @@
 ``save_and_report`` writes a checkpoint (rank 0) and reports it to Ray Train on every rank;
 ``restore`` reads the run's last checkpoint back on a restart or resume. Used by the loop
 (``runtime/loop.py``) at the end of every epoch and every ``checkpoint_every_n_steps``.
+
+Upload. Rank 0 writes the checkpoint to a local folder and reports it with Ray Train's
+``CheckpointUploadMode.ASYNC``: Ray copies it to ``storage_path`` in a background thread (one
+upload at a time, registered in report order, the local folder deleted after its upload) while
+training goes on, so a save stalls training for the write, not the upload. What the synchronous
+upload guaranteed still holds:
+
+- a restart resumes from a complete checkpoint: Ray Train registers a checkpoint (and records
+  it in ``checkpoint_manager_snapshot.json``) only after its upload finished; a failure of any
+  rank during an upload loses that checkpoint (the worker group stops, the upload with it),
+  and the restart resumes from the one before (tests/test_async_upload.py);
+- at most one upload is in flight: a save whose predecessor is still uploading waits for it
+  (:meth:`_Uploads.wait_persisted`) and for the controller to take its report, so a slow storage
+  delays training rather than piling up local copies and moving the resume point further
+  behind, and a failure during an upload resumes from the checkpoint uploaded before it;
+- the driver's ``on_checkpoint`` gets the persisted path, once the upload is done and Ray
+  Train's controller has taken the report (:class:`_Uploads`, a thread on rank 0): later than
+  the epoch's row, in checkpoint order;
+- the other ranks report without a checkpoint synchronously and wait until the controller has
+  taken their report (``wait_until_report_collected``), so one of them dying right after
+  its report cannot drop rank 0's checkpoint; a failure within one controller poll after the
+  upload finished, before the next save, loses it (the restart resumes from the one before),
+  as a failure during the upload does;
+- the run's last save (``RunState.finished``) uploads synchronously: nothing is left to
+  overlap, and the train function returns only once every checkpoint is registered and
+  announced;
+- ``keep_best``'s copy (``RunFolder.save_best``) is written before the report, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import tempfile
-from typing import TYPE_CHECKING, Optional
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from typing import TYPE_CHECKING, List, Optional
 
 import ray.train
 import torch
+from ray.train import CheckpointUploadMode
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
@@ -94,38 +127,142 @@ def restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int
 
 
 def save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
-                     state: RunState, metrics: dict, ctx: WorkerContext, shape_info: dict,
-                     reporter: Optional[WorkerReporter] = None, epoch_partial: Optional[dict] = None) -> None:
+                    state: RunState, metrics: dict, ctx: WorkerContext, shape_info: dict,
+                    reporter: Optional[WorkerReporter] = None, epoch_partial: Optional[dict] = None,
+                    upload: CheckpointUploadMode = CheckpointUploadMode.ASYNC) -> None:
     """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint
-    and then tells the driver where Ray Train persisted it (``on_checkpoint``)."""
+    and the driver hears where Ray Train persisted it (``on_checkpoint``). ``upload``: rank 0's
+    upload mode (``SYNC`` waits for the upload here); the run's last save is always ``SYNC``."""
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     rng_states = gather_rng_states()  # collective: each rank keeps its own stream on resume
     # A step checkpoint (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's.
     partials = gather_objects(epoch_partial) if epoch_partial is not None else None
-    with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-ckpt-") as directory:
-        checkpoint: Optional[ray.train.Checkpoint] = None
-        if ctx.world_rank == 0:
-            meta = checkpoint_meta(cfg, state, shape_info, **({STEP_IN_EPOCH: state.step_in_epoch} if partials else {}))
-            train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                           "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
-            if partials:
-                train_state["epoch_partial_per_rank"] = partials
-            ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
-                                         model_state=model_state, train_state=train_state)
-            if (cfg.keep_best and not partials
-                    and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]):
-                # Ray Train prunes by age here (its score order would keep the N best, not the last N):
-                # a new best's model is copied aside, one more model write per improvement.
-                RunFolder.of(cfg).save_best(directory)
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=checkpoint)
-    # A rank that dies before Ray Train's controller has taken its report would drop this
-    # checkpoint although it is uploaded; waiting costs up to one controller poll (2 s).
+    if ctx.world_rank != 0:  # no checkpoint: reported at once, then held until the controller took it
+        ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
+        wait_until_report_collected()
+        return
+    uploads = _Uploads.current()
+    # The previous upload, if still running (one in flight at most), and its report taken by the
+    # controller: a failure from here on resumes from it, at worst (up to one poll, 2 s, if it just ended).
+    uploads.wait_persisted()
     wait_until_report_collected()
-    if checkpoint is not None and reporter is not None:
-        # A synchronous report has uploaded the checkpoint before it returns, and the latest
-        # reported checkpoint is then the persisted one (its path in the storage filesystem).
-        persisted = ray.train.get_checkpoint()
+    if state.finished(cfg):
+        upload = CheckpointUploadMode.SYNC
+    directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after the upload
+    try:
+        meta = checkpoint_meta(cfg, state, shape_info, **({STEP_IN_EPOCH: state.step_in_epoch} if partials else {}))
+        train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                       "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
+        if partials:
+            train_state["epoch_partial_per_rank"] = partials
+        ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
+                                     model_state=model_state, train_state=train_state)
+        if (cfg.keep_best and not partials
+                and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]):
+            # Ray Train prunes by age here (its score order would keep the N best, not the last N):
+            # a new best's model is copied aside, one more model write per improvement.
+            RunFolder.of(cfg).save_best(directory)
+        name = _checkpoint_dir_name()
+        ray.train.report({k: v for k, v in metrics.items() if v is not None},
+                         checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
+                         checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)  # not handed to Ray Train (or its upload failed)
+        raise
+    if upload == CheckpointUploadMode.ASYNC:
+        uploads.announce_when_persisted(name, RunFolder.of(cfg), reporter)
+        return
+    # Synchronous: uploaded when report returns. A rank 0 that died before the controller took
+    # the report would drop the checkpoint although it is uploaded: wait up to one poll (2 s).
+    wait_until_report_collected()
+    uploads.flush()  # the asynchronous ones before it, announced in order
+    if reporter is not None:
+        persisted = ray.train.get_checkpoint()  # the latest reported: this one, in the storage filesystem
         if persisted is not None:
             reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))
+
+
+def _checkpoint_dir_name() -> str:
+    """Ray Train's own naming (``checkpoint_<time>``), chosen here so that rank 0 knows the folder
+    its asynchronous upload writes (Ray Train uses rank 0's name on every rank)."""
+    return f"checkpoint_{datetime.today():%Y-%m-%d_%H-%M-%S.%f}"
+
+
+class _Uploads:
+    """Rank 0's asynchronous checkpoint uploads, in report order (Ray Train runs one at a time).
+
+    A checkpoint is persisted once ``ray.train.get_checkpoint()`` (set by Ray Train after the
+    upload, just before the report is queued for the controller) names it or a later one of ours.
+    A single thread then waits for the controller to take the report and tells the driver
+    (``on_checkpoint``), one checkpoint after the other.
+    """
+
+    _current: Optional["_Uploads"] = None
+    POLL_S = 0.02
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.names: List[str] = []
+        self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-mgpu-ckpt-announce")
+        self._last: Optional[Future] = None
+
+    @classmethod
+    def current(cls) -> "_Uploads":
+        """This worker's tracker (a new one for a new Ray Train context: a restarted attempt)."""
+        owner = _train_context()
+        if cls._current is None or cls._current.owner is not owner:
+            cls._current = cls(owner)
+        return cls._current
+
+    def _persisted_index(self) -> int:
+        """Index in ``names`` of the newest checkpoint Ray Train has persisted, -1 for none."""
+        try:
+            latest = ray.train.get_checkpoint()
+        except RuntimeError:  # outside a Ray Train worker (a unit test): nothing to wait for
+            return len(self.names) - 1
+        name = os.path.basename(latest.path.rstrip("/")) if latest is not None else None
+        return self.names.index(name) if name in self.names else -1
+
+    def wait_persisted(self, index: int = -1, timeout_s: Optional[float] = None) -> bool:
+        """Block until ``names[index]`` (default: the newest) is persisted; False after ``timeout_s``."""
+        if not self.names:
+            return True
+        target = index % len(self.names)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._persisted_index() < target:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(self.POLL_S)  # the upload thread sets it; Ray Train offers no event to wait on
+        return True
+
+    def announce_when_persisted(self, name: str, folder: RunFolder, reporter: Optional[WorkerReporter]) -> None:
+        self.names.append(name)
+        if reporter is None:  # nobody to tell (a unit test)
+            return
+        index = len(self.names) - 1
+        self._last = self._announcer.submit(self._announce, index, folder, reporter)
+
+    def _announce(self, index: int, folder: RunFolder, reporter: Optional[WorkerReporter]) -> None:
+        try:
+            self.wait_persisted(index)
+            wait_until_report_collected()  # as the synchronous path: announced once the controller has it
+            latest = ray.train.get_checkpoint()  # this one or a later one: a sibling in the storage filesystem
+            if reporter is not None and latest is not None:
+                reporter.checkpoint(folder.uri_of(f"{latest.path.rstrip('/').rsplit('/', 1)[0]}/{self.names[index]}"))
+        except Exception:  # never fails training: the checkpoint itself is registered by Ray Train
+            logger.exception("could not announce checkpoint %s to the driver", self.names[index])
+
+    def flush(self) -> None:
+        """Wait until every asynchronous checkpoint so far is announced."""
+        if self._last is not None:
+            self._last.result()
+
+
+def _train_context():
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context()
+    except Exception:  # not in a Ray Train worker (unit tests)
+        return None

@@ -1,0 +1,195 @@
+"""Asynchronous checkpoint upload (``runtime/worker_checkpoint.py``): training goes on while Ray
+Train uploads, and every guarantee of the synchronous upload still holds.
+
+Two Ray runs, the same run as test_step_checkpoints (step checkpoints every 5 steps) with rank
+0's uploads slowed by ``_upload_probe``: an undisturbed one, and one whose rank 0 is SIGKILLed
+in the middle of its third upload. Checked: batches were trained during the uploads, uploads ran
+one at a time in report order, the driver's ``on_checkpoint`` got each persisted, loadable
+checkpoint once and in order, the resume point is the newest complete checkpoint, and the
+killed run resumed from the last complete one and ended with the undisturbed run's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray.train
+import torch
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.runtime import worker_checkpoint
+from raytrain_mgpu.runtime.callbacks import Callback
+from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
+
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
+           num_workers=2, epochs=2, checkpoint_every_n_steps=5, num_checkpoints_to_keep=20)
+STEPS_PER_EPOCH = 1438 // 64  # 22
+SAVED_AT = [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]  # step checkpoints, and the epoch ends 22 and 44
+UPLOAD_S = 0.5
+
+
+# ---------------------------------------------------------------------------- no Ray
+
+
+class _Reporter:
+    def __init__(self):
+        self.paths = []
+
+    def checkpoint(self, path):
+        self.paths.append(path)
+
+
+def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_at_once(monkeypatch):
+    latest = {"path": None}
+    monkeypatch.setattr(ray.train, "get_checkpoint",
+                        lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
+    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
+    uploads, reporter = worker_checkpoint._Uploads(owner=None), _Reporter()
+    folder = RunFolder("/storage/run")
+    for name in ("checkpoint_a", "checkpoint_b", "checkpoint_c"):
+        uploads.announce_when_persisted(name, folder, reporter)
+    assert not uploads.wait_persisted(timeout_s=0.1)  # nothing uploaded yet: a new save would wait
+    time.sleep(0.1)
+    assert reporter.paths == []
+    latest["path"] = "/storage/run/checkpoint_a"
+    assert uploads.wait_persisted(0, timeout_s=5) and not uploads.wait_persisted(timeout_s=0.1)
+    latest["path"] = "/storage/run/checkpoint_c"  # b and c registered between two polls
+    done = threading.Thread(target=uploads.flush)
+    done.start()
+    done.join(timeout=10)
+    assert not done.is_alive()
+    assert reporter.paths == ["/storage/run/checkpoint_a", "/storage/run/checkpoint_b", "/storage/run/checkpoint_c"]
+
+
+def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, tmp_path):
+    """Nothing is left to overlap with: the train function must not return with an upload
+    unannounced. Any other save is asynchronous."""
+    modes, latest = [], {}
+
+    def report(metrics, checkpoint=None, **upload):  # Ray Train, its uploads done at once
+        modes.append(None if checkpoint is None else upload["checkpoint_upload_mode"])
+        if checkpoint is not None:
+            latest["checkpoint"] = SimpleNamespace(path=f"{tmp_path}/run/{upload['checkpoint_dir_name']}")
+
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: latest.get("checkpoint"))
+    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
+    from raytrain_mgpu.runtime.run_state import RunState
+    from raytrain_mgpu.strategies import WorkerContext
+
+    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", epochs=2,
+                          storage_path=str(tmp_path))
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    strategy = SimpleNamespace(state_dict=lambda m: m.state_dict(), optimizer_state_dict=lambda m, o: o.state_dict())
+    for rank in (0, 1):
+        ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
+        for epoch in (1, 2):
+            state = RunState(epoch=epoch, step=10 * epoch, history=[{"epoch": e} for e in range(1, epoch + 1)])
+            worker_checkpoint.save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state,
+                                              {"epoch": epoch}, ctx, {"input_shape": [3], "num_classes": 2})
+    assert modes == [ray.train.CheckpointUploadMode.ASYNC, ray.train.CheckpointUploadMode.SYNC, None, None]
+
+
+# ---------------------------------------------------------------------------- Ray
+
+
+class _Announced(Callback):
+    """Each on_checkpoint: the path, and its step read back from storage at that moment."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_checkpoint(self, path):
+        ckpt_format.load_model_state(path)  # complete when announced: its model loads
+        self.seen.append((path, ckpt_format.read_meta(path)["step"]))
+
+
+def _fit(tmp_path: Path, name: str, **plan):
+    probe = tmp_path / f"probe-{name}"
+    probe.mkdir()
+    (probe / "plan.json").write_text(json.dumps({"upload_s": UPLOAD_S, **plan}))
+    announced = _Announced()
+    cfg = rtm.TrainConfig(**MLP, dataset="_upload_probe:digits", data_root=str(probe), max_failures=1, name=name,
+                          storage_path=str(tmp_path / "results"), callbacks=[announced])
+    return rtm.fit(cfg), probe, announced
+
+
+def _uploads(probe: Path) -> list:
+    return [json.loads(line) for line in (probe / "uploads.jsonl").read_text().splitlines()]
+
+
+def _batches(probe: Path) -> list:
+    """Per rank-0 process (in start order): the times it read its training batches."""
+    files = sorted(probe.glob("batches-*.txt"), key=lambda p: float(p.read_text().split()[0]))
+    return [[float(t) for t in p.read_text().split()] for p in files]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_session, tmp_path_factory):
+    return _fit(tmp_path_factory.mktemp("undisturbed"), "undisturbed")
+
+
+@pytest.mark.slow  # one fit with 10 half-second uploads: 30-60 s on 2 cores
+def test_training_goes_on_during_uploads_which_complete_in_order_and_are_announced_once_persisted(undisturbed):
+    result, probe, announced = undisturbed
+    uploads = _uploads(probe)
+    names = [Path(u["dest"]).name for u in uploads]
+    assert len(uploads) == len(SAVED_AT) and names == sorted(names)  # report order (names are times)
+    assert all(a["end"] <= b["start"] for a, b in zip(uploads, uploads[1:]))  # one at a time
+    (batches,) = _batches(probe)
+    # Rank 0 trained while its asynchronous uploads ran (all but the last save's, synchronous).
+    overlapped = [u for u in uploads[:-1] if any(u["start"] < t < u["end"] for t in batches)]
+    assert len(overlapped) >= len(uploads) - 2, (len(overlapped), len(uploads))
+    assert not any(uploads[-1]["start"] < t < uploads[-1]["end"] for t in batches)
+
+    # The driver heard of every checkpoint once, in order, each complete when announced.
+    assert [step for _, step in announced.seen] == SAVED_AT
+    assert [Path(path).name for path, _ in announced.seen] == names
+    assert announced.seen[-1][0] == result.checkpoint_path
+
+    # What a restart or a resume loads: Ray Train's latest, the newest complete checkpoint.
+    folder = RunFolder(result.path)
+    newest = folder.newest_checkpoint()
+    assert newest.name == names[-1] and newest.meta["step"] == SAVED_AT[-1]
+    snapshot = json.loads((Path(result.path) / RAY_TRAIN_SNAPSHOT).read_text())
+    assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == names[-1]
+
+
+@pytest.mark.slow  # a second fit, with a restart: 40-80 s on 2 cores
+def test_a_kill_in_the_middle_of_an_upload_resumes_from_the_last_complete_checkpoint_bit_equal(
+        undisturbed, tmp_path):
+    want, _, _ = undisturbed
+    result, probe, announced = _fit(tmp_path, "killed-in-upload", kill_in_upload=3)
+    half = Path((probe / "killed_in_upload").read_text())
+    assert json.loads((half / "meta.json").read_text())["step"] == SAVED_AT[2]
+    with pytest.raises(Exception):  # cut in half: this folder cannot load
+        torch.load(half / "model.pt", weights_only=True)
+    snapshot = (Path(result.path) / RAY_TRAIN_SNAPSHOT).read_text()
+    assert half.name not in snapshot
+
+    # The restart began after the last complete upload (step 10): rank 0 read steps 11-44 again.
+    first, second = _batches(probe)
+    assert len(second) == 2 * STEPS_PER_EPOCH - SAVED_AT[1]
+    assert [(h["epoch"], h["attempt"]) for h in result.history] == [(1, 1), (2, 1)]
+    # The driver was told of the checkpoints of steps 5 and 10, then, after the restart, of the rest.
+    steps = [step for _, step in announced.seen]
+    assert steps[-len(SAVED_AT) + 2:] == SAVED_AT[2:] and set(steps[:-len(SAVED_AT) + 2]) <= {5, 10}
+
+    # The newest checkpoint loads and is the result; the weights are the undisturbed run's, bit for bit.
+    newest = RunFolder(result.path).newest_checkpoint()
+    assert newest.uri == result.checkpoint_path and newest.meta["step"] == SAVED_AT[-1]
+    with ckpt_format.local_checkpoint(result.checkpoint_path) as a, \
+            ckpt_format.local_checkpoint(want.checkpoint_path) as b:
+        got, expected = ckpt_format.load_model_state(a), ckpt_format.load_model_state(b)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
