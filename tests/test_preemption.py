@@ -127,6 +127,17 @@ def test_check_cadence_is_the_global_step_so_every_rank_agrees():
     assert fake.calls == 4  # steps 4, 8, 12, 16
 
 
+def test_a_ray_data_run_never_asks():
+    """ingest='ray_data' cannot resume mid-epoch: no barrier, no save, whatever the notices."""
+    fake = FakeInfo(notice_at=1)
+    cfg = TrainConfig()
+    cfg.ingest = "ray_data"  # the check only reads the field (a real ray_data config needs parquet data)
+    check = PreemptionCheck(cfg, every=1, get_info=fake)
+    for step in range(1, 6):
+        assert check.after_step(step, step, 10, lambda: pytest.fail("no save")) is False
+    assert fake.calls == 0
+
+
 def test_notice_and_resume_lines():
     info = PreemptionInfo(deadline_ms=1_000_000 + 12_400, preempted_node_to_ranks={NODE: [1, 2]})
     assert notice_line(info, 140, now_s=1_000.0) == f"preempted (node {NODE[:12]}, deadline in 12 s): saved step 140"

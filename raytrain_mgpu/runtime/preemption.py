@@ -61,6 +61,9 @@ class PreemptionCheck:
     def __init__(self, cfg, reporter=None, every: int = CHECK_EVERY_N_STEPS,
                  get_info: Optional[Callable] = None):
         self.cfg, self.reporter, self.every = cfg, reporter, every
+        # A Ray Data stream restarts its epoch on resume (config_checks refuses checkpoint_every_n_steps
+        # with it): a step checkpoint could not continue mid-epoch, so such a run does not ask.
+        self.enabled = getattr(cfg, "ingest", None) != "ray_data"
         self.get_info = get_info or _ray_preemption_info
         self.notice = None  # the first notice of this attempt; no check after it
         self.checks = 0  # barriers this rank entered (every rank the same number)
@@ -90,7 +93,7 @@ class PreemptionCheck:
 
     def _poll(self, step: int):
         """The notice, the first time a check sees one; None otherwise (and at every step between checks)."""
-        if self.notice is not None or step % self.every:
+        if not self.enabled or self.notice is not None or step % self.every:
             return None
         self.checks += 1
         self.notice = self.get_info()  # a barrier: every rank reaches it at the same global steps
