@@ -96,8 +96,10 @@ class ProgressSink:
     def remote():
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        # Hard affinity: with soft=True a busy head raylet spilled the lease back to a worker node
+        # (seen on the namespace nodes); the driver's own node is alive as long as the driver is.
         here = ray.get_runtime_context().get_node_id()
-        return _Mailbox.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        return _Mailbox.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
 
 
 @ray.remote(num_cpus=0)
