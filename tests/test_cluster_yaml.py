@@ -121,3 +121,13 @@ def test_every_node_type_requires_imdsv2(raw):
     assert "docker" not in raw or all(
         t["node_config"]["MetadataOptions"]["HttpPutResponseHopLimit"] == 2
         for t in raw["available_node_types"].values())
+
+
+def test_every_worker_node_runs_spot_watch_after_ray_start_with_a_deadline_below_the_notice(raw):
+    """A spot reclaim becomes a Ray preemption drain only if spot-watch runs on the node (README: Spot and elastic)."""
+    start = " ".join(raw["worker_start_ray_commands"])
+    assert start.index("ray start") < start.index("raytrain-mgpu spot-watch")  # it finds its node in Ray
+    grace = int(re.search(r"spot-watch --grace-s (\d+)", start).group(1))
+    assert 0 < grace < 120  # AWS gives two minutes' notice; the save must fit before the reclaim
+    assert "--notice-url http://169.254.169.254/latest/meta-data/spot/instance-action" in start
+    assert "RAY_AUTH_MODE=token" in start.split("raytrain-mgpu spot-watch")[0]  # inherited by spot-watch
