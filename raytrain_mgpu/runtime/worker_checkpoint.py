@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import TYPE_CHECKING, List, Optional
 
@@ -204,8 +205,8 @@ class _Uploads:
     def __init__(self, owner):
         self.owner = owner
         self.names: List[str] = []
-        self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-mgpu-ckpt-announce")
-        self._last: Optional[Future] = None
+        self._pending: queue.Queue = queue.Queue()  # (index, folder, reporter), announced in order
+        self._announcer: Optional[threading.Thread] = None
 
     @classmethod
     def current(cls) -> "_Uploads":
@@ -240,8 +241,19 @@ class _Uploads:
         self.names.append(name)
         if reporter is None:  # nobody to tell (a unit test)
             return
-        index = len(self.names) - 1
-        self._last = self._announcer.submit(self._announce, index, folder, reporter)
+        if self._announcer is None:  # a daemon: a worker that exits never waits for it
+            self._announcer = threading.Thread(target=self._announce_all, name="raytrain-mgpu-ckpt-announce",
+                                               daemon=True)
+            self._announcer.start()
+        self._pending.put((len(self.names) - 1, folder, reporter))
+
+    def _announce_all(self) -> None:
+        while True:
+            index, folder, reporter = self._pending.get()
+            try:
+                self._announce(index, folder, reporter)
+            finally:
+                self._pending.task_done()
 
     def _announce(self, index: int, folder: RunFolder, reporter: Optional[WorkerReporter]) -> None:
         try:
@@ -255,8 +267,7 @@ class _Uploads:
 
     def flush(self) -> None:
         """Wait until every asynchronous checkpoint so far is announced."""
-        if self._last is not None:
-            self._last.result()
+        self._pending.join()
 
 
 def _train_context():
