@@ -161,6 +161,9 @@ def _build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench-data", help="images per second to the training loop: our Parquet reader vs torchvision "
                                            "ImageFolder on the same PNG files, with 0/1/2 loader workers",
                         add_arguments=_bench_data_arguments)
+    commands.add_parser("bench-checkpoint", help="the training stall per checkpoint: Ray Train's synchronous vs "
+                                                 "asynchronous upload of a large model's checkpoint",
+                        add_arguments=_bench_checkpoint_arguments)
     commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the README "
                                            "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
                         add_arguments=_gpu_report_arguments)
@@ -201,6 +204,12 @@ def _bench_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _spot_watch_arguments(parser: argparse.ArgumentParser) -> None:
     from raytrain_mgpu.runtime.spot_watch import add_arguments
+
+    add_arguments(parser)
+
+
+def _bench_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    from raytrain_mgpu.bench.checkpoint import add_arguments
 
     add_arguments(parser)
 
@@ -291,6 +300,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from raytrain_mgpu.bench import data as bench_data
 
             return bench_data.run_and_print(args)
+        if args.command == "bench-checkpoint":
+            from raytrain_mgpu.bench import checkpoint as bench_checkpoint
+
+            return bench_checkpoint.run_and_print(args)
         if args.command == "compare":
             return _compare(args)
         if args.command == "plot":

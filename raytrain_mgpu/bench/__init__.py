@@ -5,5 +5,6 @@
 - ``step_scalars.py``      ``bench --step-scalars``: fit with per-step scalars every step, at the default N, off;
 - ``pipeline.py``          the pipeline benchmark (efficiency, torchrun + pipelining, naive mp);
 - ``_torchrun_pipeline.py`` its torchrun + ``torch.distributed.pipelining`` ranks;
+- ``checkpoint.py``        ``bench-checkpoint``: the training stall per checkpoint, synchronous vs asynchronous upload;
 - ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of the README.
 """
