@@ -164,6 +164,9 @@ def _build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench-checkpoint", help="the training stall per checkpoint: Ray Train's synchronous vs "
                                                  "asynchronous upload of a large model's checkpoint",
                         add_arguments=_bench_checkpoint_arguments)
+    commands.add_parser("bench-preemption", help="what the preemption check costs: ray.train.get_preemption_info() "
+                                                 "against a small DDP step",
+                        add_arguments=_bench_preemption_arguments)
     commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the README "
                                            "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
                         add_arguments=_gpu_report_arguments)
@@ -204,6 +207,12 @@ def _bench_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _spot_watch_arguments(parser: argparse.ArgumentParser) -> None:
     from raytrain_mgpu.runtime.spot_watch import add_arguments
+
+    add_arguments(parser)
+
+
+def _bench_preemption_arguments(parser: argparse.ArgumentParser) -> None:
+    from raytrain_mgpu.bench.preemption import add_arguments
 
     add_arguments(parser)
 
@@ -304,6 +313,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from raytrain_mgpu.bench import checkpoint as bench_checkpoint
 
             return bench_checkpoint.run_and_print(args)
+        if args.command == "bench-preemption":
+            from raytrain_mgpu.bench import preemption as bench_preemption
+
+            return bench_preemption.run_and_print(args)
         if args.command == "compare":
             return _compare(args)
         if args.command == "plot":

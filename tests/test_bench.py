@@ -37,3 +37,24 @@ def test_data_parallel_report_takes_the_median_ratio_and_shows_the_range():
     text = bench.report([(fit2, torchrun, 1.0)])
     assert "1.00x  1.00-1.25x  >= 1.0 ok" in text
     assert "1,500" in text  # the median rate of each side
+
+
+def test_preemption_report_takes_medians_and_the_share_of_one_check_every_n_steps():
+    from raytrain_mgpu.bench.preemption import report
+
+    times = {"step": [0.010, 0.020, 0.030], "check": [0.001, 0.002, 0.100]}  # one slow outlier check
+    text = report(times, every=10)
+    assert "step (DDP, mlp 784-256-10, batch 64): 20.00 ms (median)" in text
+    assert "get_preemption_info: 2.00 ms (median; mean 34.33 ms)" in text
+    # 2 ms every 10 steps is 0.2 ms a step: 1% of a 20 ms step
+    assert "one check every 10 steps: 0.200 ms a step, 1.00% of this step; under 1% for steps over 20 ms" in text
+
+
+def test_checkpoint_report_measures_the_stall_against_the_run_without_saves():
+    from raytrain_mgpu.bench.checkpoint import report
+
+    run = lambda save, cycle: [{"save_s": [save], "step_s": [0.1], "cycle_s": [cycle]}]  # noqa: E731
+    text = report({"sync": run(5.0, 7.0), "async": run(1.0, 2.5), "none": run(0.0, 1.0)})
+    lines = text.splitlines()
+    assert lines[2].split()[-1] == "6.00s" and lines[3].split()[-1] == "1.50s"  # cycle minus the no-save cycle
+    assert "time in save_and_report 5.0x shorter; stall per checkpoint 4.0x shorter" in text

@@ -1,0 +1,97 @@
+"""What the preemption check costs a step: ``ray.train.get_preemption_info()`` timed against a plain step.
+
+    raytrain-mgpu bench-preemption [--workers 2] [--calls 200] [--rounds 3]
+
+The loop asks Ray Train for a preemption notice every ``CHECK_EVERY_N_STEPS`` optimizer steps
+(``runtime/preemption.py``). The call is a barrier over every rank (Ray Train's
+synchronization actor), so its cost grows with the workers and with how unevenly they arrive.
+Here ``--workers`` Ray Train workers (gloo, 1 CPU each) run, side by side in one run:
+
+- ``step``: a small DDP step (an MLP 784-256-10 on a random batch of 64), the baseline;
+- ``check``: one ``get_preemption_info()`` call, after a ``torch.distributed`` barrier so that
+  every rank enters it together (the loop's ranks are in step after the gradient all-reduce).
+
+Each measured ``--calls`` times per round; rank 0's medians are printed, and the share of a step
+that one check every N steps costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Dict, List
+
+
+def _train_fn(config: dict) -> None:
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    times: Dict[str, List[float]] = {"step": [], "check": []}
+    for _ in range(config["rounds"]):
+        for _ in range(config["calls"]):
+            start = time.perf_counter()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times["step"].append(time.perf_counter() - start)
+        for _ in range(config["calls"]):
+            dist.barrier()
+            start = time.perf_counter()
+            ray.train.get_preemption_info()
+            times["check"].append(time.perf_counter() - start)
+    if ray.train.get_context().get_world_rank() == 0:
+        with open(config["out"], "w") as f:
+            json.dump(times, f)
+
+
+def run(args) -> Dict[str, List[float]]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-bench-preempt-") as scratch:
+            out = os.path.join(scratch, "times.json")
+            TorchTrainer(_train_fn, train_loop_config={"calls": args.calls, "rounds": args.rounds, "out": out},
+                         scaling_config=ScalingConfig(num_workers=args.workers),
+                         run_config=RunConfig(storage_path=os.path.join(scratch, "storage"),
+                                              name="bench-preemption")).fit()
+            with open(out) as f:
+                return json.load(f)
+    finally:
+        ray.shutdown()
+
+
+def report(times: Dict[str, List[float]], every: int) -> str:
+    step, check = statistics.median(times["step"]), statistics.median(times["check"])
+    return (f"step (DDP, mlp 784-256-10, batch 64): {step * 1e3:.2f} ms (median)\n"
+            f"get_preemption_info: {check * 1e3:.2f} ms (median; mean {statistics.mean(times['check']) * 1e3:.2f} ms)\n"
+            f"one check every {every} steps: {check / every * 1e3:.3f} ms a step, "
+            f"{100 * check / (every * step):.2f}% of this step; under 1% for steps over "
+            f"{100 * check / every * 1e3:.0f} ms")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (1 CPU each)")
+    parser.add_argument("--calls", type=int, default=200, help="timed steps and timed checks per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of steps then checks")
+
+
+def run_and_print(args) -> int:
+    from raytrain_mgpu.runtime.preemption import CHECK_EVERY_N_STEPS
+
+    print(f"preemption check: {args.workers} Ray Train worker(s), gloo, {args.calls} calls x {args.rounds} "
+          f"round(s), {os.cpu_count()} CPU cores")
+    print(report(run(args), CHECK_EVERY_N_STEPS))
+    return 0
