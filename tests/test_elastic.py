@@ -112,6 +112,23 @@ def test_every_history_row_records_its_workers():
     assert pipeline_row["workers"] == 3  # one per process that reported its peak (the pipeline's stage actors)
 
 
+def test_the_memory_estimate_and_compare_refuse_a_range_naming_the_count_to_use():
+    from raytrain_mgpu.planning.compare import compare
+    from raytrain_mgpu.planning.memory import device_memory
+
+    cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="fsdp", num_workers=(1, 2), batch_size=64)
+    with pytest.raises(ValueError, match=r"num_workers=\(1, 2\): the memory estimate is for one worker count. "
+                                         r"Estimate with num_workers=1"):
+        device_memory("fsdp", cfg, profile=None)
+
+    def no_fit(cfg):
+        raise AssertionError("compare trained although the range is refused")
+
+    with pytest.raises(ValueError, match=r"compare: TrainConfig.num_workers=\(1, 2\) is an elastic range.*"
+                                         r"Pass num_workers=2"):
+        compare(cfg, ["ddp"], fit=no_fit)
+
+
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=66, grad_accum_steps=2, optimizer="sgd", lr=0.1,
            seed=3, epochs=1)
 

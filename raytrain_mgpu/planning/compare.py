@@ -171,6 +171,9 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)
+    if isinstance(cfg.num_workers, tuple):  # a range would compare whatever count the cluster gave each run
+        raise ValueError(f"compare: TrainConfig.num_workers={cfg.num_workers} is an elastic range; strategies are "
+                         f"compared at one worker count. Pass num_workers={cfg.num_workers[1]} (or the count to compare).")
     if memory_budget_bytes is None:
         memory_budget_bytes = getattr(cfg, "memory_budget_bytes", None)
     if memory_budget_bytes is not None:

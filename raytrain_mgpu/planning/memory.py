@@ -194,6 +194,9 @@ def device_memory(strategy: str, cfg, profile: ModelProfile) -> List[DeviceMemor
     def has_model(cls) -> bool:  # overrides the default, which has none
         return cls.device_memory.__func__ is not Strategy.device_memory.__func__
 
+    if isinstance(cfg.num_workers, tuple):  # an elastic range: the per-device memory differs by count (fsdp)
+        raise ValueError(f"TrainConfig.num_workers={cfg.num_workers}: the memory estimate is for one worker count. "
+                         f"Estimate with num_workers={cfg.num_workers[0]} (the fewest, the most per device).")
     cls = get_strategy(strategy)
     if not has_model(cls):
         names = [name for name, other in STRATEGIES.items() if has_model(other)]
