@@ -11,7 +11,8 @@ callback whichever runner trains::
     on_train_start(run)            once per fit call, before the first step (run.resumed on a resume)
     on_step(step, scalars)         every log_every_n_steps optimizer steps (rank 0's scalars)
     on_epoch_end(epoch, metrics)   after each epoch: its history row
-    on_checkpoint(path)            after each epoch's checkpoint is persisted: its path or URI
+    on_checkpoint(path)            after each checkpoint (epoch or step) is persisted: its path or URI; the
+                                   upload runs in the background, so this may follow the next epoch's first steps
     on_train_end(result)           once, with the TrainResult, when fit succeeds
 
 A run restarted after a failure (``max_failures``) resumes from its last checkpoint inside
