@@ -22,12 +22,15 @@ Requires root and ``ip`` (iproute2) and ``unshare`` (util-linux).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
+import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from _ray_nodes import VENV_BIN, RayNode, base_env
 
@@ -142,3 +145,32 @@ class TwoNodeCluster:
         env = {**self.env, "RAY_ADDRESS": self.address, **(extra_env or {})}
         return subprocess.Popen(["ip", "netns", "exec", self.head_ns, f"{VENV_BIN}/python", *args],
                                 env=env, **popen_kwargs)
+
+
+@contextlib.contextmanager
+def two_node_site(prefix: str, private: bool = False, env: Optional[Dict[str, str]] = None,
+                  **cluster_kwargs) -> Iterator[Tuple[TwoNodeCluster, Path]]:
+    """A module's two-node cluster and its folder (``root/shared``: storage both nodes see;
+    ``root/private`` with ``private=True``: a folder only the head sees). Skips with the reason
+    where namespaces cannot be made, except on CI (``CI=true``), where that is a failure.
+    ``env``: extra settings for every Ray process. Everything is torn down on exit."""
+    import pytest  # a test helper: only the fixtures call this
+
+    reason = unavailable_reason()  # creates and deletes a probe namespace: call it from a fixture, not at collection
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the two-node tests cannot run on this CI machine: {reason}")
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: Ray's socket paths live below
+    (root / "shared").mkdir()
+    started = time.monotonic()
+    try:
+        if private:
+            cluster_kwargs["private_dirs"] = [root / "private"]
+        cluster = TwoNodeCluster(root / "cluster", **cluster_kwargs)
+        cluster.env.update(env or {})
+        with cluster:
+            print(f"two-node cluster up in {time.monotonic() - started:.0f} s")
+            yield cluster, root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -20,17 +20,14 @@ except on CI (``CI=true``), where that is a failure. Nothing is created at colle
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from _netns import HEAD_IP, IFNAME, WORKER_IP, TwoNodeCluster, unavailable_reason
+from _netns import HEAD_IP, IFNAME, WORKER_IP, TwoNodeCluster, two_node_site
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
 
@@ -52,20 +49,8 @@ class _Site:
 
 @pytest.fixture(scope="module")
 def site():
-    reason = unavailable_reason()  # creates and deletes a probe namespace: not at collection
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the two-node tests cannot run on this CI machine: {reason}")
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="rtm2n-", dir="/tmp"))  # short: Ray's socket paths live below
-    (root / "shared").mkdir()
-    started = time.monotonic()
-    try:
-        with TwoNodeCluster(root / "cluster", private_dirs=[root / "private"]) as cluster:
-            print(f"two-node cluster up in {time.monotonic() - started:.0f} s")
-            yield _Site(cluster, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with two_node_site("rtm2n-", private=True) as (cluster, root):
+        yield _Site(cluster, root)
 
 
 def _drive(site: _Site, name: str, steps: list, kill_when: Path = None) -> tuple:

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from _netns import HEAD_IP, WORKER_IP, TwoNodeCluster, unavailable_reason
+from _netns import HEAD_IP, WORKER_IP, TwoNodeCluster, two_node_site
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
 
@@ -41,18 +38,8 @@ DRIVER_TIMEOUT_S = 420
 
 @pytest.fixture(scope="module")
 def site():
-    reason = unavailable_reason()  # creates and deletes a probe namespace: not at collection
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the two-node tests cannot run on this CI machine: {reason}")
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="rtm2e-", dir="/tmp"))  # short: Ray's socket paths live below
-    (root / "shared").mkdir()
-    try:
-        with TwoNodeCluster(root / "cluster", start_worker=False) as cluster:
-            yield cluster, root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with two_node_site("rtm2e-", start_worker=False) as (cluster, root):
+        yield cluster, root
 
 
 def _driver(cluster: TwoNodeCluster, folder: Path, steps: list) -> subprocess.Popen:

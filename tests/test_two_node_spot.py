@@ -19,19 +19,16 @@ except on CI (``CI=true``), where that is a failure. Nothing is created at colle
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from _netns import WORKER_IP, TwoNodeCluster, unavailable_reason
+from _netns import WORKER_IP, TwoNodeCluster, two_node_site
 from _ray_nodes import VENV_BIN
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
@@ -54,21 +51,9 @@ class _Site:
 
 @pytest.fixture(scope="module")
 def site():
-    reason = unavailable_reason()  # creates and deletes a probe namespace: not at collection
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the two-node tests cannot run on this CI machine: {reason}")
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="rtm2s-", dir="/tmp"))  # short: Ray's socket paths live below
-    (root / "shared").mkdir()
-    try:
-        cluster = TwoNodeCluster(root / "cluster")
-        # Ray Train's preemption watcher polls the GCS's draining nodes every 1 s instead of 5 s.
-        cluster.env["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"
-        with cluster:
-            yield _Site(cluster, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    # Ray Train's preemption watcher polls the GCS's draining nodes every 1 s instead of 5 s.
+    with two_node_site("rtm2s-", env={"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}) as (cluster, root):
+        yield _Site(cluster, root)
 
 
 def _drive(site: _Site, name: str, steps: list, act=None) -> tuple:
