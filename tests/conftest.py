@@ -14,13 +14,83 @@ that depends on it sets or clears it itself (``monkeypatch``).
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
 
 import pytest
 
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
+
+# CI stops the whole job at 90 minutes, and a job killed from outside prints no summary, no
+# durations and no failure. So the suite keeps its own budget: after SUITE_BUDGET_S it stops
+# starting tests and reports what it has (RAYTRAIN_MGPU_SUITE_BUDGET_S=0 turns it off).
+SUITE_BUDGET_S = float(os.environ.get("RAYTRAIN_MGPU_SUITE_BUDGET_S", 80 * 60))
+# pytest-timeout's SIGALRM reaches a test only when its main thread runs Python; a test still
+# running this long past its timeout gets every thread's stack printed and the process ends.
+HANG_MARGIN_S = 120
+_SESSION_START = time.monotonic()
+
+
+def pytest_report_header(config):
+    """What a CI log needs to tell a slow or failed run: the room this machine had. Ray counts a
+    disk full by 1 - free/size (reserved and other tenants' space included) and refuses new
+    objects past 95% (``local_fs_capacity_threshold``); it kills workers past 95% memory."""
+    disk = shutil.disk_usage(tempfile.gettempdir())
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    available_gib = int(fields["MemAvailable"].split()[0]) / 2**20
+    budget = f"{SUITE_BUDGET_S / 60:.0f} min" if SUITE_BUDGET_S > 0 else "off"
+    return (f"machine: {os.cpu_count()} cores, {available_gib:.1f} GiB memory available, "
+            f"{disk.free / 2**30:.1f} GiB free on {tempfile.gettempdir()} (Ray counts it "
+            f"{1 - disk.free / disk.total:.0%} full); "
+            f"suite budget {budget}")
+
+
+def _timeout_s(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+    return float(item.config.getoption("timeout", None) or item.config.getini("timeout") or 0)
+
+
+def _dump_stacks_and_exit(item, after_s: float) -> None:
+    """The last resort for a hang: every thread's stack on the real stderr, then the process ends."""
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=False)  # else the stacks go to the test's captured output
+    sys.stderr.write(f"\n{item.nodeid} still runs after {after_s:.0f} s, past its timeout, which could not stop "
+                     f"it (its main thread is not running Python); every thread's stack, then exit:\n")
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    timeout_s = _timeout_s(item)
+    watchdog = None
+    if timeout_s > 0:
+        watchdog = threading.Timer(timeout_s + HANG_MARGIN_S, _dump_stacks_and_exit,
+                                   args=(item, timeout_s + HANG_MARGIN_S))
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        yield
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    elapsed = time.monotonic() - _SESSION_START
+    if SUITE_BUDGET_S > 0 and elapsed > SUITE_BUDGET_S and not item.session.shouldstop:
+        item.session.shouldstop = (f"the suite ran {elapsed / 60:.0f} min, past its budget of "
+                                   f"{SUITE_BUDGET_S / 60:.0f} min (RAYTRAIN_MGPU_SUITE_BUDGET_S): stopped "
+                                   f"after {item.nodeid} so that the summary and the durations print")
 
 
 def pytest_collection_modifyitems(config, items):
