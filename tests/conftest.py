@@ -38,6 +38,15 @@ HANG_MARGIN_S = 120
 _SESSION_START = time.monotonic()
 
 
+def _cpu_jiffies() -> list:
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal (all CPUs)."""
+    with open("/proc/stat") as stat:
+        return [int(value) for value in stat.readline().split()[1:9]]
+
+
+_CPU_AT_START = _cpu_jiffies()
+
+
 def pytest_report_header(config):
     """What a CI log needs to tell a slow or failed run: the room this machine had. Ray counts a
     disk full by 1 - free/size (reserved and other tenants' space included) and refuses new
@@ -51,6 +60,19 @@ def pytest_report_header(config):
             f"{disk.free / 2**30:.1f} GiB free on {tempfile.gettempdir()} (Ray counts it "
             f"{1 - disk.free / disk.total:.0%} full); "
             f"suite budget {budget}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How busy the machine was: the same tests take several times longer on a machine whose
+    cores are shared (gloo ranks wait for each other's time slices at every collective)."""
+    spent = [end - start for start, end in zip(_CPU_AT_START, _cpu_jiffies())]
+    total = sum(spent) or 1
+    user, nice, system, idle, iowait, _, _, steal = spent
+    terminalreporter.write_line(
+        f"machine during the suite: {os.cpu_count()} cores {(user + nice + system) / total:.0%} busy, "
+        f"{idle / total:.0%} idle, {iowait / total:.0%} waiting on the disk, {steal / total:.0%} taken by the "
+        f"hypervisor (steal); load average {os.getloadavg()[0]:.1f}; "
+        f"{time.monotonic() - _SESSION_START:.0f} s since the suite started")
 
 
 def _timeout_s(item) -> float:
