@@ -1,12 +1,14 @@
-"""GPU emulation (``RAYTRAIN_MGPU_EMULATE_GPUS=N``): every Ray Train strategy with ``use_gpu=True`` on CPU.
+"""GPU emulation (``RAYTRAIN_MGPU_EMULATE_GPUS=N``): Ray Train runs with ``use_gpu=True`` on CPU.
 
-The shared Ray instance (conftest) has 4 fake GPUs, so Ray schedules workers onto GPUs and
-sets ``CUDA_VISIBLE_DEVICES`` as on a real node; each run records, per rank, the devices it
-would use (``cuda:k``), the backend (nccl) and what Ray gave it (``ray.get_gpu_ids()``,
-``CUDA_VISIBLE_DEVICES``, node id). The tests recompute the devices from Ray's raw answer
-instead of trusting the resolver. Two more settings run in subprocesses so the shared
-session is not disturbed: ``fit`` starting its own local Ray under emulation, and two
-nodes (``ray start`` with private temp dirs) for PACK and STRICT_SPREAD.
+Under emulation Ray schedules workers onto fake GPUs and sets ``CUDA_VISIBLE_DEVICES`` as on
+a real node; each run records, per rank, the devices it would use (``cuda:k``), the backend
+(nccl) and what Ray gave it (``ray.get_gpu_ids()``, ``CUDA_VISIBLE_DEVICES``, node id). The
+tests recompute the devices from Ray's raw answer instead of trusting the resolver
+(``_emulation_checks.check_devices``). Every strategy with ``use_gpu=True`` on the shared
+Ray instance's 4 fake GPUs is checked that way by tests/test_gpu_report.py (the report's
+strategy section runs each once). Here, in subprocesses so the shared session is not
+disturbed: ``fit`` starting its own local Ray under emulation, and two nodes (``ray start``
+with private temp dirs) for PACK and STRICT_SPREAD.
 """
 
 from __future__ import annotations
@@ -16,41 +18,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from _emulation_checks import check_devices
 from _ray_nodes import RayNode, base_env, free_port_flags
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
-from raytrain_mgpu.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,
             optimizer="sgd", lr=0.1, use_gpu=True)
-
-
-def _check_devices(row: dict, workers: int, per_worker: int) -> None:
-    """The recorded devices are Ray's GPU ids mapped through CUDA_VISIBLE_DEVICES, distinct per node."""
-    assert row["backend"] == "nccl" and row["emulated"] is True
-    assert len(row["devices_per_rank"]) == workers
-    per_node = defaultdict(list)
-    for rank in range(workers):
-        gpu_ids = row["gpu_ids_per_rank"][rank]
-        visible = row["cuda_visible_devices_per_rank"][rank].split(",")
-        assert len(gpu_ids) == per_worker, (rank, gpu_ids)
-        assert row["devices_per_rank"][rank] == [f"cuda:{visible.index(g)}" for g in gpu_ids]
-        per_node[row["node_id_per_rank"][rank]].append(rank)
-    for ranks in per_node.values():
-        ids = [g for r in ranks for g in row["gpu_ids_per_rank"][r]]
-        assert len(set(ids)) == len(ids), ids  # Ray never gives one GPU to two workers of a node
-        cuda = [d for r in ranks for d in row["devices_per_rank"][r]]
-        assert len(set(cuda)) == len(cuda), cuda
-        # Ray Train shows every worker of a node all of that node's workers' GPUs
-        assert {frozenset(row["cuda_visible_devices_per_rank"][r].split(",")) for r in ranks} == {frozenset(ids)}
 
 
 # ----------------------------------------------------------------------------- no Ray
@@ -86,28 +67,6 @@ def test_resolver_under_emulation_computes_on_cpu_and_records_cuda(monkeypatch):
     monkeypatch.setenv(EMULATE_ENV, "many")
     with pytest.raises(ValueError, match=rf"{EMULATE_ENV}='many': must be a whole number of GPUs"):
         devices.is_emulated()
-
-
-# ----------------------------------------------------------------------------- shared Ray (4 fake GPUs)
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("strategy,workers,per_worker", [
-    ("ddp", 2, 1), ("fsdp", 2, 1), ("ddp_mp", 2, 2),        # several workers on one node
-    ("dp", 1, 2), ("dp_balanced", 1, 3), ("mp", 1, 2), ("ddp2", 1, 2),  # one worker, several GPUs
-])
-def test_every_strategy_trains_with_use_gpu_under_emulation(strategy, workers, per_worker, ray_session, storage):
-    assert ray_session.cluster_resources().get("GPU") == 4  # the shared instance emulates 4 GPUs
-    cfg = rtm.TrainConfig(**TINY, strategy=strategy, num_workers=workers, gpus_per_worker=per_worker,
-                          name=f"emu-{strategy}", storage_path=storage)
-    result = rtm.fit(cfg)
-    row = result.history[-1]
-    assert row["step"] == 2 and row["train_loss"] > 0
-    _check_devices(row, workers, per_worker)
-    assert len(row["peak_memory_bytes"]) == workers * per_worker  # one entry per (emulated) device
-    # The checkpoint is the plain model's, whatever the strategy wrapped, split or sharded.
-    plain = build_model("mlp", (1, 8, 8), 10, {"widths": [16]})
-    assert result.load_model().state_dict().keys() == plain.state_dict().keys()
 
 
 # ----------------------------------------------------------------------------- own Ray instances (subprocesses)
@@ -146,7 +105,7 @@ def test_fit_starts_its_own_ray_with_the_emulated_gpus(num_workers):
         got = json.loads(out.read_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    _check_devices(got["row"], workers=2, per_worker=1)
+    check_devices(got["row"], workers=2, per_worker=1)
     assert got["row"]["workers"] == 2
     assert sorted(d for ds in got["row"]["devices_per_rank"] for d in ds) == ["cuda:0", "cuda:1"]
     assert got["ray_left_running"] is False  # fit shut down the instance it started
@@ -192,10 +151,10 @@ def test_pack_and_strict_spread_over_two_emulated_nodes():
         shutil.rmtree(root, ignore_errors=True)
     assert [r["ok"] for r in results] == [True, True], [r.get("error") for r in results]
     pack, spread = results[0]["history"][-1], results[1]["history"][-1]
-    _check_devices(pack, workers=2, per_worker=1)
+    check_devices(pack, workers=2, per_worker=1)
     assert len(set(pack["node_id_per_rank"])) == 1  # PACK: both workers on one node, on its 2 GPUs
     assert sorted(d for ds in pack["devices_per_rank"] for d in ds) == ["cuda:0", "cuda:1"]
-    _check_devices(spread, workers=2, per_worker=2)
+    check_devices(spread, workers=2, per_worker=2)
     assert len(set(spread["node_id_per_rank"])) == 2  # STRICT_SPREAD: one worker (node) each
     assert spread["devices_per_rank"] == [["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"]]
 

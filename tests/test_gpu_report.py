@@ -7,9 +7,14 @@ import re
 import pytest
 import torch
 
+from _emulation_checks import check_devices
+
+from raytrain_mgpu import api
 from raytrain_mgpu.bench import gpu_report
+from raytrain_mgpu.models import build_model
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
 from raytrain_mgpu.strategies import get_strategy
+from raytrain_mgpu.strategies.plan import build_plan
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4])
@@ -46,8 +51,18 @@ def test_rows_format_as_readme_table_rows():
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated run; on GPUs run the command itself")
-def test_the_whole_report_runs_under_emulation(ray_session):
-    """Every section on the session's 4 emulated GPUs: each strategy and schedule finishes, rows name emulation."""
+def test_the_whole_report_runs_under_emulation(ray_session, monkeypatch):
+    """Every section on the session's 4 emulated GPUs: each strategy and schedule finishes, rows name
+    emulation; and each Ray Train strategy's run recorded the devices Ray gave it (its fit, kept)."""
+    fits = []
+    real_fit = api.fit
+
+    def recording_fit(cfg, stream=None):  # keeps what the report's temporary storage will not
+        result = real_fit(cfg, stream=stream)
+        fits.append((cfg, result.history[-1], set(result.load_model().state_dict())))
+        return result
+
+    monkeypatch.setattr(api, "fit", recording_fit)
     rows = gpu_report.run_report(sections=("strategies", "schedules", "d2l"), quick=True)
     text = gpu_report.format_rows(rows)
     assert "not run" not in text
@@ -59,3 +74,17 @@ def test_the_whole_report_runs_under_emulation(ray_session):
         assert any(f"pipeline `{schedule}`" in r.what and "finished" in r.figure for r in rows)
     assert any("16-mixed vs fp32" in r.what for r in rows) and any("2 GPUs" in r.what for r in rows)
     assert all(r.machine.startswith("EMULATED") for r in rows)
+
+    checked = set()
+    for cfg, last, saved_keys in fits:
+        # The checkpoint is the plain model's, whatever the strategy wrapped, split or sharded.
+        assert saved_keys == set(build_model(cfg.model, cfg.input_shape, cfg.num_classes, cfg.model_kwargs)
+                                 .state_dict()), cfg.strategy
+        plan = build_plan(cfg)
+        if plan.runner != "train_workers":  # the pipeline's stage actors: tests/test_pipeline_nccl.py
+            continue
+        check_devices(last, plan.num_processes, plan.devices_per_worker)
+        assert len(last["peak_memory_bytes"]) == plan.num_processes * plan.devices_per_worker
+        checked.add(cfg.strategy)
+    ray_train = {name for name in gpu_report.STRATEGIES if get_strategy(name).runner == "train_workers"}
+    assert checked == ray_train and {"ddp", "fsdp", "ddp_mp", "dp", "dp_balanced", "mp", "ddp2"} <= checked
