@@ -10,6 +10,10 @@ The shared instance emulates 4 GPUs (``RAYTRAIN_MGPU_EMULATE_GPUS=4``, see
 onto them and record ``cuda:k``/nccl while computing on CPU with gloo. The variable is
 set from the first test that uses ``ray_session`` to the end of the session; a unit test
 that depends on it sets or clears it itself (``monkeypatch``).
+
+The suite's guards (tests/test_suite_guards.py): a time budget after which no test starts, a
+last-resort stack dump for a test hung past its timeout, and the machine's room and load in the
+header and the summary, so that a slow or stuck CI run still says where and why.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 SUITE_BUDGET_S = float(os.environ.get("RAYTRAIN_MGPU_SUITE_BUDGET_S", 80 * 60))
 # pytest-timeout's SIGALRM reaches a test only when its main thread runs Python; a test still
 # running this long past its timeout gets every thread's stack printed and the process ends.
-HANG_MARGIN_S = 120
+HANG_MARGIN_S = float(os.environ.get("RAYTRAIN_MGPU_HANG_MARGIN_S", 120))
 _SESSION_START = time.monotonic()
 
 
