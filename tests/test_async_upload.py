@@ -53,7 +53,7 @@ def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_a
     uploads, reporter = worker_checkpoint._Uploads(owner=None), _Reporter()
     folder = RunFolder("/storage/run")
     for name in ("checkpoint_a", "checkpoint_b", "checkpoint_c"):
-        uploads.announce_when_persisted(name, folder, reporter)
+        uploads.announce_when_persisted(uploads.add(name), folder, reporter)
     assert not uploads.wait_persisted(timeout_s=0.1)  # nothing uploaded yet: a new save would wait
     time.sleep(0.1)
     assert reporter.paths == []
@@ -65,6 +65,31 @@ def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_a
     done.join(timeout=10)
     assert not done.is_alive()
     assert reporter.paths == ["/storage/run/checkpoint_a", "/storage/run/checkpoint_b", "/storage/run/checkpoint_c"]
+
+
+def test_an_upload_the_announcer_never_saw_as_latest_is_announced_once_a_later_synchronous_one_is(monkeypatch):
+    """The race a CI run hung in: a slow announcer looks only after the run's last (synchronous)
+    save has replaced the latest checkpoint; it must count as persisted, not wait for ever."""
+    latest = {"path": None}
+    monkeypatch.setattr(ray.train, "get_checkpoint",
+                        lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
+    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
+    uploads, reporter = worker_checkpoint._Uploads(owner=None), _Reporter()
+    folder = RunFolder("/storage/run")
+    uploads.announce_when_persisted(uploads.add("checkpoint_async"), folder, reporter)
+    uploads.add("checkpoint_last")  # the synchronous save, reported before the announcer looked again
+    latest["path"] = "/storage/run/checkpoint_last"
+    assert uploads.flush(timeout_s=10)
+    assert reporter.paths == ["/storage/run/checkpoint_async"]
+
+
+def test_a_stuck_announcement_delays_the_end_of_a_run_by_the_flush_timeout_only(monkeypatch):
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)  # never persisted
+    uploads = worker_checkpoint._Uploads(owner=None)
+    uploads.announce_when_persisted(uploads.add("checkpoint_a"), RunFolder("/storage/run"), _Reporter())
+    started = time.monotonic()
+    assert not uploads.flush(timeout_s=0.3)
+    assert time.monotonic() - started < 5
 
 
 def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, tmp_path):

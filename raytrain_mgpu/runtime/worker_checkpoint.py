@@ -165,6 +165,7 @@ def save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sche
             # a new best's model is copied aside, one more model write per improvement.
             RunFolder.of(cfg).save_best(directory)
         name = _checkpoint_dir_name()
+        index = uploads.add(name)  # before the report: once Ray names it latest, the ones before are persisted
         ray.train.report({k: v for k, v in metrics.items() if v is not None},
                          checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
                          checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True)
@@ -172,7 +173,7 @@ def save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, sche
         shutil.rmtree(directory, ignore_errors=True)  # not handed to Ray Train (or its upload failed)
         raise
     if upload == CheckpointUploadMode.ASYNC:
-        uploads.announce_when_persisted(name, RunFolder.of(cfg), reporter)
+        uploads.announce_when_persisted(index, RunFolder.of(cfg), reporter)
         return
     # Synchronous: uploaded when report returns. A rank 0 that died before the controller took
     # the report would drop the checkpoint although it is uploaded: wait up to one poll (2 s).
@@ -195,6 +196,9 @@ class _Uploads:
 
     A checkpoint is persisted once ``ray.train.get_checkpoint()`` (set by Ray Train after the
     upload, just before the report is queued for the controller) names it or a later one of ours.
+    ``names`` holds every checkpoint this rank reported, synchronous ones included: the announcer
+    may look only after a later (the run's last, synchronous) save has replaced the latest, and
+    must still find it later (a CI run hung here when only the asynchronous ones were listed).
     A single thread then waits for the controller to take the report and tells the driver
     (``on_checkpoint``), one checkpoint after the other.
     """
@@ -215,6 +219,11 @@ class _Uploads:
         if cls._current is None or cls._current.owner is not owner:
             cls._current = cls(owner)
         return cls._current
+
+    def add(self, name: str) -> int:
+        """A checkpoint about to be reported (either upload mode); its index in ``names``."""
+        self.names.append(name)
+        return len(self.names) - 1
 
     def _persisted_index(self) -> int:
         """Index in ``names`` of the newest checkpoint Ray Train has persisted, -1 for none."""
@@ -237,15 +246,15 @@ class _Uploads:
             time.sleep(self.POLL_S)  # the upload thread sets it; Ray Train offers no event to wait on
         return True
 
-    def announce_when_persisted(self, name: str, folder: RunFolder, reporter: Optional[WorkerReporter]) -> None:
-        self.names.append(name)
+    def announce_when_persisted(self, index: int, folder: RunFolder, reporter: Optional[WorkerReporter]) -> None:
+        """Tell the driver about ``names[index]`` once it is persisted (in a thread, in order)."""
         if reporter is None:  # nobody to tell (a unit test)
             return
         if self._announcer is None:  # a daemon: a worker that exits never waits for it
             self._announcer = threading.Thread(target=self._announce_all, name="raytrain-mgpu-ckpt-announce",
                                                daemon=True)
             self._announcer.start()
-        self._pending.put((len(self.names) - 1, folder, reporter))
+        self._pending.put((index, folder, reporter))
 
     def _announce_all(self) -> None:
         while True:
@@ -265,9 +274,18 @@ class _Uploads:
         except Exception:  # never fails training: the checkpoint itself is registered by Ray Train
             logger.exception("could not announce checkpoint %s to the driver", self.names[index])
 
-    def flush(self) -> None:
-        """Wait until every asynchronous checkpoint so far is announced."""
-        self._pending.join()
+    def flush(self, timeout_s: float = 300.0) -> bool:
+        """Wait until every asynchronous checkpoint so far is announced; False (and a warning) after
+        ``timeout_s``: the checkpoints are registered by Ray Train either way, only the driver's
+        ``on_checkpoint`` would be missing, and the run's end must not wait on it forever."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending.unfinished_tasks:
+            if time.monotonic() > deadline:
+                logger.warning("checkpoint announcements still pending after %.0f s; finishing without them",
+                               timeout_s)
+                return False
+            time.sleep(self.POLL_S)
+        return True
 
 
 def _train_context():
