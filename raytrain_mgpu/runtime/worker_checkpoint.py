@@ -28,7 +28,8 @@ upload guaranteed still holds:
   as a failure during the upload does;
 - the run's last save (``RunState.finished``) uploads synchronously: nothing is left to
   overlap, and the train function returns only once every checkpoint is registered and
-  announced;
+  announced (an announcement still pending after 300 s is given up with a warning: the
+  checkpoint is registered either way);
 - ``keep_best``'s copy (``RunFolder.save_best``) is written before the report, as before.
 """
 
