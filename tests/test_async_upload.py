@@ -45,13 +45,19 @@ class _Reporter:
         self.paths.append(path)
 
 
-def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_at_once(monkeypatch):
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """Ray Train's latest checkpoint as a settable path; reports collected at once. Returns
+    (latest, uploads, reporter, folder)."""
     latest = {"path": None}
     monkeypatch.setattr(ray.train, "get_checkpoint",
                         lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
     monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
-    uploads, reporter = worker_checkpoint._Uploads(owner=None), _Reporter()
-    folder = RunFolder("/storage/run")
+    return latest, worker_checkpoint._Uploads(owner=None), _Reporter(), RunFolder("/storage/run")
+
+
+def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_at_once(fake_ray):
+    latest, uploads, reporter, folder = fake_ray
     for name in ("checkpoint_a", "checkpoint_b", "checkpoint_c"):
         uploads.announce_when_persisted(uploads.add(name), folder, reporter)
     assert not uploads.wait_persisted(timeout_s=0.1)  # nothing uploaded yet: a new save would wait
@@ -67,15 +73,10 @@ def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_a
     assert reporter.paths == ["/storage/run/checkpoint_a", "/storage/run/checkpoint_b", "/storage/run/checkpoint_c"]
 
 
-def test_an_upload_the_announcer_never_saw_as_latest_is_announced_once_a_later_synchronous_one_is(monkeypatch):
+def test_an_upload_the_announcer_never_saw_as_latest_is_announced_once_a_later_synchronous_one_is(fake_ray):
     """The race a CI run hung in: a slow announcer looks only after the run's last (synchronous)
     save has replaced the latest checkpoint; it must count as persisted, not wait for ever."""
-    latest = {"path": None}
-    monkeypatch.setattr(ray.train, "get_checkpoint",
-                        lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
-    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
-    uploads, reporter = worker_checkpoint._Uploads(owner=None), _Reporter()
-    folder = RunFolder("/storage/run")
+    latest, uploads, reporter, folder = fake_ray
     uploads.announce_when_persisted(uploads.add("checkpoint_async"), folder, reporter)
     uploads.add("checkpoint_last")  # the synchronous save, reported before the announcer looked again
     latest["path"] = "/storage/run/checkpoint_last"
