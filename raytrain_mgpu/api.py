@@ -17,7 +17,7 @@ from torch import nn
 
 from raytrain_mgpu.batches import as_shape, shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime import devices
+from raytrain_mgpu.runtime import devices, ray_ingest
 from raytrain_mgpu._factory import is_factory, load_factory
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runtime_env
@@ -115,6 +115,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
         if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
             check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
+        ray_ingest.check_cpus_left(cfg, plan.bundles)  # Ray Data's tasks need a CPU beside the bundles
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what both runners report to
         if auto_record:
@@ -172,10 +173,9 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
 
 
 def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_mgpu.runtime import ray_ingest
     from raytrain_mgpu.runtime.loop import train_worker
 
     RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
@@ -191,18 +191,9 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
                                      else plan.num_processes, use_gpu=cfg.use_gpu,
                                      resources_per_worker=plan.worker_resources, placement_strategy=cfg.placement,
                                      elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s),
-        run_config=RunConfig(
-            name=cfg.name, storage_path=cfg.storage_path,
-            # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
-            # best (and the latest). keep_best's best is copied aside by the loop (RunFolder.save_best).
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
-            # A preemption (a node drained with reason preemption) counts apart from max_failures.
-            failure_config=FailureConfig(max_failures=cfg.max_failures,
-                                         max_preemption_failures=cfg.max_preemption_failures,
-                                         preemption_grace_s=cfg.preemption_grace_s),
-            worker_runtime_env=worker_runtime_env(*cfg.code_specs())),
+        run_config=_run_config(cfg),
         # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
-        **ray_ingest.trainer_datasets(cfg, sum(bundle.get("CPU", 0) for bundle in plan.bundles)),
+        **ray_ingest.trainer_datasets(cfg),
     )
     pump = SinkPump(sink, events)
     try:
@@ -222,6 +213,22 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
         return [], None
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
     return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path)
+
+
+def _run_config(cfg: TrainConfig):
+    """Ray Train's ``RunConfig`` of ``cfg``: where, how many checkpoints, which failures to retry."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(
+        name=cfg.name, storage_path=cfg.storage_path,
+        # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
+        # best (and the latest). keep_best's best is copied aside by the loop (RunFolder.save_best).
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+        # A preemption (a node drained with reason preemption) counts apart from max_failures.
+        failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                     max_preemption_failures=cfg.max_preemption_failures,
+                                     preemption_grace_s=cfg.preemption_grace_s),
+        worker_runtime_env=worker_runtime_env(*cfg.code_specs()))
 
 
 def _failure_message(cfg: TrainConfig, exc: Exception) -> str:

@@ -17,6 +17,8 @@ drew from the training process's random stream would show) and a seeded augmenta
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -105,6 +107,30 @@ def _assert_equal(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
+
+
+class _WhoLoads(torch.utils.data.Dataset):
+    """Each sample says which process loaded it: its pid and its DataLoader worker id (-1: none)."""
+
+    def __len__(self):
+        return 256  # the test loader's batches are at least 64: 4 of them, so both workers load one
+
+    def __getitem__(self, index):
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([os.getpid(), -1 if info is None else info.id]), 0
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_loader_workers_load_in_their_own_processes(persistent):
+    """The equality tests above pass with no worker at all: this one fails unless loader_workers start."""
+    from raytrain_mgpu.runtime.loaders import test_loader
+
+    cfg = rtm.TrainConfig(loader_workers=2, persistent_workers=persistent).data
+    sampler = DistributedSampler(_WhoLoads(), 1, 0, shuffle=True, seed=0, drop_last=True)
+    for loader in (train_loader(cfg, _WhoLoads(), sampler, 8, CPU), test_loader(cfg, _WhoLoads(), 0, 1, 8)):
+        loaded = torch.cat([x for x, _ in loader])
+        assert os.getpid() not in set(loaded[:, 0].tolist())  # nothing loaded in the training process
+        assert set(loaded[:, 1].tolist()) == {0, 1} and len(set(loaded[:, 0].tolist())) == 2
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -172,12 +172,11 @@ def test_config_defaults_are_rays_and_reach_the_failure_config():
     cfg = TrainConfig(max_preemption_failures=3, preemption_grace_s=2.5)
     assert (TrainConfig().max_preemption_failures, TrainConfig().preemption_grace_s) == (-1, 0.0)
     assert (cfg.max_preemption_failures, cfg.preemption_grace_s) == (3, 2.5)
-    import inspect
-
     from raytrain_mgpu import api
-    source = inspect.getsource(api._run_train_workers)
-    assert "max_preemption_failures=cfg.max_preemption_failures" in source
-    assert "preemption_grace_s=cfg.preemption_grace_s" in source
+    failure = api._run_config(cfg).failure_config  # what _run_train_workers hands TorchTrainer
+    assert (failure.max_preemption_failures, failure.preemption_grace_s) == (3, 2.5)
+    assert (failure.max_failures, api._run_config(cfg).checkpoint_config.num_to_keep) == (
+        cfg.max_failures, cfg.num_checkpoints_to_keep)
 
 
 # ---------------------------------------------------------------- spot-watch (runtime/spot_watch.py)
