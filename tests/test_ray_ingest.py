@@ -72,6 +72,29 @@ def ray_data_samples(data_cfg) -> tuple:
     return torch.cat([b["x"] for b in batches]), torch.cat([b["y"] for b in batches])
 
 
+def ray_data_map_tasks(ray) -> int:
+    """Ray Data's map tasks (read and decode, ``...MapBatches(...)``) finished on this Ray so far, from Ray's
+    state API: a run whose workers read through the loader instead runs none."""
+    from ray.util.state import summarize_tasks
+
+    summary = summarize_tasks(address=ray.get_runtime_context().gcs_address, raise_on_missing_output=False)
+    return sum(entry["state_counts"].get("FINISHED", 0) for name, entry in summary["cluster"]["summary"].items()
+               if "MapBatches(" in name)
+
+
+def streamed_by_ray_data(ray, before: int) -> bool:
+    """Whether Ray Data map tasks finished since ``before``; task events reach the state API within about a
+    second (Ray's report interval), so this asks for up to 60 s before answering no."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while ray_data_map_tasks(ray) <= before:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def assert_same_samples(data_cfg) -> int:
     loader_x, loader_y = sorted_samples(*loader_samples(data_cfg))
     ray_x, ray_y = sorted_samples(*ray_data_samples(data_cfg))
@@ -102,8 +125,12 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
                   batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
+    before = ray_data_map_tasks(ray_session)
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed"))
+    assert streamed_by_ray_data(ray_session, before)  # the workers read the stream, not the loader
     loaded = rtm.fit(rtm.TrainConfig(**common, name="loaded"))
+    # The stream's order is Ray Data's, not the sampler's: the same config through the loader trains other steps.
+    assert streamed.history[0]["train_loss"] != loaded.history[0]["train_loss"]
     steps = 1438 // 2 // 32  # each worker's equal share of rows, in full micro-batches of 64 / 2
     assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded.history] == [steps, 2 * steps]
     # Every micro-batch held exactly 32 samples: each step had the global batch of 64.
@@ -117,7 +144,9 @@ def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
                   batch_size=64, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2, optimizer="sgd",
                   lr=0.1, storage_path=storage)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
+    before = ray_data_map_tasks(ray_session)
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed"))
+    assert streamed_by_ray_data(ray_session, before)  # the first stage read the stream, not the loader
     steps = 1438 // 64  # one replica: the whole split (a streaming_split of 1) in batches of 64
     assert [row["step"] for row in streamed.history] == [steps, 2 * steps]
     assert streamed.metrics["test_accuracy"] > 0.85
@@ -164,3 +193,30 @@ def test_bad_combinations_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"ingest.*is not one of \['loader', 'ray_data'\]"):
         rtm.TrainConfig(ingest="ray")
     assert rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data").data.ingest == "ray_data"
+
+
+def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_any_bundle(caplog):
+    """2 workers x 1 CPU on a 2-CPU machine: Ray Data's read task would wait for a CPU for ever."""
+    from raytrain_mgpu.runtime.cluster import Capacity, NodeType
+    from raytrain_mgpu.runtime.ray_ingest import check_cpus_left
+    from raytrain_mgpu.strategies.plan import build_plan
+
+    cfg = rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", num_workers=2)
+    laptop = Capacity(alive=({"CPU": 2.0},))
+    with pytest.raises(ValueError, match=r"ingest='ray_data': the training processes hold 2 of the cluster's 2 CPU "
+                                         r"\(2 x 1\), so Ray Data's read and decode tasks would wait for a CPU for "
+                                         r"ever\. Leave at least 1 CPU free: lower num_workers or cpus_per_worker"):
+        check_cpus_left(cfg, build_plan(cfg).bundles, laptop)
+    check_cpus_left(cfg.replace(num_workers=1), build_plan(cfg.replace(num_workers=1)).bundles, laptop)  # 1 left
+    pipe = cfg.replace(strategy="pipeline", num_stages=2, num_microbatches=2, num_workers=1)
+    with pytest.raises(ValueError, match=r"lower num_workers or num_stages or cpus_per_worker"):
+        check_cpus_left(pipe, build_plan(pipe).bundles, laptop)
+    check_cpus_left(cfg.replace(ingest="loader"), build_plan(cfg).bundles, laptop)  # the loader needs no spare CPU
+    # An autoscaling cluster: judged by what its node types can add; where that is no CPU either, a warning
+    # (the run waits for a node), since its node types can change under it.
+    check_cpus_left(cfg, build_plan(cfg).bundles, Capacity(alive=({"CPU": 2.0},), node_types=(
+        NodeType("cpu", {"CPU": 4.0}, 2),)))  # room once a CPU node is added: nothing said
+    assert not caplog.records
+    full = Capacity(alive=({"CPU": 2.0, "GPU": 1.0},), node_types=(NodeType("gpu", {"CPU": 2.0, "GPU": 1.0}, 1),))
+    check_cpus_left(cfg, build_plan(cfg).bundles, full)
+    assert "would wait for a CPU for ever" in caplog.text and "autoscales" in caplog.text

@@ -62,15 +62,12 @@ ROWS_PER_READ_TASK = 1024
 # ----------------------------------------------------------------------------- driver
 
 
-def trainer_datasets(cfg: "TrainConfig", reserved_cpus: float = 0.0) -> dict:
+def trainer_datasets(cfg: "TrainConfig") -> dict:
     """``TorchTrainer`` keyword arguments: none for ``ingest="loader"``; for ``"ray_data"`` the
-    training split as ``datasets={"train": ...}`` and the ``DataConfig`` that splits it equally.
-    ``reserved_cpus``: what the workers will take of the CPUs free now."""
+    training split as ``datasets={"train": ...}`` and the ``DataConfig`` that splits it equally."""
     if cfg.ingest != "ray_data":
         return {}
     from ray.train import DataConfig
-
-    warn_if_no_cpu_left(reserved_cpus)
 
     return {"datasets": {"train": train_dataset(cfg.data)}, "dataset_config": DataConfig(datasets_to_split=["train"])}
 
@@ -78,20 +75,32 @@ def trainer_datasets(cfg: "TrainConfig", reserved_cpus: float = 0.0) -> dict:
 def replica_shards(cfg: "TrainConfig", num_replicas: int) -> list:
     """The pipeline runner's split: one ``DataIterator`` per replica (``streaming_split(equal=True)``,
     as Ray Train's ``DataConfig``), for that replica's first stage; a fresh split per attempt."""
-    warn_if_no_cpu_left(0.0)  # the stage actors' placement group holds its CPUs already
     return train_dataset(cfg.data).streaming_split(num_replicas, equal=True)
 
 
-def warn_if_no_cpu_left(reserved_cpus: float) -> None:
-    """Ray Data's read and decode tasks need a CPU the workers do not hold; without one they wait
-    (for ever on a fixed cluster, until a node is added on an autoscaling one): say so and how to fix it."""
-    import ray
+def check_cpus_left(cfg: "TrainConfig", bundles, capacity=None) -> None:
+    """Ray Data's read and decode tasks need a CPU that the training bundles do not hold. On a
+    cluster that cannot grow, a run without one would wait for ever (the bundles placed, the first
+    read task pending): refused here, before any bundle is placed, with the numbers and the fix. An
+    autoscaling cluster can add a CPU node, so there it is a warning."""
+    if cfg.ingest != "ray_data":
+        return
+    from raytrain_mgpu.runtime.cluster import read_capacity
 
-    free = ray.available_resources().get("CPU", 0.0) - reserved_cpus
-    if free < 1:
-        logger.warning("ingest='ray_data': the workers take every CPU of the cluster (%g free after them), so Ray "
-                       "Data's read and decode tasks wait for one until a node is added. Lower num_workers or "
-                       "cpus_per_worker, or add a CPU node.", max(free, 0.0))
+    capacity = capacity if capacity is not None else read_capacity()
+    held = sum(bundle.get("CPU", 0) for bundle in bundles)
+    total = capacity.max_total("CPU", unlimited=len(bundles) + 1)
+    if total - held >= 1:
+        return
+    message = (f"ingest='ray_data': the training processes hold {held:g} of the cluster's {total:g} CPU "
+               f"({len(bundles)} x {bundles[0].get('CPU', 0):g}), so Ray Data's read and decode tasks would wait "
+               f"for a CPU for ever. Leave at least 1 CPU free: lower num_workers"
+               + (" or num_stages" if cfg.strategy in ("pipeline", "ddp_pipeline") else "")
+               + f" or cpus_per_worker, or add a CPU node.")
+    if capacity.autoscales:
+        logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
+        return
+    raise ValueError(message)
 
 
 def train_dataset(data_cfg: "DataConfig", transform=None):

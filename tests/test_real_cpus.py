@@ -1,0 +1,95 @@
+"""What a user's laptop meets: a Ray that declares only the machine's real CPUs.
+
+The shared test instance declares 4 CPUs (and 4 emulated GPUs) on a 2-core machine, so no test
+there meets the resources a user has. Here one local Ray in a subprocess, started the way a plain
+``ray.init()`` starts it (the CPUs it detects; 2 fake GPUs under the emulation, computed on CPU),
+runs each runner and the Ray Data path once, in one connection:
+
+- the pipeline's actor group: 2 stages, one CPU each (every CPU of a 2-core machine);
+- Ray Train workers: an elastic ``num_workers=(1, 2)`` ddp run with ``use_gpu=True``, which Ray's
+  elastic policy grows to 2 workers on the 2 fake GPUs;
+- Ray Data streaming into 1 Ray Train worker, with a CPU left for Ray Data's read tasks;
+- the runs that would leave Ray Data no CPU (2 workers; a 2-stage pipeline), refused before any
+  bundle is placed instead of waiting for ever (what a user saw before: ``2.0/2.0 CPU used``, a
+  pending ``{'CPU': 1.0}`` read task, nothing printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from _emulation_checks import check_devices
+from _ray_nodes import base_env
+from test_ray_ingest import write_png_parquet
+
+from raytrain_mgpu.runtime.devices import EMULATE_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, epochs=2)
+
+
+@pytest.fixture(scope="module")
+def laptop_runs():
+    root = Path(tempfile.mkdtemp(prefix="rtmcpu-", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        write_png_parquet(root / "png")
+        storage = str(root / "results")
+        stream = dict(SMALL, dataset="parquet", data_root=str(root / "png"), ingest="ray_data",
+                      storage_path=storage)
+        steps = [
+            {"kind": "fit", "config": dict(SMALL, dataset="digits", strategy="pipeline", num_stages=2,
+                                           num_microbatches=2, name="pipe", storage_path=storage)},
+            {"kind": "fit", "config": dict(SMALL, dataset="digits", num_workers=[1, 2], use_gpu=True, max_steps=4,
+                                           epochs=1, name="elastic", storage_path=storage)},
+            {"kind": "fit", "config": dict(stream, num_workers=1, name="stream")},
+            {"kind": "fit", "config": dict(stream, num_workers=2, name="stream-2")},
+            {"kind": "fit", "config": dict(stream, strategy="pipeline", num_stages=2, num_microbatches=2,
+                                           name="stream-pipe")},
+        ]
+        (root / "plan.json").write_text(json.dumps({"steps": steps, "local_ray": {"num_gpus": 2}}))
+        (root / "home").mkdir()
+        env = base_env(root / "home", RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(root), **{EMULATE_ENV: "2"})
+        done = subprocess.run([sys.executable, "tests/_fit_driver.py", str(root / "plan.json"),
+                               str(root / "results.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        results = json.loads((root / "results.json").read_text())
+        assert len(results) == len(steps), done.stderr[-4000:]
+        yield dict(zip([s["config"]["name"] for s in steps], results))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.ray  # a Ray of its own, in a subprocess
+def test_each_runner_trains_on_the_real_cpus(laptop_runs):
+    cpus = os.cpu_count()
+    pipe, elastic = laptop_runs["pipe"], laptop_runs["elastic"]
+    assert pipe["ok"] and elastic["ok"], (pipe, elastic, f"{cpus} CPUs")
+    assert [row["epoch"] for row in pipe["history"]] == [1, 2]
+    assert pipe["history"][-1]["test_accuracy"] > 0.5 and pipe["history"][-1]["train_loss"] < pipe["history"][0]["train_loss"]
+    row = elastic["history"][-1]
+    check_devices(row, workers=2, per_worker=1)  # grown to both fake GPUs; the CPUs held nothing back
+    assert row["workers"] == 2 and row["step"] == 4
+
+
+@pytest.mark.ray
+def test_ray_data_trains_beside_one_worker_and_a_run_without_a_spare_cpu_is_refused(laptop_runs):
+    stream = laptop_runs["stream"]
+    assert stream["ok"], stream
+    assert [row["step"] for row in stream["history"]] == [1438 // 64, 2 * (1438 // 64)]
+    assert stream["history"][-1]["test_accuracy"] > 0.85
+    if os.cpu_count() > 2:
+        pytest.skip(f"{os.cpu_count()} CPUs: 2 workers leave Ray Data a CPU here")
+    for name, fix in (("stream-2", "lower num_workers or cpus_per_worker"),
+                      ("stream-pipe", "lower num_workers or num_stages or cpus_per_worker")):
+        refused = laptop_runs[name]
+        assert not refused["ok"] and refused["error"].startswith("ValueError: ingest='ray_data': the training "
+                                                                 "processes hold 2 of the cluster's 2 CPU"), refused
+        assert fix in refused["error"] and not refused.get("history")
