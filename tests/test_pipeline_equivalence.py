@@ -76,6 +76,10 @@ def train_in_one_process(cfg: TrainConfig, steps: int) -> dict:
     return model.state_dict()
 
 
+def _max_difference(a: dict, b: dict) -> float:
+    return max(float((a[key].float() - b[key].float()).abs().max()) for key in b)
+
+
 @pytest.fixture(scope="module")
 def pipeline_results():
     names = list(CASES)
@@ -89,7 +93,12 @@ def test_pipeline_ends_with_the_weights_of_one_process(pipeline_results, name):
     result = pipeline_results[name]
     expected = train_in_one_process(cfg, STEPS)
     assert result.model_state.keys() == expected.keys()
-    # bf16: products are rounded to 8 bits of mantissa, in a different order per micro-batch
+    if cfg.precision == "bf16-mixed":
+        # bf16 rounds products to 8 bits of mantissa, in another order per micro-batch, so the weights agree
+        # only loosely; loose enough that an fp32 pipeline would pass too. So the stages must also be far
+        # closer to the bf16 run than bf16 and fp32 are to each other (measured: 2.8e-4 against 2.0e-3).
+        fp32 = train_in_one_process(cfg.replace(precision="32"), STEPS)
+        assert _max_difference(result.model_state, expected) * 3 < _max_difference(expected, fp32), name
     tolerance = dict(rtol=1e-2, atol=2e-3) if cfg.precision == "bf16-mixed" else dict(rtol=1e-4, atol=2e-5)
     for key, value in expected.items():
         torch.testing.assert_close(result.model_state[key], value, **tolerance, msg=f"{name}: {key}")
