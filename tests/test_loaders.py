@@ -24,16 +24,14 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from _reference import train_one_worker
+
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime import loop as loop_module
-from raytrain_mgpu.runtime.loaders import prefetch, train_loader
-from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.run_state import RunState
-from raytrain_mgpu.strategies import WorkerContext, get_strategy
+from raytrain_mgpu.runtime.loaders import train_loader
 
 CPU = torch.device("cpu")
 
@@ -75,32 +73,7 @@ BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", 
 
 def _train_locally(fields: dict, epochs: int = 2, start: int = 0, restored=None):
     """The data part of ``train_worker`` and its epochs, without Ray: ``(weights, optimizer state, rng state)``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cfg = rtm.TrainConfig(**fields)
-        data = build_datasets(cfg.data)
-        ctx = WorkerContext(0, 1, 0, 1, 0, (CPU,))
-        strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
-        model = strategy.setup_model(loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes))
-        sampler = DistributedSampler(data.train, 1, 0, shuffle=True, seed=cfg.seed, drop_last=True)
-        loader = train_loader(cfg.data, data.train, sampler, cfg.batch_size, CPU)
-        optimizer = build_optimizer(model.parameters(), cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.optim, len(loader), cfg.epochs)
-        if restored is not None:  # as a resumed worker: weights, optimizer and its random stream
-            model.load_state_dict(restored[0])
-            optimizer.load_state_dict(restored[1])
-            torch.set_rng_state(restored[2])
-        loop = loop_module._Loop(cfg, strategy, model, optimizer, scheduler,
-                                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(None), len(loader))
-        state = RunState()
-        for epoch in range(start, epochs):
-            sampler.set_epoch(epoch)
-            prefetch(data.train, sampler)
-            loop.train_epoch(epoch, state)
-        return ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), torch.get_rng_state())
-    finally:
-        torch.set_num_threads(threads)
+    return train_one_worker(fields, epochs, start, restored)[:3]
 
 
 def _assert_equal(a: dict, b: dict, what: str) -> None:
