@@ -1,0 +1,154 @@
+"""The user documentation holds together (pure: reads text files, imports neither torch nor Ray).
+
+The README is the front door and ``docs/`` holds a page per task, so a reader moves between them
+by links: each relative link must reach a file, and each ``#anchor`` a heading of that file.
+The Python blocks are what a reader copies, so each must at least compile. The README stays
+small enough to read at once, and it keeps CI's test command as one of its lines (``.ci/run``
+greps for it with ``grep -qxF``; this test says so before CI does).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+README_MAX_BYTES = 15 * 1024
+PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
+
+_FENCE = re.compile(r"^(```|~~~)")
+# [text](target) and ![alt](target); the target ends at whitespace (an optional "title") or ")".
+_LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
+
+
+def _prose_lines(text: str):
+    """(line number, line) outside fenced code blocks, inline code spans blanked out."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if _FENCE.match(line.lstrip()):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield number, _INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line)
+
+
+def _python_blocks(text: str):
+    """(line number of the opening fence, source) of every ```python block."""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        opening = lines[i].strip()
+        if opening.startswith("```"):
+            language = opening[3:].strip().lower()
+            end = i + 1
+            while end < len(lines) and not lines[end].strip().startswith("```"):
+                end += 1
+            if language in ("python", "py"):
+                yield i + 1, "\n".join(lines[i + 1:end]) + "\n"
+            i = end + 1
+        else:
+            i += 1
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped except - and _, spaces to -."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps its text
+    text = text.strip().lower()
+    text = "".join(ch for ch in text if ch.isalnum() or ch in "-_ ")
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set:
+    """Every heading's anchor in a markdown file (outside code blocks; inline code keeps its words);
+    a repeated heading gets -1, -2, ... as on GitHub."""
+    seen: dict = {}
+    result = set()
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if _FENCE.match(line.lstrip()):
+            fenced = not fenced
+            continue
+        match = None if fenced else re.match(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = github_slug(match.group(1))
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            result.add(slug if count == 0 else f"{slug}-{count}")
+    return result
+
+
+def links(path: Path):
+    """(line number, target) of every relative link in a markdown file (web and mail links left out)."""
+    for number, line in _prose_lines(path.read_text(encoding="utf-8")):
+        for match in _LINK.finditer(line):
+            target = match.group(1)
+            if re.match(r"^(https?:|mailto:)", target, re.IGNORECASE):
+                continue
+            yield number, target
+
+
+def _page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_relative_link_reaches_a_file_and_its_heading(page):
+    broken = []
+    for number, target in links(page):
+        file_part, _, anchor = target.partition("#")
+        destination = (page.parent / file_part).resolve() if file_part else page
+        where = f"{_page_id(page)}:{number}: [{target}]"
+        if not destination.exists():
+            broken.append(f"{where}: {file_part} does not exist (relative to {_page_id(page.parent) or '.'}/)")
+        elif anchor and destination.suffix == ".md":
+            known = anchors(destination)
+            if anchor not in known:
+                broken.append(f"{where}: no heading of {destination.relative_to(ROOT)} has the anchor "
+                              f"#{anchor}; its anchors: {sorted(known)}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_python_block_compiles(page):
+    failures = []
+    for line, source in _python_blocks(page.read_text(encoding="utf-8")):
+        name = f"{_page_id(page)}:{line}"
+        try:
+            compile(source, name, "exec")
+        except SyntaxError as error:
+            failures.append(f"{name} (the ```python block opening on line {line}): {error}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_readme_is_a_front_door_not_a_manual():
+    size = README.stat().st_size
+    assert size <= README_MAX_BYTES, (
+        f"README.md is {size:,} bytes, over {README_MAX_BYTES:,}: move detail into a page of docs/ "
+        f"and link to it from the README")
+
+
+def _ci_command() -> str:
+    for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines():
+        if line.startswith("CMD="):
+            return shlex.split(line[len("CMD="):])[0]
+    raise AssertionError(".ci/run has no CMD= line: where does CI take the README's test command from?")
+
+
+def test_the_readme_has_the_ci_test_command_as_a_line():
+    command = _ci_command()
+    assert command in README.read_text(encoding="utf-8").splitlines(), (
+        f"README.md has no line that is exactly CI's test command (.ci/run greps for it with grep -qxF):\n"
+        f"{command}\nPut it back word for word, or change .ci/run's CMD= with it.")
+
+
+def test_the_slug_rule_is_githubs():
+    assert github_slug("Which strategy? `raytrain-mgpu compare`") == "which-strategy-raytrain-mgpu-compare"
+    assert github_slug('`strategy="auto"`') == "strategyauto"
+    assert github_slug("On a cluster: `ray up` → `ray job submit`") == "on-a-cluster-ray-up--ray-job-submit"
+    assert github_slug("Spot and elastic") == "spot-and-elastic"
+    assert github_slug("step_checkpoints and more") == "step_checkpoints-and-more"
