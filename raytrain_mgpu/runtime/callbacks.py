@@ -168,10 +168,6 @@ class RunEvents:
                 except Exception:  # a logger that cannot close must not hide the run's own outcome
                     logger.warning("%s could not close", label, exc_info=True)
 
-    def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
     def _emit(self, hook: str, *args) -> None:
         if self.failure is not None:
             return  # the run is failing: later events would only repeat the error

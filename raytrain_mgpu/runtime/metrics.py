@@ -129,13 +129,6 @@ def all_gather_list(values: List[int]) -> List[int]:
     return [v for part in gathered for v in part]
 
 
-def summarise_memory(peaks: List[int]) -> Dict[str, float]:
-    if not peaks:
-        return {}
-    return {"peak_memory_max_bytes": max(peaks), "peak_memory_min_bytes": min(peaks),
-            "peak_memory_imbalance": max(peaks) / max(1, min(peaks))}
-
-
 class StageTotals:
     """One pipeline rank's sums for an epoch (host floats: the executor times its own steps).
 

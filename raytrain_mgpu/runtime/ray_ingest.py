@@ -86,6 +86,7 @@ def check_cpus_left(cfg: "TrainConfig", bundles, capacity=None) -> None:
     if cfg.ingest != "ray_data":
         return
     from raytrain_mgpu.runtime.cluster import read_capacity
+    from raytrain_mgpu.strategies import get_strategy
 
     capacity = capacity if capacity is not None else read_capacity()
     held = sum(bundle.get("CPU", 0) for bundle in bundles)
@@ -95,8 +96,8 @@ def check_cpus_left(cfg: "TrainConfig", bundles, capacity=None) -> None:
     message = (f"ingest='ray_data': the training processes hold {held:g} of the cluster's {total:g} CPU "
                f"({len(bundles)} x {bundles[0].get('CPU', 0):g}), so Ray Data's read and decode tasks would wait "
                f"for a CPU for ever. Leave at least 1 CPU free: lower num_workers"
-               + (" or num_stages" if cfg.strategy in ("pipeline", "ddp_pipeline") else "")
-               + f" or cpus_per_worker, or add a CPU node.")
+               + (" or num_stages" if "num_stages" in get_strategy(cfg.strategy).options_used else "")
+               + " or cpus_per_worker, or add a CPU node.")
     if capacity.autoscales:
         logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
         return
