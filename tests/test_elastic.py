@@ -16,9 +16,18 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import _build_parser
 from raytrain_mgpu.runtime.run_state import EPOCH_KEYS, RunState, epoch_row
 from raytrain_mgpu.strategies import STRATEGIES
-from raytrain_mgpu.strategies.elastic import accumulation_steps, at_count, worker_range
+from raytrain_mgpu.strategies.elastic import at_count, worker_range
 from raytrain_mgpu.strategies.plan import build_plan
 
+
+
+def accumulation_steps(max_workers: int, grad_accum_steps: int, world_size: int) -> int:
+    """Micro-steps per optimizer step for each of ``world_size`` workers (the micro-batch fixed by the max)."""
+    parts = max_workers * grad_accum_steps
+    if parts % world_size:
+        raise ValueError(f"{world_size} worker(s) cannot split {parts} micro-batches per step "
+                         f"(num_workers max {max_workers} x grad_accum_steps {grad_accum_steps})")
+    return parts // world_size
 
 def test_a_range_is_normalised_from_yaml_and_parsed_from_the_cli(capsys):
     assert rtm.TrainConfig(num_workers=[1, 2], batch_size=64).num_workers == (1, 2)

@@ -24,8 +24,6 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from _reference import train_one_worker
-
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
@@ -73,6 +71,8 @@ BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", 
 
 def _train_locally(fields: dict, epochs: int = 2, start: int = 0, restored=None):
     """The data part of ``train_worker`` and its epochs, without Ray: ``(weights, optimizer state, rng state)``."""
+    from _reference import train_one_worker  # here: the Ray workers import this module for its model, not _reference
+
     return train_one_worker(fields, epochs, start, restored)[:3]
 
 

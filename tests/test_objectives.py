@@ -39,6 +39,7 @@ from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import LOSSES, METRICS, Objective, Predictions
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.runtime import loaders
 from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.placement import free_address
 from raytrain_mgpu.runtime.progress import ProgressPrinter
@@ -308,7 +309,7 @@ def _run_loop(rank: int, world: int, fields: dict):
     loop = loop_module._Loop(cfg, strategy, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
                              loader, WorkerReporter(None), len(loader))
     row = loop.train_epoch(0, RunState())
-    row.update(loop.evaluate(loop_module._test_loader(data.test, rank, world, cfg.batch_size // world)))
+    row.update(loop.evaluate(loaders.test_loader(None, data.test, rank, world, cfg.batch_size // world)))
     return row, strategy.state_dict(model)
 
 

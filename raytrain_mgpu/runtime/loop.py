@@ -262,11 +262,6 @@ class _Loop:
         return eval_columns(*meter.split(all_reduce_sum(meter.totals).tolist()))
 
 
-def _test_loader(test, shard: int, num_shards: int, batch_size: int) -> DataLoader:
-    """The test shard without loader workers (tests/test_objectives.py runs the loop without Ray with it)."""
-    return test_loader(None, test, shard, num_shards, batch_size)
-
-
 def _own_partials(partials: Optional[list], ctx: WorkerContext) -> list:
     """This rank's saved epoch sums; all of them on rank 0 when the world size changed (they are summed anyway)."""
     if not partials:

@@ -24,7 +24,7 @@ import copy
 import math
 from typing import List, Tuple
 
-__all__ = ["worker_range", "is_elastic", "at_count", "check_worker_range", "accumulation_steps",
+__all__ = ["worker_range", "is_elastic", "at_count", "check_worker_range",
            "describe_range"]
 
 
@@ -52,15 +52,6 @@ def describe_range(cfg) -> str:
     """``2`` or ``1-2`` (the banner's worker count)."""
     low, high = worker_range(cfg)
     return str(high) if low == high else f"{low}-{high}"
-
-
-def accumulation_steps(max_workers: int, grad_accum_steps: int, world_size: int) -> int:
-    """Micro-steps per optimizer step for each of ``world_size`` workers (the micro-batch fixed by the max)."""
-    parts = max_workers * grad_accum_steps
-    if parts % world_size:
-        raise ValueError(f"{world_size} worker(s) cannot split {parts} micro-batches per step "
-                         f"(num_workers max {max_workers} x grad_accum_steps {grad_accum_steps})")
-    return parts // world_size
 
 
 def _splits(low: int, high: int, batch: int, accum: int) -> List[int]:
