@@ -115,7 +115,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
         if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
             check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
-        ray_ingest.check_cpus_left(cfg, plan.bundles)  # Ray Data's tasks need a CPU beside the bundles
+        ray_ingest.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
         check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what both runners report to
         if auto_record:

@@ -206,17 +206,17 @@ def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_any_bundle(caplog):
     with pytest.raises(ValueError, match=r"ingest='ray_data': the training processes hold 2 of the cluster's 2 CPU "
                                          r"\(2 x 1\), so Ray Data's read and decode tasks would wait for a CPU for "
                                          r"ever\. Leave at least 1 CPU free: lower num_workers or cpus_per_worker"):
-        check_cpus_left(cfg, build_plan(cfg).bundles, laptop)
-    check_cpus_left(cfg.replace(num_workers=1), build_plan(cfg.replace(num_workers=1)).bundles, laptop)  # 1 left
+        check_cpus_left(cfg, build_plan(cfg), laptop)
+    check_cpus_left(cfg.replace(num_workers=1), build_plan(cfg.replace(num_workers=1)), laptop)  # 1 left
     pipe = cfg.replace(strategy="pipeline", num_stages=2, num_microbatches=2, num_workers=1)
     with pytest.raises(ValueError, match=r"lower num_workers or num_stages or cpus_per_worker"):
-        check_cpus_left(pipe, build_plan(pipe).bundles, laptop)
-    check_cpus_left(cfg.replace(ingest="loader"), build_plan(cfg).bundles, laptop)  # the loader needs no spare CPU
+        check_cpus_left(pipe, build_plan(pipe), laptop)
+    check_cpus_left(cfg.replace(ingest="loader"), build_plan(cfg), laptop)  # the loader needs no spare CPU
     # An autoscaling cluster: judged by what its node types can add; where that is no CPU either, a warning
     # (the run waits for a node), since its node types can change under it.
-    check_cpus_left(cfg, build_plan(cfg).bundles, Capacity(alive=({"CPU": 2.0},), node_types=(
+    check_cpus_left(cfg, build_plan(cfg), Capacity(alive=({"CPU": 2.0},), node_types=(
         NodeType("cpu", {"CPU": 4.0}, 2),)))  # room once a CPU node is added: nothing said
     assert not caplog.records
     full = Capacity(alive=({"CPU": 2.0, "GPU": 1.0},), node_types=(NodeType("gpu", {"CPU": 2.0, "GPU": 1.0}, 1),))
-    check_cpus_left(cfg, build_plan(cfg).bundles, full)
+    check_cpus_left(cfg, build_plan(cfg), full)
     assert "would wait for a CPU for ever" in caplog.text and "autoscales" in caplog.text

@@ -78,7 +78,7 @@ def replica_shards(cfg: "TrainConfig", num_replicas: int) -> list:
     return train_dataset(cfg.data).streaming_split(num_replicas, equal=True)
 
 
-def check_cpus_left(cfg: "TrainConfig", bundles, capacity=None) -> None:
+def check_cpus_left(cfg: "TrainConfig", plan, capacity=None) -> None:
     """Ray Data's read and decode tasks need a CPU that the training bundles do not hold. On a
     cluster that cannot grow, a run without one would wait for ever (the bundles placed, the first
     read task pending): refused here, before any bundle is placed, with the numbers and the fix. An
@@ -86,9 +86,9 @@ def check_cpus_left(cfg: "TrainConfig", bundles, capacity=None) -> None:
     if cfg.ingest != "ray_data":
         return
     from raytrain_mgpu.runtime.cluster import read_capacity
-    from raytrain_mgpu.strategies import get_strategy
 
     capacity = capacity if capacity is not None else read_capacity()
+    bundles = plan.bundles  # the run plan's: every process of either runner
     held = sum(bundle.get("CPU", 0) for bundle in bundles)
     total = capacity.max_total("CPU", unlimited=len(bundles) + 1)
     if total - held >= 1:
@@ -96,7 +96,7 @@ def check_cpus_left(cfg: "TrainConfig", bundles, capacity=None) -> None:
     message = (f"ingest='ray_data': the training processes hold {held:g} of the cluster's {total:g} CPU "
                f"({len(bundles)} x {bundles[0].get('CPU', 0):g}), so Ray Data's read and decode tasks would wait "
                f"for a CPU for ever. Leave at least 1 CPU free: lower num_workers"
-               + (" or num_stages" if "num_stages" in get_strategy(cfg.strategy).options_used else "")
+               + (" or num_stages" if plan.runner == "actor_group" else "")
                + " or cpus_per_worker, or add a CPU node.")
     if capacity.autoscales:
         logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
