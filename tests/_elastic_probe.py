@@ -1,14 +1,30 @@
-"""A user dataset factory for the elastic two-node test: slow digits that record what each worker trained.
+"""A user dataset factory for the two-node elastic and spot tests: digits that record what each worker
+read and park at planned steps, so that a test acts on an event instead of racing a clock.
 
-``dataset="_elastic_probe:slow_digits"`` with ``data_root=<probe dir>``: digits whose training
-batches take at least ``SLOW_BATCH_S`` to read (a tiny model's run lasts long enough for the
-cluster to grow and shrink under it). Inside a Ray Train worker it writes
-``worker-<pid>.json`` (world rank and size, node IP, start time) and appends one line per
-micro-batch it reads to ``batches-<pid>.txt``: with no loader workers a micro-batch is read
-when the loop trains it, so the count tells how many micro-steps that process started.
+``dataset="_elastic_probe:parked_digits"`` with ``data_root=<probe dir>``. Inside a Ray Train worker it
+writes ``worker-<pid>.json`` (world rank and size, node IP, start time, the step it resumed after) and
+appends one line per micro-batch it reads to ``batches-<pid>.txt``: with no loader workers a
+micro-batch is read when the loop trains it, so the count tells how many micro-steps that process
+started (a micro-batch it parked on and never returned is not counted).
+
+``<probe dir>/parks.json`` (optional) lists parks, with the run's global batch size (the factory
+gets the data section of the config only, and a step's count of micro-batches follows from it)::
+
+    {"batch_size": 64, "parks": [{"name": "grow", "step": 28, "world_size": 1},
+                                 {"name": "notice", "step": 30, "until": "preemption_notice"}]}
+
+A worker process (of that ``world_size``, and of a group that resumed after that
+``resumed_after_step``, 0 for a fresh start, where they are given) about to read the first
+micro-batch of global optimizer step ``step`` writes ``parked-<name>-<world rank>`` and waits until
+``release-<name>`` exists (``"until": "release"``, the default), or until Ray Train has handed this
+worker a preemption notice (``"until": "preemption_notice"``). Meanwhile the test acts (a node joins
+or goes, a notice is sent) and Ray Train may stop the group. The wait is bounded: after ``PARK_S``
+the process writes ``timeout-<name>-<world rank>`` and goes on, and the test fails on what follows
+instead of hanging. A park whose release file exists already does not wait (a restarted group
+passes it), nor does one at a step that this process does not read (it resumed after it).
 
 ``fit`` ships this file to the workers (a user module outside site-packages), so it imports
-no other test helper. It only observes: nothing here changes what is trained.
+no other test helper. It only observes and waits: nothing here changes what is trained.
 """
 
 from __future__ import annotations
@@ -17,17 +33,31 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 from torch.utils.data import Dataset
 
 from raytrain_mgpu.data import Datasets, digits as _digits
 
-SLOW_BATCH_S = 0.15
+PARK_S = 300.0  # the longest a park waits: far above what a node's start or a notice takes on a slow machine
+POLL_S = 0.05
 
 
-def slow_digits(cfg) -> Datasets:
+def parked_digits(cfg) -> Datasets:
     data = _digits.build(cfg)
-    log = None
+    info = _worker_info()
+    if info is None or not cfg.data_root:  # on the driver (check_data), or not instrumented
+        return data
+    probe = Path(cfg.data_root)
+    (probe / f"worker-{info['pid']}.json").write_text(json.dumps(info))
+    parks_file = probe / "parks.json"
+    plan = json.loads(parks_file.read_text()) if parks_file.is_file() else {"batch_size": None, "parks": []}
+    parks = [p for p in plan["parks"] if all(p.get(key, info[key]) == info[key]
+                                             for key in ("world_size", "resumed_after_step"))]
+    return data._replace(train=_ParkingRecording(data.train, probe, info, parks, plan["batch_size"]))
+
+
+def _worker_info():
     try:
         import ray.train
 
@@ -35,17 +65,27 @@ def slow_digits(cfg) -> Datasets:
         info = {"world_rank": ctx.get_world_rank(), "world_size": ctx.get_world_size(),
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "started": time.time()}
     except Exception:  # on the driver (check_data): not a Ray Train worker
-        info = None
-    if info is not None and cfg.data_root:
-        probe = Path(cfg.data_root)
-        (probe / f"worker-{info['pid']}.json").write_text(json.dumps(info))
-        log = probe / f"batches-{info['pid']}.txt"
-    return data._replace(train=_SlowRecording(data.train, log))
+        return None
+    checkpoint = ray.train.get_checkpoint()  # the one this group resumes from (the loop reads the same)
+    info["resumed_after_step"] = 0 if checkpoint is None else json.loads(
+        (Path(checkpoint.path) / "meta.json").read_text())["step"]
+    return info
 
 
-class _SlowRecording(Dataset):
-    def __init__(self, inner, log):
-        self.inner, self.log = inner, log
+def _has_preemption_notice() -> bool:
+    """Whether Ray Train's preemption watcher has handed this worker a notice (read without the
+    barrier that ``ray.train.get_preemption_info`` is)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info is not None
+
+
+class _ParkingRecording(Dataset):
+    def __init__(self, inner, probe: Path, info: dict, parks: list, batch_size: Optional[int]):
+        self.inner, self.probe, self.parks, self.batch_size = inner, probe, parks, batch_size
+        self.rank, self.world_size, self.start_step = info["world_rank"], info["world_size"], info["resumed_after_step"]
+        self.log = probe / f"batches-{info['pid']}.txt"
+        self.micro_batches = 0  # read by this process so far
 
     def __len__(self):
         return len(self.inner)
@@ -54,8 +94,27 @@ class _SlowRecording(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices):
-        time.sleep(SLOW_BATCH_S)
-        if self.log is not None:
-            with open(self.log, "a") as f:
-                f.write(f"{len(indices)}\n")
+        # Micro-batches of one step: the batch is split over the workers, then into micro-batches.
+        accum = max(1, (self.batch_size or 0) // (len(indices) * self.world_size))
+        if self.parks and self.micro_batches % accum == 0:  # the first micro-batch of this step
+            step = self.start_step + self.micro_batches // accum + 1
+            for park in self.parks:
+                if park["step"] == step:
+                    self._park(park)
+        self.micro_batches += 1
+        with open(self.log, "a") as f:
+            f.write(f"{len(indices)}\n")
         return self.inner.__getitems__(indices)
+
+    def _park(self, park: dict) -> None:
+        name, until = park["name"], park.get("until", "release")
+        release = self.probe / f"release-{name}"
+        if release.exists():
+            return
+        (self.probe / f"parked-{name}-{self.rank}").write_text(repr(time.time()))
+        deadline = time.monotonic() + PARK_S
+        while not (release.exists() or (until == "preemption_notice" and _has_preemption_notice())):
+            if time.monotonic() > deadline:
+                (self.probe / f"timeout-{name}-{self.rank}").write_text(repr(time.time()))
+                return
+            time.sleep(POLL_S)

@@ -1,13 +1,18 @@
 """An elastic run (``num_workers=(1, 2)``) on a real two-node cluster that grows and then shrinks under it.
 
 The cluster starts with the head alone (1 CPU: room for 1 worker). The run starts with 1 worker
-(micro-batch 32 fixed by the max count, 2 accumulation steps); once its first step checkpoint
-exists the test starts the worker node, Ray Train's elastic policy sees room for 2 and restarts
-the group from the latest checkpoint with 2 workers (1 accumulation step each); once the 2-worker
-group has finished an epoch the test SIGKILLs the worker node, the group fails (``max_failures=1``)
-and restarts with the 1 worker the head has room for. The run ends with the weights of an
-undisturbed 1-worker run, its history shows both counts, and each restart cost at most
-``checkpoint_every_n_steps`` steps (measured from what every worker process read).
+(micro-batch 32 fixed by the max count, 2 accumulation steps), which parks in epoch 2 (at step
+``GROW_STEP``, tests/_elastic_probe.py); once it is parked and the step checkpoint before it is
+registered, the test starts the worker node, Ray Train's elastic policy sees room for 2 and restarts
+the group from that checkpoint with 2 workers (1 accumulation step each). The 2-worker group
+finishes epoch 2 and parks a few steps later (at ``SHRINK_STEP``, between two step checkpoints);
+once both workers are parked and the checkpoint before is registered, the test SIGKILLs the worker
+node, the group fails (``max_failures=1``) and restarts with the 1 worker the head has room for.
+Every event is observed (a parked file, a registered checkpoint), never waited for with a sleep:
+however slow the machine, the run cannot end before the cluster has grown and shrunk under it.
+The run ends with the weights of an undisturbed 1-worker run, its history shows both counts, and
+each restart cost at most ``checkpoint_every_n_steps`` steps (measured from what every worker
+process read).
 
 Namespaces need root, ``ip`` and ``unshare``: without them the tests skip with the reason,
 except on CI (``CI=true``), where that is a failure.
@@ -26,14 +31,18 @@ import torch
 
 from _netns import HEAD_IP, WORKER_IP, TwoNodeCluster, two_node_site
 
-pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
+# The cluster's start, the reference run and the elastic run took 7 + 30 + 95 s on the 2-core VM:
+# the bounds leave room for a machine 5x slower.
+pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 EVERY = 5  # checkpoint_every_n_steps
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=6,
            num_checkpoints_to_keep=100)  # every checkpoint kept: the test reads where each attempt resumed
 STEPS_PER_EPOCH = 1438 // 64
-DRIVER_TIMEOUT_S = 420
+GROW_STEP = 28  # the 1-worker group parks before this step (epoch 2), 3 steps after the checkpoint at 25
+SHRINK_STEP = 47  # the 2-worker group parks before this step: after epoch 2 (44), 2 steps after the one at 45
+DRIVER_TIMEOUT_S = 600  # each driver: the elastic run took 95 s on the 2-core VM
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +86,18 @@ def _registered(run: Path) -> list:
     return sorted(metas, key=lambda m: m["step"])
 
 
+def _registered_before(metas: list, step: int, attempt: int) -> bool:
+    """Whether the step checkpoint just before ``step``, saved by worker group ``attempt``, is among
+    the registered ``metas`` (the group parked at ``step`` is restarted from it: tests/_elastic_probe.py)."""
+    last = (step - 1) // EVERY * EVERY
+    return any(m["step"] == last and m["attempt"] == attempt for m in metas)
+
+
+def _parked(probe: Path, name: str) -> list:
+    """The world ranks parked at the park ``name`` (tests/_elastic_probe.py's files)."""
+    return sorted(int(p.name.rsplit("-", 1)[1]) for p in probe.glob(f"parked-{name}-*"))
+
+
 def _attempts(probe: Path) -> list:
     """Worker groups in start order: [(world size, micro-batches rank 0 read), ...]."""
     infos = sorted((json.loads(p.read_text()) for p in probe.glob("worker-*.json")), key=lambda i: i["started"])
@@ -104,9 +125,11 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
 
     probe = root / "probe"
     probe.mkdir()
+    (probe / "parks.json").write_text(json.dumps({"batch_size": MLP["batch_size"], "parks": [
+        {"name": "grow", "step": GROW_STEP, "world_size": 1}, {"name": "shrink", "step": SHRINK_STEP, "world_size": 2}]}))
     run = shared / "elastic"
     driver = _driver(cluster, root / "driver-elastic", [{"kind": "fit", "weights": str(root / "elastic.pt"), "config": {
-        **MLP, "dataset": "_elastic_probe:slow_digits", "data_root": str(probe), "num_workers": [1, 2],
+        **MLP, "dataset": "_elastic_probe:parked_digits", "data_root": str(probe), "num_workers": [1, 2],
         "checkpoint_every_n_steps": EVERY, "max_failures": 1, "elastic_resize_interval_s": 1.0,
         "name": "elastic", "storage_path": str(shared)}}])
     timeline = {}
@@ -114,15 +137,18 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
     try:
         while driver.poll() is None:
             assert time.monotonic() - start < DRIVER_TIMEOUT_S, "the elastic run did not finish in time"
+            timed_out = sorted(p.name for p in probe.glob("timeout-*"))  # a park waited tests/_elastic_probe.PARK_S
+            assert not timed_out, f"parked workers waited in vain: {timed_out}; timeline {timeline}"
             metas = _registered(run)
-            if "grow" not in timeline and metas:
+            if "grow" not in timeline and _parked(probe, "grow") == [0] and _registered_before(metas, GROW_STEP, 0):
                 cluster.start_worker_node()  # a node joins: room for the second worker
                 timeline["grow"] = time.monotonic() - start
-            elif "shrink" not in timeline and any(m["attempt"] == 1 and not m.get("step_in_epoch") for m in metas):
-                time.sleep(0.5)  # a few steps later, between two step checkpoints (0.15 s a micro-batch)
+            elif ("shrink" not in timeline and _parked(probe, "shrink") == [0, 1]
+                  and any(m["attempt"] == 1 and not m.get("step_in_epoch") for m in metas)
+                  and _registered_before(metas, SHRINK_STEP, 1)):
                 cluster.worker.lose()  # the grown group's epoch is registered: its node is reclaimed
                 timeline["shrink"] = time.monotonic() - start
-            time.sleep(0.1)
+            time.sleep(0.1)  # how often the events are looked for; the run waits for them, parked
     finally:
         if driver.poll() is None:
             driver.kill()
