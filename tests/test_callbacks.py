@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import time
 
 import pytest
 
@@ -201,12 +200,13 @@ def test_pipeline_events_in_order(ray_session, storage):
 def test_a_raising_callback_stops_a_ray_train_run_early_and_fails_fit_naming_it(ray_session, storage):
     cfg = rtm.TrainConfig(**SMALL, num_workers=2, epochs=30, name="failing", storage_path=storage,
                           callbacks=[FailsAtEpoch()])
-    started, handler = time.perf_counter(), signal.getsignal(signal.SIGINT)
+    handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(CallbackError, match=r"callbacks entry 'test_callbacks:FailsAtEpoch' raised in "
                                             r"on_epoch_end: RuntimeError: disk full at epoch 1"):
         rtm.fit(cfg)
     # stopped early: far from 30 epochs. Each takes about a second; the driver polls events every
-    # 0.25 s and the workers stop at their next report, so a loaded CI machine reached epoch 4.
+    # 0.25 s and the workers stop at their next report, so a loaded CI machine reached epoch 4. Counted
+    # in epochs, not seconds: a slower machine slows the epochs and the stop alike (a bound on fit's
+    # seconds would also time its start-up, which says nothing about stopping).
     assert RunFolder.of(cfg).state().epoch <= 10
-    assert time.perf_counter() - started < 60
     assert signal.getsignal(signal.SIGINT) is handler  # Ray Train's handler, bound to the stopped run, is gone

@@ -75,16 +75,22 @@ def test_a_finished_run_is_answered_from_its_folder_without_ray(ray_session, sto
     import time
 
     cfg = rtm.TrainConfig(**MLP, num_workers=1, epochs=1, max_steps=3, name="done", storage_path=storage)
+    start = time.perf_counter()
     first = rtm.fit(cfg)
+    run_s = time.perf_counter() - start
     _refuse_ray(monkeypatch)
     start = time.perf_counter()
     again = rtm.fit(cfg.replace(epochs=2))  # max_steps=3 reached: nothing to train
     elapsed = time.perf_counter() - start
-    assert elapsed < 5, elapsed
+    # Ray refused above is the real check. The time says that nothing else is done instead: a
+    # fraction of the run it answers for (a worker group's start and 3 steps), timed here, so a
+    # slower machine slows both alike.
+    assert elapsed < run_s / 4, (elapsed, run_s)
     assert again.history == first.history and again.checkpoint_path == first.checkpoint_path
     assert again.path == first.path and again.metrics["step"] == 3
     out = capsys.readouterr().out
     assert out.count("is already finished (epoch 1, step 3); nothing to train. Raise epochs") == 1, out
+    print(f"answered in {elapsed:.2f} s; the run took {run_s:.1f} s")
     assert again.load_model().state_dict().keys() == first.load_model().state_dict().keys()
 
 

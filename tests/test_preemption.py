@@ -258,15 +258,20 @@ def _fake_drains(monkeypatch) -> list:
 
 def test_watch_drains_its_node_on_sigterm_waits_the_grace_and_restores_the_handler(monkeypatch):
     import signal
-    import threading
 
     from raytrain_mgpu.runtime.spot_watch import watch
 
     drains = _fake_drains(monkeypatch)
     before = signal.getsignal(signal.SIGTERM)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if len(lines) == 1:  # "on SIGTERM it drains": the handler is in place, so the notice comes now
+            os.kill(os.getpid(), signal.SIGTERM)
+
     start = time.monotonic()
-    assert watch("10.0.0.1:6379", 0.5, node_id="ab" * 28, log=lambda line: None) == 0
+    assert watch("10.0.0.1:6379", 0.5, node_id="ab" * 28, log=log) == 0
     (address, node_id, grace_s, message, at), = drains
     assert (address, node_id, grace_s) == ("10.0.0.1:6379", "ab" * 28, 0.5) and "SIGTERM" in message
     assert time.monotonic() - at >= 0.5 and at - start < 1.5  # drained at once, then waited out the deadline

@@ -155,7 +155,10 @@ def test_storage_path_only_the_head_sees_is_refused_naming_the_node(site):
     assert f"node {WORKER_IP}: does not see" in storage_check["error"], storage_check
     assert "not reachable from every node" in storage_check["error"]
     assert not refused_fit["ok"] and "not reachable from every node" in refused_fit["error"], refused_fit
-    assert refused_fit["seconds"] < 60
+    # Refused at start: fit checks the data and the model on the driver, then probes every node as the
+    # storage check before it did (both timed inside the same driver, after its imports and ray.init),
+    # so a slower machine slows both alike; training first would add a worker group's start and an epoch.
+    assert refused_fit["seconds"] < 2 * storage_check["seconds"] + 10, (refused_fit, storage_check)
 
 
 def test_ddp_on_two_nodes_shards_the_data_and_equals_one_worker(site, one_worker):
