@@ -223,26 +223,30 @@ def test_outputs_are_written_and_the_chart_is_a_real_png(tmp_path):
 
 
 @pytest.mark.ray
-def test_compare_ddp_dp_mp_pipeline_on_lenet_digits(ray_session, tmp_path):
+def test_compare_ddp_and_pipeline_on_lenet_digits(ray_session, tmp_path):
+    # One strategy of each runner (Ray Train's ddp, the pipeline's actor group) besides the one-device
+    # reference, itself a Ray Train run: each fit costs ~15 s of start-up here. dp and mp fit through Ray
+    # on lenet digits against the plain loop's first-epoch loss in test_strategies.py
+    # (test_strategy_trains_lenet_on_digits), and the report's columns are runner-agnostic (pure tests above).
     cfg = rtm.TrainConfig(model="lenet", dataset="digits", batch_size=128, num_workers=2, seed=1,
                           storage_path=str(tmp_path / "runs"))
-    report = compare(cfg, strategies=["ddp", "dp", "mp", "pipeline"], steps=3, warmup_steps=1,
+    report = compare(cfg, strategies=["ddp", "pipeline"], steps=3, warmup_steps=1,
                      memory_budget_bytes=4 * 2**20, out_dir=str(tmp_path / "out"))
     labels = [r.label for r in report.measured()]
-    assert labels == [REFERENCE, "ddp", "dp", "mp", "pipeline"], [(r.label, r.reason) for r in report.rows]
+    assert labels == [REFERENCE, "ddp", "pipeline"], [(r.label, r.reason) for r in report.rows]
     # Same samples, same initial weights, same maths: the same loss after the same steps.
-    assert report.loss_check.startswith("losses agree: 5 runs"), report.loss_check
+    assert report.loss_check.startswith("losses agree: 3 runs"), report.loss_check
     assert all(r.loss_agrees for r in report.measured())
     for row in report.measured():
         assert row.samples_per_s > 0 and row.step_time_s > 0 and row.max_batch and row.max_batch >= 128
-        assert len(row.peak_memory_bytes) == {"ddp": 2, "dp": 2, "mp": 2, "pipeline": 2}.get(row.label, 1)
+        assert len(row.peak_memory_bytes) == {"ddp": 2, "pipeline": 2}.get(row.label, 1)
     reference = report.rows[0]
     for row in report.measured()[1:]:  # each speed-up is that run's throughput over the one-device run's
         assert row.speedup == pytest.approx(row.samples_per_s / reference.samples_per_s, rel=1e-9), row.label
     assert report.recommendation.strategy is not None
     table = report.table()
     assert "samples/s" in table and "Recommendation: " in table and "pipeline" in table
-    assert pq.read_table(report.paths["parquet"]).num_rows == 5
+    assert pq.read_table(report.paths["parquet"]).num_rows == 3
     png = open(report.paths["chart"], "rb").read()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 20_000
 
