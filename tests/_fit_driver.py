@@ -9,6 +9,10 @@ a Ray instance of its own whose settings differ from the shared test instance's)
     {"steps": [{"kind": "check_storage", "storage_path": "/x"},
                {"kind": "fit", "config": {TrainConfig fields}, "weights": "/out/w.pt"}]}
 
+A first fit step with ``"own_ray": true`` runs before the driver connects: ``fit`` starts (and
+stops) a local Ray of its own, as in a script without ``ray.init``; its entry says whether Ray was
+left running (``ray_left_running``).
+
 After every step ``results.json`` holds one entry per finished step: ``ok``, ``seconds``,
 ``error`` ("Type: message") or, for a fit, ``history``, ``path``, ``checkpoint_path``
 (and the trained weights saved to ``weights``).
@@ -39,19 +43,25 @@ def _run(step: dict) -> dict:
 def main(plan_path: str, results_path: str) -> None:
     plan = json.loads(open(plan_path).read())
     steps = plan["steps"]
-    if "local_ray" in plan:  # a fresh local instance, never one already running on the machine
-        ray.init(address="local", log_to_driver=False, **plan["local_ray"])
-    else:
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    results = []
+    results, connected = [], False
     try:
         for step in steps:
+            if step.get("own_ray"):
+                assert not connected, "an own_ray step must come before every step that connects"
+            elif not connected:
+                if "local_ray" in plan:  # a fresh local instance, never one already running on the machine
+                    ray.init(address="local", log_to_driver=False, **plan["local_ray"])
+                else:
+                    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+                connected = True
             start = time.monotonic()
             try:
                 entry = {"ok": True, **_run(step)}
             except Exception as exc:  # reported to the test, which decides
                 entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             entry["seconds"] = round(time.monotonic() - start, 1)
+            if step.get("own_ray"):
+                entry["ray_left_running"] = ray.is_initialized()
             results.append(entry)
             with open(results_path, "w") as f:
                 json.dump(results, f)

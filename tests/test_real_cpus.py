@@ -1,13 +1,15 @@
 """What a user's laptop meets: a Ray that declares only the machine's real CPUs.
 
 The shared test instance declares 4 CPUs (and 4 emulated GPUs) on a 2-core machine, so no test
-there meets the resources a user has. Here one local Ray in a subprocess, started the way a plain
-``ray.init()`` starts it (the CPUs it detects; 2 fake GPUs under the emulation, computed on CPU),
-runs each runner and the Ray Data path once, in one connection:
+there meets the resources a user has. Here, in a subprocess, local Rays started the way a user's
+script starts them (the CPUs they detect; 2 fake GPUs under the emulation, computed on CPU) run
+each runner and the Ray Data path once:
 
-- the pipeline's actor group: 2 stages, one CPU each (every CPU of a 2-core machine);
 - Ray Train workers: an elastic ``num_workers=(1, 2)`` ddp run with ``use_gpu=True``, which Ray's
-  elastic policy grows to 2 workers on the 2 fake GPUs;
+  elastic policy grows to 2 workers on the 2 fake GPUs, in a script without ``ray.init``: ``fit``
+  starts the local Ray itself and stops it after the run;
+- the runs below share one ``ray.init()``. The pipeline's actor group: 2 stages, one CPU each
+  (every CPU of a 2-core machine);
 - Ray Data streaming into 1 Ray Train worker, with a CPU left for Ray Data's read tasks;
 - the runs that would leave Ray Data no CPU (2 workers; a 2-stage pipeline), refused before any
   bundle is placed instead of waiting for ever (what a user saw before: ``2.0/2.0 CPU used``, a
@@ -44,10 +46,12 @@ def laptop_runs():
         stream = dict(SMALL, dataset="parquet", data_root=str(root / "png"), ingest="ray_data",
                       storage_path=storage)
         steps = [
+            # No ray.init before it: fit starts a local Ray of its own, as a script without one does.
+            {"kind": "fit", "own_ray": True, "config": dict(SMALL, dataset="digits", num_workers=[1, 2],
+                                                            use_gpu=True, max_steps=4, epochs=1, name="elastic",
+                                                            storage_path=storage)},
             {"kind": "fit", "config": dict(SMALL, dataset="digits", strategy="pipeline", num_stages=2,
                                            num_microbatches=2, name="pipe", storage_path=storage)},
-            {"kind": "fit", "config": dict(SMALL, dataset="digits", num_workers=[1, 2], use_gpu=True, max_steps=4,
-                                           epochs=1, name="elastic", storage_path=storage)},
             {"kind": "fit", "config": dict(stream, num_workers=1, name="stream")},
             {"kind": "fit", "config": dict(stream, num_workers=2, name="stream-2")},
             {"kind": "fit", "config": dict(stream, strategy="pipeline", num_stages=2, num_microbatches=2,
@@ -77,6 +81,9 @@ def test_each_runner_trains_on_the_real_cpus(laptop_runs):
     row = elastic["history"][-1]
     check_devices(row, workers=2, per_worker=1)  # grown to both fake GPUs; the CPUs held nothing back
     assert row["workers"] == 2 and row["step"] == 4
+    assert sorted(d for ds in row["devices_per_rank"] for d in ds) == ["cuda:0", "cuda:1"]
+    # fit started that Ray itself (no ray.init before it) with the fake GPUs, and shut it down after
+    assert elastic["ray_left_running"] is False
 
 
 @pytest.mark.ray
