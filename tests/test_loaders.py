@@ -10,9 +10,11 @@ drew from the training process's random stream would show) and a seeded augmenta
 - a run stopped after epoch 1 and resumed (weights, optimizer, random stream restored; the loader
   and its workers new) equals an uninterrupted one;
 - one Ray ``fit`` with ``loader_workers=1`` ends with the local run's weights (its model built for
-  the resized inputs);
-- a 2-stage pipeline on Ray whose first stage reads with a loader worker and a seeded user transform
-  ends with the weights of one process reading without workers.
+  the resized inputs).
+
+A 2-stage pipeline on Ray whose first stage reads with a loader worker and a seeded user transform,
+ending with the weights of one process reading without workers, is ``tests/test_pipeline_ray.py``'s
+first run (one actor group for that and the pipeline's checkpoints and resume).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from torch.utils.data import DistributedSampler
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.models import build_model
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.runtime.loaders import train_loader
 
@@ -150,43 +150,3 @@ def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, stora
     weights = model.state_dict()
     for key in no_workers:
         torch.testing.assert_close(weights[key], no_workers[key], rtol=0, atol=1e-6)
-
-
-PIPELINE = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
-                model_kwargs={"widths": [24, 24, 24]}, batch_size=24, num_microbatches=4, optimizer="sgd", lr=0.1,
-                seed=5, epochs=2, train_transform="test_transforms:noise")  # 3 steps per epoch
-
-
-def _one_process_reference(cfg) -> dict:
-    """The unsplit model on the global batch, the loader of runtime/loaders.py without workers."""
-    from torch.nn import functional as F
-
-    data = build_datasets(cfg.data)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
-    sampler = DistributedSampler(data.train, 1, 0, shuffle=True, seed=cfg.seed, drop_last=True)
-    loader = train_loader(cfg.replace(loader_workers=0).data, data.train, sampler, cfg.batch_size, CPU)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, len(loader), cfg.epochs)
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-    return model.state_dict()
-
-
-def test_pipeline_first_stage_with_a_loader_worker_trains_the_one_process_weights(ray_session, storage):
-    from raytrain_mgpu.pipeline.runner import run_pipeline
-    from raytrain_mgpu.runtime.checkpoint import load_model_state
-    from test_pipeline_ray import Reporter
-
-    cfg = rtm.TrainConfig(**PIPELINE, strategy="pipeline", num_stages=2, loader_workers=1, storage_path=storage,
-                          name="pipe-loader-workers")
-    outcome = run_pipeline(cfg, Reporter())
-    weights = load_model_state(outcome.checkpoint_path)
-    reference = _one_process_reference(cfg)
-    for key, value in reference.items():  # micro-batches sum in another order: close, not equal
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=2e-5)
