@@ -9,14 +9,17 @@ that train through ``fit`` (each ~15 s, so each fit checks several things).
 from __future__ import annotations
 
 import copy
+import re
 import threading
 
 import pytest
 import torch
+from _emulation_checks import check_devices
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import raytrain_mgpu as rtm
+from raytrain_mgpu.bench import gpu_report
 from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
@@ -335,6 +338,12 @@ def test_strategies_step_on_one_gpu(name, gloo_group):
 
 # ----------------------------------------------------------------------------- through fit (Ray, CPU, gloo)
 
+# Every fit here asks for GPUs (use_gpu=True) on the shared Ray instance's 4 emulated ones, so
+# each strategy's fit is also its emulated fit: Ray's GPU ids, CUDA_VISIBLE_DEVICES and the
+# cuda:k each rank would use are checked (_emulation_checks.check_devices), while the numbers are
+# computed on CPU with gloo. ddp2 stays on CPU here: with GPUs it runs one worker per node, and the
+# shared instance is one node (its emulated fit: tests/test_emulation.py's STRICT_SPREAD run).
+
 # The demo run (lenet on digits, AdamW, global batch 128, 8 epochs): what `raytrain-mgpu train` does.
 DEMO = rtm.TrainConfig(num_workers=1)
 # No BatchNorm, no dropout, plain SGD: equal global batches give equal weights up to rounding
@@ -374,6 +383,16 @@ def _plain_run(cfg):
     return model, history
 
 
+def _check_report_row(cfg, history):
+    """``gpu-report``'s row of this emulated run: what the report prints for the strategy on GPUs."""
+    row = gpu_report.strategy_row(cfg, history, "EMULATED")
+    assert row.what.startswith(f"strategy `{cfg.strategy}`, use_gpu=True: {cfg.num_workers} worker(s)"), row
+    figure = re.fullmatch(r"finished (\d+) steps, ([\d.]+) ms a step; peak memory per device ([\d./]+) GiB "
+                          r"\(max/min ([\d.]+)\)", row.figure)
+    assert figure and int(figure.group(1)) == history[-1]["step"] and float(figure.group(2)) > 0, row
+    assert len(figure.group(3).split("/")) == len(history[-1]["peak_memory_bytes"]), row
+
+
 @pytest.fixture(scope="module")
 def plain_demo():
     return _plain_run(DEMO)[1]
@@ -383,7 +402,7 @@ def plain_demo():
 @pytest.mark.parametrize("strategy,devices", [("ddp_mp", 2), ("ddp2", 2), ("fsdp", 1)])
 def test_two_workers_match_one_process(strategy, devices, ray_session, storage):
     result = rtm.fit(MLP.replace(strategy=strategy, num_workers=2, gpus_per_worker=devices, name=strategy,
-                                 storage_path=storage))
+                                 storage_path=storage, use_gpu=strategy != "ddp2"))
     plain, history = _plain_run(MLP)
     got = result.load_model().state_dict()  # fsdp: gathered from both shards
     for key, value in plain.state_dict().items():
@@ -392,6 +411,9 @@ def test_two_workers_match_one_process(strategy, devices, ray_session, storage):
     accuracy = result.metrics["test_accuracy"]
     assert accuracy == pytest.approx(history[-1][2], abs=1e-3) and accuracy >= 0.9
     assert len(result.metrics["peak_memory_bytes"]) == 2 * devices  # every device of every worker
+    if strategy != "ddp2":
+        check_devices(result.history[-1], workers=2, per_worker=devices)
+        _check_report_row(result.config, result.history)
 
 
 @pytest.mark.ray
@@ -403,7 +425,7 @@ def test_two_workers_match_one_process(strategy, devices, ray_session, storage):
 ])
 def test_strategy_trains_lenet_on_digits(strategy, workers, devices, precision, plain_demo, ray_session, storage):
     cfg = DEMO.replace(strategy=strategy, num_workers=workers, gpus_per_worker=devices, precision=precision,
-                       name=f"{strategy}-{precision}", storage_path=storage)
+                       name=f"{strategy}-{precision}", storage_path=storage, use_gpu=True)
     result = rtm.fit(cfg)
     history = result.history
     if precision == "32":  # the first epoch is the plain run's, before AdamW amplifies rounding
@@ -418,5 +440,7 @@ def test_strategy_trains_lenet_on_digits(strategy, workers, devices, precision, 
     assert accuracy >= 0.9 and abs(accuracy - plain_demo[-1][2]) <= 0.05, [h["test_accuracy"] for h in history]
     assert history[-1]["step"] == DEMO.epochs * (1437 // DEMO.batch_size)
     assert len(history[-1]["peak_memory_bytes"]) == workers * devices  # every device of every worker
+    check_devices(history[-1], workers=workers, per_worker=devices)
+    _check_report_row(cfg, history)
     # The checkpoint is the plain model's, whatever the strategy wrapped, split or sharded.
     assert result.load_model().state_dict().keys() == _model("lenet").state_dict().keys()

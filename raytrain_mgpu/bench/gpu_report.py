@@ -144,14 +144,18 @@ def strategy_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row
         except ValueError as exc:  # too few GPUs for this strategy's layout
             rows.append(Row(f"strategy `{name}`, use_gpu=True", f"not run: {exc}", where))
             continue
-        history = _fit(cfg)
-        peaks = history[-1]["peak_memory_bytes"]
-        imbalance = max(peaks) / max(1, min(peaks))
-        rows.append(Row(f"strategy `{name}`, use_gpu=True: {cfg.num_workers} worker(s), "
-                        f"{cfg.num_classes}-class mlp, batch {cfg.batch_size}",
-                        f"finished {history[-1]['step']} steps, {_steady(history, 'step_time_s') * 1000:.1f} ms a "
-                        f"step; peak memory per device {_gib(peaks)} (max/min {imbalance:.2f})", where))
+        rows.append(strategy_row(cfg, _fit(cfg), where))
     return rows
+
+
+def strategy_row(cfg: TrainConfig, history: list, where: str) -> Row:
+    """The row of one strategy's run: steps, time a step, peak memory per device and its imbalance."""
+    peaks = history[-1]["peak_memory_bytes"]
+    imbalance = max(peaks) / max(1, min(peaks))
+    return Row(f"strategy `{cfg.strategy}`, use_gpu={cfg.use_gpu}: {cfg.num_workers} worker(s), "
+               f"{cfg.num_classes}-class {cfg.model}, batch {cfg.batch_size}",
+               f"finished {history[-1]['step']} steps, {_steady(history, 'step_time_s') * 1000:.1f} ms a "
+               f"step; peak memory per device {_gib(peaks)} (max/min {imbalance:.2f})", where)
 
 
 def schedule_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
