@@ -94,21 +94,6 @@ def test_job_trains_and_leaves_checkpoint_and_history(head, tmp_path):
     assert size_mib < 5, f"{size_mib:.1f} MiB uploaded"
 
 
-def test_pipeline_job_trains_with_stage_actors_and_leaves_its_checkpoint(head, tmp_path):
-    storage = tmp_path / "results"
-    done = _submit_until_agent_ready(head, [
-        "--working-dir", ".", "--", "python", "jobs/train.py", "--config", "jobs/configs/mlp_digits_pipeline_cpu.yaml",
-        "--epochs", "1", "--name", "pipe-job", "--storage-path", str(storage)])
-    out = done.stdout + done.stderr
-    assert done.returncode == 0 and "succeeded" in out, out[-4000:]
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch")] == ["1/1"], out[-3000:]
-    run = storage / "pipe-job"
-    assert sorted(p.name for p in (run / "checkpoint_epoch000001").iterdir()) == [
-        "history.json", "meta.json", "model-stage0.pt", "model-stage1.pt", "train_state-stage0.pt",
-        "train_state-stage1.pt"]
-    assert pq.read_table(run / "history.parquet").column("partition").to_pylist() == [[3, 2]]
-
-
 def test_submission_without_or_with_a_wrong_token_is_refused(head):
     # The same environment minus the token: RAY_AUTH_MODE still says token, no token found.
     no_token = head.run([RAY, "job", "submit", "--address", head.dashboard, "--", "echo", "hi"],
