@@ -167,7 +167,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench-preemption", help="what the preemption check costs: ray.train.get_preemption_info() "
                                                  "against a small DDP step",
                         add_arguments=_bench_preemption_arguments)
-    commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of the README "
+    commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of docs/performance.md "
                                            "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
                         add_arguments=_gpu_report_arguments)
 

@@ -68,13 +68,13 @@ class TrainConfig:
     test_transform: Optional[str] = None
     """The same for the test split (e.g. ``resize:96`` when training with it; a transform that changes the shape must be given for both)."""
     ingest: Ingest = "loader"
-    """How the training split reaches the workers (the pipeline's first stages): ``loader`` (a ``DataLoader`` over the map-style dataset, in ``DistributedSampler`` order) or ``ray_data`` (``parquet`` only: Ray Data reads, decodes and normalises on CPU tasks and streams an equal share to each worker; the order is Ray Data's, so 1 vs N workers no longer give equal weights; README: Feeding the GPUs)."""
+    """How the training split reaches the workers (the pipeline's first stages): ``loader`` (a ``DataLoader`` over the map-style dataset, in ``DistributedSampler`` order) or ``ray_data`` (``parquet`` only: Ray Data reads, decodes and normalises on CPU tasks and streams an equal share to each worker; the order is Ray Data's, so 1 vs N workers no longer give equal weights; docs/data.md: Streaming with Ray Data)."""
 
     # --- parallelism
     strategy: str = "ddp"
-    """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (README: choosing a strategy), or auto: chosen with its worker and stage counts from a memory estimate and the cluster's devices when fit starts."""
+    """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (docs/strategies.md), or auto: chosen with its worker and stage counts from a memory estimate and the cluster's devices when fit starts."""
     num_workers: Union[int, Tuple[int, int]] = 2
-    """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``; or ``(min, max)`` (YAML ``[1, 4]``, CLI ``--num-workers 1-4``) for an elastic run of ``ddp``, ``ddp_mp`` or ``fsdp``: it starts with what the cluster has room for, from min up, and grows or shrinks (a restart from the latest checkpoint) as nodes come and go; the micro-batch is fixed by max, the accumulation steps follow the count, so the global batch and LR schedule stay exact (README: Spot and elastic)."""
+    """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``; or ``(min, max)`` (YAML ``[1, 4]``, CLI ``--num-workers 1-4``) for an elastic run of ``ddp``, ``ddp_mp`` or ``fsdp``: it starts with what the cluster has room for, from min up, and grows or shrinks (a restart from the latest checkpoint) as nodes come and go; the micro-batch is fixed by max, the accumulation steps follow the count, so the global batch and LR schedule stay exact (docs/clusters.md: Spot and elastic)."""
     use_gpu: bool = False
     """Give each worker GPUs (``gpus_per_worker``); otherwise train on CPU with gloo."""
     gpus_per_worker: int = 1

@@ -124,7 +124,7 @@ def test_every_node_type_requires_imdsv2(raw):
 
 
 def test_every_worker_node_runs_spot_watch_after_ray_start_with_a_deadline_below_the_notice(raw):
-    """A spot reclaim becomes a Ray preemption drain only if spot-watch runs on the node (README: Spot and elastic)."""
+    """A spot reclaim becomes a Ray preemption drain only if spot-watch runs on the node (docs/clusters.md: Spot and elastic)."""
     start = " ".join(raw["worker_start_ray_commands"])
     assert start.index("ray start") < start.index("raytrain-mgpu spot-watch")  # it finds its node in Ray
     grace = int(re.search(r"spot-watch --grace-s (\d+)", start).group(1))

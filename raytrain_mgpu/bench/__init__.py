@@ -7,5 +7,5 @@
 - ``_torchrun_pipeline.py`` its torchrun + ``torch.distributed.pipelining`` ranks;
 - ``checkpoint.py``        ``bench-checkpoint``: the training stall per checkpoint, synchronous vs asynchronous upload;
 - ``preemption.py``        ``bench-preemption``: what the preemption check costs against a small DDP step;
-- ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of the README.
+- ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of docs/performance.md.
 """

@@ -1,4 +1,4 @@
-"""``raytrain-mgpu gpu-report``: every GPU figure the README asks for, from one command.
+"""``raytrain-mgpu gpu-report``: every GPU figure docs/performance.md asks for, from one command.
 
 On a machine with GPUs it runs the GPU-only tests (``pytest -m gpu``, from a source
 checkout) and measures, each with ``fit`` on the GPUs Ray finds:
@@ -12,7 +12,7 @@ checkout) and measures, each with ``fit`` on the GPUs Ray finds:
 - fp16 (``16-mixed``) and bf16 (``bf16-mixed``) speed-up over fp32 on that workload;
 - every pipeline schedule finishing (stages on distinct GPUs).
 
-It prints the rows for the README's results table, each with the device named.
+It prints the rows for the results table (docs/performance.md), each with the device named.
 
 Under emulation (``RAYTRAIN_MGPU_EMULATE_GPUS=N``, no CUDA) the same report runs with
 small sizes on the CPU, every row marked "emulated": CI runs it that way so the command
@@ -49,7 +49,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each measurement is: the README's sizes on GPUs, tiny under emulation."""
+    """How big each measurement is: the results table's sizes on GPUs, tiny under emulation."""
 
     d2l_samples: int
     d2l_epochs: int
@@ -64,7 +64,7 @@ QUICK = Sizes(d2l_samples=256, d2l_epochs=1, d2l_batch=64, strategy_steps=2, wid
 
 @dataclass
 class Row:
-    """One line of the README's results table."""
+    """One line of the results table (docs/performance.md)."""
 
     what: str
     figure: str
@@ -73,7 +73,7 @@ class Row:
 
 
 def machine() -> str:
-    """The device named, as the README's table wants it."""
+    """The device named, as the results table wants it."""
     versions = f"torch {torch.__version__}"
     n = devices.emulated_gpus()
     if n and not torch.cuda.is_available():
@@ -290,7 +290,7 @@ def run_report(sections=tuple(SECTIONS), quick: Optional[bool] = None, root: Opt
 
 
 def format_rows(rows: List[Row]) -> str:
-    """Markdown rows in the README's results-table order: what | figure | command | machine."""
+    """Markdown rows in the results table's order: what | figure | command | machine."""
     return "\n".join(f"| {r.what} | {r.figure} | `{r.command}` | {r.machine} |" for r in rows)
 
 
@@ -310,7 +310,7 @@ def run_and_print(args) -> int:
     text = "| what | figure | command | machine |\n|---|---|---|---|\n" + format_rows(rows) + "\n"
     if args.out:
         Path(args.out).write_text(text)
-    print("\nREADME rows:\n" + text)
+    print("\ndocs/performance.md rows:\n" + text)
     return 0
 
 
