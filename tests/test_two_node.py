@@ -1,11 +1,13 @@
 """A real two-node cluster: head and worker node in separate network namespaces (see _netns.py).
 
-One module-scoped cluster; each test runs its own driver process (tests/_fit_driver.py, in
-the head's namespace):
+The cluster is the one the three two-node modules share (tests/_two_node_site.py); this module
+works in a folder of its own under it. Each test runs its own driver process (tests/_fit_driver.py,
+in the head's namespace), and compares with the 1-worker run's weights computed in the test's own
+process (tests/_reference.py: the same numbers as a fit through Ray, tests/test_loaders.py):
 
 - a storage path only the head can see is refused at start, naming the node;
-- a 2-worker ``ddp`` run with ``STRICT_SPREAD`` (node ranks 0 and 1, gloo over rtm0) equals
-  the 1-worker reference run;
+- a 2-worker ``ddp`` run with ``STRICT_SPREAD`` (node ranks 0 and 1, gloo over rtm0) reads each
+  epoch what the 1-worker run reads, split into disjoint shards, and ends with its weights;
 - the same run loses its worker node (every Ray process on it, SIGKILL) half-way through
   epoch 2; the test starts a new worker node in its place and the run resumes from the last
   checkpoint and still ends with the reference weights;
@@ -27,8 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _netns import HEAD_IP, IFNAME, WORKER_IP, TwoNodeCluster, two_node_site
+from _netns import HEAD_IP, IFNAME, WORKER_IP
+from _reference import train_one_worker
 
+pytest_plugins = ["_two_node_site"]  # the ``two_node`` fixture: the cluster the three two-node modules share
 pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,23 +44,22 @@ DRIVER_TIMEOUT_S = 400
 
 
 class _Site:
-    """The cluster and the folders of this module: shared storage, a head-only folder."""
+    """The shared cluster and this module's folders: its own, shared storage, the head-only folder."""
 
-    def __init__(self, cluster: TwoNodeCluster, root: Path):
-        self.cluster, self.root = cluster, root
-        self.shared, self.private = root / "shared", root / "private"
+    def __init__(self, site):  # tests/_two_node_site.TwoNodeSite
+        self.site, self.cluster = site, site.cluster
+        self.root = site.module("two_node")
+        self.shared, self.private = self.root / "shared", site.private
 
 
 @pytest.fixture(scope="module")
-def site():
-    with two_node_site("rtm2n-", private=True) as (cluster, root):
-        yield _Site(cluster, root)
+def site(two_node):
+    return _Site(two_node)
 
 
 def _drive(site: _Site, name: str, steps: list, kill_when: Path = None) -> tuple:
     """Run ``steps`` in a driver in the head's namespace; (results, worker-node replacements)."""
-    if not site.cluster.worker.alive():  # lost by the previous test
-        site.cluster.start_worker_node()
+    site.site.ensure_worker_node()  # lost by the previous test, or by another module's
     folder = site.root / f"driver-{name}"
     folder.mkdir()
     (folder / "plan.json").write_text(json.dumps({"steps": steps}))
@@ -77,7 +80,7 @@ def _drive(site: _Site, name: str, steps: list, kill_when: Path = None) -> tuple
     return results, replaced
 
 
-def _wait(proc: subprocess.Popen, cluster: TwoNodeCluster, kill_when, timeout_s: float) -> int:
+def _wait(proc: subprocess.Popen, cluster, kill_when, timeout_s: float) -> int:
     """Wait for the driver. Whenever the worker node is gone (killed by a probe or here), start
     a new one in its place; kill it here once ``kill_when`` exists. Returns the replacements."""
     replaced, killed = 0, False
@@ -135,14 +138,14 @@ def _assert_two_nodes(group: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_worker(site):
-    """The 1-worker reference run: (weights, indices it served)."""
+    """The 1-worker reference run, in this process: (weights, indices it read)."""
     probe = _probe(site, "one")
-    (one,), _ = _drive(site, "one", [{"kind": "fit", "weights": str(site.root / "one.pt"), "config": {
-        **MLP, "num_workers": 1, "data_root": str(probe), "name": "one", "storage_path": str(site.shared)}}])
-    assert one["ok"], one
-    assert one["history"][-1]["step"] == 2 * STEPS_PER_EPOCH
-    (single,), = [list(a.values()) for a in _attempts(probe)]
-    return torch.load(site.root / "one.pt"), single[1]
+    weights, _, _, history = train_one_worker({**MLP, "dataset": "_two_node_site:recorded_digits",
+                                               "num_workers": 1, "data_root": str(probe)})
+    assert history[-1]["step"] == 2 * STEPS_PER_EPOCH
+    single = [int(i) for i in (probe / "indices-in-process.txt").read_text().split()]
+    assert len(single) == 2 * 2 * PER_RANK_EPOCH
+    return weights, single
 
 
 def test_storage_path_only_the_head_sees_is_refused_naming_the_node(site):

@@ -1,7 +1,9 @@
 """An elastic run (``num_workers=(1, 2)``) on a real two-node cluster that grows and then shrinks under it.
 
-The cluster starts with the head alone (1 CPU: room for 1 worker). The run starts with 1 worker
-(micro-batch 32 fixed by the max count, 2 accumulation steps), which parks in epoch 2 (at step
+The cluster is the one the three two-node modules share (tests/_two_node_site.py; this module works
+in a folder of its own); the test starts with the head alone (1 CPU: room for 1 worker): a worker
+node left by another module is lost first, and the run starts once the GCS has declared it dead.
+The run starts with 1 worker (micro-batch 32 fixed by the max count, 2 accumulation steps), which parks in epoch 2 (at step
 ``GROW_STEP``, tests/_elastic_probe.py); once it is parked and the step checkpoint before it is
 registered, the test starts the worker node, Ray Train's elastic policy sees room for 2 and restarts
 the group from that checkpoint with 2 workers (1 accumulation step each). The 2-worker group
@@ -10,7 +12,8 @@ once both workers are parked and the checkpoint before is registered, the test S
 node, the group fails (``max_failures=1``) and restarts with the 1 worker the head has room for.
 Every event is observed (a parked file, a registered checkpoint), never waited for with a sleep:
 however slow the machine, the run cannot end before the cluster has grown and shrunk under it.
-The run ends with the weights of an undisturbed 1-worker run, its history shows both counts, and
+The run ends with the weights of an undisturbed 1-worker run (computed in the test's own process,
+tests/_reference.py: the same numbers as a fit through Ray), its history shows both counts, and
 each restart cost at most ``checkpoint_every_n_steps`` steps (measured from what every worker
 process read).
 
@@ -29,9 +32,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from _netns import HEAD_IP, WORKER_IP, TwoNodeCluster, two_node_site
+from _netns import HEAD_IP, WORKER_IP, TwoNodeCluster
+from _reference import train_one_worker
 
-# The cluster's start, the reference run and the elastic run took 7 + 30 + 95 s on the 2-core VM:
+pytest_plugins = ["_two_node_site"]  # the ``two_node`` fixture: the cluster the three two-node modules share
+# The cluster's start (if this module runs alone) and the elastic run took 7 + 95 s on the 2-core VM:
 # the bounds leave room for a machine 5x slower.
 pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,9 +51,8 @@ DRIVER_TIMEOUT_S = 600  # each driver: the elastic run took 95 s on the 2-core V
 
 
 @pytest.fixture(scope="module")
-def site():
-    with two_node_site("rtm2e-", start_worker=False) as (cluster, root):
-        yield cluster, root
+def site(two_node):
+    return two_node.cluster, two_node.module("elastic")
 
 
 def _driver(cluster: TwoNodeCluster, folder: Path, steps: list) -> subprocess.Popen:
@@ -113,15 +117,13 @@ def _attempts(probe: Path) -> list:
     return groups
 
 
-def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_worker(site):
+def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_worker(two_node, site):
     cluster, root = site
     shared = root / "shared"
-    reference = _driver(cluster, root / "driver-one", [{"kind": "fit", "weights": str(root / "one.pt"), "config": {
-        **MLP, "dataset": "digits", "num_workers": 1, "grad_accum_steps": 2, "name": "one",
-        "storage_path": str(shared)}}])
-    reference.wait(timeout=DRIVER_TIMEOUT_S)
-    one = _result(reference, root / "driver-one")
-    assert [row["workers"] for row in one["history"]] == [1] * MLP["epochs"]
+    reference_weights, _, _, one_history = train_one_worker({**MLP, "dataset": "digits", "num_workers": 1,
+                                                             "grad_accum_steps": 2})
+    assert [row["workers"] for row in one_history] == [1] * MLP["epochs"]
+    two_node.lose_worker_node()  # the head alone: room for 1 worker
 
     probe = root / "probe"
     probe.mkdir()
@@ -178,7 +180,7 @@ def test_an_elastic_run_grows_and_shrinks_with_the_cluster_and_ends_like_one_wor
     print(f"steps lost at the grow and at the shrink: {lost} (checkpoint_every_n_steps={EVERY})")
     assert all(0 <= n <= EVERY for n in lost), lost
 
-    reference_weights, weights = torch.load(root / "one.pt"), torch.load(root / "elastic.pt")
+    weights = torch.load(root / "elastic.pt")
     assert weights.keys() == reference_weights.keys()
     for key in reference_weights:
         torch.testing.assert_close(weights[key], reference_weights[key], rtol=1e-4, atol=1e-5, msg=key)
