@@ -36,7 +36,6 @@ from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 from raytrain_mgpu.strategies.plan import build_plan
 
 CPU = torch.device("cpu")
-ROW_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
 
 
 @contextlib.contextmanager
@@ -125,8 +124,9 @@ def _evaluate(cfg, data, stages, objective, num_replicas: int, replica_batch: in
 
 
 def train_pipeline(cfg: TrainConfig) -> Tuple[dict, List[dict]]:
-    """``(weights under the unsplit model's names, history rows)`` of an undisturbed run of ``cfg``;
-    each row holds :data:`ROW_KEYS` (test columns only where the run evaluates)."""
+    """``(weights under the unsplit model's names, history rows)`` of an undisturbed run of ``cfg``; each row
+    holds epoch, step, train_loss, train_accuracy, test_loss and test_accuracy (None where the run does not
+    evaluate)."""
     plan = build_plan(cfg)
     D, b = plan.replicas, plan.replica_batch
     with _threads(cfg.cpus_per_worker):

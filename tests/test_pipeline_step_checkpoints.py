@@ -4,10 +4,12 @@ Unit tests: the background writer (one job at a time, a failure raised at the ne
 end), the driver's saver (``meta.json`` last: a checkpoint whose parts are still uploading is no
 resume point), the snapshot (a copy: training goes on in place), the names (they sort by age).
 
-Ray runs (the shared instance): a 2-stage pipeline whose last stage dies in the middle of epoch 2
-resumes at the last step checkpoint, inside the epoch, on the epoch's own sample order, and ends
-with the weights and epoch rows of an undisturbed run; and the stall per checkpoint on a slow
-storage with and without the background upload (printed: ``pytest -s``).
+Ray runs (the shared instance, its emulated GPUs): a 2-stage pipeline (and a ``ddp_pipeline`` of 2
+replicas, GPipe) whose last stage dies in the middle of epoch 2 resumes at the last step checkpoint,
+inside the epoch, on the epoch's own sample order, and ends with the weights and epoch rows of an
+undisturbed run computed in this process (``tests/_pipeline_reference.py``), each stage actor on its
+own GPU; and the stall per checkpoint on a slow storage with and without the background upload
+(printed: ``pytest -s``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from raytrain_mgpu.pipeline.checkpoints import (SYNC_UPLOAD_ENV, BackgroundWrite
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.run_state import RunState
+from _pipeline_reference import train_pipeline, train_unsplit
 
 PIPE = dict(model="mlp", model_kwargs={"widths": [32, 32]}, dataset="_pipe_probe:digits", strategy="pipeline",
             num_stages=2, num_microbatches=4, schedule="1f1b", batch_size=64, optimizer="sgd", lr=0.1, seed=3,
@@ -213,36 +216,54 @@ def _lines(path: Path) -> list:
     return [[int(i) for i in line.split()] for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow  # two pipeline runs, one with a restart: 30-90 s on 2 cores
+@pytest.mark.slow  # a pipeline run with a restart, the undisturbed run in this process
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [dict(strategy="pipeline"), dict(strategy="ddp_pipeline", num_workers=2)],
+@pytest.mark.parametrize("layout", [dict(strategy="pipeline"), dict(strategy="ddp_pipeline", num_workers=2,
+                                                                    schedule="gpipe")],
                          ids=["pipeline", "ddp_pipeline"])  # ddp_pipeline: each replica's own partial sums
 def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
         ray_session, tmp_path, monkeypatch, layout):
     from raytrain_mgpu.pipeline.runner import FAIL_AT_STEP_ENV, run_pipeline
 
+    if ray_session.cluster_resources().get("GPU", 0) < 4:
+        pytest.fail("the shared ray_session must emulate at least 4 GPUs (RAYTRAIN_MGPU_EMULATE_GPUS)")
     probe = tmp_path / "probe"
     probe.mkdir()
     storage = str(tmp_path / "results")
-    pipe = {**PIPE, **layout}
+    # use_gpu=True on the shared instance's emulated GPUs: these runs are also the pipeline runners' emulated
+    # fits (NCCL's semantics on gloo, computed on CPU: the same numbers); was test_pipeline_nccl's own fit.
+    pipe = {**PIPE, **layout, "use_gpu": True}
     killed_cfg = rtm.TrainConfig(**pipe, data_root=str(probe), checkpoint_every_n_steps=EVERY, max_failures=1,
                                  num_checkpoints_to_keep=20, storage_path=storage, name="killed")
     monkeypatch.setenv(FAIL_AT_STEP_ENV, str(FAIL_AT))
     reporter = _Reporter()
     killed = run_pipeline(killed_cfg, reporter)
     monkeypatch.delenv(FAIL_AT_STEP_ENV)
-    undisturbed = run_pipeline(rtm.TrainConfig(**pipe, storage_path=storage, name="undisturbed"), _Reporter())
+    # The undisturbed run, computed in this process: tests/_pipeline_reference.py does the stages' arithmetic
+    # in their order, bit for bit a Ray run's (checked against one when it replaced a second run through Ray).
+    want, undisturbed_history = train_pipeline(rtm.TrainConfig(**pipe))
 
     # The same weights, bit for bit, and the same epoch rows (the resumed epoch's sums continued).
-    got, want = (ckpt_format.load_model_state(p) for p in (killed.checkpoint_path, undisturbed.checkpoint_path))
+    got = ckpt_format.load_model_state(killed.checkpoint_path)
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+    for key, value in train_unsplit(rtm.TrainConfig(**pipe)).items():  # and the unsplit model's, to rounding
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=2e-5, msg=key)
     assert [(h["epoch"], h["step"], h["attempt"]) for h in killed.history] == [
         (1, STEPS_PER_EPOCH, 0), (2, 2 * STEPS_PER_EPOCH, 1)]
-    for got_row, want_row in zip(killed.history, undisturbed.history):
+    assert len(undisturbed_history) == 2
+    for got_row, want_row in zip(killed.history, undisturbed_history):
         for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
             assert math.isclose(got_row[key], want_row[key], rel_tol=1e-9), key
+    replicas = layout.get("num_workers", 1)
+    assert len(killed.history[-1]["peak_memory_bytes"]) == 2 * replicas  # every stage actor of every replica
+    # Emulated GPUs (use_gpu=True): each stage actor sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES to
+    # it), so it is cuda:0 there, as on a real node; that the GPUs differ shows in Ray's ids on the one node.
+    last = killed.history[-1]
+    assert last["devices_per_rank"] == [["cuda:0"]] * 2 * replicas and last["backend"] == "nccl"
+    gpu_ids = [tuple(ids) for ids in last["gpu_ids_per_rank"]]
+    assert all(len(ids) == 1 for ids in gpu_ids) and len(set(gpu_ids)) == 2 * replicas, gpu_ids
 
     # Resumed inside epoch 2 from the step-30 checkpoint (written by attempt 0); the next one is attempt 1's.
     run = Path(storage) / "killed"
@@ -253,7 +274,6 @@ def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_l
 
     # What the first stages read: the restarted ones, exactly the rest of epoch 2 after step 30, in order.
     reads = sorted((_lines(p) for p in probe.glob("indices-*.txt")), key=len, reverse=True)
-    replicas = layout.get("num_workers", 1)
     assert len(reads) == 2 * replicas and all(len(batch) == 64 // replicas for r in reads for batch in r)
     for second in reads[replicas:]:  # the resumed attempt's: each replica's share (the first attempt's file of
         resumed_at = 2 * STEPS_PER_EPOCH - len(second)  # the same replica is the one whose order matches)
