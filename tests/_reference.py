@@ -20,9 +20,10 @@ from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime import loop as loop_module
-from raytrain_mgpu.runtime.loaders import prefetch, train_loader
+from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
+from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.run_state import RunState
+from raytrain_mgpu.runtime.run_state import RunState, eval_columns, metric_columns
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -82,3 +83,102 @@ def one_worker_weights(**fields) -> dict:
     if key not in _CACHE:
         _CACHE[key] = train_one_worker(fields)[0]
     return {k: v.clone() for k, v in _CACHE[key].items()}
+
+
+def _replica(cfg, data, rank: int, world: int, micro_batch: int):
+    """Rank ``rank``'s strategy, plain model (the same initial weights on every rank), sampler and loader."""
+    strategy = get_strategy(cfg.strategy)(cfg.parallel, WorkerContext(rank, world, rank, world, 0, (CPU,)),
+                                          Objective.of(cfg, data.num_classes))
+    model = loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes).to(CPU)
+    sampler = ResumableSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    return strategy, model, sampler, train_loader(cfg.data, data.train, sampler, micro_batch, CPU)
+
+
+def _sum_over_ranks(meters) -> list:
+    """What ``all_reduce_sum`` gives for 2 ranks: each float64 slot added (a + b = b + a: gloo's order is moot)."""
+    total = meters[0].totals
+    for meter in meters[1:]:
+        total = total + meter.totals
+    return total.tolist()
+
+
+def _evaluate(cfg, data, strategies, models, replica_batch: int) -> dict:
+    """``_Loop.evaluate`` on every rank's disjoint shard of the test split, the sums added over ranks."""
+    meters = []
+    with torch.no_grad():
+        for rank, (strategy, model) in enumerate(zip(strategies, models)):
+            model.eval()
+            meter = EpochMeter(CPU, strategy.objective)
+            for x, y in test_loader(cfg.data, data.test, rank, len(models), replica_batch, CPU):
+                loss, outputs = strategy.compute_loss(model, x, y)
+                meter.add(loss.float(), outputs, y)
+            meters.append(meter)
+    return eval_columns(*meters[0].split(_sum_over_ranks(meters)))
+
+
+def train_replicas(fields: dict, world: int = 2) -> tuple:
+    """``(weights, history)`` of ``fields`` trained by ``world`` ddp replicas, emulated in this process.
+
+    Each rank's plain model takes its sampler shard's micro-batches (accumulated as ``_Loop`` does);
+    then every gradient becomes what DDP's reducer leaves after gloo's all-reduce (each rank's
+    times 1/world, summed) and every rank steps its own optimizer. With 2 ranks this is bit for bit
+    what a 2-worker ``fit`` trains (sums of two are one order); its history rows hold the all-reduced
+    epoch sums (``epoch``, ``step``, ``train_loss``, ``train_accuracy`` and, on evaluated epochs,
+    ``test_*``). Models that draw random numbers while training (dropout) would share this process's
+    one stream: not emulated; neither are grad clipping, mixed precision or step checkpoints' resume.
+    """
+    cfg = rtm.TrainConfig(**fields)
+    if cfg.strategy != "ddp" or cfg.grad_clip_norm is not None or cfg.precision != "32":
+        raise ValueError("train_replicas emulates plain ddp in fp32 without clipping")
+    accum = cfg.grad_accum_steps
+    with _no_ray():
+        torch.set_num_threads(cfg.cpus_per_worker)
+        data = build_datasets(cfg.data)
+        ranks = [_replica(cfg, data, rank, world, cfg.batch_size // (world * accum)) for rank in range(world)]
+        strategies, models, samplers, loaders = (list(part) for part in zip(*ranks))
+        steps_per_epoch = len(loaders[0]) // accum
+        optimizers = [build_optimizer(model.parameters(), cfg.optim) for model in models]
+        schedulers = [build_scheduler(opt, cfg.optim, steps_per_epoch, cfg.epochs) for opt in optimizers]
+        history, step = [], 0
+        for epoch in range(cfg.epochs):
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            batches = [iter(loader) for loader in loaders]
+            meters = [EpochMeter(CPU, strategy.objective) for strategy in strategies]
+            for model in models:
+                model.train()
+            for _ in range(steps_per_epoch):
+                for strategy, model, rank_batches, meter in zip(strategies, models, batches, meters):
+                    for _ in range(accum):
+                        x, y = next(rank_batches)
+                        loss, outputs = strategy.compute_loss(model, x, y)
+                        (loss / accum).backward()
+                        meter.add(loss, outputs, y)
+                for params in zip(*(model.parameters() for model in models)):
+                    reduced = params[0].grad * (1 / world)
+                    for param in params[1:]:
+                        reduced = reduced + param.grad * (1 / world)
+                    for param in params:
+                        param.grad = reduced.clone()
+                for optimizer, scheduler in zip(optimizers, schedulers):
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                step += 1
+            loss_sum, samples, totals = meters[0].split(_sum_over_ranks(meters))
+            row = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(samples, 1),
+                   **metric_columns("train", totals)}
+            if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
+                row.update(_evaluate(cfg, data, strategies, models, cfg.batch_size // world))
+            history.append(row)
+        return {k: v.detach().clone() for k, v in models[0].state_dict().items()}, history
+
+
+def evaluate(fields: dict, weights: dict) -> dict:
+    """``test_loss`` and ``test_<metric>`` of ``weights`` as a 1-worker ``fit`` of ``fields`` evaluates them."""
+    cfg = rtm.TrainConfig(**fields)
+    with _no_ray():
+        data = build_datasets(cfg.data)
+        strategy, model, _, _ = _replica(cfg, data, 0, 1, cfg.batch_size)
+        model.load_state_dict(weights)
+        return _evaluate(cfg, data, [strategy], [model], cfg.batch_size)

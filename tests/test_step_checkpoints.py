@@ -2,7 +2,8 @@
 
 The Ray run: rank 1 is SIGKILLed in the middle of epoch 2 (``_probe_data``'s plan); the restart
 resumes from the last step checkpoint, inside the epoch, and the run ends with the weights and
-the epoch rows of an undisturbed run. What the restarted worker trained on is exactly the rest
+the epoch rows of an undisturbed run (the 2 replicas emulated in this process, ``tests/_reference.py``:
+bit for bit what a 2-worker fit trains). What the restarted worker trained on is exactly the rest
 of the epoch after that checkpoint, so a reclaimed node cost fewer than K steps.
 """
 
@@ -77,9 +78,11 @@ def test_ray_data_refuses_step_checkpoints_with_the_fix():  # the pipeline's: te
         rtm.TrainConfig(checkpoint_every_n_steps=0)
 
 
-@pytest.mark.slow  # two fits, one with a restart: 60-120 s on 2 cores
+@pytest.mark.slow  # a fit with a restart: 40-80 s on 2 cores
 def test_a_worker_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
         ray_session, tmp_path):
+    from _reference import train_replicas
+
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "plan.json").write_text(json.dumps([
@@ -88,19 +91,19 @@ def test_a_worker_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_
                   storage_path=str(tmp_path / "results"))
     printed = io.StringIO()
     killed = rtm.fit(rtm.TrainConfig(**common, data_root=str(probe), max_failures=1, name="killed"), stream=printed)
-    undisturbed = rtm.fit(rtm.TrainConfig(**common, name="undisturbed"))
     assert (probe / "done-kill_process").exists()
+    want, undisturbed_history = train_replicas(common)  # the undisturbed run: 2 ddp replicas, in this process
 
     # The same weights, bit for bit, and the same epoch rows (the resumed epoch's sums continued).
-    with ckpt_format.local_checkpoint(killed.checkpoint_path) as a, \
-            ckpt_format.local_checkpoint(undisturbed.checkpoint_path) as b:
-        got, want = ckpt_format.load_model_state(a), ckpt_format.load_model_state(b)
+    with ckpt_format.local_checkpoint(killed.checkpoint_path) as a:
+        got = ckpt_format.load_model_state(a)
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
     assert [(h["epoch"], h["step"], h["attempt"]) for h in killed.history] == [
         (1, STEPS_PER_EPOCH, 0), (2, 2 * STEPS_PER_EPOCH, 1)]
-    for got_row, want_row in zip(killed.history, undisturbed.history):
+    assert len(undisturbed_history) == len(killed.history)
+    for got_row, want_row in zip(killed.history, undisturbed_history):
         for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
             assert math.isclose(got_row[key], want_row[key], rel_tol=1e-9), key
 
