@@ -25,8 +25,13 @@ def _weights(model):
 
 
 def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage):
-    # Reference: one worker, three epochs in one go.
-    one = rtm.fit(rtm.TrainConfig(**MLP, num_workers=1, epochs=3, name="one", storage_path=storage))
+    from _reference import evaluate, train_one_worker
+
+    # Reference: one worker, three epochs in one go, in this process (what a 1-worker fit trains:
+    # tests/test_loaders.py), evaluated as fit evaluates.
+    one_fields = dict(MLP, num_workers=1, epochs=3)
+    w_one, _, _, one_history = train_one_worker(one_fields)
+    one_test_loss = evaluate(one_fields, w_one)["test_loss"]
     # Two workers with accumulation, stopped after two epochs, then resumed for the third.
     two_cfg = rtm.TrainConfig(**MLP, num_workers=2, grad_accum_steps=2, epochs=2, name="two", storage_path=storage)
     first = rtm.fit(two_cfg)
@@ -37,14 +42,15 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
     assert [h["attempt"] for h in resumed.history] == [0, 0, 1]
     assert resumed.history[:2] == first.history
-    assert resumed.metrics["step"] == one.metrics["step"] == 3 * (1438 // 64)
+    assert resumed.metrics["step"] == one_history[-1]["step"] == 3 * (1438 // 64)
 
     # Same samples per global step => same weights, whatever the worker count.
-    w_one, w_two = _weights(one.load_model()), _weights(resumed.load_model())
+    w_two = _weights(resumed.load_model())
+    assert w_two.keys() == w_one.keys()
     for key in w_one:
         torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-4, atol=1e-5)
     # Evaluation covers the whole test split on both.
-    assert resumed.metrics["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-4)
+    assert resumed.metrics["test_loss"] == pytest.approx(one_test_loss, rel=1e-4)
 
     # Metrics, history file, per-device memory.
     m = resumed.metrics
@@ -88,6 +94,7 @@ def test_a_finished_run_is_answered_from_its_folder_without_ray(ray_session, sto
     assert elapsed < run_s / 4, (elapsed, run_s)
     assert again.history == first.history and again.checkpoint_path == first.checkpoint_path
     assert again.path == first.path and again.metrics["step"] == 3
+    assert [row["workers"] for row in first.history] == [1]  # a plain run's rows record its one worker
     out = capsys.readouterr().out
     assert out.count("is already finished (epoch 1, step 3); nothing to train. Raise epochs") == 1, out
     print(f"answered in {elapsed:.2f} s; the run took {run_s:.1f} s")
