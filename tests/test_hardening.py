@@ -381,12 +381,42 @@ def _snapshot(folder) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_fit_refuses_a_changed_resume_before_ray_and_leaves_the_run_folder_alone(ray_session, storage, monkeypatch):
+@pytest.fixture(scope="module")
+def locked_then_trained(ray_session, tmp_path_factory):
+    """The module's one fit: refused while another live driver holds the run folder, run once that
+    driver is gone. Returns ``(cfg, owner pid, the refusal, checkpoints written while refused, the
+    owner's exit code, the result)``; the finished run folder is also what the resume check refuses to mix."""
+    import subprocess
+    import sys
+
     from raytrain_mgpu import api
 
-    cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="r")
-    assert api.fit(cfg).checkpoint_path is not None
-    run = Path(storage) / "r"
+    storage = str(tmp_path_factory.mktemp("locked") / "results")
+    cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="locked")
+    run_path = f"{storage}/locked"
+    holder = ("import sys\nfrom raytrain_mgpu.runtime.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
+              "print('locked', flush=True)\nsys.stdin.readline()\nlock.release()\n")
+    owner = subprocess.Popen([sys.executable, "-c", holder, run_path], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    refused = None
+    try:
+        assert owner.stdout.readline().strip() == "locked"
+        try:
+            api.fit(cfg)
+        except ValueError as error:
+            refused = error
+        checkpoints_while_refused = [p.name for p in Path(run_path).iterdir() if p.name.startswith("checkpoint")]
+    finally:
+        owner.communicate("\n", timeout=60)  # the owner releases its lock and exits
+    return cfg, owner.pid, refused, checkpoints_while_refused, owner.returncode, api.fit(cfg)
+
+
+def test_fit_refuses_a_changed_resume_before_ray_and_leaves_the_run_folder_alone(locked_then_trained, monkeypatch):
+    from raytrain_mgpu import api
+
+    cfg, *_, result = locked_then_trained
+    assert result.checkpoint_path is not None
+    run = Path(result.path)
     before = _snapshot(run)
     assert "run.json" in before and any(name.startswith("checkpoint") for name in before)
 
@@ -394,35 +424,21 @@ def test_fit_refuses_a_changed_resume_before_ray_and_leaves_the_run_folder_alone
         raise AssertionError("fit connected to Ray before refusing the resume")
 
     monkeypatch.setattr(api, "connect", no_ray)
-    with pytest.raises(ValueError, match=r"run folder .*/r' holds checkpoints trained with batch_size=64, but this "
-                                         r"run has batch_size=32; trained with optimizer='sgd', but this run has "
+    with pytest.raises(ValueError, match=r"run folder .*/locked' holds checkpoints trained with batch_size=64, but "
+                                         r"this run has batch_size=32; trained with optimizer='sgd', but this run has "
                                          r"optimizer='adamw': resuming would mix two runs. Use another `name`"):
         api.fit(cfg.replace(optimizer="adamw", batch_size=32))
     assert _snapshot(run) == before  # same files, same bytes, same mtimes (the lock came and went)
 
 
-def test_fit_is_refused_while_another_live_driver_holds_the_run_and_runs_once_it_is_gone(ray_session, storage):
+def test_fit_is_refused_while_another_live_driver_holds_the_run_and_runs_once_it_is_gone(locked_then_trained):
     import socket
-    import subprocess
-    import sys
 
-    from raytrain_mgpu import api
-
-    cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="locked")
-    run_path = f"{storage}/locked"
-    holder = ("import sys\nfrom raytrain_mgpu.runtime.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
-              "print('locked', flush=True)\nsys.stdin.readline()\nlock.release()\n")
-    owner = subprocess.Popen([sys.executable, "-c", holder, run_path], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout.readline().strip() == "locked"
-        with pytest.raises(ValueError, match=rf"run folder '.*/locked' is in use by another driver \(host "
-                                             rf"{re.escape(socket.gethostname())}, pid {owner.pid}, .*another `name`"):
-            api.fit(cfg)
-        assert not any(p.name.startswith("checkpoint") for p in Path(run_path).iterdir())
-    finally:
-        owner.communicate("\n", timeout=60)  # the owner releases its lock and exits
-    assert owner.returncode == 0
-    result = api.fit(cfg)
+    _, owner_pid, refused, checkpoints_while_refused, owner_returncode, result = locked_then_trained
+    assert isinstance(refused, ValueError), refused
+    assert re.search(rf"run folder '.*/locked' is in use by another driver \(host "
+                     rf"{re.escape(socket.gethostname())}, pid {owner_pid}, .*another `name`", str(refused)), refused
+    assert checkpoints_while_refused == []
+    assert owner_returncode == 0
     assert result.checkpoint_path is not None and result.metrics["step"] == 2
-    assert not os.path.exists(f"{run_path}/{LOCK_FILE}")
+    assert not os.path.exists(f"{result.path}/{LOCK_FILE}")
