@@ -1,14 +1,15 @@
 """The pipeline actor group on the shared Ray instance: train, checkpoint, resume, restart.
 
-Few runs on purpose: each actor group costs seconds to start on a small machine. The first run also
-reads with a loader worker and a seeded user transform on its first stage (it must still train the
-weights of one process reading without workers); ``ddp_pipeline`` restarting after a stage dies is
+Few runs on purpose: each actor group costs seconds to start on a small machine. One run, read by two
+tests, trains on a storage URI, is killed and restarted, then resumed through ``fit``; its first stage
+reads with a loader worker and a seeded user transform (it must still train the weights of one process
+reading without workers). ``ddp_pipeline`` restarting after a stage dies is
 ``tests/test_pipeline_step_checkpoints.py``'s killed ``[ddp_pipeline]`` run.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,14 +50,35 @@ def assert_same_weights(path: str, cfg: TrainConfig) -> None:
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.quick  # the quick tier's pipeline run: stage actors, checkpoints, a resume
-def test_pipeline_trains_checkpoints_and_resumes(ray_session, storage):
-    # The first stage reads with a loader worker and a seeded user transform (was test_loaders' own run).
-    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, storage_path=storage,
-                      name="pipe", loader_workers=1, train_transform="test_transforms:noise")
-    reporter = Reporter()
-    outcome = run_pipeline(cfg, reporter)
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    """One pipeline run read by the two tests below (each run through Ray costs an actor group's start-up):
+    2 epochs through ``run_pipeline`` on a ``file://`` storage URI, its first stage reading with a loader
+    worker and a seeded user transform, its last stage killed at the second step of epoch 2 (the restart
+    resumes from the URI); then the same name resumed to 3 epochs through ``fit``.
 
+    file:// goes through pyarrow.fs.FileSystem.from_uri, as s3:// and gs:// do: the stage actors write
+    their parts and the driver its meta through the run folder's filesystem.
+    """
+    import raytrain_mgpu as rtm
+
+    root = tmp_path_factory.mktemp("pipe")
+    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, max_failures=1,
+                      storage_path=f"file://{root}/results", name="pipe", loader_workers=1,
+                      train_transform="test_transforms:noise")
+    reporter = Reporter()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAIL_AT_STEP_ENV, "4")  # the second step of epoch 2
+        first = run_pipeline(cfg, reporter)
+    longer = cfg.replace(epochs=3)
+    resumed = rtm.fit(longer)  # the same name and storage: resumes after epoch 2 with the optimizer state
+    return SimpleNamespace(cfg=cfg, reporter=reporter, first=first, longer=longer, resumed=resumed,
+                           root=root, run=root / "results" / "pipe")
+
+
+@pytest.mark.quick  # the quick tier's pipeline run: stage actors, checkpoints, a restart, a resume
+def test_pipeline_trains_checkpoints_and_resumes(runs):
+    outcome, reporter = runs.first, runs.reporter
     assert [m["epoch"] for m in outcome.history] == [1, 2] and reporter.epochs == outcome.history
     metrics = outcome.history[-1]
     assert EPOCH_KEYS <= metrics.keys()
@@ -66,47 +88,38 @@ def test_pipeline_trains_checkpoints_and_resumes(ray_session, storage):
     assert 0 <= metrics["bubble_fraction"] < 1 and metrics["test_accuracy"] is not None
     # 4 micro-batches x 6 rows x 24 floats x 4 bytes, forward and back, per step
     assert metrics["bytes_between_stages_per_step"] == 2 * 4 * 6 * 24 * 4
-    folder = Path(outcome.checkpoint_path)
-    assert folder.name == "checkpoint_epoch000002"
+    assert outcome.checkpoint_path == f"file://{runs.run}/checkpoint_epoch000002"
+    folder = runs.run / "checkpoint_epoch000002"  # kept after the resume (num_checkpoints_to_keep=2)
     assert sorted(p.name for p in folder.iterdir()) == [
         "history.json", "meta.json", "model-stage0.pt", "model-stage1.pt", "train_state-stage0.pt",
         "train_state-stage1.pt"]
     assert not list(folder.parent.glob(".tmp*"))
     meta = read_meta(str(folder))
     assert meta["partition"] == [3, 2] and meta["input_shape"] == [12] and meta["num_classes"] == 5
-    assert_same_weights(outcome.checkpoint_path, cfg)
+    assert_same_weights(str(folder), runs.cfg)
 
-    # the same name and storage: resumes after epoch 2 with the optimizer state
-    longer = cfg.replace(epochs=3)
-    outcome = run_pipeline(longer, Reporter())
-    assert [m["epoch"] for m in outcome.history] == [1, 2, 3]
-    assert [m["attempt"] for m in outcome.history] == [0, 0, 1]
-    assert_same_weights(outcome.checkpoint_path, longer)
+    # resumed after epoch 2 with the optimizer state (attempt 1 was the restart after the kill)
+    assert [m["epoch"] for m in runs.resumed.history] == [1, 2, 3]
+    assert [m["attempt"] for m in runs.resumed.history] == [0, 1, 2]
+    assert_same_weights(str(runs.run / "checkpoint_epoch000003"), runs.longer)
 
 
-def test_pipeline_checkpoints_to_a_storage_uri_and_resumes_from_it(ray_session, tmp_path, monkeypatch, capsys):
-    # file:// goes through pyarrow.fs.FileSystem.from_uri, as s3:// and gs:// do: the stage
-    # actors write their parts and the driver its meta through the run folder's filesystem.
+def test_pipeline_checkpoints_to_a_storage_uri_and_resumes_from_it(runs, monkeypatch, capsys):
     import raytrain_mgpu as rtm
     from raytrain_mgpu import api
 
-    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, max_failures=1,
-                      storage_path=f"file://{tmp_path}/results", name="pipe-uri")
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, "4")  # the second step of epoch 2: the restart resumes from the URI
-    result = rtm.fit(cfg)
-    assert [m["attempt"] for m in result.history] == [0, 1]
-    assert result.checkpoint_path == f"file://{tmp_path}/results/pipe-uri/checkpoint_epoch000002"
-    run = tmp_path / "results" / "pipe-uri"
-    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == [
-        "checkpoint_epoch000001", "checkpoint_epoch000002", "history.parquet", "run.json"]
-    assert_same_weights(str(run / "checkpoint_epoch000002"), cfg)
+    assert [m["attempt"] for m in runs.first.history] == [0, 1]  # epoch 2 ran again, restored from the URI
+    result = runs.resumed
+    assert result.checkpoint_path == f"file://{runs.root}/results/pipe/checkpoint_epoch000003"
+    assert sorted(p.name for p in runs.run.iterdir() if not p.name.startswith(".")) == [
+        "checkpoint_epoch000002", "checkpoint_epoch000003", "history.parquet", "run.json"]
     model = result.load_model()  # from the URI
-    assert set(model.state_dict()) == set(load_model_state(str(run / "checkpoint_epoch000002")))
+    assert set(model.state_dict()) == set(load_model_state(str(runs.run / "checkpoint_epoch000003")))
 
     monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a finished run started Ray"))
-    again = rtm.fit(cfg)
+    again = rtm.fit(runs.longer)
     assert again.history == result.history and again.checkpoint_path == result.checkpoint_path
-    assert "is already finished (epoch 2, step 6)" in capsys.readouterr().out
+    assert "is already finished (epoch 3, step 9)" in capsys.readouterr().out
 
 
 def test_not_enough_cpus_for_the_stages_names_the_cluster(ray_session, storage):
