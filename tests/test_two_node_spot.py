@@ -1,16 +1,23 @@
 """Spot nodes on a real two-node cluster (issue 17): head and worker node in separate network
-namespaces (tests/_netns.py), one module-scoped cluster, one driver process per test
-(tests/_fit_driver.py, in the head's namespace).
+namespaces (tests/_netns.py), the cluster the three two-node modules share (tests/_two_node_site.py;
+this module works in a folder of its own), one driver process per test (tests/_fit_driver.py, in the
+head's namespace). The reference is the undisturbed 1-worker run's weights, computed in the test's
+own process (tests/_reference.py: the same numbers as a fit through Ray, tests/test_loaders.py).
 
 - a 2-worker ``ddp`` run with ``checkpoint_every_n_steps=K`` loses its worker node (every Ray
   process on it, SIGKILL) part-way through epoch 2; a new worker node takes its place and the
   run resumes mid-epoch from the last step checkpoint: it trains at most K steps twice and ends
   with the 1-worker reference run's weights;
 - a simulated preemption: ``raytrain-mgpu spot-watch`` on the worker node gets SIGTERM, drains its
-  node (reason preemption, deadline G s), the workers save a step checkpoint; when spot-watch
-  exits (the deadline) the test kills the node and starts a new one. With ``max_failures=0`` the
-  run still finishes (the restart is charged to ``max_preemption_failures``), ends with the
+  node (reason preemption, a deadline G s away), the workers save a step checkpoint; once the
+  driver has printed that save and Ray Train has registered it, the cloud reclaims the machine
+  (a drain whose deadline is now, then every process of the node SIGKILLed, spot-watch's too,
+  still waiting out its G s) and the test starts a new node. With ``max_failures=0`` the run
+  still finishes (the restart is charged to ``max_preemption_failures``), ends with the
   reference weights, and the driver printed the "preempted" and "resuming at step" lines.
+  Every step waits for the event before it (tests/_elastic_probe.py parks the workers until the
+  notice has reached them, and again after the save until Ray Train stops the group): nothing
+  races a clock.
 
 Namespaces need root, ``ip`` and ``unshare``: without them the tests skip with the reason,
 except on CI (``CI=true``), where that is a failure. Nothing is created at collection.
@@ -28,10 +35,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from _netns import WORKER_IP, TwoNodeCluster, two_node_site
+from _netns import WORKER_IP
 from _ray_nodes import VENV_BIN
+from _reference import train_one_worker
+from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT
 
-pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
+pytest_plugins = ["_two_node_site"]  # the ``two_node`` fixture: the cluster the three two-node modules share
+# The cluster's start (up to 46 s on the loaded 2-core VM) may count against the first test (66 s
+# more): the timeout leaves room for a machine 5x slower.
+pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 5
@@ -39,28 +51,37 @@ MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_s
            optimizer="sgd", lr=0.1, seed=3, epochs=EPOCHS)
 STEPS_PER_EPOCH = 1438 // 64
 PER_RANK_STEP = 32  # 2 workers, batch 64, no accumulation
-DRIVER_TIMEOUT_S = 400
-GRACE_S = 10  # spot-watch's drain deadline: the run (about 25 s of 0.2 s steps) goes on past it
+DRIVER_TIMEOUT_S = 400  # each driver: 33-60 s on the 2-core VM
+# spot-watch's drain deadline: far beyond what the save takes on a slow machine; the test reclaims
+# the node once the save is registered, so nothing waits for it (spot-watch dies with its node)
+GRACE_S = 120
+NOTICE_STEP = 30  # the workers park before it until the notice reached them; it saves (a check every 10 steps)
 K = 5
+# Ray counts a drained node's death as its preemption only once the drain's deadline has passed
+# (the GCS's AUTOSCALER_DRAIN_PREEMPTED); a death before it is a lost node, charged to max_failures.
+# So the reclaim, as soon as the save is registered, first moves the deadline to now (a second drain
+# of the node, what `ray drain-node` does), then kills the node: what the cloud does at the deadline.
+_RECLAIM = ("import sys\nfrom raytrain_mgpu.runtime.spot_watch import drain_node\n"
+            "drain_node(sys.argv[1], sys.argv[2], 0.0, 'the spot machine is reclaimed')\n")
 
 
 class _Site:
-    def __init__(self, cluster: TwoNodeCluster, root: Path):
-        self.cluster, self.root, self.shared = cluster, root, root / "shared"
+    def __init__(self, site):  # tests/_two_node_site.TwoNodeSite
+        self.site, self.cluster = site, site.cluster
+        self.root = site.module("spot")
+        self.shared = self.root / "shared"
 
 
 @pytest.fixture(scope="module")
-def site():
-    # Ray Train's preemption watcher polls the GCS's draining nodes every 1 s instead of 5 s.
-    with two_node_site("rtm2s-", env={"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}) as (cluster, root):
-        yield _Site(cluster, root)
+def site(two_node):
+    # Ray Train's preemption watcher polls every 1 s in the shared cluster (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S).
+    return _Site(two_node)
 
 
 def _drive(site: _Site, name: str, steps: list, act=None) -> tuple:
     """Run ``steps`` in a driver in the head's namespace; (results, worker-node replacements, driver output).
     ``act()`` is called every 0.1 s while it runs (the test's faults)."""
-    if not site.cluster.worker.alive():  # lost by the previous test
-        site.cluster.start_worker_node()
+    site.site.ensure_worker_node()  # lost by the previous test, or by another module's
     folder = site.root / f"driver-{name}"
     folder.mkdir()
     (folder / "plan.json").write_text(json.dumps({"steps": steps}))
@@ -108,12 +129,11 @@ def _assert_same_weights(path: Path, reference: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(site):
+def reference():
     """The undisturbed 1-worker run's weights (the two-worker split trains the same steps: test_two_node.py)."""
-    (one,), _, _ = _drive(site, "one", [{"kind": "fit", "weights": str(site.root / "one.pt"), "config": {
-        **MLP, "num_workers": 1, "name": "one", "storage_path": str(site.shared)}}])
-    assert one["ok"] and one["history"][-1]["step"] == EPOCHS * STEPS_PER_EPOCH, one
-    return torch.load(site.root / "one.pt")
+    weights, _, _, history = train_one_worker({**MLP, "num_workers": 1})
+    assert history[-1]["step"] == EPOCHS * STEPS_PER_EPOCH, history[-1]
+    return weights
 
 
 def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_reference_weights(site, reference):
@@ -147,43 +167,84 @@ def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_referenc
     _assert_same_weights(site.root / "lost.pt", reference)
 
 
+def _registered_step(run: Path):
+    """The step of Ray Train's latest registered checkpoint (a restart resumes from it), or None."""
+    try:
+        snapshot = json.loads((run / RAY_TRAIN_SNAPSHOT).read_text())
+        name = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
+        return json.loads((run / name / "meta.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):  # not written yet, or being replaced
+        return None
+
+
+def _parked(probe: Path, name: str) -> list:
+    """The world ranks parked at the park ``name`` (tests/_elastic_probe.py's files)."""
+    return sorted(int(p.name.rsplit("-", 1)[1]) for p in probe.glob(f"parked-{name}-*"))
+
+
 def test_a_preemption_saves_restarts_without_max_failures_and_ends_with_the_reference_weights(site, reference):
-    if not site.cluster.worker.alive():
-        site.cluster.start_worker_node()
-    watcher = site.cluster.worker.popen([f"{VENV_BIN}/raytrain-mgpu", "spot-watch", "--grace-s", str(GRACE_S),
-                                         "--address", site.cluster.address],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    site.site.ensure_worker_node()
+    probe = site.root / "probe-spot"
+    probe.mkdir()
+    # Both workers of the first group park before NOTICE_STEP until the notice reached them, so the
+    # next check saves at NOTICE_STEP; then before the step after it, so the run cannot end before
+    # the node is gone. Nothing releases the second park: Ray Train stops the group (a worker that
+    # went on would fail its next all-reduce with the dead node's rank, and a failure that is not the
+    # preemption would be charged to max_failures). The restarted group resumes after NOTICE_STEP.
+    (probe / "parks.json").write_text(json.dumps({"batch_size": MLP["batch_size"], "parks": [
+        {"name": "notice", "step": NOTICE_STEP, "resumed_after_step": 0, "until": "preemption_notice"},
+        {"name": "reclaimed", "step": NOTICE_STEP + 1, "resumed_after_step": 0}]}))
+    watch_log = site.root / "spot-watch.log"
+    with open(watch_log, "w") as out:
+        watcher = site.cluster.worker.popen([f"{VENV_BIN}/raytrain-mgpu", "spot-watch", "--grace-s", str(GRACE_S),
+                                             "--address", site.cluster.address], stdout=out, stderr=subprocess.STDOUT)
     run = site.shared / "spot"
+    driver_log = site.root / "driver-spot" / "driver.log"  # what _drive's driver prints
     timeline = {}
 
     def act():
-        """SIGTERM spot-watch once epoch 1's checkpoint exists; kill the node when spot-watch exits."""
-        if "sigterm" not in timeline and any(run.glob("checkpoint_*/meta.json")):
-            watcher.send_signal(signal.SIGTERM)
-            timeline["sigterm"] = time.monotonic()
-        elif "sigterm" in timeline and "killed" not in timeline and watcher.poll() is not None:
-            site.cluster.worker.lose()  # the machine goes at the deadline
-            timeline["killed"] = time.monotonic()
+        """SIGTERM spot-watch once it listens and both workers are parked in epoch 2; reclaim the node
+        once the driver printed the notice's save and Ray Train registered it."""
+        if "sigterm" not in timeline:
+            ready = re.search(r"spot-watch: node ([0-9a-f]+) at .* on SIGTERM", watch_log.read_text())
+            if ready and _parked(probe, "notice") == [0, 1]:
+                timeline["node"] = ready.group(1)
+                watcher.send_signal(signal.SIGTERM)
+                timeline["sigterm"] = time.monotonic()
+        elif "killed" not in timeline:
+            saved = re.search(r"preempted \(node [0-9a-f]{12}, deadline in \d+ s\): saved step (\d+)",
+                              driver_log.read_text())
+            if saved and (_registered_step(run) or 0) >= int(saved.group(1)):
+                reclaim = site.cluster.head.run([f"{VENV_BIN}/python", "-c", _RECLAIM, site.cluster.address,
+                                                 timeline["node"]], timeout_s=300, cwd=str(REPO))
+                assert reclaim.returncode == 0, reclaim.stderr[-3000:]
+                site.cluster.worker.lose()  # the machine goes, spot-watch with it
+                timeline["killed"] = time.monotonic()
 
     try:
         (spot,), replaced, output = _drive(site, "spot", [{"kind": "fit", "weights": str(site.root / "spot.pt"), "config": {
-            **MLP, "dataset": "_probe_data:slow_digits", "num_workers": 2, "placement": "STRICT_SPREAD",
-            "max_failures": 0, "name": "spot", "storage_path": str(site.shared)}}], act=act)
+            **MLP, "dataset": "_elastic_probe:parked_digits", "data_root": str(probe), "num_workers": 2,
+            "placement": "STRICT_SPREAD", "max_failures": 0, "name": "spot", "storage_path": str(site.shared)}}],
+            act=act)
     finally:
         if watcher.poll() is None:
             watcher.kill()
-    watch_output = watcher.stdout.read()
+        watcher.wait()
+    watch_output = watch_log.read_text()
     print(watch_output)
     assert spot["ok"], spot
-    assert watcher.returncode == 0 and "drained (preemption)" in watch_output, watch_output
+    assert not list(probe.glob("timeout-*")), sorted(p.name for p in probe.glob("timeout-*"))
+    # Drained on the notice, then still waiting out its deadline when the node went: killed with it.
+    assert "drained (preemption)" in watch_output, watch_output
+    assert watcher.returncode == -signal.SIGKILL, (watcher.returncode, watch_output)
     assert "killed" in timeline and replaced == 1, (timeline, replaced)
-    print(f"spot-watch exited {timeline['killed'] - timeline['sigterm']:.1f} s after SIGTERM (grace {GRACE_S} s)")
+    print(f"node reclaimed {timeline['killed'] - timeline['sigterm']:.1f} s after SIGTERM (grace {GRACE_S} s)")
     notice = re.search(r"preempted \(node [0-9a-f]{12}, deadline in (\d+) s\): saved step (\d+)", output)
     resume = re.search(r"resuming at step (\d+)", output)
     assert notice and resume, output[-5000:]
     saved, resumed = int(notice.group(2)), int(resume.group(1))
     assert 0 <= int(notice.group(1)) <= GRACE_S
-    # The notice's step checkpoint, or an epoch checkpoint written after it, before the deadline.
+    # The notice's step checkpoint, or an epoch checkpoint written after it, before the node went.
     assert resumed == saved or (resumed > saved and resumed % STEPS_PER_EPOCH == 0), (saved, resumed)
     assert output.index(notice.group(0)) < output.index(resume.group(0))
     attempts = [h["attempt"] for h in spot["history"]]
