@@ -29,9 +29,10 @@ MLP = dict(model="mlp", dataset="synthetic", input_shape=[6], num_classes=3, num
 # (schedule, P, m): m = P and m = 2P for every schedule and P in 2..4
 CASES = [(schedule, p, m) for schedule in ("gpipe", "1f1b", "interleaved_1f1b") for p in (2, 3, 4)
          for m in (p, 2 * p)]
-# the issue's deadlocking cases first, and one of each schedule; the rest is @slow
+# the issue's deadlocking cases first, and one of each schedule: a test each; the rest is one test
 FAST = {("gpipe", 2, 2), ("1f1b", 3, 3), ("1f1b", 3, 6), ("interleaved_1f1b", 4, 4), ("interleaved_1f1b", 2, 4),
         ("gpipe", 4, 8)}
+REST = [case for case in CASES if case not in FAST]
 
 
 def config(schedule: str, p: int, m: int, **overrides) -> TrainConfig:
@@ -64,13 +65,14 @@ DEADLOCK_TIMEOUT_S = 5.0
 
 @pytest.fixture(scope="module")
 def pool():
-    """Every fast run in one pool of local processes (starting one costs ~10-25 s here).
+    """Every run in one pool of local processes: starting them is most of the cost (measured on the
+    2-core VM, warm: the 12 cases outside FAST 20 s in a pool of their own, all 18 cases 23 s in one).
 
     The variable is set for the whole pool (spawned processes inherit it) but only the
     ``use_gpu=True`` run reads it; the others set ``emulate_nccl`` explicitly.
     """
     fast = sorted(FAST)
-    runs = runs_both_ways(fast)
+    runs = runs_both_ways(fast) + runs_both_ways(REST)
     runs.append(LocalRun(config("gpipe", 2, 2, use_gpu=True), 1))
     runs += [LocalRun(config(*case, collective_timeout_s=DEADLOCK_TIMEOUT_S), 1, emulate_nccl=True, skip_warmup=True)
              for case in DEADLOCKS]
@@ -81,9 +83,10 @@ def pool():
         # after 4 processes have started, imported torch and run (42 s measured on the 2-core VM, the
         # next ones 0-5 s apart): 300 s leaves room for a machine 5x slower.
         results = run_local(runs, timeout_s=300, return_errors=True)
-    named = {("both", case): results[2 * i:2 * i + 2] for i, case in enumerate(fast)}
-    named["use_gpu"] = results[2 * len(fast)]
-    named.update({("deadlock", case): results[2 * len(fast) + 1 + i] for i, case in enumerate(DEADLOCKS)})
+    both = fast + REST
+    named = {("both", case): results[2 * i:2 * i + 2] for i, case in enumerate(both)}
+    named["use_gpu"] = results[2 * len(both)]
+    named.update({("deadlock", case): results[2 * len(both) + 1 + i] for i, case in enumerate(DEADLOCKS)})
     named["gloo"] = results[-1]
     return named
 
@@ -93,12 +96,9 @@ def test_every_schedule_trains_the_same_under_nccl_semantics(pool, case):
     assert_same_run(pool[("both", case)], case)
 
 
-@pytest.mark.slow
-def test_every_schedule_p2_to_p4_trains_the_same_under_nccl_semantics():
-    rest = [case for case in CASES if case not in FAST]
-    results = run_local(runs_both_ways(rest), return_errors=True)
-    for i, case in enumerate(rest):
-        assert_same_run(results[2 * i:2 * i + 2], case)
+def test_every_schedule_p2_to_p4_trains_the_same_under_nccl_semantics(pool):
+    for case in REST:
+        assert_same_run(pool[("both", case)], case)
 
 
 def test_cases_cover_every_schedule_and_the_issue_cases():
