@@ -292,10 +292,10 @@ def _check_metrics(cfg) -> None:
     """``metrics``: None or a list of names or ``module:function`` entries, reported under distinct names."""
     from raytrain_mgpu._factory import check_factory_spec, is_factory
 
-    from raytrain_mgpu.objectives import METRICS  # imports torch, as the strategy check after this does
+    from raytrain_mgpu.config_sections import Metric  # objectives.METRICS' names, without torch
 
     metrics = cfg.metrics
-    valid = tuple(METRICS)
+    valid = typing.get_args(Metric)
     fix = f"Write a list, e.g. metrics=['mae'] or ['my_metrics:within_tenth'], of {list(valid)} or your functions."
     if metrics is None:
         return

@@ -19,6 +19,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block counts per stage
 Loss = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "smooth_l1"]  # or a "module:function"
+Metric = Literal["accuracy", "top5", "mae", "mse"]  # TrainConfig.metrics lists these or "module:function"s
 Logger = Literal["tensorboard", "mlflow", "csv"]  # TrainConfig.loggers is a list of these
 MonitorMode = Literal["min", "max"]
 Ingest = Literal["loader", "ray_data"]  # how the training split reaches the workers

@@ -25,6 +25,7 @@ from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.run_state import RunState, eval_columns, metric_columns
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 CPU = torch.device("cpu")
@@ -51,8 +52,8 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0,
     with _no_ray():
         torch.set_num_threads(cfg.cpus_per_worker)
         data = build_datasets(cfg.data)
-        strategy = get_strategy(cfg.strategy)(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (CPU,)),
-                                              Objective.of(cfg, data.num_classes))
+        strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (CPU,)),
+                                Objective.of(cfg, data.num_classes))
         model = strategy.setup_model(loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes))
         accum = cfg.grad_accum_steps
         sampler = ResumableSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
@@ -87,8 +88,8 @@ def one_worker_weights(**fields) -> dict:
 
 def _replica(cfg, data, rank: int, world: int, micro_batch: int):
     """Rank ``rank``'s strategy, plain model (the same initial weights on every rank), sampler and loader."""
-    strategy = get_strategy(cfg.strategy)(cfg.parallel, WorkerContext(rank, world, rank, world, 0, (CPU,)),
-                                          Objective.of(cfg, data.num_classes))
+    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel,
+                            WorkerContext(rank, world, rank, world, 0, (CPU,)), Objective.of(cfg, data.num_classes))
     model = loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes).to(CPU)
     sampler = ResumableSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
     return strategy, model, sampler, train_loader(cfg.data, data.train, sampler, micro_batch, CPU)

@@ -112,11 +112,8 @@ def test_a_new_strategy_is_one_class_and_one_registry_line(tiny_registered):
     assert strategies.get_strategy(name) is TinyDDPStrategy
 
 
-class BareStrategy(Strategy):  # no planning overrides at all
+class BareStrategy(Strategy):  # no planning overrides at all: the default steps (device, then ddp)
     name = "bare"
-
-    def setup_model(self, model):
-        return model
 
 
 def test_a_strategy_without_planning_rules_runs_as_configured_and_has_no_estimate(monkeypatch):
@@ -129,3 +126,33 @@ def test_a_strategy_without_planning_rules_runs_as_configured_and_has_no_estimat
     with pytest.raises(ValueError, match=r"no memory model for strategy 'bare'; estimates exist for ddp, dp, "
                                          r"dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline and ddp_pipeline\."):
         memory.device_memory("bare", planned, memory.profile_config(cfg))
+
+
+# ----------------------------------------------------------------------------- the worker side
+
+
+def test_every_strategy_is_two_named_steps_on_the_worker_or_its_own_runner():
+    """A strategy class names its worker's placement and replication (``parallel/``); the
+    ``dp``/``mp`` family shares those steps instead of each wrapping the model its own way."""
+    from raytrain_mgpu.parallel import PLACEMENTS, REPLICATIONS, build_worker
+    from raytrain_mgpu.strategies import WorkerContext
+
+    steps = {name: (cls.placement, cls.replication) for name, cls in STRATEGIES.items()
+             if cls.runner == "train_workers"}
+    assert steps == {"ddp": ("device", "replicate"), "dp": ("data_parallel", "none"),
+                     "dp_balanced": ("balanced", "none"), "mp": ("split", "none"),
+                     "ddp_mp": ("split", "replicate"), "ddp2": ("data_parallel", "replicate"),
+                     "fsdp": ("keep", "fully_shard")}
+    assert {p for p, _ in steps.values()} == set(PLACEMENTS) and {r for _, r in steps.values()} == set(REPLICATIONS)
+    ctx = WorkerContext(0, 1, 0, 1, 0, ("cpu",))
+    cfg = rtm.TrainConfig().parallel
+    assert repr(build_worker(STRATEGIES["ddp2"], cfg, ctx)) == "WorkerStrategy('ddp2': data_parallel, then replicate)"
+    with pytest.raises(RuntimeError, match="runs in its own actor group"):
+        build_worker(STRATEGIES["pipeline"], cfg, ctx)
+
+    class Misnamed(DDPStrategy):
+        name, placement = "misnamed", "gpu"
+
+    with pytest.raises(ValueError, match=r"strategy 'misnamed' sets placement='gpu', which is not one of device, "
+                                         r"keep, data_parallel, balanced, split\. Set placement in its class"):
+        build_worker(Misnamed, cfg, ctx)

@@ -23,6 +23,7 @@ from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer
 from raytrain_mgpu.runtime.metrics import EpochMeter
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def test_every_strategy_trains_dict_batches_like_the_plain_model(name, devices):
     want = _sgd(_fresh(), lambda m, x, y: two_inputs.digit_and_parity(m(**x), y), data)
     cfg = rtm.TrainConfig(model="examples.two_inputs:two_input_net", dataset="examples.two_inputs:digit_views",
                           strategy=name, num_workers=1, gpus_per_worker=devices)
-    strategy = get_strategy(name)(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (CPU,) * devices), OBJECTIVE)
+    strategy = build_worker(get_strategy(name), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (CPU,) * devices), OBJECTIVE)
     model = strategy.setup_model(_fresh())
     got = _sgd(model, lambda m, x, y: strategy.compute_loss(m, x, y)[0], data, unwrap=strategy.unwrap)
     assert got.keys() == want.keys()
@@ -129,7 +130,7 @@ PIPELINE_STEPS = 3
 
 
 def test_a_two_stage_pipeline_trains_dict_batches_like_the_unsplit_model():
-    from raytrain_mgpu.pipeline.local import LocalRun, run_local
+    from _pipeline_local import LocalRun, run_local
 
     cfg = two_inputs.config("pipeline").replace(lr=0.05, optimizer="sgd", batch_size=16, num_samples=None)
     result, = run_local([LocalRun(cfg, PIPELINE_STEPS)])

@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
-from raytrain_mgpu.strategies import _dp_ops
-from raytrain_mgpu.strategies.dp import StandInDataParallel
-from raytrain_mgpu.strategies.mp import SplitModel
+from raytrain_mgpu.parallel import _dp_ops
+from raytrain_mgpu.parallel.placement import SplitModel, StandInDataParallel
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,7 @@ def _strategy(name: str, devices: int, world_size: int = 1, **overrides):
     cfg = rtm.TrainConfig(strategy=name, num_workers=1, gpus_per_worker=devices, **overrides)
     ctx = WorkerContext(world_rank=0, world_size=world_size, local_rank=0, local_world_size=1, node_rank=0,
                         devices=(CPU,) * devices)
-    return get_strategy(name)(cfg.parallel, ctx)
+    return build_worker(get_strategy(name), cfg.parallel, ctx)
 
 
 def _model(name: str) -> nn.Module:
@@ -200,7 +200,7 @@ def test_autocast_data_parallel_hands_each_replica_thread_the_callers_bf16(monke
     Plain threads drop the caller's autocast (the fp32 control below), so bf16 outputs can
     only come from the override capturing the caller's dtype and re-entering it per thread.
     """
-    from raytrain_mgpu.strategies import dp
+    from raytrain_mgpu.parallel import placement
 
     seen = {}
 
@@ -218,8 +218,8 @@ def test_autocast_data_parallel_hands_each_replica_thread_the_callers_bf16(monke
             worker.join()
         return results
 
-    monkeypatch.setattr(dp, "parallel_apply", threads_only)
-    wrapper = dp.AutocastDataParallel.__new__(dp.AutocastDataParallel)  # no CUDA here to build it
+    monkeypatch.setattr(placement, "parallel_apply", threads_only)
+    wrapper = placement.AutocastDataParallel.__new__(placement.AutocastDataParallel)  # no CUDA here to build it
     nn.Module.__init__(wrapper)
     wrapper.src_device_obj, wrapper.device_ids = CPU, [0, 1]
     replicas = [nn.Linear(4, 3), nn.Linear(4, 3)]

@@ -238,12 +238,13 @@ def _strategy_for(cfg, ranks_seen: int):
     and wraps the model in ``DistributedDataParallel`` over the one-rank gloo group: DDP's own hooks,
     buffer broadcast and all-reduce run on the zoo model, averaging over the one rank there is."""
     from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
     strategy = get_strategy(cfg.strategy)
     ctx = WorkerContext(world_rank=0, world_size=ranks_seen, local_rank=0, local_world_size=1, node_rank=0,
                         devices=(torch.device("cpu"),) * strategy.devices_per_worker(cfg))
-    return strategy(cfg.parallel, ctx, Objective.of(cfg, cfg.num_classes))
+    return build_worker(strategy, cfg.parallel, ctx, Objective.of(cfg, cfg.num_classes))
 
 
 def _plain_loss(model, x, y, slices: int):

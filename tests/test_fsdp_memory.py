@@ -25,6 +25,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _build_model
 from raytrain_mgpu.planning.memory import device_memory, profile_model
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 # 32 blocks of 1024x1024 (4 MiB each, 128 MiB in all): the largest tensor, which crosses in full at
@@ -68,7 +69,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         cfg = TrainConfig(**CFG)
-        strategy = get_strategy("fsdp")(cfg.parallel, WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),)))
+        ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
+        strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
         # Warm-up on a tiny model: torch's first fully_shard imports and initialises ~100 MB of its
         # own (the framework's memory, which memory.py leaves out too); the big model is measured after.
         strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -23,6 +23,7 @@ from raytrain_mgpu.runtime.loop import _Loop, _State
 from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 @pytest.fixture(autouse=True)
@@ -103,7 +104,7 @@ def _loop(grad_accum_steps: int, grad_clip_norm=None, log_every_n_steps: int = 5
                       grad_accum_steps=grad_accum_steps, optimizer="sgd", momentum=0.9,
                       grad_clip_norm=grad_clip_norm, epochs=1, log_every_n_steps=log_every_n_steps)
     ctx = WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),))
-    strategy = get_strategy("ddp")(cfg.parallel, ctx)
+    strategy = build_worker(get_strategy("ddp"), cfg.parallel, ctx)
     torch.manual_seed(0)
     model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Dropout(0.1),
                                                nn.Linear(8, 3)))

@@ -151,7 +151,11 @@ LAYERS = [
     # The pipeline's pure plan (schedules as data, the stage partition): the pipeline
     # strategies validate a config against it; no actors, no Ray.
     ("pipeline.schedule", "pipeline.plan"),
-    # One class per strategy: layout, memory model and the worker-side wrapping.
+    # The worker side of the strategies: the placement and replication steps a Ray Train worker
+    # applies to the model, composed from a strategy class's names for them.
+    ("parallel",),
+    # One class per strategy, on the driver: rules, layout, memory model, its runner and its two
+    # worker steps by name (no torch).
     ("strategies",),
     # The run plan: derived once from the strategy class on the driver, handed to both runners.
     ("planning.plan",),
@@ -270,13 +274,25 @@ from raytrain_mgpu.cli import main
 step("main(['--help'])", lambda: main(["--help"]))
 step("main(['--version'])", lambda: main(["--version"]))
 step("main(['train', '--epochs', '0'])", lambda: main(["train", "--epochs", "0"]))
+
+def every_strategy():  # a valid config of each, its strategy's rules checked (config_checks.validate)
+    layouts = {"dp": dict(num_workers=1, gpus_per_worker=2), "dp_balanced": dict(num_workers=1, gpus_per_worker=2),
+               "mp": dict(num_workers=1, gpus_per_worker=2), "ddp2": dict(gpus_per_worker=2),
+               "ddp_mp": dict(gpus_per_worker=2), "pipeline": dict(num_stages=2), "ddp_pipeline": dict(num_stages=2)}
+    names = ["ddp", "fsdp", "auto", *layouts]
+    for name in names:
+        raytrain_mgpu.TrainConfig(strategy=name, metrics=["accuracy", "mae"], **layouts.get(name, {}))
+    return len(names)
+
+step("TrainConfig(...) of every strategy", every_strategy)
 step("main(['bench', '--help'])", lambda: main(["bench", "--help"]))
 """
 
 
-def test_help_and_config_errors_import_neither_torch_nor_ray():
+def test_help_config_errors_and_every_strategys_config_import_neither_torch_nor_ray():
     # `raytrain-mgpu --help` took 5-6 s when the package face imported torch (~3 s) and Ray
-    # (~3 s) for it; the answer to --help, --version or a bad value needs neither.
+    # (~3 s) for it; the answer to --help, --version or a bad value needs neither, nor does a
+    # TrainConfig: the strategy classes it asks are plain rules (the worker side is parallel/).
     done = _python(_LIGHT_FACE)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = {}
@@ -285,8 +301,10 @@ def test_help_and_config_errors_import_neither_torch_nor_ray():
             what, result, heavy, seconds = line.split("|")
             steps[what] = (result, heavy)
             print(f"{what}: {result} in {seconds} s, heavy modules loaded: {heavy or 'none'}")
-    light = ["import raytrain_mgpu", "main(['--help'])", "main(['--version'])", "main(['train', '--epochs', '0'])"]
-    assert [steps[w][1] for w in light] == ["", "", "", ""], steps
+    light = ["import raytrain_mgpu", "main(['--help'])", "main(['--version'])", "main(['train', '--epochs', '0'])",
+             "TrainConfig(...) of every strategy"]
+    assert [steps[w][1] for w in light] == [""] * len(light), steps
+    assert steps["TrainConfig(...) of every strategy"][0] == "10"  # all nine strategies and auto built
     assert steps["main(['--help'])"][0] == "exit 0" and steps["main(['train', '--epochs', '0'])"][0] == "2"
     assert steps["import raytrain_mgpu"][0] in done.stdout and "raytrain-mgpu 0.1.0" in done.stdout
     assert steps["main(['bench', '--help'])"][0] == "exit 0" and "--num-samples" in done.stdout  # loaded on use

@@ -27,6 +27,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _Loop, _State
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 STEPS, ACCUM = 2, 2
@@ -36,7 +37,8 @@ def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) 
     """Bucket all-reduces during one epoch of STEPS steps x ACCUM micro-steps."""
     cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=world, batch_size=8 * ACCUM * world,
                       grad_accum_steps=ACCUM, optimizer="sgd", epochs=1)
-    strategy = get_strategy("ddp")(cfg.parallel, WorkerContext(rank, world, rank, world, 0, (torch.device("cpu"),)))
+    ctx = WorkerContext(rank, world, rank, world, 0, (torch.device("cpu"),))
+    strategy = build_worker(get_strategy("ddp"), cfg.parallel, ctx)
     torch.manual_seed(0)
     model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
     assert isinstance(model, DistributedDataParallel)

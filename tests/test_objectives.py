@@ -44,6 +44,7 @@ from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.placement import free_address
 from raytrain_mgpu.runtime.progress import ProgressPrinter
 from raytrain_mgpu.runtime.run_state import EPOCH_KEYS, RunState, epoch_row
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 CPU = torch.device("cpu")
@@ -95,10 +96,10 @@ REGRESSION = dict(model="test_objectives:regressor", dataset="test_objectives:re
 def test_registries_match_the_config_and_the_default_is_cross_entropy_and_accuracy():
     import typing
 
-    from raytrain_mgpu.config_sections import Loss
+    from raytrain_mgpu.config_sections import Loss, Metric
 
     assert set(typing.get_args(Loss)) == set(LOSSES)
-    assert set(METRICS) == {"accuracy", "top5", "mae", "mse"}
+    assert set(typing.get_args(Metric)) == set(METRICS) == {"accuracy", "top5", "mae", "mse"}
     default = Objective()
     assert default.names == ("accuracy",) and default.loss_spec == "cross_entropy"
     cfg = rtm.TrainConfig(**REGRESSION)
@@ -221,7 +222,7 @@ def _batches():
 def _strategy(name: str, devices: int, objective: Objective, world_size: int = 1):
     cfg = rtm.TrainConfig(**{**REGRESSION, "strategy": name, "num_workers": 1, "gpus_per_worker": devices})
     ctx = WorkerContext(0, world_size, 0, 1, 0, (CPU,) * devices)
-    return get_strategy(name)(cfg.parallel, ctx, objective)
+    return build_worker(get_strategy(name), cfg.parallel, ctx, objective)
 
 
 def _sgd_steps(model, step, batches, lr=0.05, unwrap=lambda m: m):
@@ -299,7 +300,7 @@ def _run_loop(rank: int, world: int, fields: dict):
     cfg = rtm.TrainConfig(**fields, num_workers=world)
     data = build_datasets(cfg.data)
     ctx = WorkerContext(rank, world, rank, world, 0, (CPU,) * cfg.gpus_per_worker)
-    strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
+    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
     torch.manual_seed(cfg.seed)
     model = strategy.setup_model(build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs))
     sampler = DistributedSampler(data.train, world, rank, shuffle=True, seed=cfg.seed, drop_last=True)
@@ -426,7 +427,7 @@ def _pipeline_reference(cfg, steps: int):
 
 
 def test_a_two_stage_pipeline_trains_a_user_loss_like_the_unsplit_model():
-    from raytrain_mgpu.pipeline.local import LocalRun, run_local
+    from _pipeline_local import LocalRun, run_local
 
     cfg = _pipeline_config()
     result, = run_local([LocalRun(cfg, PIPELINE_STEPS)])

@@ -26,6 +26,7 @@ from raytrain_mgpu.runtime.worker_checkpoint import restore as _restore
 from raytrain_mgpu.runtime.worker_checkpoint import save_and_report as _save_and_report
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 CTX = WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),))
@@ -44,7 +45,7 @@ def _config(**overrides) -> TrainConfig:
 
 
 def _loop(cfg: TrainConfig, model: nn.Module = None) -> _Loop:
-    strategy = get_strategy(cfg.strategy)(cfg.parallel, CTX)
+    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, CTX)
     torch.manual_seed(0)
     model = strategy.setup_model(model or nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
     loader = [(torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,))) for _ in range(2)]

@@ -20,6 +20,7 @@ from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.runtime.loop import _Loop, _State
 from raytrain_mgpu.runtime.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
 from raytrain_mgpu.runtime.progress import ProgressPrinter, WorkerReporter
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 from ray.train.v2.api.preemption import PreemptionInfo
@@ -56,7 +57,7 @@ def _loop(monkeypatch, sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, **overri
     monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})  # it asks Ray for GPU ids
     cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=4,
                       optimizer="sgd", lr=0.1, epochs=3, **overrides)
-    strategy = get_strategy("ddp")(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
+    strategy = build_worker(get_strategy("ddp"), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
     torch.manual_seed(0)
     model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)))
     loader = [(torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))) for _ in range(steps_per_epoch)]

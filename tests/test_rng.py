@@ -16,6 +16,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _build_model, _State
 from raytrain_mgpu.runtime.worker_checkpoint import gather_rng_states as _gather_rng_states
 from raytrain_mgpu.runtime.worker_checkpoint import restore_rng as _restore_rng
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from test_precision import _config, _loop, checkpoint_roundtrip
 
@@ -29,7 +30,7 @@ def _ctx(rank: int, world: int = 2) -> WorkerContext:
 
 def _rank_model(rank: int):
     cfg = TrainConfig(**CFG)
-    return _build_model(cfg, get_strategy("ddp")(cfg.parallel, _ctx(rank)), (12,), 50)
+    return _build_model(cfg, build_worker(get_strategy("ddp"), cfg.parallel, _ctx(rank)), (12,), 50)
 
 
 def _dropout_output(model) -> torch.Tensor:

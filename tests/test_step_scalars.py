@@ -23,6 +23,7 @@ from raytrain_mgpu.runtime import step_scalars
 from raytrain_mgpu.runtime.loop import _Loop, _State
 from raytrain_mgpu.runtime.progress import ProgressPrinter, WorkerReporter
 from raytrain_mgpu.runtime.step_scalars import StepWindow, stage_scalars
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 STEPS_PER_EPOCH, ACCUM = 4, 2
@@ -45,7 +46,7 @@ def _loop(monkeypatch, log_every_n_steps: int, sink) -> tuple:
     cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=8 * ACCUM,
                       grad_accum_steps=ACCUM, optimizer="sgd", lr=0.5, lr_schedule="cosine", grad_clip_norm=0.5,
                       epochs=2, log_every_n_steps=log_every_n_steps)
-    strategy = get_strategy("ddp")(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
+    strategy = build_worker(get_strategy("ddp"), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
     torch.manual_seed(0)
     model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
     loader = [(torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,))) for _ in range(STEPS_PER_EPOCH * ACCUM)]

@@ -22,11 +22,11 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.bench import gpu_report
 from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
-from raytrain_mgpu.strategies.base import Predictions
-from raytrain_mgpu.strategies.dp import autocast_state, call_with_autocast
+from raytrain_mgpu.objectives import Predictions
+from raytrain_mgpu.parallel.placement import SplitModel, autocast_state, call_with_autocast
 from raytrain_mgpu.runtime.loop import _Loop
-from raytrain_mgpu.strategies.mp import SplitModel
 
 CPU = torch.device("cpu")
 MULTI_DEVICE = ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2", "fsdp")
@@ -36,7 +36,7 @@ def _strategy(name: str, devices: int = 1, **overrides):
     cfg = rtm.TrainConfig(strategy=name, num_workers=1, gpus_per_worker=devices, **overrides)
     ctx = WorkerContext(world_rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
                         devices=(CPU,) * get_strategy(name).devices_per_worker(cfg))
-    return get_strategy(name)(cfg.parallel, ctx)
+    return build_worker(get_strategy(name), cfg.parallel, ctx)
 
 
 def _model(name: str):
@@ -325,7 +325,7 @@ def test_strategies_step_on_one_gpu(name, gloo_group):
     # One device: DP/MP hold one GPU, DDP2/FSDP run with one rank. fp32 must match the plain model.
     device = torch.device("cuda", 0)
     cfg = rtm.TrainConfig(strategy=name, num_workers=1, use_gpu=True, gpus_per_worker=1)
-    strategy = get_strategy(name)(cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (device,)))
+    strategy = build_worker(get_strategy(name), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (device,)))
     x, y = _batch("lenet", 16)
     want = _plain_step(_model("lenet").to(device), x.to(device), y.to(device))
     model = strategy.setup_model(_model("lenet"))

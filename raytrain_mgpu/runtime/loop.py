@@ -36,7 +36,8 @@ from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns, s
 from raytrain_mgpu.runtime.step_scalars import StepWindow
 from raytrain_mgpu.runtime.worker_checkpoint import (load_train_state, restore, save_and_report,
                                                    seed_rank_stream)
-from raytrain_mgpu.strategies import Strategy, WorkerContext, get_strategy
+from raytrain_mgpu.parallel import WorkerStrategy, build_worker
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import RunPlan
 
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -75,7 +76,7 @@ def train_worker(payload: dict) -> dict:
     ctx = _context(cfg)
     data = build_datasets(cfg.data)
     # The loss and metrics (factories imported here, on every worker): the strategy applies them.
-    strategy = get_strategy(cfg.strategy)(cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
+    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
     reporter = WorkerReporter(payload.get("sink") if ctx.world_rank == 0 else None)
 
     model = _build_model(cfg, strategy, data.input_shape, data.num_classes)
@@ -135,7 +136,7 @@ def train_worker(payload: dict) -> dict:
     return {"epochs": state.epoch, "steps": state.step}
 
 
-def _build_model(cfg: TrainConfig, strategy: Strategy, input_shape: tuple, num_classes: int) -> torch.nn.Module:
+def _build_model(cfg: TrainConfig, strategy: WorkerStrategy, input_shape: tuple, num_classes: int) -> torch.nn.Module:
     """The initial model, the same on every rank; then each rank's own random stream."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every worker
     # fsdp's ranks other than 0 build on meta (no memory): rank 0's weights reach their shards.
@@ -153,7 +154,7 @@ def _build_model(cfg: TrainConfig, strategy: Strategy, input_shape: tuple, num_c
 class _Loop:
     """One epoch of training and one pass of evaluation, with their metrics."""
 
-    def __init__(self, cfg, strategy: Strategy, model, optimizer, scheduler, scaler, loader, reporter,
+    def __init__(self, cfg, strategy: WorkerStrategy, model, optimizer, scheduler, scaler, loader, reporter,
                  steps_per_epoch: int):
         self.cfg, self.strategy, self.model = cfg, strategy, model
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler

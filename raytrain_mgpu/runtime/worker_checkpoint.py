@@ -58,7 +58,8 @@ from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH
 
 if TYPE_CHECKING:  # the strategies sit above the runtime (tests/test_imports.py LAYERS)
-    from raytrain_mgpu.strategies import Strategy, WorkerContext
+    from raytrain_mgpu.parallel import WorkerStrategy
+    from raytrain_mgpu.strategies import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def seed_rank_stream(seed: int, rank: int, step: int = 0) -> None:
     torch.manual_seed((seed + 1 + rank) + 1_000_003 * step)
 
 
-def restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
+def restore(cfg: TrainConfig, strategy: WorkerStrategy, model) -> tuple:
     """Load the last checkpoint of this run, if Ray Train has one (resume or restart)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
@@ -87,7 +88,7 @@ def restore(cfg: TrainConfig, strategy: Strategy, model) -> tuple:
     return state, train_state
 
 
-def load_train_state(strategy: Strategy, model, optimizer, scheduler, scaler, train_state: dict) -> None:
+def load_train_state(strategy: WorkerStrategy, model, optimizer, scheduler, scaler, train_state: dict) -> None:
     """Optimizer, LR schedule and grad scaler (scale, growth tracker) from a checkpoint's train state."""
     strategy.load_optimizer_state_dict(model, optimizer, train_state["optimizer"])
     scheduler.load_state_dict(train_state["scheduler"])
@@ -128,7 +129,7 @@ def restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int
         torch.cuda.set_rng_state_all(own["cuda"])
 
 
-def save_and_report(cfg: TrainConfig, strategy: Strategy, model, optimizer, scheduler, scaler,
+def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer, scheduler, scaler,
                     state: RunState, metrics: dict, ctx: WorkerContext, shape_info: dict,
                     reporter: Optional[WorkerReporter] = None, epoch_partial: Optional[dict] = None,
                     upload: CheckpointUploadMode = CheckpointUploadMode.ASYNC) -> None:

@@ -1,43 +1,32 @@
-"""The interface every training strategy implements.
+"""The interface every training strategy implements, on the driver: plain rules, no torch.
 
-A strategy decides three things, and nothing else:
+A strategy decides, before Ray is touched (class methods, pure):
 
-1. before Ray is touched (class methods, pure): whether a config makes sense for it
-   (``validate``), what each worker needs (``worker_resources``), and how many
-   replicas split the global batch (``data_parallel_size``);
-2. on a worker: where the model lives and how it is wrapped (``setup_model``), which
-   shard of the data this worker reads (``data_shard``), and how a loss is computed
-   (``compute_loss``: the run's :class:`~raytrain_mgpu.objectives.Objective`, applied where the
-   outputs are; overridden by ``dp_balanced``);
-3. how to get the plain model back for checkpoints (``unwrap``/``state_dict``, and the
-   optimizer's state for sharded strategies).
+1. whether a config makes sense for it (``validate``; ``check_model`` once the data's
+   shapes are known), what each worker needs (``worker_resources``, ``bundles``), and how
+   many replicas split the global batch (``data_parallel_size``);
+2. how ``strategy="auto"``, the memory estimate and ``gpu-report`` lay it out
+   (``auto_layout``, ``auto_rank``, ``device_memory``, ``demo_layout``);
+3. which runner trains it (``runner``) and, on the Ray Train runner, the two steps each
+   worker applies to the model in order (``placement``, then ``replication``): the worker
+   side lives in :mod:`raytrain_mgpu.parallel`, which composes them.
 
 Options a strategy does not read (``options_used``) are warned about by the config's
-validation (``config_checks.validate``), so ``bucket_cap_mb`` with ``dp`` does not pass silently.
-
-The training loop (``raytrain_mgpu.runtime.loop``) is the same for every Ray Train strategy.
-Strategies with their own runtime (the pipeline's actor group) set ``runner``.
+validation (``config_checks.validate``), so ``bucket_cap_mb`` with ``dp`` does not pass
+silently. Nothing here imports torch: ``import raytrain_mgpu; TrainConfig(...)`` asks these
+classes without loading it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import re
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, ContextManager, FrozenSet, Iterator, List, Optional, Tuple
-
-import torch
-from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-from raytrain_mgpu.batches import call_model, first_tensor, to_device
-from raytrain_mgpu.objectives import Objective, Predictions, move_pairs
+from typing import TYPE_CHECKING, ClassVar, FrozenSet, List, Optional, Tuple
 
 if TYPE_CHECKING:
+    import torch
+
     from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.config_sections import ParallelConfig
     from raytrain_mgpu.runtime.devices import DeviceAssignment
     from raytrain_mgpu.strategies._memory import DeviceMemory
 
@@ -58,12 +47,6 @@ class WorkerContext:
     assignment: Optional["DeviceAssignment"] = None
 
 
-class ModelWrapper(nn.Module):
-    """Marker base of this package's own wrappers (``unwrap`` peels them like DDP)."""
-
-    module: nn.Module
-
-
 # TrainConfig fields some strategies read and others ignore (each strategy's ``options_used``);
 # a value other than the field's default with a strategy that ignores it gets a warning.
 OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
@@ -76,21 +59,22 @@ DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_m
 AUTO_FIRST, AUTO_MEASURE_ONLY = 0, 10
 
 
-class Strategy(ABC):
+class Strategy:
     """One way of spreading training over processes and devices."""
 
     name: ClassVar[str]
     runner: ClassVar[str] = "train_workers"  # or "actor_group" (own runtime, see pipeline/)
+    placement: ClassVar[str] = "device"
+    """Step 1 on a worker, where its copy of the model lives: ``device``, ``keep``, ``data_parallel``,
+    ``balanced`` or ``split`` (``raytrain_mgpu/parallel/placement.py``)."""
+    replication: ClassVar[str] = "replicate"
+    """Step 2, how the workers' copies stay equal: ``none``, ``replicate`` (DDP) or ``fully_shard`` (FSDP2)
+    (``parallel/replication.py``)."""
     options_used: ClassVar[FrozenSet[str]] = DDP_OPTIONS | {"sync_batchnorm"}
     """Which of the optional TrainConfig fields this strategy reads; others set are warned about."""
     elastic: ClassVar[bool] = False
     """Whether ``num_workers=(min, max)`` may resize it: its workers are plain data-parallel replicas on
     the Ray Train runner, so any count in the range trains the same steps (``strategies/elastic.py``)."""
-
-    def __init__(self, cfg: "ParallelConfig", ctx: WorkerContext, objective: Optional[Objective] = None):
-        self.cfg = cfg
-        self.ctx = ctx
-        self.objective = objective if objective is not None else Objective()  # default: cross-entropy, accuracy
 
     # ------------------------------------------------------------- driver side (pure)
 
@@ -191,89 +175,32 @@ class Strategy(ABC):
         """
         return {"num_workers": min(num_gpus, 2)}
 
-    # ------------------------------------------------------------- worker side
 
-    @property
-    def device(self) -> torch.device:
-        """Where inputs go (the first device)."""
-        return self.ctx.devices[0]
+class NodeDevices(Strategy):
+    """Base of the strategies whose worker holds ``gpus_per_worker`` devices (``dp``, ``dp_balanced``,
+    ``mp``, ``ddp_mp``, ``ddp2``): one worker over a node's devices for auto and gpu-report."""
 
-    def build_on_meta(self) -> bool:
-        """Whether this worker builds the model on ``meta`` (no memory, no weights).
+    one_worker_instead: ClassVar[Optional[str]] = None
+    """The one-process strategies (``dp``, ``dp_balanced``, ``mp``): the fix their refusal of
+    ``num_workers > 1`` names. None: any number of workers."""
 
-        Then ``setup_model`` must materialise it with the weights another rank built
-        (``fsdp``: rank 0 builds on CPU and sends each rank its shards). Default: no.
-        """
-        return False
+    @classmethod
+    def validate(cls, cfg: "TrainConfig") -> None:
+        if cls.one_worker_instead is not None:
+            require_one_worker(cfg, cls.name, cls.one_worker_instead)
+        super().validate(cfg)
 
-    @abstractmethod
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to its device(s) and wrap it; returns the module to train."""
+    @classmethod
+    def devices_per_worker(cls, cfg: "TrainConfig") -> int:
+        return cfg.gpus_per_worker
 
-    def data_shard(self) -> Tuple[int, int]:
-        """``(shard index, number of shards)`` for this worker's DistributedSampler."""
-        return self.ctx.world_rank, self.ctx.world_size
+    @classmethod
+    def auto_layout(cls, cfg: "TrainConfig", info) -> dict:
+        return {"num_workers": 1, "gpus_per_worker": max(info.devices_per_node)}  # the largest node's devices
 
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        """Context that skips gradient sync (non-final accumulation micro-steps)."""
-        return contextlib.nullcontext()
-
-    def compute_loss(self, model: nn.Module, x, y) -> Tuple[torch.Tensor, object]:
-        """``(mean loss, outputs)`` for one micro-batch (``self.objective``'s loss), on ``self.device``.
-
-        ``x`` and ``y`` are tensors, or tuples/dicts of tensors (:mod:`raytrain_mgpu.batches`:
-        a dict ``x`` is passed as keyword arguments).
-
-        When the model's output lands on another device (model parallel), the loss and every
-        metric's ``(sum, count)`` are computed there and only those scalars come back (as
-        :class:`~raytrain_mgpu.objectives.Predictions`), never the outputs.
-        """
-        with explain_ddp_errors(self.unwrap(model)):
-            outputs = call_model(model, x)
-        where = first_tensor(outputs).device
-        y = to_device(y, where)
-        loss = self.objective.loss(outputs, y)
-        if where == self.device:
-            return loss, outputs
-        pairs = move_pairs(self.objective.measure(outputs, y), self.device)
-        return loss.to(self.device), Predictions(pairs, [outputs], self.device)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's model inside ``torch.compile``, DDP, DataParallel and our own wrappers."""
-        model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
-        while isinstance(model, (DistributedDataParallel, DataParallel, ModelWrapper)):
-            model = model.module
-        return model
-
-    def state_dict(self, model: nn.Module) -> dict:
-        """Full state dict of the plain model (collective for sharded strategies)."""
-        return self.unwrap(model).state_dict()
-
-    def load_state_dict(self, model: nn.Module, state: dict) -> None:
-        self.unwrap(model).load_state_dict(state)
-
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer state rank 0 saves (collective for sharded strategies: all ranks call)."""
-        return optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load what ``optimizer_state_dict`` returned on rank 0 (every rank calls it)."""
-        optimizer.load_state_dict(state)
-
-    def memory_devices(self) -> List[torch.device]:
-        """Devices whose peak memory this worker reports."""
-        return list(self.ctx.devices)
-
-
-def ddp_no_sync(model: nn.Module) -> ContextManager:
-    """DDP's ``no_sync()`` for ``model``, also when ``torch.compile`` wrapped it.
-
-    ``torch.compile`` returns an ``OptimizedModule`` holding the DDP module as ``_orig_mod``;
-    it is no DDP instance, so checking the wrapper would all-reduce every accumulation
-    micro-step (one full gradient all-reduce each).
-    """
-    inner = getattr(model, "_orig_mod", model)
-    return inner.no_sync() if isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+    @classmethod
+    def demo_layout(cls, num_gpus: int) -> dict:
+        return {"num_workers": 1, "gpus_per_worker": min(num_gpus, 4)}
 
 
 def check_batch_divisible(cfg: "TrainConfig", replicas: int) -> None:
@@ -306,29 +233,3 @@ def num_blocks(cfg: "TrainConfig") -> int:
     from raytrain_mgpu.pipeline.plan import meta_blocks
 
     return len(meta_blocks(cfg))
-
-
-_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
-
-
-@contextlib.contextmanager
-def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
-    """Re-raise DDP's unused-parameter error with the TrainConfig option that fixes it.
-
-    DDP raises it in the forward *after* a step in which some parameters got no gradient;
-    torch lists their indices, which we translate into names.
-    """
-    try:
-        yield
-    except RuntimeError as exc:
-        if _DDP_UNUSED not in str(exc):
-            raise
-        names = [name for name, p in model.named_parameters() if p.requires_grad]
-        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
-        unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
-        which = f" Parameters that got no gradient: {', '.join(unused)}." if unused else ""
-        raise RuntimeError(
-            f"DDP: some parameters were not used in producing the loss, so their gradients were never "
-            f"all-reduced.{which} Set TrainConfig.find_unused_parameters=True (costs one autograd-graph "
-            f"walk per step), or static_graph=True if the same parameters are unused in every step; "
-            f"or make every output of forward() take part in the loss. (torch: {exc})") from exc

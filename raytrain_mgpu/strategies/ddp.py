@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ContextManager
-
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
 from raytrain_mgpu.strategies._memory import replica_on, whole_model
-from raytrain_mgpu.strategies.base import AUTO_FIRST, Strategy, data_parallel_workers, ddp_no_sync
+from raytrain_mgpu.strategies.base import AUTO_FIRST, Strategy, data_parallel_workers
 
 
 class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the workers (gloo on CPU, NCCL on GPU)."""
 
     name = "ddp"
+    placement, replication = "device", "replicate"
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
 
     @classmethod
@@ -35,30 +31,9 @@ class DDPStrategy(Strategy):
     def device_memory(cls, cfg, profile):
         return replicated_memory(cls, cfg, profile)
 
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
-        if self.ctx.world_size == 1:
-            # A one-process DDP only adds hooks and a broadcast: train the plain model.
-            return model
-        return DistributedDataParallel(model, **ddp_kwargs(self.cfg, [self.device] if self.device.type == "cuda" else None))
-
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        return ddp_no_sync(model)
-
 
 def replicated_memory(cls, cfg, profile) -> list:
     """One whole replica per worker, each seeing one micro-batch of its share of the global batch."""
     replicas = cls.data_parallel_size(cfg)
     share = 1 / (replicas * cls.micro_batches_per_step(cfg))
     return replica_on(profile, whole_model(profile), share, [1.0], share) * replicas
-
-
-def ddp_kwargs(cfg, device_ids) -> dict:
-    """The DDP options a user can pass through TrainConfig."""
-    kwargs = dict(device_ids=device_ids,
-                  find_unused_parameters=cfg.find_unused_parameters,
-                  static_graph=cfg.static_graph,
-                  gradient_as_bucket_view=cfg.gradient_as_bucket_view)
-    if cfg.bucket_cap_mb is not None:
-        kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
-    return kwargs

@@ -14,26 +14,20 @@ With GPUs, more than one worker must use ``placement='STRICT_SPREAD'`` so that R
 each on its own node. On CPU the workers stand in for nodes on one machine, so any
 placement is accepted and the tests run the whole logic there; with several CPU "devices"
 (GPU emulation) the DataParallel part runs ``dp``'s scatter/replicate/parallel_apply/gather
-on CPU stand-ins, under DDP.
+on CPU stand-ins, under DDP. On the worker: placement ``data_parallel``, then replication ``replicate`` (DDP).
 """
 
 from __future__ import annotations
 
-from typing import ContextManager
-
-import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-from raytrain_mgpu.strategies.base import DDP_OPTIONS, Strategy, ddp_no_sync
-from raytrain_mgpu.strategies.ddp import ddp_kwargs
-from raytrain_mgpu.strategies.dp import check_output_device, data_parallel_memory, demo_node_layout, wrap_data_parallel
+from raytrain_mgpu.strategies.base import DDP_OPTIONS, NodeDevices
+from raytrain_mgpu.strategies.dp import check_output_device, data_parallel_memory
 
 
-class DDP2Strategy(Strategy):
+class DDP2Strategy(NodeDevices):
     """DataParallel inside each worker (node), DDP between workers."""
 
     name = "ddp2"
+    placement, replication = "data_parallel", "replicate"
     # Not elastic: a worker count change regroups the samples of each node's micro-batch, which a
     # loss over the whole batch (what ddp2 is for, e.g. InfoNCE) sees; the mean of a per-sample loss would not.
     elastic = False
@@ -56,10 +50,6 @@ class DDP2Strategy(Strategy):
         super().validate(cfg)
 
     @classmethod
-    def devices_per_worker(cls, cfg) -> int:
-        return cfg.gpus_per_worker
-
-    @classmethod
     def auto_layout(cls, cfg, info) -> dict:
         n = info.num_devices
         if info.num_nodes > 1:
@@ -72,20 +62,3 @@ class DDP2Strategy(Strategy):
     @classmethod
     def device_memory(cls, cfg, profile):
         return data_parallel_memory(cls, cfg, profile, cfg.num_workers, balanced=False)
-
-    @classmethod
-    def demo_layout(cls, num_gpus: int) -> dict:
-        return demo_node_layout(num_gpus)  # one node: one worker
-
-    @property
-    def device(self) -> torch.device:
-        return self.ctx.devices[self.cfg.output_device or 0]
-
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        model = wrap_data_parallel(model, self.ctx.devices, self.cfg.output_device or 0)
-        if self.ctx.world_size == 1:
-            return model
-        return DistributedDataParallel(model, **ddp_kwargs(self.cfg, None))
-
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        return ddp_no_sync(model)

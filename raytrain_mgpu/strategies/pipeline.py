@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Tuple
 
-from torch import nn
-
 from raytrain_mgpu.pipeline.schedule import check_schedule, num_virtual_stages
 from raytrain_mgpu.strategies._memory import DeviceMemory, replica_on, split_parts
 from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, num_blocks
@@ -27,6 +25,7 @@ class PipelineStrategy(Strategy):
 
     name = "pipeline"
     runner = "actor_group"
+    placement = replication = None  # no Ray Train worker: the stages place themselves (pipeline/worker.py)
     options_used = frozenset({"num_stages", "num_microbatches", "schedule", "balance"})
 
     @classmethod
@@ -136,12 +135,6 @@ class PipelineStrategy(Strategy):
     def demo_layout(cls, num_gpus: int) -> dict:
         stages = min(num_gpus, 4)
         return {"num_workers": 1, "num_stages": stages, "num_microbatches": 2 * stages}
-
-    # ------------------------------------------------------------------ worker side
-
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        raise RuntimeError(f"strategy {self.name!r} runs in its own actor group (raytrain_mgpu.pipeline."
-                           f"run_pipeline), not in the Ray Train worker loop.")
 
 
 class DDPPipelineStrategy(PipelineStrategy):

@@ -1,0 +1,37 @@
+"""The worker side of the strategies: the steps a Ray Train worker applies to the model, in order.
+
+A strategy's class (``strategies/``, no torch) names its two steps, ``placement`` and
+``replication``; :func:`build_worker` composes them into the :class:`WorkerStrategy` the loop
+uses (``parallel/worker.py`` says what each step does). The pipeline strategies run in their
+own actor group (``pipeline/``) and have no worker here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Type
+
+from raytrain_mgpu.parallel.placement import PLACEMENTS
+from raytrain_mgpu.parallel.replication import REPLICATIONS
+from raytrain_mgpu.parallel.worker import ModelWrapper, WorkerStrategy
+
+if TYPE_CHECKING:
+    from raytrain_mgpu.config_sections import ParallelConfig
+    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.strategies import Strategy, WorkerContext
+
+__all__ = ["build_worker", "WorkerStrategy", "ModelWrapper", "PLACEMENTS", "REPLICATIONS"]
+
+
+def build_worker(strategy: Type["Strategy"], cfg: "ParallelConfig", ctx: "WorkerContext",
+                 objective: Optional["Objective"] = None) -> WorkerStrategy:
+    """``strategy``'s placement, then its replication, on the worker ``ctx`` describes."""
+    if strategy.runner != "train_workers":
+        raise RuntimeError(f"strategy {strategy.name!r} runs in its own actor group (raytrain_mgpu.pipeline."
+                           f"run_pipeline), not in the Ray Train worker loop.")
+    for step, value, known in (("placement", strategy.placement, PLACEMENTS),
+                               ("replication", strategy.replication, REPLICATIONS)):
+        if value not in known:
+            raise ValueError(f"strategy {strategy.name!r} sets {step}={value!r}, which is not one of "
+                             f"{', '.join(known)}. Set {step} in its class to one of them.")
+    return WorkerStrategy(strategy.name, PLACEMENTS[strategy.placement], REPLICATIONS[strategy.replication],
+                          cfg, ctx, objective)

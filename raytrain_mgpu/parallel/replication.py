@@ -1,0 +1,237 @@
+"""Step 2 of a strategy on the worker: how the workers' copies of the model stay equal.
+
+- ``none``: one process trains (``dp``, ``dp_balanced``, ``mp``);
+- ``replicate``: ``DistributedDataParallel`` over the workers (gloo on CPU, NCCL on GPU), with
+  ``device_ids=None`` where the placed model spans several devices (``ddp2``, ``ddp_mp``), as
+  torch requires; a single worker trains the plain model (a one-process DDP only adds hooks);
+- ``fully_shard``: FSDP2 (``torch.distributed.fsdp.fully_shard``), one shard per worker (``fsdp``).
+
+FSDP. Each block of the model (``models.partition.blocks_of``) and then the root are sharded:
+every worker keeps 1/N of the parameters, gradients and optimizer state, all-gathers a block's
+parameters just before its forward/backward and reduce-scatters its gradients after. Runs on
+CPU with gloo, so the tests exercise the sharding. ``bf16-mixed`` also sets FSDP's
+``MixedPrecisionPolicy`` (all-gather and compute in bf16, gradients reduced in fp32). The full
+model is never on a device: rank 0 builds it on the CPU (with the run's seed, so its weights
+are those of ``ddp`` and of one worker), every other rank on ``meta`` (``build_on_meta``). Every
+rank shards the meta model, allocates only its shards (``to_empty``), and rank 0 sends the
+weights one tensor at a time (``set_model_state_dict(broadcast_from_rank0=True)``): the device
+peak at start-up is the shards plus the largest tensor. Checkpoints hold the full, unsharded
+state (model and optimizer), gathered to rank 0's CPU: the calls are collective, so every rank
+makes them (``runtime/worker_checkpoint.save_and_report`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, ContextManager, Dict, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_mgpu.models.partition import blocks_of
+
+if TYPE_CHECKING:
+    from raytrain_mgpu.parallel.worker import WorkerStrategy
+
+__all__ = ["Replication", "REPLICATIONS", "ddp_kwargs", "ddp_no_sync"]
+
+
+class Replication:
+    """One process trains the placed model as it is."""
+
+    name = "none"
+
+    def build_on_meta(self, ctx) -> bool:
+        return False
+
+    def wrap(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+        return model
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return contextlib.nullcontext()
+
+    # The plain (unwrapped) model's state and the optimizer's, for checkpoints.
+    def state_dict(self, model: nn.Module) -> dict:
+        return model.state_dict()
+
+    def load_state_dict(self, model: nn.Module, state: dict) -> None:
+        model.load_state_dict(state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+def ddp_kwargs(cfg, device_ids) -> dict:
+    """The DDP options a user can pass through TrainConfig."""
+    kwargs = dict(device_ids=device_ids,
+                  find_unused_parameters=cfg.find_unused_parameters,
+                  static_graph=cfg.static_graph,
+                  gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+    if cfg.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+    return kwargs
+
+
+def ddp_no_sync(model: nn.Module) -> ContextManager:
+    """DDP's ``no_sync()`` for ``model``, also when ``torch.compile`` wrapped it.
+
+    ``torch.compile`` returns an ``OptimizedModule`` holding the DDP module as ``_orig_mod``;
+    it is no DDP instance, so checking the wrapper would all-reduce every accumulation
+    micro-step (one full gradient all-reduce each).
+    """
+    inner = getattr(model, "_orig_mod", model)
+    return inner.no_sync() if isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
+
+class DDPReplication(Replication):
+    """DistributedDataParallel over the workers."""
+
+    name = "replicate"  # as torch.distributed's composable replicate(), which is DDP
+
+    def wrap(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+        if worker.ctx.world_size == 1:
+            return model  # one replica: nothing to all-reduce
+        one_gpu = not worker.placement.spans_devices and worker.device.type == "cuda"
+        # device_ids=None for a module on several devices (DataParallel, a split) or on the CPU.
+        return DistributedDataParallel(model, **ddp_kwargs(worker.cfg, [worker.device] if one_gpu else None))
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return ddp_no_sync(model)
+
+
+# ----------------------------------------------------------------------------- FSDP
+
+def _options(**kwargs):
+    """Full (unsharded) state dicts: saved gathered to rank 0's CPU (``cpu_offload``; the other ranks
+    get an empty dict), loaded from every rank's full copy or sent from rank 0 (``broadcast_from_rank0``).
+    torch.distributed's checkpoint and FSDP modules load only where fsdp runs (0.7 s of import)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def _shard_units(model: nn.Module) -> list:
+    """Blocks with parameters, sharded one by one so only one block is ever gathered."""
+    try:
+        blocks = blocks_of(model)
+    except ValueError:
+        return []  # not splittable: the root alone is one unit
+    return [block for block in blocks if any(True for _ in block.parameters())]
+
+
+class FSDPReplication(Replication):
+    """Fully sharded data parallel (FSDP2) over the workers."""
+
+    name = "fully_shard"
+
+    def build_on_meta(self, ctx) -> bool:
+        return ctx.world_rank != 0
+
+    def wrap(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+        """Shard on meta, allocate the shards on the device, fill them from rank 0's CPU model."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        rank0 = worker.ctx.world_rank == 0
+        full = model.state_dict() if rank0 else {}  # CPU tensors: they outlive the meta swap below
+        extra = _non_persistent_buffers(model) if rank0 else {}
+        _to_meta(model)
+        model = self._shard(model, worker)
+        model.to_empty(device=worker.device)
+        set_model_state_dict(model, full, options=_options(broadcast_from_rank0=True))
+        _broadcast_buffers(model, extra, worker.device)
+        return model
+
+    @staticmethod
+    def _shard(model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(worker.device.type, (worker.ctx.world_size,))
+        if worker.cfg.precision == "bf16-mixed":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        units = _shard_units(model)
+        for index, unit in enumerate(units):
+            # The last block's parameters are needed again at once by the backward: keep them.
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(units) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return _no_gradient_sync(model)
+
+    def state_dict(self, model: nn.Module) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+    def load_state_dict(self, model: nn.Module, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        # torch swaps the dict's tensors for shards in place: hand it a copy of the mapping.
+        set_model_state_dict(model, dict(state), options=_options())
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        state = {**state, "state": {key: dict(value) for key, value in state["state"].items()}}
+        set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Swap every parameter and buffer for a meta one, in place; tied tensors stay tied."""
+    swapped: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in swapped:
+                    meta = torch.empty_like(tensor, device="meta")
+                    swapped[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(
+                        tensor, nn.Parameter) else meta
+                table[name] = swapped[id(tensor)]
+
+
+def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Buffers ``state_dict`` leaves out (e.g. cached position tables): sent separately."""
+    saved = model.state_dict().keys()
+    return {name: buf for name, buf in model.named_buffers() if name not in saved}
+
+
+def _broadcast_buffers(model: nn.Module, rank0_values: Dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill the non-persistent buffers (garbage after ``to_empty``) with rank 0's values."""
+    persistent = model.state_dict().keys()
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            continue
+        if name in rank0_values:
+            buf.copy_(rank0_values[name].to(device))
+        dist.broadcast(buf, src=0)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally; the next synced backward reduce-scatters them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+REPLICATIONS = {cls.name: cls() for cls in (Replication, DDPReplication, FSDPReplication)}
