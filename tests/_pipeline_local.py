@@ -1,4 +1,4 @@
-"""Run pipeline stages as local processes, without Ray: for tests and quick checks.
+"""Run pipeline stages as local processes, without Ray: the tests' harness (not part of the package).
 
 The stage code is the same :class:`~raytrain_mgpu.pipeline.worker.StageWorker` the Ray
 actors run. Several runs share one pool of processes (started once, each run using as

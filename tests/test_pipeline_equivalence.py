@@ -16,7 +16,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.pipeline.local import LocalRun, run_local
+from _pipeline_local import LocalRun, run_local
 from raytrain_mgpu.strategies.plan import build_plan
 
 STEPS = 5  # 3 steps per epoch: crosses an epoch boundary (a new shuffle)

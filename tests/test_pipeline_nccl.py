@@ -19,7 +19,7 @@ import torch
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
-from raytrain_mgpu.pipeline.local import LocalRun, run_local
+from _pipeline_local import LocalRun, run_local
 
 STEPS = 2
 # 9 blocks: enough for interleaved_1f1b's 8 virtual stages at P = 4

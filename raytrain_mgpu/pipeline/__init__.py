@@ -9,8 +9,9 @@ Layout:
 - ``worker.py``    one stage process: model part, data, optimizer, checkpoints;
 - ``group.py``     the actor group's lifecycle (placement group, actors, teardown);
 - ``driver.py``    epochs, metrics and checkpoints of one attempt;
-- ``runner.py``    :func:`run_pipeline`: attempts and retries (called by ``fit``);
-- ``local.py``     the same stages as local processes, without Ray (tests).
+- ``runner.py``    :func:`run_pipeline`: attempts and retries (called by ``fit``).
+
+The tests run the same stages as local processes, without Ray (``tests/_pipeline_local.py``).
 
 The benchmark lives with the others in :mod:`raytrain_mgpu.bench`. Importing this
 package imports nothing: ``plan`` and ``schedule`` are used by planning without Ray.

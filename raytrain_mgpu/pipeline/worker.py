@@ -1,6 +1,7 @@
 """What one stage process does: build its part of the model, read its data, train,
-evaluate and save. Plain Python: the Ray actor (``group.py``) and the local process
-runner (``local.py``) call the same methods in the same order on every rank (SPMD).
+evaluate and save. Plain Python: the Ray actor (``group.py``) and the tests' local
+processes (``tests/_pipeline_local.py``) call the same methods in the same order on every
+rank (SPMD).
 
 Ranks: global rank ``g = replica * num_stages + pipeline_rank``. Pipeline rank 0 reads
 the data and sends the targets to the last pipeline rank, which computes the loss (so
