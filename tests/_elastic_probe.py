@@ -1,5 +1,6 @@
-"""A user dataset factory for the two-node elastic and spot tests: digits that record what each worker
-read and park at planned steps, so that a test acts on an event instead of racing a clock.
+"""User dataset factories for the two-node tests (elastic, spot, a pipeline that loses a node):
+digits that record what each worker read and park at planned steps, so that a test acts on an
+event instead of racing a clock.
 
 ``dataset="_elastic_probe:parked_digits"`` with ``data_root=<probe dir>``. Inside a Ray Train worker it
 writes ``worker-<pid>.json`` (world rank and size, node IP, start time, the step it resumed after) and
@@ -22,6 +23,12 @@ or goes, a notice is sent) and Ray Train may stop the group. The wait is bounded
 the process writes ``timeout-<name>-<world rank>`` and goes on, and the test fails on what follows
 instead of hanging. A park whose release file exists already does not wait (a restarted group
 passes it), nor does one at a step that this process does not read (it resumed after it).
+
+``dataset="_elastic_probe:parked_stage_digits"``, for a pipeline's stage actors (not Ray Train workers:
+no world rank, no step count of their own): each stage actor parks before its ``read``-th training
+batch (1-based, counted per process) for every park of ``parks.json`` that names ``read``, e.g.
+``{"parks": [{"name": "lost", "read": 23}]}``, writing ``parked-<name>-<pid>``; the same release
+file and bound as above.
 
 ``fit`` ships this file to the workers (a user module outside site-packages), so it imports
 no other test helper. It only observes and waits: nothing here changes what is trained.
@@ -55,6 +62,24 @@ def parked_digits(cfg) -> Datasets:
     parks = [p for p in plan["parks"] if all(p.get(key, info[key]) == info[key]
                                              for key in ("world_size", "resumed_after_step"))]
     return data._replace(train=_ParkingRecording(data.train, probe, info, parks, plan["batch_size"]))
+
+
+def parked_stage_digits(cfg) -> Datasets:
+    data = _digits.build(cfg)
+    if not cfg.data_root or not _in_ray_actor():  # on the driver (check_data), or not instrumented
+        return data
+    probe = Path(cfg.data_root)
+    plan = json.loads((probe / "parks.json").read_text())
+    return data._replace(train=_ParkingByRead(data.train, probe, [p for p in plan["parks"] if "read" in p]))
+
+
+def _in_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
 
 
 def _worker_info():
@@ -107,14 +132,38 @@ class _ParkingRecording(Dataset):
         return self.inner.__getitems__(indices)
 
     def _park(self, park: dict) -> None:
-        name, until = park["name"], park.get("until", "release")
-        release = self.probe / f"release-{name}"
-        if release.exists():
+        _park(self.probe, park, self.rank)
+
+
+class _ParkingByRead(Dataset):
+    def __init__(self, inner, probe: Path, parks: list):
+        self.inner, self.probe, self.parks = inner, probe, parks
+        self.reads = 0  # training batches this process has read
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices):
+        self.reads += 1
+        for park in self.parks:
+            if park["read"] == self.reads:
+                _park(self.probe, park, os.getpid())
+        return self.inner.__getitems__(indices)
+
+
+def _park(probe: Path, park: dict, who: int) -> None:
+    """Write ``parked-<name>-<who>`` and wait for the park's release (at most PARK_S)."""
+    name, until = park["name"], park.get("until", "release")
+    release = probe / f"release-{name}"
+    if release.exists():
+        return
+    (probe / f"parked-{name}-{who}").write_text(repr(time.time()))
+    deadline = time.monotonic() + PARK_S
+    while not (release.exists() or (until == "preemption_notice" and _has_preemption_notice())):
+        if time.monotonic() > deadline:
+            (probe / f"timeout-{name}-{who}").write_text(repr(time.time()))
             return
-        (self.probe / f"parked-{name}-{self.rank}").write_text(repr(time.time()))
-        deadline = time.monotonic() + PARK_S
-        while not (release.exists() or (until == "preemption_notice" and _has_preemption_notice())):
-            if time.monotonic() > deadline:
-                (self.probe / f"timeout-{name}-{self.rank}").write_text(repr(time.time()))
-                return
-            time.sleep(POLL_S)
+        time.sleep(POLL_S)

@@ -12,8 +12,10 @@ process (tests/_reference.py: the same numbers as a fit through Ray, tests/test_
   epoch 2; the test starts a new worker node in its place and the run resumes from the last
   checkpoint and still ends with the reference weights;
 - a 2-stage ``pipeline`` run with one stage actor per node (activations and gradients over
-  rtm0), whose worker node the test kills as soon as epoch 1's checkpoint exists; the stage
-  actor group is rebuilt on the new node, resumes, and ends with the reference weights.
+  rtm0), whose worker node the test kills once epoch 1's checkpoint is published and a stage
+  actor is parked before its first batch of epoch 2 (tests/_elastic_probe.py: the run cannot end
+  first, however slow the machine); the stage actor group is rebuilt on the new node, resumes,
+  and ends with the reference weights.
 
 Namespaces need root, ``ip`` and ``unshare``: without them the tests skip with the reason,
 except on CI (``CI=true``), where that is a failure. Nothing is created at collection.
@@ -25,6 +27,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -57,7 +60,7 @@ def site(two_node):
     return _Site(two_node)
 
 
-def _drive(site: _Site, name: str, steps: list, kill_when: Path = None) -> tuple:
+def _drive(site: _Site, name: str, steps: list, kill_when: Callable[[], bool] = None) -> tuple:
     """Run ``steps`` in a driver in the head's namespace; (results, worker-node replacements)."""
     site.site.ensure_worker_node()  # lost by the previous test, or by another module's
     folder = site.root / f"driver-{name}"
@@ -82,7 +85,7 @@ def _drive(site: _Site, name: str, steps: list, kill_when: Path = None) -> tuple
 
 def _wait(proc: subprocess.Popen, cluster, kill_when, timeout_s: float) -> int:
     """Wait for the driver. Whenever the worker node is gone (killed by a probe or here), start
-    a new one in its place; kill it here once ``kill_when`` exists. Returns the replacements."""
+    a new one in its place; kill it here once ``kill_when()`` holds. Returns the replacements."""
     replaced, killed = 0, False
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None:
@@ -92,7 +95,7 @@ def _wait(proc: subprocess.Popen, cluster, kill_when, timeout_s: float) -> int:
         if not cluster.worker.alive():
             cluster.start_worker_node()  # the lost machine is replaced
             replaced += 1
-        elif not killed and kill_when is not None and kill_when.exists():
+        elif not killed and kill_when is not None and kill_when():
             cluster.worker.lose()
             killed = True
         time.sleep(0.1)
@@ -208,12 +211,17 @@ def test_ddp_survives_losing_the_worker_node_and_still_equals_one_worker(site, o
 
 def test_pipeline_with_a_stage_per_node_survives_losing_the_worker_node(site, one_worker):
     reference, _ = one_worker
+    # Each stage actor of the first group parks before its first batch of epoch 2 (tests/_elastic_probe.py),
+    # so the run cannot end before the node is killed; the restarted group reads epoch 2 only (22 batches).
+    probe = _probe(site, "pipe")
+    (probe / "parks.json").write_text(json.dumps({"parks": [{"name": "lost", "read": STEPS_PER_EPOCH + 1}]}))
+    published = site.shared / "pipe" / "checkpoint_epoch000001" / "meta.json"  # written last: the epoch's checkpoint
     (pipe,), replaced = _drive(site, "pipe", [{"kind": "fit", "weights": str(site.root / "pipe.pt"), "config": {
-        # >= 0.2 s a step: the kill lands mid-epoch
-        **MLP, "dataset": "_probe_data:slow_digits", "strategy": "pipeline", "num_stages": 2,
-        "num_microbatches": 4, "schedule": "1f1b", "placement": "STRICT_SPREAD", "max_failures": 1,
+        **MLP, "dataset": "_elastic_probe:parked_stage_digits", "data_root": str(probe), "strategy": "pipeline",
+        "num_stages": 2, "num_microbatches": 4, "schedule": "1f1b", "placement": "STRICT_SPREAD", "max_failures": 1,
         "name": "pipe", "storage_path": str(site.shared)}}],
-        kill_when=site.shared / "pipe" / "checkpoint_epoch000001" / "meta.json")
+        kill_when=lambda: published.exists() and any(probe.glob("parked-lost-*")))
+    assert not list(probe.glob("timeout-*")), sorted(p.name for p in probe.glob("timeout-*"))
     assert pipe["ok"], pipe
     assert replaced == 1, f"the worker node was lost {replaced} time(s), not once"
     # One stage per node, both attempts; the lost node cost epoch 2 only.
