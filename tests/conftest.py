@@ -119,15 +119,30 @@ def pytest_runtest_protocol(item, nextitem):
                                    f"after {item.nodeid} so that the summary and the durations print")
 
 
+# Modules that start Ray clusters of their own (nodes in network namespaces, a Ray with the
+# machine's real CPUs) rather than use the shared instance: one xdist group of their own.
+OWN_CLUSTERS = ("test_two_node.py", "test_two_node_elastic.py", "test_two_node_spot.py", "test_real_cpus.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and the mark plugin deselects
 def pytest_collection_modifyitems(config, items):
     """The quick tier (``-m "not slow"``): unit tests, local multi-process (gloo) tests and the
     few Ray runs marked ``quick``. Every other test that trains through Ray (the shared
     instance, or a Ray of its own: marked ``ray``) costs 10-60 s on 2 cores, so it is ``slow``:
-    the full suite runs it, the quick tier does not."""
+    the full suite runs it, the quick tier does not.
+
+    The two xdist groups (``--dist loadgroup``, pyproject.toml): every test on Ray in one
+    process, so that there is one shared Ray instance (``shared_ray``), and the modules with
+    clusters of their own in the other (``own_clusters``); unit tests run wherever a process is free.
+    """
     for item in items:
         uses_ray = "ray_session" in item.fixturenames or item.get_closest_marker("ray") is not None
         if uses_ray and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in OWN_CLUSTERS:
+            item.add_marker(pytest.mark.xdist_group("own_clusters"))
+        elif uses_ray:
+            item.add_marker(pytest.mark.xdist_group("shared_ray"))
 
 
 @pytest.fixture(scope="session")
