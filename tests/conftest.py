@@ -133,7 +133,8 @@ def pytest_collection_modifyitems(config, items):
 
     The two xdist groups (``--dist loadgroup``, pyproject.toml): every test on Ray in one
     process, so that there is one shared Ray instance (``shared_ray``), and the modules with
-    clusters of their own in the other (``own_clusters``); unit tests run wherever a process is free.
+    clusters of their own in the other (``own_clusters``); the other modules run wherever a process
+    is free, each whole in one process.
     """
     for item in items:
         uses_ray = "ray_session" in item.fixturenames or item.get_closest_marker("ray") is not None
@@ -143,6 +144,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("own_clusters"))
         elif uses_ray:
             item.add_marker(pytest.mark.xdist_group("shared_ray"))
+        else:  # a module stays in one process: its module-scoped fixtures (process pools) start once
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(scope="session")
@@ -166,6 +169,18 @@ def ray_session(tmp_path_factory):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checkpoint_uploads():
+    """Each test starts with no checkpoint-upload tracker. A worker's tracker lives as long as its Ray
+    Train context (``worker_checkpoint._Uploads.current``); the unit tests that call
+    ``save_and_report`` run outside one, so they would share a tracker and one would wait for ever
+    for another's checkpoint to be persisted (it did, once a test order put test_wiring first)."""
+    module = sys.modules.get("raytrain_mgpu.runtime.worker_checkpoint")
+    if module is not None:
+        module._Uploads._current = None
+    yield
 
 
 @pytest.fixture
