@@ -14,6 +14,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import importlib
 import logging
 import sys
 import time
@@ -157,23 +158,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_options(compare)
 
     commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun",
-                        add_arguments=_bench_arguments)
-    commands.add_parser("bench-data", help="images per second to the training loop: our Parquet reader vs torchvision "
-                                           "ImageFolder on the same PNG files, with 0/1/2 loader workers",
-                        add_arguments=_bench_data_arguments)
-    commands.add_parser("bench-checkpoint", help="the training stall per checkpoint: Ray Train's synchronous vs "
-                                                 "asynchronous upload of a large model's checkpoint",
-                        add_arguments=_bench_checkpoint_arguments)
-    commands.add_parser("bench-preemption", help="what the preemption check costs: ray.train.get_preemption_info() "
-                                                 "against a small DDP step",
-                        add_arguments=_bench_preemption_arguments)
-    commands.add_parser("gpu-report", help="run the GPU-only tests and measure every GPU figure of docs/performance.md "
-                                           "(under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)",
-                        add_arguments=_gpu_report_arguments)
-
-    commands.add_parser("spot-watch", help="run on a spot node: on SIGTERM (or a cloud termination notice) drain "
-                                           "it as a preemption, so the run saves a step checkpoint",
-                        add_arguments=_spot_watch_arguments)
+                        add_arguments=_arguments_of("raytrain_mgpu.bench.ddp"))
+    for command, (module, help_text) in _MODULE_COMMANDS.items():
+        commands.add_parser(command, help=help_text, add_arguments=_arguments_of(module))
 
     plot = commands.add_parser("plot", help="loss and accuracy per epoch and per step of one or more runs, to a PNG")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run folder ({storage_path}/{name}): path or URI")
@@ -193,40 +180,29 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from raytrain_mgpu.bench.ddp import add_arguments
-
-    add_arguments(parser)
-
-
-def _bench_data_arguments(parser: argparse.ArgumentParser) -> None:
-    from raytrain_mgpu.bench.data import add_arguments
-
-    add_arguments(parser)
-
-
-def _spot_watch_arguments(parser: argparse.ArgumentParser) -> None:
-    from raytrain_mgpu.runtime.spot_watch import add_arguments
-
-    add_arguments(parser)
+# Commands a module of their own adds the options of (``add_arguments``) and runs (``run_and_print``):
+# {command: (module, help)}, in the order --help lists them.
+_MODULE_COMMANDS = {
+    "bench-data": ("raytrain_mgpu.bench.data", "images per second to the training loop: our Parquet reader vs "
+                   "torchvision ImageFolder on the same PNG files, with 0/1/2 loader workers"),
+    "bench-checkpoint": ("raytrain_mgpu.bench.checkpoint", "the training stall per checkpoint: Ray Train's "
+                         "synchronous vs asynchronous upload of a large model's checkpoint"),
+    "bench-preemption": ("raytrain_mgpu.bench.preemption", "what the preemption check costs: "
+                         "ray.train.get_preemption_info() against a small DDP step"),
+    "gpu-report": ("raytrain_mgpu.bench.gpu_report", "run the GPU-only tests and measure every GPU figure of "
+                   "docs/performance.md (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)"),
+    "spot-watch": ("raytrain_mgpu.runtime.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "
+                   "notice) drain it as a preemption, so the run saves a step checkpoint"),
+}
 
 
-def _bench_preemption_arguments(parser: argparse.ArgumentParser) -> None:
-    from raytrain_mgpu.bench.preemption import add_arguments
+def _arguments_of(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """A command's options, added by ``module.add_arguments`` once the command is parsed: the
+    module is imported then, so ``raytrain-mgpu --help`` imports no benchmark (tests/test_imports.py)."""
+    def add(parser: argparse.ArgumentParser) -> None:
+        importlib.import_module(module).add_arguments(parser)
 
-    add_arguments(parser)
-
-
-def _bench_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    from raytrain_mgpu.bench.checkpoint import add_arguments
-
-    add_arguments(parser)
-
-
-def _gpu_report_arguments(parser: argparse.ArgumentParser) -> None:
-    from raytrain_mgpu.bench.gpu_report import add_arguments
-
-    add_arguments(parser)
+    return add
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -305,30 +281,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _train(args)
         if args.command == "bench":
             return _bench(args)
-        if args.command == "bench-data":
-            from raytrain_mgpu.bench import data as bench_data
-
-            return bench_data.run_and_print(args)
-        if args.command == "bench-checkpoint":
-            from raytrain_mgpu.bench import checkpoint as bench_checkpoint
-
-            return bench_checkpoint.run_and_print(args)
-        if args.command == "bench-preemption":
-            from raytrain_mgpu.bench import preemption as bench_preemption
-
-            return bench_preemption.run_and_print(args)
+        if args.command in _MODULE_COMMANDS:  # a module of its own runs it (imported only now)
+            return importlib.import_module(_MODULE_COMMANDS[args.command][0]).run_and_print(args)
         if args.command == "compare":
             return _compare(args)
         if args.command == "plot":
             return _plot(args)
-        if args.command == "spot-watch":
-            from raytrain_mgpu.runtime import spot_watch
-
-            return spot_watch.run_and_print(args)
-        if args.command == "gpu-report":
-            from raytrain_mgpu.bench import gpu_report
-
-            return gpu_report.run_and_print(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         from raytrain_mgpu._redact import redact

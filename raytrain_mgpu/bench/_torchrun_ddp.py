@@ -7,13 +7,13 @@ Rank 0 prints one JSON line: {"samples_per_s": [global samples/s per epoch]}.
 
 import json
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from raytrain_mgpu.bench.ddp import plain_epoch
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
@@ -33,14 +33,7 @@ def main() -> None:
     rates = []
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
-        start, samples = time.perf_counter(), 0
-        for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            samples += len(y) * world
-        rates.append(samples / (time.perf_counter() - start))
+        rates.append(plain_epoch(model, optimizer, loader, world))
     if rank == 0:
         print(json.dumps({"samples_per_s": rates}))
     dist.destroy_process_group()

@@ -123,17 +123,21 @@ def plain_loop(cfg: TrainConfig) -> Measured:
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
-    rates = []
-    for _ in range(cfg.epochs):
-        start, samples = time.perf_counter(), 0
-        for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            samples += len(y)
-        rates.append(samples / (time.perf_counter() - start))
+    rates = [plain_epoch(model, optimizer, loader) for _ in range(cfg.epochs)]
     return Measured("plain PyTorch loop, 1 process", steady(rates))
+
+
+def plain_epoch(model, optimizer, loader, world: int = 1) -> float:
+    """Samples per second of one epoch of what a user writes: forward, cross-entropy, backward, step
+    (the plain loop's, and each ``torchrun`` rank's, which counts the ``world`` ranks' samples)."""
+    start, samples = time.perf_counter(), 0
+    for x, y in loader:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        samples += len(y) * world
+    return samples / (time.perf_counter() - start)
 
 
 def torchrun_ddp(cfg: TrainConfig, nproc: int) -> Measured:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -148,3 +148,18 @@ def download_with_torchvision(dataset: str, class_name: str, root: str, where: s
         raise ValueError(f"{dataset}: download into {root} failed ({type(exc).__name__}: {exc}). The "
                          f"machine may be offline. Put the files by hand into {where} and run again "
                          f"(download=False is then enough).") from exc
+
+
+def generated_sizes(cfg: "DataConfig", dataset: str, classes: str, default_classes: int,
+                    default_samples: int) -> Tuple[int, int]:
+    """``(num_classes, num_samples)`` of a generated dataset (``synthetic``, ``synthetic_text``), checked:
+    a test split of a quarter needs 4 samples, a loss over classes 2 of them (``classes``: what they are)."""
+    num_classes = cfg.num_classes or default_classes
+    num_samples = cfg.num_samples or default_samples
+    if num_samples < 4:
+        raise ValueError(f"TrainConfig.num_samples={num_samples}: {dataset} needs at least 4 samples (the test "
+                         f"split is a quarter). Set num_samples to 4 or more.")
+    if num_classes < 2:
+        raise ValueError(f"TrainConfig.num_classes={num_classes}: {dataset} needs at least 2 {classes}. Set "
+                         f"num_classes to 2 or more.")
+    return num_classes, num_samples

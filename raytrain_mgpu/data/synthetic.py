@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_mgpu.data.base import Datasets
+from raytrain_mgpu.data.base import Datasets, generated_sizes
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
@@ -75,14 +75,7 @@ def _base_seed(seed: int, split: int, stream: str) -> int:
 
 def _settings(cfg: "DataConfig") -> tuple[tuple, int, int]:
     input_shape = tuple(cfg.input_shape) if cfg.input_shape else DEFAULT_INPUT_SHAPE
-    num_classes = cfg.num_classes or DEFAULT_NUM_CLASSES
-    num_samples = cfg.num_samples or DEFAULT_NUM_SAMPLES
-    if num_samples < 4:
-        raise ValueError(f"TrainConfig.num_samples={num_samples}: synthetic needs at least 4 samples "
-                         f"(the test split is a quarter). Set num_samples to 4 or more.")
-    if num_classes < 2:
-        raise ValueError(f"TrainConfig.num_classes={num_classes}: classification needs at least 2 "
-                         f"classes. Set num_classes to 2 or more.")
+    num_classes, num_samples = generated_sizes(cfg, "synthetic", "classes", DEFAULT_NUM_CLASSES, DEFAULT_NUM_SAMPLES)
     return input_shape, num_classes, num_samples
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_mgpu.data.base import Datasets
+from raytrain_mgpu.data.base import Datasets, generated_sizes
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
@@ -90,14 +90,8 @@ def markov_streams(num_sequences: int, length: int, vocab_size: int, seed: int, 
 
 def _synthetic_settings(cfg: "DataConfig") -> tuple:
     seq_len = _seq_len(cfg)
-    vocab_size = cfg.num_classes or DEFAULT_VOCAB_SIZE
-    num_samples = cfg.num_samples or DEFAULT_NUM_SAMPLES
-    if vocab_size < 2:
-        raise ValueError(f"TrainConfig.num_classes={vocab_size}: synthetic_text needs a vocabulary of at least "
-                         f"2 tokens. Set num_classes to 2 or more (e.g. 1000).")
-    if num_samples < 4:
-        raise ValueError(f"TrainConfig.num_samples={num_samples}: synthetic_text needs at least 4 sequences "
-                         f"(the test split is a quarter). Set num_samples to 4 or more.")
+    vocab_size, num_samples = generated_sizes(cfg, "synthetic_text", "tokens in its vocabulary (e.g. 1000)",
+                                              DEFAULT_VOCAB_SIZE, DEFAULT_NUM_SAMPLES)
     return seq_len, vocab_size, num_samples
 
 
