@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from torch.utils.data import Dataset
 
 from _netns import WORKER_IP, TwoNodeCluster, two_node_site
 from _ray_nodes import VENV_BIN
@@ -78,26 +77,12 @@ def recorded_digits(cfg):
     """``dataset="_two_node_site:recorded_digits"``, ``data_root=<dir>``, for tests/_reference.py's
     in-process run: digits whose training reads are appended to ``<dir>/indices-in-process.txt``
     (a line per batch), as tests/_probe_data.py records what a Ray Train worker reads."""
+    from _probe_data import _Recording
     from raytrain_mgpu.data import digits
 
     data = digits.build(cfg)
-    return data._replace(train=_Recording(data.train, Path(cfg.data_root) / "indices-in-process.txt"))
+    return data._replace(train=_Recording(data.train, Path(cfg.data_root) / "indices-in-process.txt", None, None))
 
-
-class _Recording(Dataset):
-    def __init__(self, inner, log: Path):
-        self.inner, self.log = inner, log
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getitem__(self, index):
-        return self.__getitems__([index])[0]
-
-    def __getitems__(self, indices):
-        with open(self.log, "a") as f:
-            f.write(" ".join(str(int(i)) for i in indices) + "\n")
-        return self.inner.__getitems__(indices)
 
 
 def _close() -> None:
