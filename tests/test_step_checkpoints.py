@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -19,7 +19,6 @@ classes without loading it.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, FrozenSet, List, Optional, Tuple
 
@@ -29,8 +28,6 @@ if TYPE_CHECKING:
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.runtime.devices import DeviceAssignment
     from raytrain_mgpu.strategies._memory import DeviceMemory
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
