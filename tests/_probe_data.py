@@ -18,7 +18,12 @@ armed in a worker process only if the fault named by ``after`` has already happe
 when that process starts. Actions, after ``after_samples`` training samples served by this process:
 ``kill_process`` (SIGKILL itself), ``kill_node`` (SIGKILL every process of its Ray node,
 those carrying its ``RTM_TEST_NODE`` marker from ``_ray_nodes.py``: a lost machine),
-``stall`` (sleep an hour). ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
+``stall`` (sleep an hour). A fault with ``"after_rank0_reports": N`` first waits (up to
+``WAIT_FOR_REPORTS_S``) until rank 0 has handed N reports to Ray Train's result queue (each
+rank-0 process records them as ``rank0-report-<k>`` files): rank 0's report of a checkpoint
+is queued only once its asynchronous upload is done, so a rank killed before that may lose
+the checkpoint by design (docs/reliability.md), and a test of what happens after both ranks
+reported must order the kill after it. ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
 this process through, then writes the next checkpoint's files into storage cut to half
 their bytes (JSON files whole), records the folder in ``done-kill_in_save``, keeps a whole
 copy in ``kill_in_save-whole`` (what the save would have written) and SIGKILLs itself: a kill
@@ -58,6 +63,8 @@ def digits(cfg) -> Datasets:
     probe = Path(cfg.data_root)
     (probe / f"worker-{info['world_rank']}-{info['pid']}.json").write_text(json.dumps(info))
     sample_fault = None
+    if info["world_rank"] == 0 and any("after_rank0_reports" in f for f in _plan(probe)):
+        _record_reports(probe)
     for fault in _armed(probe, info):
         if fault["action"] == "kill_in_save":
             _arm_kill_in_save(probe, fault["after_saves"])
@@ -93,14 +100,18 @@ class _Slow(Dataset):
         return self.inner.__getitems__(indices)
 
 
-def _armed(probe: Path, info: dict) -> list:
-    """The faults of plan.json that this worker process carries out: those whose ``rank``
-    (world rank) and ``node_ip``, where given, match it, not done yet, and ready."""
+def _plan(probe: Path) -> list:
     plan_file = probe / "plan.json"
     if not plan_file.is_file():
         return []
     plan = json.loads(plan_file.read_text())
-    return [f for f in (plan if isinstance(plan, list) else [plan])
+    return plan if isinstance(plan, list) else [plan]
+
+
+def _armed(probe: Path, info: dict) -> list:
+    """The faults of plan.json that this worker process carries out: those whose ``rank``
+    (world rank) and ``node_ip``, where given, match it, not done yet, and ready."""
+    return [f for f in _plan(probe)
             if f.get("rank", info["world_rank"]) == info["world_rank"]
             and f.get("node_ip", info["node_ip"]) == info["node_ip"]
             and not (probe / f"done-{f['action']}").exists()
@@ -146,12 +157,36 @@ class _Recording(Dataset):
         except FileExistsError:
             self.plan = None
             return
+        if "after_rank0_reports" in self.plan:
+            _wait_for_rank0_reports(self.probe, self.plan["after_rank0_reports"])
         if action == "stall":
             time.sleep(3600)
         elif action == "kill_process":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "kill_node":
             _kill_own_node()
+
+
+WAIT_FOR_REPORTS_S = 300.0  # then the fault goes ahead, and the test's assertions say what was lost
+
+
+def _record_reports(probe: Path) -> None:
+    """Write ``rank0-report-<k>`` once this process's k-th report is in Ray Train's result queue."""
+    from ray.train.v2._internal.execution.context import TrainContext
+
+    queue_report = TrainContext._wait_then_report
+
+    def queue_then_record(self, training_report, report_call_index):
+        queue_report(self, training_report, report_call_index)
+        (probe / f"rank0-report-{report_call_index}").touch()
+
+    TrainContext._wait_then_report = queue_then_record
+
+
+def _wait_for_rank0_reports(probe: Path, count: int) -> None:
+    deadline = time.monotonic() + WAIT_FOR_REPORTS_S
+    while len(list(probe.glob("rank0-report-*"))) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _arm_kill_in_save(probe: Path, after_saves: int) -> None:
