@@ -136,7 +136,9 @@ def base_env(home: Path, **extra: str) -> Dict[str, str]:
     """A clean environment: the venv first on PATH (so a job's ``python`` is the venv's), a
     temporary HOME, no inherited Ray settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RTM_"))}
+    # RAY_TRAIN_METRICS_ENABLED=0: Ray Train's Prometheus metrics, which no test reads (about 0.4 s
+    # of CPU per training worker on the 2-core VM; the suite is CPU-bound, see conftest.py).
     env.update(HOME=str(home), PATH=f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
-               PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
+               PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0", RAY_TRAIN_METRICS_ENABLED="0")
     env.update(extra)
     return env
