@@ -9,6 +9,7 @@ import gzip
 import os
 import pickle
 import struct
+import subprocess
 import sys
 import textwrap
 
@@ -158,6 +159,22 @@ def test_digits_shapes_split_and_normalisation():
     assert pixels.mean() == pytest.approx(digits.MEAN[0], abs=1e-3)
     assert pixels.std() == pytest.approx(digits.STD[0], abs=1e-3)
     assert check_data(make_cfg("digits")) == ((1, 8, 8), 10)
+
+
+def test_digits_are_scikit_learns_rows_read_without_importing_it():
+    """The loader reads scikit-learn's bundled file itself (a training process saves the import):
+    the same images and labels as ``load_digits()``, in its order, and scikit-learn stays unimported."""
+    code = ("import sys\nfrom raytrain_mgpu.data import digits\nsplit = digits.load_split()\n"
+            "assert 'sklearn' not in sys.modules, 'sklearn imported'\n"
+            "from sklearn.datasets import load_digits\nimport numpy as np\nbunch = load_digits()\n"
+            "images = bunch.images.astype(np.uint8).reshape(-1, 1, 8, 8)\n"
+            "order = np.random.default_rng(digits.SPLIT_SEED).permutation(len(bunch.target))\n"
+            "train, test = order[:1438], order[1438:]\n"
+            "want = (images[train], bunch.target[train], images[test], bunch.target[test])\n"
+            "assert all(np.array_equal(a, b) for a, b in zip(split, want))\n"
+            "assert split[1].dtype == np.int64 and split[0].dtype == np.uint8\nprint('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_digits_split_is_fixed_and_independent_of_seed():
