@@ -18,7 +18,8 @@ A worker process (of that ``world_size``, and of a group that resumed after that
 ``resumed_after_step``, 0 for a fresh start, where they are given) about to read the first
 micro-batch of global optimizer step ``step`` writes ``parked-<name>-<world rank>`` and waits until
 ``release-<name>`` exists (``"until": "release"``, the default), or until Ray Train has handed this
-worker a preemption notice (``"until": "preemption_notice"``). Meanwhile the test acts (a node joins
+worker a preemption notice (``"until": "preemption_notice"``); while parked it keeps the newest
+notice's deadline in ``deadline-<world rank>``. Meanwhile the test acts (a node joins
 or goes, a notice is sent) and Ray Train may stop the group. The wait is bounded: after ``PARK_S``
 the process writes ``timeout-<name>-<world rank>`` and goes on, and the test fails on what follows
 instead of hanging. A park whose release file exists already does not wait (a restarted group
@@ -97,12 +98,31 @@ def _worker_info():
     return info
 
 
-def _has_preemption_notice() -> bool:
-    """Whether Ray Train's preemption watcher has handed this worker a notice (read without the
-    barrier that ``ray.train.get_preemption_info`` is)."""
-    from ray.train.v2._internal.execution.context import get_train_context
+def _preemption_info():
+    """The preemption notice Ray Train's watcher has handed this worker, or None (read without the
+    barrier that ``ray.train.get_preemption_info`` is; None outside a Ray Train worker)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
 
-    return get_train_context().preemption_context.preemption_info is not None
+        return get_train_context().preemption_context.preemption_info
+    except Exception:  # a pipeline stage actor: no Ray Train context
+        return None
+
+
+def _has_preemption_notice() -> bool:
+    return _preemption_info() is not None
+
+
+def _record_deadline(probe: Path, who: int) -> None:
+    """``deadline-<who>``: the deadline (epoch ms) of the newest notice this parked worker holds;
+    a test that drains the node again with an earlier deadline waits until a worker has it, as
+    Ray Train's controller reads it from the workers (it would otherwise wait out the first)."""
+    info = _preemption_info()
+    if info is not None and info.deadline_ms is not None:
+        target = probe / f"deadline-{who}"
+        text = str(int(info.deadline_ms))
+        if not target.exists() or target.read_text() != text:
+            target.write_text(text)
 
 
 class _ParkingRecording(Dataset):
@@ -163,6 +183,7 @@ def _park(probe: Path, park: dict, who: int) -> None:
     (probe / f"parked-{name}-{who}").write_text(repr(time.time()))
     deadline = time.monotonic() + PARK_S
     while not (release.exists() or (until == "preemption_notice" and _has_preemption_notice())):
+        _record_deadline(probe, who)
         if time.monotonic() > deadline:
             (probe / f"timeout-{name}-{who}").write_text(repr(time.time()))
             return
