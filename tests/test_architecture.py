@@ -20,6 +20,7 @@ from raytrain_mgpu.planning import auto, memory
 from raytrain_mgpu.planning.auto import ClusterInfo, choose_strategy, plan_config
 from raytrain_mgpu.strategies.plan import build_plan
 from raytrain_mgpu.strategies import STRATEGIES, Strategy
+from raytrain_mgpu.strategies.base import PLACEMENT_STEPS, REPLICATION_STEPS
 from raytrain_mgpu.strategies.ddp import DDPStrategy
 
 SOURCE = Path(__file__).resolve().parents[1] / "raytrain_mgpu"
@@ -150,9 +151,13 @@ def test_every_strategy_is_two_named_steps_on_the_worker_or_its_own_runner():
     with pytest.raises(RuntimeError, match="runs in its own actor group"):
         build_worker(STRATEGIES["pipeline"], cfg, ctx)
 
-    class Misnamed(DDPStrategy):
-        name, placement = "misnamed", "gpu"
-
-    with pytest.raises(ValueError, match=r"strategy 'misnamed' sets placement='gpu', which is not one of device, "
-                                         r"keep, data_parallel, balanced, split\. Set placement in its class"):
-        build_worker(Misnamed, cfg, ctx)
+    # The driver knows the step names without torch; they are exactly the worker side's.
+    assert PLACEMENT_STEPS == tuple(PLACEMENTS) and REPLICATION_STEPS == tuple(REPLICATIONS)
+    # A class naming an unknown step fails where it is defined, on the driver, not on a worker.
+    with pytest.raises(TypeError, match=r"strategy class Misnamed sets placement='gpu', which is not one of device, "
+                                        r"keep, data_parallel, balanced, split\. Set placement to one of them"):
+        class Misnamed(DDPStrategy):
+            name, placement = "misnamed", "gpu"
+    with pytest.raises(TypeError, match=r"sets replication='ddp', which is not one of none, replicate, fully_shard"):
+        class Misreplicated(DDPStrategy):
+            name, replication = "misreplicated", "ddp"

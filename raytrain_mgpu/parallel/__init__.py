@@ -28,10 +28,6 @@ def build_worker(strategy: Type["Strategy"], cfg: "ParallelConfig", ctx: "Worker
     if strategy.runner != "train_workers":
         raise RuntimeError(f"strategy {strategy.name!r} runs in its own actor group (raytrain_mgpu.pipeline."
                            f"run_pipeline), not in the Ray Train worker loop.")
-    for step, value, known in (("placement", strategy.placement, PLACEMENTS),
-                               ("replication", strategy.replication, REPLICATIONS)):
-        if value not in known:
-            raise ValueError(f"strategy {strategy.name!r} sets {step}={value!r}, which is not one of "
-                             f"{', '.join(known)}. Set {step} in its class to one of them.")
+    # The step names were checked where the class was defined (strategies.base.Strategy.__init_subclass__).
     return WorkerStrategy(strategy.name, PLACEMENTS[strategy.placement], REPLICATIONS[strategy.replication],
                           cfg, ctx, objective)

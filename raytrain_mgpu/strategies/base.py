@@ -51,6 +51,12 @@ OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_p
                    "num_microbatches", "schedule")
 DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
 
+# The worker steps a strategy may name, without torch (their code: ``raytrain_mgpu/parallel/``, whose
+# PLACEMENTS and REPLICATIONS have exactly these keys: tests/test_architecture.py). A class naming
+# another fails where it is defined, on the driver, not on a worker once the cluster is reserved.
+PLACEMENT_STEPS = ("device", "keep", "data_parallel", "balanced", "split")
+REPLICATION_STEPS = ("none", "replicate", "fully_shard")
+
 # ``Strategy.auto_rank`` bands: the plain model first; below AUTO_MEASURE_ONLY the strategies the
 # memory estimate tries when it does not fit one device; from AUTO_MEASURE_ONLY up, timed only.
 AUTO_FIRST, AUTO_MEASURE_ONLY = 0, 10
@@ -72,6 +78,17 @@ class Strategy:
     elastic: ClassVar[bool] = False
     """Whether ``num_workers=(min, max)`` may resize it: its workers are plain data-parallel replicas on
     the Ray Train runner, so any count in the range trains the same steps (``strategies/elastic.py``)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.runner != "train_workers":  # a pipeline's stages have a runtime of their own (pipeline/)
+            return
+        for step, value, known in (("placement", cls.placement, PLACEMENT_STEPS),
+                                   ("replication", cls.replication, REPLICATION_STEPS)):
+            if value not in known:
+                raise TypeError(f"strategy class {cls.__name__} sets {step}={value!r}, which is not one of "
+                                f"{', '.join(known)}. Set {step} to one of them (raytrain_mgpu/parallel/ has "
+                                f"their code).")
 
     # ------------------------------------------------------------- driver side (pure)
 
