@@ -1,7 +1,7 @@
 """A pipeline stage that dies in the middle of a step fails the run at once.
 
-``tests/test_pipeline_ray.py`` kills a stage with the fault-injection hook at the *start* of a
-step (``RAYTRAIN_MGPU_PIPELINE_FAIL_AT_STEP``), when no peer waits on it yet. Here the last
+``tests/test_pipeline_ray.py`` kills the last stage on the first forward of a step, after the
+checkpoint before it is complete (``_pipe_probe:mlp_whose_last_stage_dies``). Here the last
 stage SIGKILLs itself inside a micro-batch's forward (``_probe_data:mlp_that_dies``): the
 first stage has sent activations and blocks in a receive for that stage's gradient, which
 would only end with the collective timeout (set to 300 s here) if the driver did not notice

@@ -17,7 +17,7 @@ import torch
 from raytrain_mgpu.runtime.checkpoint import load_model_state, read_meta
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.pipeline.runner import FAIL_AT_STEP_ENV, run_pipeline
+from raytrain_mgpu.pipeline.runner import run_pipeline
 from _pipeline_reference import train_unsplit
 
 pytestmark = pytest.mark.ray
@@ -63,13 +63,18 @@ def runs(ray_session, tmp_path_factory):
     import raytrain_mgpu as rtm
 
     root = tmp_path_factory.mktemp("pipe")
-    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, max_failures=1,
+    (root / "probe").mkdir()
+    # The last stage dies at the second step of epoch 2 (after 4 steps), once epoch 1's checkpoint (step 3) is
+    # complete (tests/_pipe_probe.py: the MLP and a parameter-free last block; inactive outside Ray actors).
+    dies = dict(model="_pipe_probe:mlp_whose_last_stage_dies", model_kwargs={
+        **MLP["model_kwargs"], "probe": str(root / "probe"), "after_steps": 4, "microbatches": MLP["num_microbatches"],
+        "run_dir": f"{root}/results/pipe", "checkpoint_step": 3})
+    cfg = TrainConfig(**{**MLP, **dies}, strategy="pipeline", num_stages=2, schedule="1f1b", epochs=2, max_failures=1,
                       storage_path=f"file://{root}/results", name="pipe", loader_workers=1,
                       train_transform="test_transforms:noise")
     reporter = Reporter()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(FAIL_AT_STEP_ENV, "4")  # the second step of epoch 2
-        first = run_pipeline(cfg, reporter)
+    first = run_pipeline(cfg, reporter)
+    assert (root / "probe" / "died").exists()
     longer = cfg.replace(epochs=3)
     resumed = rtm.fit(longer)  # the same name and storage: resumes after epoch 2 with the optimizer state
     return SimpleNamespace(cfg=cfg, reporter=reporter, first=first, longer=longer, resumed=resumed,
@@ -83,7 +88,8 @@ def test_pipeline_trains_checkpoints_and_resumes(runs):
     metrics = outcome.history[-1]
     assert EPOCH_KEYS <= metrics.keys()
     assert metrics["step"] == 6 and reporter.steps[-1] == (3, 3, 2)
-    assert metrics["partition"] == [3, 2] and len(metrics["peak_memory_bytes"]) == 2
+    # The MLP's 5 blocks split 3 + 2 by parameters; the fixture's parameter-free last block joins the last stage.
+    assert metrics["partition"] == [3, 3] and len(metrics["peak_memory_bytes"]) == 2
     assert metrics["ideal_bubble_fraction"] == pytest.approx(1 / 5)
     assert 0 <= metrics["bubble_fraction"] < 1 and metrics["test_accuracy"] is not None
     # 4 micro-batches x 6 rows x 24 floats x 4 bytes, forward and back, per step
@@ -95,7 +101,7 @@ def test_pipeline_trains_checkpoints_and_resumes(runs):
         "train_state-stage1.pt"]
     assert not list(folder.parent.glob(".tmp*"))
     meta = read_meta(str(folder))
-    assert meta["partition"] == [3, 2] and meta["input_shape"] == [12] and meta["num_classes"] == 5
+    assert meta["partition"] == [3, 3] and meta["input_shape"] == [12] and meta["num_classes"] == 5
     assert_same_weights(str(folder), runs.cfg)
 
     # resumed after epoch 2 with the optimizer state (attempt 1 was the restart after the kill)

@@ -223,22 +223,26 @@ def _lines(path: Path) -> list:
                          ids=["pipeline", "ddp_pipeline"])  # ddp_pipeline: each replica's own partial sums
 def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
         ray_session, tmp_path, monkeypatch, layout):
-    from raytrain_mgpu.pipeline.runner import FAIL_AT_STEP_ENV, run_pipeline
+    from raytrain_mgpu.pipeline.runner import run_pipeline
 
     if ray_session.cluster_resources().get("GPU", 0) < 4:
         pytest.fail("the shared ray_session must emulate at least 4 GPUs (RAYTRAIN_MGPU_EMULATE_GPUS)")
     probe = tmp_path / "probe"
     probe.mkdir()
     storage = str(tmp_path / "results")
+    # The last stage dies after FAIL_AT steps, once the step checkpoint before them is complete
+    # (tests/_pipe_probe.py); in this process (the references) the same model trains undisturbed.
+    dies = dict(model="_pipe_probe:mlp_whose_last_stage_dies", model_kwargs={
+        **PIPE["model_kwargs"], "probe": str(probe), "after_steps": FAIL_AT, "microbatches": PIPE["num_microbatches"],
+        "run_dir": f"{storage}/killed", "checkpoint_step": FAIL_AT - FAIL_AT % EVERY})
     # use_gpu=True on the shared instance's emulated GPUs: these runs are also the pipeline runners' emulated
     # fits (NCCL's semantics on gloo, computed on CPU: the same numbers); was test_pipeline_nccl's own fit.
-    pipe = {**PIPE, **layout, "use_gpu": True}
+    pipe = {**PIPE, **layout, **dies, "use_gpu": True}
     killed_cfg = rtm.TrainConfig(**pipe, data_root=str(probe), checkpoint_every_n_steps=EVERY, max_failures=1,
                                  num_checkpoints_to_keep=20, storage_path=storage, name="killed")
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, str(FAIL_AT))
     reporter = _Reporter()
     killed = run_pipeline(killed_cfg, reporter)
-    monkeypatch.delenv(FAIL_AT_STEP_ENV)
+    assert (probe / "died").exists()
     # The undisturbed run, computed in this process: tests/_pipeline_reference.py does the stages' arithmetic
     # in their order, bit for bit a Ray run's (checked against one when it replaced a second run through Ray).
     want, undisturbed_history = train_pipeline(rtm.TrainConfig(**pipe))

@@ -50,8 +50,7 @@ def load_state(cfg: TrainConfig) -> RunState:
     return state
 
 
-def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
-                  fail_at_step: Optional[int]) -> Tuple[str, list]:
+def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState) -> Tuple[str, list]:
     """Start the actor group, train the remaining epochs, checkpoint each; always tear down.
 
     ``reporter``: ``step``, ``epoch`` and, where it has one, ``scalars(step, values)``: the
@@ -66,7 +65,7 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState,
         check_splittable(cfg)
     else:
         partition = choose_partition(cfg)
-    group = StageGroup(cfg, plan, fail_at_step)
+    group = StageGroup(cfg, plan)
     saver = None
     try:
         started = time.perf_counter()

@@ -48,10 +48,9 @@ def wait_all(refs: list) -> list:
 class StageGroup:
     """``num_replicas x num_stages`` :class:`StageWorker` actors, rank = replica * stages + stage."""
 
-    def __init__(self, cfg: TrainConfig, plan: RunPlan, fail_at_step: Optional[int] = None):
+    def __init__(self, cfg: TrainConfig, plan: RunPlan):
         self.cfg, self.plan = cfg, plan
         self.world_size = plan.num_processes  # stages x replicas
-        self.fail_at_step = fail_at_step
         self.actors: list = []
         self.pg = None
 
@@ -76,7 +75,7 @@ class StageGroup:
                 num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
                 runtime_env=runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(cfg, rank, self.fail_at_step, plan=self.plan)
+            ).remote(cfg, rank, plan=self.plan)
             for rank in range(self.world_size)
         ]
         logger.debug("started %d stage actors", self.world_size)

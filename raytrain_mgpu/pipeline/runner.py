@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import NamedTuple, Optional
 
 import ray
@@ -17,12 +16,7 @@ from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunOutcome", "run_pipeline", "FAIL_AT_STEP_ENV"]
-
-FAIL_AT_STEP_ENV = "RAYTRAIN_MGPU_PIPELINE_FAIL_AT_STEP"
-"""Fault injection for tests: the last stage of replica 0 exits at this global step on
-the first attempt (read on the driver and passed to the actors)."""
-
+__all__ = ["RunOutcome", "run_pipeline"]
 
 class RunOutcome(NamedTuple):
     checkpoint_path: str
@@ -78,7 +72,6 @@ def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> 
     _check_resources(cfg, list(plan.bundles), plan.replicas)
     check_placeable(list(plan.bundles), cfg.use_gpu,
                     f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}")
-    fail_at: Optional[int] = int(os.environ[FAIL_AT_STEP_ENV]) if os.environ.get(FAIL_AT_STEP_ENV) else None
     failures = 0
     while True:
         state = load_state(cfg)
@@ -88,7 +81,7 @@ def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> 
                         state.step, ", stopped early" if state.meta.get("stopped_early") else "")
             return RunOutcome(state.checkpoint, state.history)
         try:
-            path, history = train_attempt(cfg, plan, reporter, state, fail_at if failures == 0 else None)
+            path, history = train_attempt(cfg, plan, reporter, state)
             return RunOutcome(path, history)
         except Exception as exc:
             if not _retryable(exc) or (cfg.max_failures != -1 and failures >= cfg.max_failures):

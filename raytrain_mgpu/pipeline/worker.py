@@ -17,7 +17,6 @@ positions [sB, (s+1)B) of it, whatever D is: the run matches one process with ba
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import timedelta
 from typing import Dict, List, Optional
@@ -68,10 +67,10 @@ class StageWorker:
     GPUs); ``_skip_warmup`` is for the test that shows the start-up deadlock it prevents.
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int, fail_at_step: Optional[int] = None,
+    def __init__(self, cfg: TrainConfig, rank: int,
                  emulate_nccl: Optional[bool] = None, _skip_warmup: bool = False, plan: Optional[RunPlan] = None):
         torch.set_num_threads(cfg.cpus_per_worker)
-        self.cfg, self.rank, self.fail_at_step = cfg, rank, fail_at_step
+        self.cfg, self.rank = cfg, rank
         self.emulate_nccl = nccl_semantics(cfg.use_gpu) if emulate_nccl is None else emulate_nccl
         self._skip_warmup = _skip_warmup
         self.num_ranks = cfg.num_stages
@@ -231,13 +230,6 @@ class StageWorker:
         return closed
 
     def _train_step(self) -> None:
-        if self.fail_at_step is not None and self.step == self.fail_at_step and self.rank == self.num_ranks - 1:
-            logger.error("failing on purpose at step %d (fault-injection hook)", self.step)
-            try:  # dies with its last checkpoint written (and, after a second, its answer to the driver's
-                self.uploads.wait()  # wait_upload sent): the steps lost are those since that checkpoint
-                time.sleep(1.0)
-            finally:
-                os._exit(1)
         start = time.perf_counter()
         inputs, targets, sends = self._read_batch(self._batches, self.cfg.num_microbatches)
         if self.is_first:
