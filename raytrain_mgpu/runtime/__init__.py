@@ -6,6 +6,6 @@
 - ``checkpoint.py`` the checkpoint format (model, optimizer, meta, history);
 - ``metrics.py``    per-epoch metrics measured on the device;
 - ``progress.py``   the driver's one-line-per-epoch display;
-- ``faults.py``     stuck-rank naming and fault injection for tests;
+- ``faults.py``     stuck-rank naming, and waiting until Ray Train has taken a report;
 - ``runlock.py``    one driver per run folder.
 """
