@@ -1,10 +1,10 @@
 """Callbacks (``TrainConfig.callbacks``): the protocol, its checks, and the events of real runs
-on both runners (Ray Train workers and the pipeline's actor group), across a resume."""
+on both runners: Ray Train workers here, across a resume; the pipeline's actor group in
+tests/test_step_scalars.py, whose pipeline run checks its events with :func:`assert_events_in_order`."""
 
 from __future__ import annotations
 
 import io
-import os
 import signal
 
 import pytest
@@ -56,7 +56,7 @@ class NoHooks:
     pass
 
 
-def _assert_in_order(recorder: Recorder, result, epochs: list) -> None:
+def assert_events_in_order(recorder: Recorder, result, epochs: list) -> None:
     """start; per epoch its steps, its row, its checkpoint; end; steps only increase."""
     kinds = recorder.kinds()
     assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("start") == kinds.count("end") == 1
@@ -171,7 +171,7 @@ def test_ddp_events_in_order_across_a_resume_and_logged(ray_session, storage):
     start = first.events[0][1]
     assert start.resumed is False and (start.start_epoch, start.start_step) == (0, 0)
     assert start.config["name"] == "watched" and start.path == one.path
-    _assert_in_order(first, one, [1])
+    assert_events_in_order(first, one, [1])
     scalars = [what for kind, what in first.events if kind == "step"]
     assert scalars and {"train/loss", "train/lr"} <= set(scalars[0][1])
     assert one.config.callbacks == []  # objects are not part of the recorded config
@@ -180,20 +180,9 @@ def test_ddp_events_in_order_across_a_resume_and_logged(ray_session, storage):
     two = rtm.fit(cfg.replace(epochs=2, callbacks=[second]))
     start = second.events[0][1]
     assert start.resumed is True and (start.start_epoch, start.start_step) == (1, one.metrics["step"])
-    _assert_in_order(second, two, [2])  # only the second epoch
+    assert_events_in_order(second, two, [2])  # only the second epoch
     assert all(what[0] > one.metrics["step"] for kind, what in second.events if kind == "step")
     assert_logged(two.path, two.history, steps_per_log=2)
-
-
-@pytest.mark.slow
-def test_pipeline_events_in_order(ray_session, storage):
-    recorder = Recorder()
-    cfg = rtm.TrainConfig(**SMALL, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2,
-                          name="piped", storage_path=storage, callbacks=[recorder])
-    result = rtm.fit(cfg)
-    _assert_in_order(recorder, result, [1, 2])
-    assert recorder.events[0][1].resumed is False
-    assert all(os.path.isdir(path) for kind, path in recorder.events if kind == "checkpoint")
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ How often the device is read is tests/test_host_sync.py's business.
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -156,9 +157,15 @@ def test_ray_train_rank_0_scalars_reach_the_driver(ray_session, storage, printed
     _check_train_scalars(printed_scalars, result.history)
 
 
-def test_pipeline_scalars_and_stage_figures_reach_the_driver(ray_session, storage, printed_scalars):
+def test_pipeline_scalars_stage_figures_and_callback_events_reach_the_driver(ray_session, storage, printed_scalars):
+    from test_callbacks import Recorder, assert_events_in_order  # the callbacks' checks, where they are tested
+
+    recorder = Recorder()  # this run is also the pipeline's callback run (one actor group's start-up less)
     result = rtm.fit(TrainConfig(**SMALL, strategy="pipeline", num_stages=2, num_microbatches=4,
-                                 storage_path=storage))
+                                 storage_path=storage, callbacks=[recorder]))
+    assert_events_in_order(recorder, result, [1, 2])
+    assert recorder.events[0][1].resumed is False
+    assert all(os.path.isdir(path) for kind, path in recorder.events if kind == "checkpoint")
     _check_train_scalars(printed_scalars, result.history)
     stages = [(step, values) for step, values in printed_scalars if "stage0/bubble" in values]
     assert [step for step, _ in stages] == [3, 6]  # once an epoch
