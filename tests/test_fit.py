@@ -13,6 +13,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.data.convert import convert_to_parquet
+from raytrain_mgpu.models import build_model
 
 pytestmark = pytest.mark.ray
 
@@ -76,34 +77,15 @@ def _refuse_ray(monkeypatch):
     monkeypatch.setattr(api, "connect", refuse)
 
 
-@pytest.mark.quick  # the quick tier's Ray Train run: a ddp fit, then the answer from its folder
-def test_a_finished_run_is_answered_from_its_folder_without_ray(ray_session, storage, monkeypatch, capsys):
+@pytest.mark.quick  # the quick tier's Ray Train run: the README's main job, then its answer from the folder
+def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_without_ray(
+        ray_session, storage, monkeypatch, capsys):
     import time
 
-    cfg = rtm.TrainConfig(**MLP, num_workers=1, epochs=1, max_steps=3, name="done", storage_path=storage)
-    start = time.perf_counter()
-    first = rtm.fit(cfg)
-    run_s = time.perf_counter() - start
-    _refuse_ray(monkeypatch)
-    start = time.perf_counter()
-    again = rtm.fit(cfg.replace(epochs=2))  # max_steps=3 reached: nothing to train
-    elapsed = time.perf_counter() - start
-    # Ray refused above is the real check. The time says that nothing else is done instead: a
-    # fraction of the run it answers for (a worker group's start and 3 steps), timed here, so a
-    # slower machine slows both alike.
-    assert elapsed < run_s / 4, (elapsed, run_s)
-    assert again.history == first.history and again.checkpoint_path == first.checkpoint_path
-    assert again.path == first.path and again.metrics["step"] == 3
-    assert [row["workers"] for row in first.history] == [1]  # a plain run's rows record its one worker
-    out = capsys.readouterr().out
-    assert out.count("is already finished (epoch 1, step 3); nothing to train. Raise epochs") == 1, out
-    print(f"answered in {elapsed:.2f} s; the run took {run_s:.1f} s")
-    assert again.load_model().state_dict().keys() == first.load_model().state_dict().keys()
-
-
-def test_cli_default_run_learns_digits(ray_session, storage, capsys):
     # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers.
+    start = time.perf_counter()
     assert main(["train", "--storage-path", storage]) == 0
+    run_s = time.perf_counter() - start
     out = capsys.readouterr().out
     assert "global batch 128 = 2 replica(s) x 64 x 1 accumulation step(s)" in out
     epoch_lines = [line for line in out.splitlines() if line.startswith("epoch")]
@@ -111,6 +93,24 @@ def test_cli_default_run_learns_digits(ray_session, storage, capsys):
     assert "samples/s" in epoch_lines[-1] and "mem/device" in epoch_lines[-1]
     accuracy = float(out.split("test_accuracy ")[-1].split(",")[0])
     assert accuracy > 0.9
+
+    # The same run again, from Python: answered from its folder, Ray refused.
+    _refuse_ray(monkeypatch)
+    start = time.perf_counter()
+    again = rtm.fit(rtm.TrainConfig(storage_path=storage))
+    elapsed = time.perf_counter() - start
+    # Ray refused above is the real check. The time says that nothing else is done instead: a
+    # fraction of the run it answers for, timed here, so a slower machine slows both alike.
+    assert elapsed < run_s / 4, (elapsed, run_s)
+    steps = rtm.TrainConfig().epochs * (1438 // 128)
+    assert [row["epoch"] for row in again.history] == list(range(1, rtm.TrainConfig().epochs + 1))
+    assert again.metrics["step"] == steps and again.metrics["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
+    assert [row["workers"] for row in again.history] == [2] * len(again.history)  # each row records its workers
+    out = capsys.readouterr().out
+    assert out.count(f"is already finished (epoch {rtm.TrainConfig().epochs}, step {steps}); nothing to train. "
+                     "Raise epochs") == 1, out
+    print(f"answered in {elapsed:.2f} s; the run took {run_s:.1f} s")
+    assert again.load_model().state_dict().keys() == build_model("lenet", (1, 8, 8), 10, {}).state_dict().keys()
 
 
 def test_user_model_from_own_folder_trains_on_parquet(ray_session, storage, tmp_path, monkeypatch):
