@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RunOutcome", "run_pipeline"]
 
+
 class RunOutcome(NamedTuple):
     checkpoint_path: str
     """The newest checkpoint folder (the whole model loads from it)."""
