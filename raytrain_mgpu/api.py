@@ -33,6 +33,7 @@ from raytrain_mgpu.runtime.run_state import stops_early
 from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks, stop_main_thread_on_failure
+from raytrain_mgpu.runtime.faults import controller_poll
 from raytrain_mgpu.strategies import get_strategy
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,8 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     )
     pump = SinkPump(sink, events)
     try:
-        with stop_main_thread_on_failure(events), pump:  # a callback's failure aborts the run
+        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py)
+        with stop_main_thread_on_failure(events), pump, controller_poll():  # a callback's failure aborts the run
             result = trainer.fit()
     except BaseException as exc:
         if pump.failure is not None:  # the run was stopped for it: the callback's error, named

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -25,6 +26,7 @@ from raytrain_mgpu.planning import preflight
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.data.convert import convert_to_parquet
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
+from raytrain_mgpu.strategies.plan import build_plan
 
 from _ray_nodes import base_env, free_port
 
@@ -142,6 +144,52 @@ def test_stalled_rank_is_named_within_the_collective_timeout(ray_session, storag
     assert "py-spy dump" in str(failure.value)
 
 
+def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_value(monkeypatch, storage):
+    """Every report waits for the controller's next poll (wait_until_report_collected): with Ray's
+    default 2 s, the README's job ran 37 s instead of 21 s. Ray Train reads the poll from the
+    driver's environment when TorchTrainer.fit() starts its controller: checked there."""
+    import ray.train.torch
+
+    from raytrain_mgpu.runtime.faults import POLL_ENV
+
+    seen = []
+
+    class Trainer:  # TorchTrainer, up to the moment fit() starts the controller
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self):
+            seen.append(os.environ.get(POLL_ENV))
+            raise KeyboardInterrupt  # nothing to train here
+
+    class Pump:
+        failure = None
+
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
+    monkeypatch.setattr(api, "ProgressSink", SimpleNamespace(remote=lambda: "sink"))
+    monkeypatch.setattr(api, "SinkPump", Pump)
+    monkeypatch.setattr(api.ray, "kill", lambda actor: None)
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    cfg = rtm.TrainConfig(**MLP, storage_path=storage)
+    plan = build_plan(cfg)
+    for user_value in (None, "1.5"):
+        if user_value is not None:
+            monkeypatch.setenv(POLL_ENV, user_value)
+        with pytest.raises(KeyboardInterrupt):
+            api._run_train_workers(cfg, plan, SimpleNamespace())
+        assert os.environ.get(POLL_ENV) == user_value  # restored after the run
+    assert seen == ["0.2", "1.5"]
+
+
 @pytest.mark.slow  # its own Ray instance and the default 2 s polls: 68-79 s on the 2-core VM
 @pytest.mark.timeout(600)
 def test_a_rank_killed_right_after_its_report_resumes_from_that_reports_checkpoint(tmp_path):
@@ -162,7 +210,8 @@ def test_a_rank_killed_right_after_its_report_resumes_from_that_reports_checkpoi
     plan = {"local_ray": {"num_cpus": 2, "include_dashboard": False}, "steps": [{"kind": "fit", "config": config}]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     (tmp_path / "home").mkdir()
-    env = base_env(tmp_path / "home", RAY_AUTH_MODE="disabled")  # no RAY_TRAIN_HEALTH_CHECK_INTERVAL_S
+    # Ray's default poll, set by hand: fit would otherwise ask for 0.2 s (runtime/faults.controller_poll)
+    env = base_env(tmp_path / "home", RAY_AUTH_MODE="disabled", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="2")
     env.pop(EMULATE_ENV, None)
     # 500 s: room for a machine 5x slower than the 2-core VM (79 s there), within the test's 600 s
     done = subprocess.run([sys.executable, "tests/_fit_driver.py", str(tmp_path / "plan.json"),

@@ -37,21 +37,30 @@ completes, and the checkpoint, although fully uploaded, is never registered: the
 resumes from the checkpoint before, one more epoch lost (seen in tests/test_faults.py
 with a worker killed 0.1 s after its report). :func:`wait_until_report_collected` blocks
 each rank after its report until the controller has taken it, so a failure after that
-point always finds the checkpoint registered. Cost: up to one poll interval per report.
+point always finds the checkpoint registered. Cost: up to one poll interval per report,
+which is why ``fit`` runs Ray Train's controller with a 0.2 s poll (:func:`controller_poll`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import socket
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CollectiveTimeoutError", "name_stuck_ranks", "wait_until_report_collected"]
+__all__ = ["CollectiveTimeoutError", "name_stuck_ranks", "wait_until_report_collected", "controller_poll"]
+
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+FIT_POLL_S = "0.2"
+"""The controller poll ``fit`` asks for: each report (one an epoch, or every K steps) waits for a poll.
+Measured on the 2-core VM, ``raytrain-mgpu train`` (88 steps, 8 epochs): 2 s (Ray's default) -> 37-38 s
+and ~1,350 samples/s from epoch 2 on; 0.2 s -> 21-24 s and 9,000-17,000 samples/s, the same losses,
+and the same machine CPU over the run (36 vs 38 CPU-s: a poll is one small task per worker)."""
 
 _WHERE_KEY = "raytrain_mgpu/where/{rank}"
 _CHECKIN_KEY = "raytrain_mgpu/timed_out/{rank}"
@@ -184,3 +193,19 @@ def wait_until_report_collected(timeout_s: float = 300.0) -> None:
                            "continuing without waiting", timeout_s)
             return
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def controller_poll() -> Iterator[None]:
+    """Around ``TorchTrainer.fit()``: Ray Train's controller polls its workers every
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` and reads it from the driver's environment when ``fit()``
+    starts the controller (it passes it on to the workers), so it is set here for that call,
+    to :data:`FIT_POLL_S`, and removed after. A value the user set is kept."""
+    if POLL_ENV in os.environ:
+        yield
+        return
+    os.environ[POLL_ENV] = FIT_POLL_S
+    try:
+        yield
+    finally:
+        os.environ.pop(POLL_ENV, None)
