@@ -1,6 +1,8 @@
-"""Callbacks (``TrainConfig.callbacks``): the protocol, its checks, and the events of real runs
-on both runners: Ray Train workers here, across a resume; the pipeline's actor group in
-tests/test_step_scalars.py, whose pipeline run checks its events with :func:`assert_events_in_order`."""
+"""Callbacks (``TrainConfig.callbacks``): the protocol, its checks, and a raising callback that
+stops a real run. The events of real runs on both runners are checked with
+:func:`assert_events_in_order` where those runs already are: the Ray Train workers' across a resume
+in tests/test_fit.py (test_two_workers_equal_one_and_resume_continues_exactly), the pipeline's actor
+group in tests/test_step_scalars.py."""
 
 from __future__ import annotations
 
@@ -158,31 +160,6 @@ def test_cli_takes_loggers_and_callbacks_as_lists():
 
 
 # ---------------------------------------------------------------------------- real runs
-
-
-@pytest.mark.slow
-def test_ddp_events_in_order_across_a_resume_and_logged(ray_session, storage):
-    from test_loggers import assert_logged  # the loggers' files, checked where they are tested
-
-    first = Recorder()
-    cfg = rtm.TrainConfig(**SMALL, num_workers=2, epochs=1, name="watched", storage_path=storage,
-                          callbacks=[first], loggers=["tensorboard", "mlflow", "csv"])
-    one = rtm.fit(cfg)
-    start = first.events[0][1]
-    assert start.resumed is False and (start.start_epoch, start.start_step) == (0, 0)
-    assert start.config["name"] == "watched" and start.path == one.path
-    assert_events_in_order(first, one, [1])
-    scalars = [what for kind, what in first.events if kind == "step"]
-    assert scalars and {"train/loss", "train/lr"} <= set(scalars[0][1])
-    assert one.config.callbacks == []  # objects are not part of the recorded config
-
-    second = Recorder()
-    two = rtm.fit(cfg.replace(epochs=2, callbacks=[second]))
-    start = second.events[0][1]
-    assert start.resumed is True and (start.start_epoch, start.start_step) == (1, one.metrics["step"])
-    assert_events_in_order(second, two, [2])  # only the second epoch
-    assert all(what[0] > one.metrics["step"] for kind, what in second.events if kind == "step")
-    assert_logged(two.path, two.history, steps_per_log=2)
 
 
 @pytest.mark.slow

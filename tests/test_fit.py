@@ -26,7 +26,11 @@ def _weights(model):
 
 
 def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage):
+    """Also the Ray Train runner's callbacks and loggers across a resume (tests/test_callbacks.py's
+    protocol, tests/test_loggers.py's files): the same two fits carry them."""
     from _reference import evaluate, train_one_worker
+    from test_callbacks import Recorder, assert_events_in_order
+    from test_loggers import assert_logged
 
     # Reference: one worker, three epochs in one go, in this process (what a 1-worker fit trains:
     # tests/test_loaders.py), evaluated as fit evaluates.
@@ -34,10 +38,12 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     w_one, _, _, one_history = train_one_worker(one_fields)
     one_test_loss = evaluate(one_fields, w_one)["test_loss"]
     # Two workers with accumulation, stopped after two epochs, then resumed for the third.
-    two_cfg = rtm.TrainConfig(**MLP, num_workers=2, grad_accum_steps=2, epochs=2, name="two", storage_path=storage)
-    first = rtm.fit(two_cfg)
+    first_events, resumed_events = Recorder(), Recorder()
+    two_cfg = rtm.TrainConfig(**MLP, num_workers=2, grad_accum_steps=2, epochs=2, name="two", storage_path=storage,
+                              log_every_n_steps=2, loggers=["tensorboard", "mlflow", "csv"])
+    first = rtm.fit(two_cfg.replace(callbacks=[first_events]))
     assert [h["epoch"] for h in first.history] == [1, 2]
-    resumed = rtm.fit(two_cfg.replace(epochs=3))
+    resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
 
     # Resume trained only the third epoch and kept the history before it.
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
@@ -62,6 +68,21 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     assert m["samples_per_s"] > 0 and 0 <= m["data_wait_share"] < 1
     table = pq.read_table(f"{resumed.path}/history.parquet")
     assert table.num_rows == 3 and table.column("epoch").to_pylist() == [1, 2, 3]
+
+    # The callbacks' events: the first fit from scratch, the resume from its last step, each in order.
+    start = first_events.events[0][1]
+    assert start.resumed is False and (start.start_epoch, start.start_step) == (0, 0)
+    assert start.config["name"] == "two" and start.path == first.path
+    assert_events_in_order(first_events, first, [1, 2])
+    scalars = [what for kind, what in first_events.events if kind == "step"]
+    assert scalars and {"train/loss", "train/lr"} <= set(scalars[0][1])
+    assert first.config.callbacks == []  # objects are not part of the recorded config
+    start = resumed_events.events[0][1]
+    assert start.resumed is True and (start.start_epoch, start.start_step) == (2, first.metrics["step"])
+    assert_events_in_order(resumed_events, resumed, [3])  # only the third epoch
+    assert all(what[0] > first.metrics["step"] for kind, what in resumed_events.events if kind == "step")
+    # The loggers' files: every epoch row, the step scalars every 2 steps, no step twice, one MLflow run.
+    assert_logged(resumed.path, resumed.history, steps_per_log=2, first_epochs=2)
 
 
 def _refuse_ray(monkeypatch):

@@ -1,7 +1,7 @@
 """The loggers of ``TrainConfig.loggers`` (TensorBoard, MLflow, CSV): files that their own readers
 parse, a resume that continues them without duplicate steps, remote storage through pyarrow.
 
-The events are driven by hand here (no Ray); tests/test_callbacks.py checks the files a real
+The events are driven by hand here (no Ray); tests/test_fit.py checks the files a real
 fit and its resume leave, with :func:`assert_logged`.
 """
 
@@ -52,9 +52,10 @@ def history(client, run_id: str, key: str) -> list:
     return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
-def assert_logged(run_path: str, rows: list, steps_per_log: int) -> None:
+def assert_logged(run_path: str, rows: list, steps_per_log: int, first_epochs: int) -> None:
     """What a fit (and its resume) with loggers=[tensorboard, mlflow, csv] leaves: every epoch row
-    and the step scalars every ``steps_per_log`` steps, each step once, in one MLflow run."""
+    and the step scalars every ``steps_per_log`` steps, each step once, in one MLflow run whose
+    ``epochs`` parameter is the first fit's (``first_epochs``)."""
     last = rows[-1]["step"]
     logged_steps = list(range(steps_per_log, last + 1, steps_per_log))
     tb = tensorboard_scalars(run_path)
@@ -68,7 +69,7 @@ def assert_logged(run_path: str, rows: list, steps_per_log: int) -> None:
     client, runs = mlflow_runs(run_path)
     assert len(runs) == 1  # the resume logged to the same MLflow run
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.params["epochs"] == "1"  # a param never changes
+    assert run.info.status == "FINISHED" and run.data.params["epochs"] == str(first_epochs)  # a param never changes
     assert [step for step, _ in history(client, run.info.run_id, "epoch/train_loss")] == [r["step"] for r in rows]
     assert [step for step, _ in history(client, run.info.run_id, "train/loss")] == logged_steps
 
