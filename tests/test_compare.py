@@ -226,8 +226,9 @@ def test_outputs_are_written_and_the_chart_is_a_real_png(tmp_path):
 def test_compare_ddp_and_pipeline_on_lenet_digits(ray_session, tmp_path):
     # One strategy of each runner (Ray Train's ddp, the pipeline's actor group) besides the one-device
     # reference, itself a Ray Train run: each fit costs ~15 s of start-up here. dp and mp fit through Ray
-    # on lenet digits against the plain loop's first-epoch loss in test_strategies.py
-    # (test_strategy_trains_lenet_on_digits), and the report's columns are runner-agnostic (pure tests above).
+    # against the plain loop's weights in test_strategies.py
+    # (test_each_strategys_fit_ends_with_the_plain_loops_weights), and the report's columns are
+    # runner-agnostic (pure tests above).
     cfg = rtm.TrainConfig(model="lenet", dataset="digits", batch_size=128, num_workers=2, seed=1,
                           storage_path=str(tmp_path / "runs"))
     report = compare(cfg, strategies=["ddp", "pipeline"], steps=3, warmup_steps=1,
