@@ -81,6 +81,15 @@ def ray_data_map_tasks(ray) -> int:
                if "MapBatches(" in name)
 
 
+def dataset_manager_actors(ray) -> int:
+    """Ray Train's ``DatasetManager`` actors started on this Ray so far (alive or dead), from Ray's state
+    API: one per run with ``datasets=``, none for a loader run (``api._torch_trainer_class``)."""
+    from ray.util.state import list_actors
+
+    return len(list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000,
+                           filters=[("class_name", "=", "DatasetManager")], raise_on_missing_output=False))
+
+
 def streamed_by_ray_data(ray, before: int) -> bool:
     """Whether Ray Data map tasks finished since ``before``; task events reach the state API within about a
     second (Ray's report interval), so this asks for up to 60 s before answering no."""
@@ -124,9 +133,10 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
                   batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
-    before = ray_data_map_tasks(ray_session)
+    before, managers = ray_data_map_tasks(ray_session), dataset_manager_actors(ray_session)
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed"))
     assert streamed_by_ray_data(ray_session, before)  # the workers read the stream, not the loader
+    assert dataset_manager_actors(ray_session) == managers + 1  # Ray Train's shard server, for this run only
     # The same config through the loader, computed here without Ray (what a 2-worker fit trains: 2 x 32 =
     # 1 x 64). Imported here: the Ray workers import this module for its metric, and only it is shipped.
     from _reference import train_one_worker
