@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.
 
 REPO = Path(__file__).resolve().parents[1]
 EVERY = 5  # checkpoint_every_n_steps
-MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=6,
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=3,
            num_checkpoints_to_keep=100)  # every checkpoint kept: the test reads where each attempt resumed
 STEPS_PER_EPOCH = 1438 // 64
 GROW_STEP = 28  # the 1-worker group parks before this step (epoch 2), 3 steps after the checkpoint at 25

@@ -46,7 +46,7 @@ pytest_plugins = ["_two_node_site"]  # the ``two_node`` fixture: the cluster the
 pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
-EPOCHS = 5
+EPOCHS = 3  # the faults are in epoch 2; epoch 3 trains on after them
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
            optimizer="sgd", lr=0.1, seed=3, epochs=EPOCHS)
 STEPS_PER_EPOCH = 1438 // 64
@@ -163,7 +163,7 @@ def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_referenc
         assert 0 <= served_twice <= K * PER_RANK_STEP, served_twice
         print(f"rank {rank}: resumed after global step {STEPS_PER_EPOCH + resumed_at}; steps read twice "
               f"(trained twice, or in flight at the kill): {served_twice / PER_RANK_STEP:g} (K={K})")
-    assert [h["attempt"] for h in lost["history"]] == [0, 1, 1, 1, 1]
+    assert [h["attempt"] for h in lost["history"]] == [0] + [1] * (EPOCHS - 1)
     assert lost["history"][-1]["step"] == EPOCHS * STEPS_PER_EPOCH
     assert re.search(rf"resuming at step {STEPS_PER_EPOCH + resumed_at} \(\d+/{STEPS_PER_EPOCH} steps of epoch 2",
                      output), output[-3000:]
