@@ -79,7 +79,9 @@ def _clean_env(root: Path, **extra: str) -> dict:
 def _two_emulated_nodes(root: Path, env: dict):
     head, worker = RayNode(root / "h", env), RayNode(root / "w", env)
     ports = free_port_flags()
-    head.start(["--head", "--num-cpus", "2", "--num-gpus", "2", *[str(x) for kv in ports.items() for x in kv]])
+    # no dashboard: the driver connects to the GCS, and nothing here reads the state API
+    head.start(["--head", "--num-cpus", "2", "--num-gpus", "2", "--include-dashboard=false",
+                *[str(x) for kv in ports.items() for x in kv]])
     address = f"127.0.0.1:{ports['--port']}"
     worker_ports = free_port_flags(skip=("--port", "--dashboard-port", "--ray-client-server-port"))
     worker.start(["--address", address, "--num-cpus", "2", "--num-gpus", "2",

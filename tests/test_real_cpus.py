@@ -43,7 +43,9 @@ def laptop_runs():
     try:
         write_png_parquet(root / "png")
         storage = str(root / "results")
-        stream = dict(SMALL, dataset="parquet", data_root=str(root / "png"), ingest="ray_data",
+        # 1 epoch: that Ray Data streams beside the worker on the real CPUs; its epochs restart, and
+        # 2 workers stream an equal split, on the shared instance (tests/test_ray_ingest.py).
+        stream = dict(SMALL, dataset="parquet", data_root=str(root / "png"), ingest="ray_data", epochs=1,
                       storage_path=storage)
         steps = [
             # No ray.init before it: fit starts a local Ray of its own, as a script without one does.
@@ -90,8 +92,9 @@ def test_each_runner_trains_on_the_real_cpus(laptop_runs):
 def test_ray_data_trains_beside_one_worker_and_a_run_without_a_spare_cpu_is_refused(laptop_runs):
     stream = laptop_runs["stream"]
     assert stream["ok"], stream
-    assert [row["step"] for row in stream["history"]] == [1438 // 64, 2 * (1438 // 64)]
-    assert stream["history"][-1]["test_accuracy"] > 0.85
+    assert [row["step"] for row in stream["history"]] == [1438 // 64]
+    # one epoch of SGD from scratch has learnt (10 classes)
+    assert stream["history"][-1]["test_accuracy"] > 0.6
     if os.cpu_count() > 2:
         pytest.skip(f"{os.cpu_count()} CPUs: 2 workers leave Ray Data a CPU here")
     for name, fix in (("stream-2", "lower num_workers or cpus_per_worker"),
