@@ -58,3 +58,34 @@ def test_checkpoint_report_measures_the_stall_against_the_run_without_saves():
     lines = text.splitlines()
     assert lines[2].split()[-1] == "6.00s" and lines[3].split()[-1] == "1.50s"  # cycle minus the no-save cycle
     assert "time in save_and_report 5.0x shorter; stall per checkpoint 4.0x shorter" in text
+
+
+def test_bench_checkpoint_runs_ray_trains_controller_with_fits_poll(monkeypatch, tmp_path):
+    """The stall it measures is fit's: each report waits for the controller's next poll, so the
+    bench runs the controller with the poll fit sets (runtime/faults.controller_poll), read by Ray
+    Train from the driver's environment when fit() starts it: checked there."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    import ray.train.torch
+
+    from raytrain_mgpu.bench import checkpoint as bench_checkpoint
+    from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
+
+    seen = []
+
+    class Trainer:  # TorchTrainer, up to the moment fit() starts the controller
+        def __init__(self, fn, train_loop_config, **kwargs):
+            self.out = train_loop_config["out"]
+
+        def fit(self):
+            seen.append(os.environ.get(POLL_ENV))
+            with open(self.out, "w") as f:
+                json.dump({"stalls": []}, f)
+
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    args = SimpleNamespace(widths=[8], batch_size=4, saves=2, steps_between=1, threads=1, upload_mb_per_s=0)
+    assert bench_checkpoint._run_one("async", args, str(tmp_path / "storage"), str(tmp_path), 0) == {"stalls": []}
+    assert seen == [FIT_POLL_S] and POLL_ENV not in os.environ

@@ -109,6 +109,7 @@ def _run_one(mode: str, args, storage: str, scratch: str, r: int) -> dict:
     from ray.train.torch import TorchTrainer
 
     from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.runtime.faults import controller_poll
 
     name = f"bench-checkpoint-{mode}-r{r}"
     # epochs: never reached, so no save is the run's last (which always uploads synchronously)
@@ -117,9 +118,11 @@ def _run_one(mode: str, args, storage: str, scratch: str, r: int) -> dict:
     config = {"cfg": cfg.to_dict(), "widths": args.widths, "batch_size": args.batch_size, "mode": mode,
               "saves": args.saves, "steps_between": args.steps_between, "threads": args.threads, "out": out,
               "upload_mb_per_s": args.upload_mb_per_s}
-    TorchTrainer(_train_fn, train_loop_config=config,
-                 scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": args.threads}),
-                 run_config=RunConfig(storage_path=storage, name=name)).fit()
+    trainer = TorchTrainer(_train_fn, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": args.threads}),
+                           run_config=RunConfig(storage_path=storage, name=name))
+    with controller_poll():  # the controller's poll fit runs with (a report waits for the next poll)
+        trainer.fit()
     with open(out) as f:
         return json.load(f)
 
