@@ -182,7 +182,7 @@ def _torch_trainer_class():
     Measured on the 2-core VM (a 2-worker MLP fit on digits, 3 fits each way, on one Ray): 13.2-13.4 s
     and 18.6-18.8 CPU-s per fit with it, 11.0-11.3 s and 15.2-16.1 CPU-s without. With datasets
     (``ingest="ray_data"``) the callback stays; a Ray whose trainer lacks the hook gets its own trainer.
-    Tested both ways by counting the actors (tests/test_ray_ingest.py)."""
+    Tested both ways by counting the actors (tests/test_fit.py, tests/test_ray_ingest.py)."""
     from ray.train.torch import TorchTrainer
 
     try:
