@@ -130,8 +130,8 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
         else:
             history, checkpoint_path = _run_train_workers(cfg, plan, events)
-        history = [{**row, **auto_record} for row in history]
         run_path = _run_path(cfg)
+        history = _stamp_auto(history, auto_record, run_path)
         _write_history(history, run_path)
         result = TrainResult(cfg, history, checkpoint_path, run_path)
         events.train_end(result)
@@ -269,6 +269,21 @@ def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
 
 def _run_path(cfg: TrainConfig) -> str:
     return RunFolder.of(cfg).uri
+
+
+def _stamp_auto(history: list, auto_record: dict, run_path: str) -> list:
+    """``strategy="auto"``'s choice and reason on the rows this call trained; a row an earlier call
+    trained (the same epoch and attempt in the history it wrote) keeps what that call recorded (the
+    reason it chose, not this resume's "keeps the strategy it started with")."""
+    if not auto_record:
+        return history
+    earlier = {(row.get("epoch"), row.get("attempt")): row for row in RunFolder(run_path).read_history() or []}
+    stamped = []
+    for row in history:
+        before = earlier.get((row.get("epoch"), row.get("attempt")), {})
+        record = {key: before[key] for key in auto_record if before.get(key) is not None} or auto_record
+        stamped.append({**row, **record})
+    return stamped
 
 
 def _write_history(history: list, run_path: str) -> None:

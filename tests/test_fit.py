@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,6 +15,7 @@ from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.data.convert import convert_to_parquet
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.planning.auto import RESUMING
 
 pytestmark = pytest.mark.ray
 
@@ -25,9 +27,10 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage):
+def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage, monkeypatch):
     """Also the Ray Train runner's callbacks and loggers across a resume (tests/test_callbacks.py's
-    protocol, tests/test_loggers.py's files): the same two fits carry them."""
+    protocol, tests/test_loggers.py's files), and ``strategy="auto"`` (tests/test_auto.py's rules): the
+    same two fits carry them; a third call is answered from the finished run's folder."""
     from _reference import evaluate, train_one_worker
     from test_callbacks import Recorder, assert_events_in_order
     from test_loggers import assert_logged
@@ -41,11 +44,13 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     # Two workers with accumulation, stopped after two epochs, then resumed for the third.
     first_events, resumed_events = Recorder(), Recorder()
     managers = dataset_manager_actors(ray_session)
-    two_cfg = rtm.TrainConfig(**MLP, num_workers=2, grad_accum_steps=2, epochs=2, name="two", storage_path=storage,
-                              log_every_n_steps=2, loggers=["tensorboard", "mlflow", "csv"])
+    two_cfg = rtm.TrainConfig(**MLP, strategy="auto", num_workers=2, grad_accum_steps=2, epochs=2, name="two",
+                              storage_path=storage, log_every_n_steps=2, loggers=["tensorboard", "mlflow", "csv"])
     first = rtm.fit(two_cfg.replace(callbacks=[first_events]))
     assert [h["epoch"] for h in first.history] == [1, 2]
+    started = time.perf_counter()
     resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
+    resume_s = time.perf_counter() - started
     # A loader run starts no Ray Data actor (api._torch_trainer_class; a ray_data run does: test_ray_ingest.py).
     assert dataset_manager_actors(ray_session) == managers
 
@@ -87,6 +92,21 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     assert all(what[0] > first.metrics["step"] for kind, what in resumed_events.events if kind == "step")
     # The loggers' files: every epoch row, the step scalars every 2 steps, no step twice, one MLflow run.
     assert_logged(resumed.path, resumed.history, steps_per_log=2, first_epochs=2)
+
+    # strategy="auto" chose ddp over both workers for this small model, recorded it in every row, and
+    # kept it on resume; the finished auto run is answered from its folder (layout read back), no Ray.
+    assert first.config.strategy == resumed.config.strategy == "ddp" and resumed.config.num_workers == 2
+    reasons = table.column("auto_reason").to_pylist()  # each row: the reason of the call that trained it
+    assert reasons[0] == reasons[1] and reasons[0].startswith("ddp over all 2") and reasons[2] == RESUMING
+    assert table.column("auto_strategy").to_pylist() == ["ddp"] * 3
+    _refuse_ray(monkeypatch)
+    started = time.perf_counter()
+    again = rtm.fit(two_cfg.replace(epochs=3))
+    # A fraction of the resumed run (a worker group's start and an epoch), timed here, so a slower machine
+    # slows both alike; Ray refused above is the check that nothing is trained.
+    assert time.perf_counter() - started < resume_s / 4, resume_s
+    assert again.config.strategy == "ddp" and again.history == resumed.history
+    assert again.checkpoint_path == resumed.checkpoint_path
 
 
 def _refuse_ray(monkeypatch):
