@@ -71,36 +71,31 @@ def ray_data_samples(data_cfg) -> tuple:
     return torch.cat([b["x"] for b in batches]), torch.cat([b["y"] for b in batches])
 
 
-def ray_data_map_tasks(ray) -> int:
-    """Ray Data's map tasks (read and decode, ``...MapBatches(...)``) finished on this Ray so far, from Ray's
-    state API: a run whose workers read through the loader instead runs none."""
-    from ray.util.state import summarize_tasks
-
-    summary = summarize_tasks(address=ray.get_runtime_context().gcs_address, raise_on_missing_output=False)
-    return sum(entry["state_counts"].get("FINISHED", 0) for name, entry in summary["cluster"]["summary"].items()
-               if "MapBatches(" in name)
-
-
 def dataset_manager_actors(ray) -> int:
-    """Ray Train's ``DatasetManager`` actors started on this Ray so far (alive or dead), from Ray's state
-    API: one per run with ``datasets=``, none for a loader run (``api._torch_trainer_class``)."""
-    from ray.util.state import list_actors
+    """Ray Train's ``DatasetManager`` actors started on this Ray so far (alive or dead), from the GCS's
+    actor table (no dashboard needed): one per run with ``datasets=``, none for a loader run
+    (``api._torch_trainer_class``)."""
+    from ray._private import state
 
-    return len(list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000,
-                           filters=[("class_name", "=", "DatasetManager")], raise_on_missing_output=False))
+    return sum(actor["ActorClassName"].endswith("DatasetManager") for actor in state.actors().values())
 
 
-def streamed_by_ray_data(ray, before: int) -> bool:
-    """Whether Ray Data map tasks finished since ``before``; task events reach the state API within about a
-    second (Ray's report interval), so this asks for up to 60 s before answering no."""
-    import time
+def loader_history(common: dict) -> list:
+    """The per-epoch history of ``common`` read through the loader, trained here without Ray on one
+    rank (``_reference.train_one_worker``: what a 1-worker fit, or a 1-replica pipeline, trains).
+    Imported here: the Ray workers import this module for its metric, and only it is shipped."""
+    from _reference import train_one_worker
 
-    deadline = time.monotonic() + 60
-    while ray_data_map_tasks(ray) <= before:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
+    fields = {k: v for k, v in common.items() if k not in ("storage_path", "metrics", "strategy", "num_stages",
+                                                            "num_microbatches", "num_workers")}
+    return train_one_worker({**fields, "num_workers": 1})[3]
+
+
+def assert_read_the_stream(streamed, loaded: list) -> None:
+    """The stream's order is Ray Data's, not the sampler's: the workers (or first stages) that read it
+    train other steps than the loader path would, so the first epoch's loss differs (a run that fell
+    back to the loader gives the loader's loss to ~1e-6)."""
+    assert abs(streamed.history[0]["train_loss"] - loaded[0]["train_loss"]) > 1e-4, (streamed.history, loaded)
 
 
 def assert_same_samples(data_cfg) -> int:
@@ -133,18 +128,12 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
                   batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
-    before, managers = ray_data_map_tasks(ray_session), dataset_manager_actors(ray_session)
+    managers = dataset_manager_actors(ray_session)
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed"))
-    assert streamed_by_ray_data(ray_session, before)  # the workers read the stream, not the loader
     assert dataset_manager_actors(ray_session) == managers + 1  # Ray Train's shard server, for this run only
-    # The same config through the loader, computed here without Ray (what a 2-worker fit trains: 2 x 32 =
-    # 1 x 64). Imported here: the Ray workers import this module for its metric, and only it is shipped.
-    from _reference import train_one_worker
-
-    loader_fields = {k: v for k, v in common.items() if k not in ("storage_path", "metrics")}
-    loaded = train_one_worker({**loader_fields, "num_workers": 1})[3]
-    # The stream's order is Ray Data's, not the sampler's: the same config through the loader trains other steps.
-    assert abs(streamed.history[0]["train_loss"] - loaded[0]["train_loss"]) > 1e-4, (streamed.history, loaded)
+    # The same config through the loader (what a 2-worker fit trains: 2 x 32 = 1 x 64): other steps.
+    loaded = loader_history(common)
+    assert_read_the_stream(streamed, loaded)  # the workers read the stream, not the loader
     steps = 1438 // 2 // 32  # each worker's equal share of rows, in full micro-batches of 64 / 2
     assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded] == [steps, 2 * steps]
     # Every micro-batch held exactly 32 samples: each step had the global batch of 64.
@@ -158,11 +147,11 @@ def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
                   batch_size=64, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2, optimizer="sgd",
                   lr=0.1, storage_path=storage)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
-    before = ray_data_map_tasks(ray_session)
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed"))
-    assert streamed_by_ray_data(ray_session, before)  # the first stage read the stream, not the loader
+    loaded = loader_history(common)  # one replica of 2 x 32 micro-batches trains what one rank of 64 does
+    assert_read_the_stream(streamed, loaded)  # the first stage read the stream, not the loader
     steps = 1438 // 64  # one replica: the whole split (a streaming_split of 1) in batches of 64
-    assert [row["step"] for row in streamed.history] == [steps, 2 * steps]
+    assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded] == [steps, 2 * steps]
     assert streamed.metrics["test_accuracy"] > 0.85
     assert streamed.history[-1]["train_loss"] < streamed.history[0]["train_loss"]
 
