@@ -25,10 +25,9 @@ from raytrain_mgpu import api
 from raytrain_mgpu.planning import preflight
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.data.convert import convert_to_parquet
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
 from raytrain_mgpu.strategies.plan import build_plan
 
-from _ray_nodes import base_env, free_port
+from _ray_nodes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -190,42 +189,31 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
     assert seen == ["0.2", "1.5"]
 
 
-@pytest.mark.slow  # its own Ray instance and the default 2 s polls: 68-79 s on the 2-core VM
-@pytest.mark.timeout(600)
-def test_a_rank_killed_right_after_its_report_resumes_from_that_reports_checkpoint(tmp_path):
-    """Ray Train's default poll (2 s), in a driver with a Ray instance of its own: the shared
-    one polls every 0.2 s, which would hide the race. Rank 1 dies on its first sample of epoch
-    2, milliseconds after its epoch-1 report returned; a report still queued then would die
-    with it and epoch 1's checkpoint, although uploaded, would never be registered.
+@pytest.mark.slow  # Ray Train's default 2 s polls: each restart waits for one
+def test_a_rank_killed_right_after_its_report_resumes_from_that_reports_checkpoint(ray_session, tmp_path,
+                                                                                    monkeypatch):
+    """Ray Train's default poll (2 s), set by hand as a user's value (``fit`` keeps it:
+    ``runtime/faults.controller_poll``): the shared instance's 0.2 s poll would hide the race. Rank 1
+    dies on its first sample of epoch 2, milliseconds after its epoch-1 report returned; a report
+    still queued then would die with it and epoch 1's checkpoint, although uploaded, would never be
+    registered.
 
     The kill waits for rank 0's epoch-1 report to be queued: rank 0 queues it only once its
     asynchronous upload is done, and a rank lost before that resumes from the checkpoint
     before, by design (docs/reliability.md); on a loaded machine the upload outlasted a poll
     and the run rightly began again from scratch (a CI failure, 2026-11-25)."""
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")  # Ray Train passes it to its controller
     probe = _probe(tmp_path, action="kill_process", rank=1, after_samples=PER_RANK_EPOCH, after_rank0_reports=1)
     # max_failures=2: on a loaded 2-core machine a health check of the restarted group has
     # timed out once; a second restart must still start from epoch 1's checkpoint.
-    config = {**MLP, "epochs": 2, "max_failures": 2, "dataset": "_probe_data:digits", "data_root": str(probe),
-              "name": "killed-after-report", "storage_path": str(tmp_path / "results")}
-    plan = {"local_ray": {"num_cpus": 2, "include_dashboard": False}, "steps": [{"kind": "fit", "config": config}]}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    (tmp_path / "home").mkdir()
-    # Ray's default poll, set by hand: fit would otherwise ask for 0.2 s (runtime/faults.controller_poll)
-    env = base_env(tmp_path / "home", RAY_AUTH_MODE="disabled", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="2")
-    env.pop(EMULATE_ENV, None)
-    # 500 s: room for a machine 5x slower than the 2-core VM (79 s there), within the test's 600 s
-    done = subprocess.run([sys.executable, "tests/_fit_driver.py", str(tmp_path / "plan.json"),
-                           str(tmp_path / "results.json")], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=500)
-    assert done.returncode == 0, done.stderr[-4000:]
-    (fit,) = json.loads((tmp_path / "results.json").read_text())
-    assert fit["ok"], fit
+    fit = rtm.fit(rtm.TrainConfig(**{**MLP, "epochs": 2}, max_failures=2, dataset="_probe_data:digits",
+                                  data_root=str(probe), name="killed-after-report", storage_path=str(tmp_path / "results")))
     assert (probe / "done-kill_process").exists() and (probe / "rank0-report-1").exists()
     first, *_, restarted = _served(probe, 1)
     assert len(first) == PER_RANK_EPOCH + 32  # killed on its first batch of epoch 2
     # The restart began at epoch 2 from epoch 1's checkpoint (from scratch, it would train
     # 2 epochs and the history would show epoch 1 retrained by a later attempt).
-    epochs = [(h["epoch"], h["attempt"]) for h in fit["history"]]
+    epochs = [(h["epoch"], h["attempt"]) for h in fit.history]
     assert epochs[0] == (1, 0) and epochs[1][0] == 2 and epochs[1][1] >= 1, epochs
     assert len(restarted) == PER_RANK_EPOCH
 
