@@ -13,8 +13,9 @@ user loss (``squared_error``) and metrics (``mae`` and the user's ``within_half`
   stage's metric sums included;
 - an InfoNCE loss (in-batch negatives) under ``ddp2`` with 2 devices per worker equals one
   process computing it on each node's whole batch, and differs from the per-device loss;
-- one Ray ``fit`` with ``loss="mse"`` and a user metric: ``train_<metric>``/``test_<metric>``
-  in ``result.metrics`` and in ``history.parquet``.
+- through Ray: a user metric's ``train_<metric>``/``test_<metric>`` in ``result.metrics`` and in
+  ``history.parquet`` (tests/test_ray_ingest.py's fit), a regression without accuracy
+  (tests/test_examples.py's regression example).
 
 Factories are named ``test_objectives:<name>``: importable on the driver, in the spawned
 processes and on the shared test Ray's workers.
@@ -440,24 +441,3 @@ def test_a_two_stage_pipeline_trains_a_user_loss_like_the_unsplit_model():
     for name, (total, count) in totals.items():
         assert last[0]["metrics"][name][1] == count == 16
         assert math.isclose(last[0]["metrics"][name][0], total, rel_tol=1e-5, abs_tol=1e-9), name
-
-
-# ----------------------------------------------------------------------------- one Ray fit
-
-
-@pytest.mark.ray
-def test_fit_reports_a_user_metric_in_the_result_and_history(ray_session, storage):
-    import pyarrow.parquet as pq
-
-    cfg = rtm.TrainConfig(**{**REGRESSION, "loss": "mse", "num_workers": 2, "name": "regression",
-                             "storage_path": storage})
-    result = rtm.fit(cfg)
-    for split in ("train", "test"):
-        for name in ("mae", "within_half"):
-            value = result.metrics[f"{split}_{name}"]
-            assert value is not None and math.isfinite(value) and value >= 0, (split, name)
-        assert result.metrics[f"{split}_accuracy"] is None
-    assert 0 <= result.metrics["test_within_half"] <= 1
-    history = pq.read_table(os.path.join(result.path, "history.parquet")).to_pylist()
-    assert [row["test_mae"] for row in history] == [result.metrics["test_mae"]]
-    assert history[0]["train_within_half"] == result.metrics["train_within_half"]

@@ -138,6 +138,11 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
     assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded] == [steps, 2 * steps]
     # Every micro-batch held exactly 32 samples: each step had the global batch of 64.
     assert [row["train_micro_batch_rows"] for row in streamed.history] == [32.0, 32.0]
+    # A user's metric (this module's micro_batch_rows) is in the result and the history file, on both splits.
+    rows = pq.read_table(f"{streamed.path}/history.parquet").to_pylist()
+    assert 0 < streamed.metrics["test_micro_batch_rows"] <= 64
+    assert [(row["train_micro_batch_rows"], row["test_micro_batch_rows"]) for row in rows][-1] == (
+        streamed.metrics["train_micro_batch_rows"], streamed.metrics["test_micro_batch_rows"])
     assert streamed.metrics["test_accuracy"] > 0.85  # evaluated on the map-style test split
     assert streamed.history[-1]["train_loss"] < streamed.history[0]["train_loss"]
 
