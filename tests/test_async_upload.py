@@ -8,6 +8,7 @@ one at a time in report order, the driver's ``on_checkpoint`` got each persisted
 checkpoint once and in order, the resume point is the newest complete checkpoint, and the run
 resumed from the last complete one and ended with the undisturbed run's weights (2 ddp replicas
 emulated in the test's process, ``tests/_reference.py``: bit for bit what a 2-worker fit trains).
+The run trains with a user's optimizer factory whose state the resume must restore exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from raytrain_mgpu.runtime import worker_checkpoint
 from raytrain_mgpu.runtime.callbacks import Callback
 from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
 
-MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
+# The user's own optimizer (RMSprop with momentum, from tests/test_factories.py: fit ships its module):
+# its state (running averages, momentum buffers) must come back on resume for the weights to be
+# bit-equal (a plain SGD keeps none).
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="test_factories:rmsprop",
+           optimizer_kwargs={"alpha": 0.9, "momentum": 0.5}, lr=0.01, seed=3,
            num_workers=2, epochs=2, checkpoint_every_n_steps=5, num_checkpoints_to_keep=20)
 STEPS_PER_EPOCH = 1438 // 64  # 22
 SAVED_AT = [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]  # step checkpoints, and the epoch ends 22 and 44
@@ -202,10 +207,14 @@ def test_a_kill_in_the_middle_of_an_upload_resumes_from_the_last_complete_checkp
     assert newest.uri == result.checkpoint_path and newest.name == names[-1] and newest.meta["step"] == SAVED_AT[-1]
     assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == names[-1]
 
-    # The weights are the undisturbed run's (2 ddp replicas emulated in this process), bit for bit.
+    # The weights are the undisturbed run's (2 ddp replicas emulated in this process), bit for bit: a
+    # resume that rebuilt the user's RMSprop without its state would diverge from the first step on.
     want, _ = train_replicas(MLP)
     with ckpt_format.local_checkpoint(result.checkpoint_path) as a:
         got = ckpt_format.load_model_state(a)
+        saved = ckpt_format.load_train_state(a)["optimizer"]
+    assert {"square_avg", "momentum_buffer"} <= set(saved["state"][0])  # RMSprop's own state, checkpointed
+    assert saved["param_groups"][0]["alpha"] == 0.9
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key

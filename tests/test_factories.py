@@ -332,39 +332,3 @@ def test_model_zoo_builders_take_the_plain_models_steps_on_data_parallel_strateg
     assert any(v.is_floating_point() and not torch.equal(v, initial[k]) for k, v in saved.items())  # it trained
     on_meta.load_state_dict(saved, assign=True)  # strict: every key, every shape
     assert on_meta(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-
-
-# ----------------------------------------------------------------------------- custom optimizer resume
-
-
-@pytest.mark.ray
-def test_a_custom_optimizer_resumes_exactly(ray_session, storage):
-    from _reference import train_one_worker
-
-    # The model factory ships this module to the workers, the optimizer's with it (fit ships
-    # the modules of the model and dataset factories). One worker: a fit through Ray ends with exactly
-    # the in-process run's weights (tests/test_loaders.py), so the uninterrupted run is computed here;
-    # two workers' all-reduce rounds differently (7e-8 apart), and the point is bit-equality.
-    fields = dict(model="test_factories:small_mlp", dataset="synthetic", input_shape=[1, 8, 8],
-                  num_classes=4, num_samples=128, batch_size=32, seed=3, num_workers=1, lr=0.01,
-                  optimizer="test_factories:rmsprop", optimizer_kwargs={"alpha": 0.9, "momentum": 0.5},
-                  storage_path=storage)
-    want, want_optimizer, _, whole_history = train_one_worker(fields, epochs=2)
-    first = rtm.fit(rtm.TrainConfig(**fields, epochs=1, name="split"))
-    with ckpt_format.local_checkpoint(first.checkpoint_path) as directory:
-        saved = ckpt_format.load_train_state(directory)["optimizer"]
-    # RMSprop's own state went into the checkpoint: its running averages and momentum buffers.
-    assert {"square_avg", "momentum_buffer"} <= set(saved["state"][0])
-    assert saved["param_groups"][0]["alpha"] == 0.9
-    resumed = rtm.fit(rtm.TrainConfig(**fields, epochs=2, name="split"))
-    assert [h["attempt"] for h in resumed.history] == [0, 1] and resumed.metrics["step"] == whole_history[-1]["step"]
-    # A resume that rebuilt RMSprop without its state would diverge from the first step on.
-    got = resumed.load_model().state_dict()
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
-    with ckpt_format.local_checkpoint(resumed.checkpoint_path) as directory:
-        got_optimizer = ckpt_format.load_train_state(directory)["optimizer"]["state"]
-    for index, state in want_optimizer["state"].items():
-        for name in ("square_avg", "momentum_buffer"):
-            assert torch.equal(got_optimizer[index][name], state[name]), (index, name)
