@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 from _emulation_checks import check_devices
 from _ray_nodes import base_env
-from test_ray_ingest import write_png_parquet
 
+import raytrain_mgpu as rtm
+from raytrain_mgpu.data.convert import convert_to_parquet
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,11 +42,13 @@ SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimize
 def laptop_runs():
     root = Path(tempfile.mkdtemp(prefix="rtmcpu-", dir="/tmp"))  # short: Ray's socket paths
     try:
-        write_png_parquet(root / "png")
+        # digits as raw pixel bytes (`raytrain-mgpu data convert`): the decode of PNG/JPEG is
+        # tests/test_ray_ingest.py's; here the point is the CPUs.
+        convert_to_parquet(rtm.TrainConfig(dataset="digits").data, str(root / "parquet"), rows_per_file=500)
         storage = str(root / "results")
         # 1 epoch: that Ray Data streams beside the worker on the real CPUs; its epochs restart, and
         # 2 workers stream an equal split, on the shared instance (tests/test_ray_ingest.py).
-        stream = dict(SMALL, dataset="parquet", data_root=str(root / "png"), ingest="ray_data", epochs=1,
+        stream = dict(SMALL, dataset="parquet", data_root=str(root / "parquet"), ingest="ray_data", epochs=1,
                       storage_path=storage)
         steps = [
             # No ray.init before it: fit starts a local Ray of its own, as a script without one does.
