@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -44,9 +44,12 @@ def _no_ray():
         torch.set_num_threads(threads)
 
 
-def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0, restored=None) -> tuple:
+def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0, restored=None,
+                     save_step: Optional[Callable] = None) -> tuple:
     """``(weights, optimizer state, rng state, history)`` after epochs ``start``..``epochs`` of ``fields``
-    on one rank; ``restored``: the first three of an earlier call, as a resumed worker loads them."""
+    on one rank; ``restored``: the first three of an earlier call, as a resumed worker loads them;
+    ``save_step``: a stand-in for the step checkpoints' save (``checkpoint_every_n_steps``), called with
+    the epoch's meter (no preemption notice is asked for)."""
     cfg = rtm.TrainConfig(**fields)
     epochs = cfg.epochs if epochs is None else epochs
     with _no_ray():
@@ -69,6 +72,8 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0,
                                  torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(None),
                                  steps_per_epoch)
         loop.accum_steps = accum
+        if save_step is not None:
+            loop.save_step, loop.preemption.get_info = save_step, lambda: None
         state, history = RunState(), []
         for epoch in range(start, epochs):
             sampler.set_epoch(epoch)

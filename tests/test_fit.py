@@ -46,7 +46,9 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     managers = dataset_manager_actors(ray_session)
     two_cfg = rtm.TrainConfig(**MLP, strategy="auto", num_workers=2, grad_accum_steps=2, epochs=2, name="two",
                               storage_path=storage, log_every_n_steps=2, loggers=["tensorboard", "mlflow", "csv"])
+    started = time.perf_counter()
     first = rtm.fit(two_cfg.replace(callbacks=[first_events]))
+    first_s = time.perf_counter() - started
     assert [h["epoch"] for h in first.history] == [1, 2]
     started = time.perf_counter()
     resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
@@ -75,6 +77,12 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
         assert key in m, key
     assert len(m["peak_memory_bytes"]) == 2 and min(m["peak_memory_bytes"]) > 10 * 2**20
     assert m["samples_per_s"] > 0 and 0 <= m["data_wait_share"] < 1
+    # Where each epoch's time went (tests/test_epoch_times.py): throughput is training throughput, the
+    # epoch's checkpoint and evaluation apart; the parts of the first fit's epochs fit in its wall time.
+    for row in resumed.history:
+        assert row["samples_per_s"] * row["train_s"] == pytest.approx(1408)  # 22 steps of 64
+        assert row["checkpoint_s"] > 0 and (row["eval_s"] > 0) == (row["test_loss"] is not None)
+    assert sum(row["train_s"] + row["checkpoint_s"] + row["eval_s"] for row in first.history) < first_s
     table = pq.read_table(f"{resumed.path}/history.parquet")
     assert table.num_rows == 3 and table.column("epoch").to_pylist() == [1, 2, 3]
 

@@ -10,7 +10,7 @@ drew from the training process's random stream would show) and a seeded augmenta
 - a run stopped after epoch 1 and resumed (weights, optimizer, random stream restored; the loader
   and its workers new) equals an uninterrupted one;
 - one Ray ``fit`` with ``loader_workers=1`` ends with the local run's weights (its model built for
-  the resized inputs).
+  the resized inputs); it also carries the Ray Train runner's per-step scalars' check.
 
 A 2-stage pipeline on Ray whose first stage reads with a loader worker and a seeded user transform,
 ending with the weights of one process reading without workers, is ``tests/test_pipeline_ray.py``'s
@@ -64,7 +64,7 @@ def strict_prefetch_data(cfg):
 
 
 BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", num_workers=1, batch_size=64,
-            optimizer="sgd", lr=0.1, seed=5, epochs=2, cpus_per_worker=1,
+            optimizer="sgd", lr=0.1, seed=5, epochs=2, cpus_per_worker=1, grad_clip_norm=1.0,
             # digits are 8 x 8: the model is built for the resized 12 x 12 inputs
             train_transform="resize:12+random_crop_flip", test_transform="resize:12")
 
@@ -143,8 +143,18 @@ def test_a_resumed_run_with_loader_workers_equals_an_uninterrupted_one(no_worker
     _assert_equal(resumed, no_workers, "stopped after epoch 1 and resumed vs uninterrupted")
 
 
-def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, storage, no_workers):
-    result = rtm.fit(rtm.TrainConfig(**BASE, loader_workers=1, name="loader-workers", storage_path=storage))
+def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, storage, no_workers, monkeypatch):
+    """Also the Ray Train runner's per-step scalars (tests/test_step_scalars.py): rank 0's, once an epoch
+    (``log_every_n_steps`` = its 22 steps), reach the driver's printer and agree with the epoch rows."""
+    from test_step_scalars import check_train_scalars
+
+    from raytrain_mgpu.runtime.progress import ProgressPrinter
+
+    received: list = []
+    monkeypatch.setattr(ProgressPrinter, "scalars", lambda self, step, values: received.append((step, values)))
+    result = rtm.fit(rtm.TrainConfig(**BASE, loader_workers=1, name="loader-workers", storage_path=storage,
+                                     log_every_n_steps=1438 // 64))
+    check_train_scalars(received, result.history, every=1438 // 64)
     model = result.load_model()
     assert model[4].in_features == 4 * 12 * 12  # built for the resized inputs
     weights = model.state_dict()

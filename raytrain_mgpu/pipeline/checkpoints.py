@@ -146,8 +146,11 @@ class CheckpointSaver:
         self.uploads = BackgroundWriter("checkpoint upload")
         self.sync = os.environ.get(SYNC_UPLOAD_ENV) == "1"
 
-    def save(self, state: RunState, reporter, epoch_elapsed_s: Optional[float] = None) -> str:
-        """Checkpoint ``state`` (a step checkpoint when ``epoch_elapsed_s`` is given); its URI once published."""
+    def save(self, state: RunState, reporter, epoch_elapsed_s: Optional[float] = None,
+             row: Optional[dict] = None) -> str:
+        """Checkpoint ``state`` (a step checkpoint when ``epoch_elapsed_s`` is given); its URI once published.
+        ``row``: the epoch's history row, whose ``checkpoint_s`` gains what the stages waited for this one
+        (before its history is handed to the writer; a synchronous upload's wait after that is not in it)."""
         started = time.perf_counter()
         self._report(reporter, self.uploads.wait())  # one upload at a time; a failed one is raised here
         waited = time.perf_counter() - started
@@ -159,6 +162,8 @@ class CheckpointSaver:
             if step else {}
         meta = checkpoint_meta(self.cfg, state, self.shape_info, partition=list(self.partition.counts),
                                num_stages=self.cfg.num_stages, schedule=self.cfg.schedule, **extra)
+        if row is not None:
+            row["checkpoint_s"] = row.get("checkpoint_s", 0.0) + time.perf_counter() - started
         self.uploads.submit(self._publish, tmp, name, meta, list(state.history))
         if self.sync:
             self._report(reporter, self.uploads.wait())

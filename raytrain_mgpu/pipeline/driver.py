@@ -92,10 +92,13 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState) ->
             # the last epoch is evaluated, also one that stops early
             last = epoch + 1 == cfg.epochs or state.finished(cfg) or stops_early(state.history + [metrics], cfg)
             if last or (epoch + 1) % cfg.eval_every_epochs == 0:
+                evaluating = time.perf_counter()
                 metrics.update(_evaluate(group))
+                metrics["eval_s"] = time.perf_counter() - evaluating
             state.epoch = epoch + 1
             state.history.append(metrics)
-            path = saver.save(state, reporter)  # written in the background; on_checkpoint once published
+            # written in the background; on_checkpoint once published; the stages' pause joins checkpoint_s
+            path = saver.save(state, reporter, row=metrics)
             reporter.epoch(metrics)
         saver.finish(reporter)  # the last upload, before the actors go
         group.shutdown(graceful=True)
@@ -115,6 +118,7 @@ def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: in
     done = state.step_in_epoch
     steps = steps_per_epoch if cfg.max_steps is None else min(steps_per_epoch, done + cfg.max_steps - state.step)
     start, chunk = time.perf_counter() - ((state.meta.get(EPOCH_ELAPSED) or 0.0) if done else 0.0), 1
+    checkpoint_s = 0.0  # this attempt's step checkpoints: not training (train_s leaves them out)
     every = cfg.checkpoint_every_n_steps
     while done < steps:
         n = min(chunk, steps - done, every - state.step % every if every else steps)  # stop at a step checkpoint
@@ -128,14 +132,16 @@ def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: in
         reporter.step(done, steps, epoch + 1)  # as the data-parallel loop reports: within the epoch
         saver.poll(reporter)
         if step_checkpoint_due(cfg, state.step, done, steps_per_epoch):
-            saver.save(state, reporter, epoch_elapsed_s=time.perf_counter() - start)
+            saving = time.perf_counter()
+            saver.save(state, reporter, epoch_elapsed_s=saving - start - checkpoint_s)  # the time in steps so far
+            checkpoint_s += time.perf_counter() - saving
         chunk = max(1, int(n * TARGET_CALL_S / max(elapsed, 1e-3)))
     state.step_in_epoch = 0
-    elapsed = time.perf_counter() - start
+    train_s = time.perf_counter() - start - checkpoint_s
     stats = group.call("finish_epoch")
     if hasattr(reporter, "scalars"):  # the stage figures the epoch row sums up, per stage
         reporter.scalars(state.step, stage_scalars(stats, cfg.num_stages))
-    return epoch_metrics(cfg, stats, epoch, state, elapsed, partition)
+    return epoch_metrics(cfg, stats, epoch, state, train_s, partition, checkpoint_s=checkpoint_s)
 
 
 def _report_scalars(reporter, closed: List[list]) -> None:
@@ -152,8 +158,9 @@ def _report_scalars(reporter, closed: List[list]) -> None:
 
 
 def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunState, elapsed: float,
-                  partition: Partition) -> dict:
-    """Combine every rank's ``finish_epoch()`` sums into the per-epoch metrics."""
+                  partition: Partition, checkpoint_s: float = 0.0) -> dict:
+    """Combine every rank's ``finish_epoch()`` sums into the per-epoch metrics. ``elapsed``: the epoch's
+    time in steps; ``checkpoint_s``: its step checkpoints' (the epoch's own and ``eval_s`` come after)."""
     readers = [s for s in stats if s["data_wait_s"] > 0] or stats
     steps = max(stats[0]["steps"], 1)
     stage_times = [mean(s["step_s"] / steps for s in stats if s["prank"] == p) for p in range(cfg.num_stages)]
@@ -171,7 +178,7 @@ def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunSta
         bubble_fraction=mean(1 - s["busy_s"] / max(s["schedule_s"], 1e-9) for s in stats),
         ideal_bubble_fraction=ideal_bubble_fraction(cfg.schedule, cfg.num_stages, cfg.num_microbatches),
         bytes_between_stages_per_step=sum(s["bytes_sent"] for s in stats) / steps,
-        partition=list(partition.counts))
+        partition=list(partition.counts), checkpoint_s=checkpoint_s, eval_s=0.0)
 
 
 def _evaluate(group: StageGroup) -> dict:

@@ -128,10 +128,13 @@ def train_worker(payload: dict) -> dict:
         # the last epoch is evaluated, also one that stops early (same all-reduced rows on every rank)
         if (state.finished(cfg) or stops_early(state.history + [metrics], cfg)
                 or state.epoch % cfg.eval_every_epochs == 0):
+            started = time.perf_counter()
             metrics.update(loop.evaluate(test_batches))
+            metrics["eval_s"] = time.perf_counter() - started
         state.history.append(metrics)
-        reporter.epoch(metrics)
-        save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter)
+        # the row goes to the driver once its checkpoint is written (checkpoint_s counts that write)
+        save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter,
+                        send_row=True)
     # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 
@@ -218,9 +221,15 @@ class _Loop:
             self.reporter.step(steps, self.steps_per_epoch, epoch + 1)
             state.step_in_epoch = steps
             if self.save_step is not None:  # checkpoint_every_n_steps, or the first preemption notice
-                self.preemption.after_step(state.step, steps, self.steps_per_epoch, lambda: self.save_step(meter))
+                self.preemption.after_step(state.step, steps, self.steps_per_epoch, lambda: self._save_step(meter))
         state.step_in_epoch = 0
         return self._epoch_metrics(epoch, state, meter, steps)
+
+    def _save_step(self, meter: EpochMeter) -> None:
+        """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``train_s``)."""
+        start = time.perf_counter()
+        self.save_step(meter)
+        meter.checkpoint_s += time.perf_counter() - start
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
         """One optimizer step; the gradients' total norm (on the device, unread) where they are clipped."""
@@ -237,18 +246,22 @@ class _Loop:
     def _epoch_metrics(self, epoch: int, state: _State, meter: EpochMeter, steps: int) -> dict:
         elapsed = meter.elapsed()
         sums = meter.totals  # one all-reduce of every rank's loss and metric sums and counts, and its times
+        train_s = elapsed - meter.checkpoint_s  # the time in steps: step checkpoints are not training
         totals = all_reduce_sum(torch.cat([sums, torch.tensor(
-            [meter.data_wait_s, elapsed], dtype=torch.float64, device=sums.device)])).tolist()
-        *sums, wait_sum, elapsed_sum = totals
+            [meter.data_wait_s, train_s, meter.checkpoint_s], dtype=torch.float64, device=sums.device)])).tolist()
+        *sums, wait_sum, train_sum, checkpoint_sum = totals
         loss_sum, samples, metric_totals = meter.split(sums)
         peaks = all_gather_list(peak_memory_bytes(self.strategy.memory_devices()))
-        # samples count targets (tokens for LMs); throughput uses the mean worker's time
+        world = self.strategy.ctx.world_size
+        # samples count targets (tokens for LMs); throughput is training throughput: samples over the mean
+        # worker's time in steps. checkpoint_s gains the epoch's own checkpoint (save_and_report), eval_s
+        # the evaluation (train_worker): the three add up to the epoch's wall time.
         return epoch_row(epoch=epoch, state=state, lr=self.optimizer.param_groups[0]["lr"], loss_sum=loss_sum,
-                         metric_totals=metric_totals, samples=samples,
-                         elapsed_s=elapsed_sum / self.strategy.ctx.world_size, steps=steps,
-                         data_wait_share=wait_sum / max(elapsed_sum, 1e-9), peak_memory_bytes=peaks,
+                         metric_totals=metric_totals, samples=samples, elapsed_s=train_sum / world, steps=steps,
+                         data_wait_share=wait_sum / max(train_sum, 1e-9), peak_memory_bytes=peaks,
                          devices=_device_record(self.strategy.ctx),  # one small object all-gather per epoch
-                         workers=self.strategy.ctx.world_size)  # elastic: the count that ended the epoch
+                         workers=world,  # elastic: the count that ended the epoch
+                         checkpoint_s=checkpoint_sum / world, eval_s=0.0)
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict:

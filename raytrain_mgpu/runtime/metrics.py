@@ -57,6 +57,7 @@ class EpochMeter:
         self._host_sums = [0.0] * (2 + 2 * m)
         self.samples = 0
         self.data_wait_s = 0.0
+        self.checkpoint_s = 0.0  # step checkpoints written inside the epoch (not training: train_s leaves it out)
         self.steps = 0
         self.start = time.perf_counter()
 
@@ -104,13 +105,15 @@ class EpochMeter:
 
     def partial(self) -> dict:
         """What this epoch has summed so far (a step checkpoint keeps it; ``resume`` adds it back)."""
-        return {"totals": self.totals.detach().cpu(), "data_wait_s": self.data_wait_s, "elapsed_s": self.elapsed()}
+        return {"totals": self.totals.detach().cpu(), "data_wait_s": self.data_wait_s, "elapsed_s": self.elapsed(),
+                "checkpoint_s": self.checkpoint_s}
 
     def resume(self, partials: Sequence[dict]) -> None:
         """Start from the sums of ``partials`` (one rank's, or several ranks' when the world size changed)."""
         for part in partials:
             self._device_sums += part["totals"].to(self._device_sums.device)
             self.data_wait_s += part["data_wait_s"]
+            self.checkpoint_s += part.get("checkpoint_s", 0.0)  # absent from checkpoints before it was kept
             self.start -= part["elapsed_s"]
 
 

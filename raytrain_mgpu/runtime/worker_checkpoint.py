@@ -132,10 +132,16 @@ def restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int
 def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer, scheduler, scaler,
                     state: RunState, metrics: dict, ctx: WorkerContext, shape_info: dict,
                     reporter: Optional[WorkerReporter] = None, epoch_partial: Optional[dict] = None,
-                    upload: CheckpointUploadMode = CheckpointUploadMode.ASYNC) -> None:
+                    upload: CheckpointUploadMode = CheckpointUploadMode.ASYNC, send_row: bool = False) -> None:
     """Every rank reports once per epoch (Ray Train requires it); rank 0 carries the checkpoint
     and the driver hears where Ray Train persisted it (``on_checkpoint``). ``upload``: rank 0's
-    upload mode (``SYNC`` waits for the upload here); the run's last save is always ``SYNC``."""
+    upload mode (``SYNC`` waits for the upload here); the run's last save is always ``SYNC``.
+
+    ``send_row`` (an epoch's end): ``metrics`` is the epoch's row. Rank 0 adds to its ``checkpoint_s``
+    the time training stood still for this checkpoint (the collectives, the waits for the previous
+    upload and report, the model and optimizer writes), then writes the history with it, sends the
+    row to the driver and reports it to Ray Train."""
+    started = time.perf_counter()
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     rng_states = gather_rng_states()  # collective: each rank keeps its own stream on resume
@@ -159,13 +165,18 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
                        "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
         if partials:
             train_state["epoch_partial_per_rank"] = partials
-        ckpt_format.write_checkpoint(directory, meta=meta, history=state.history,
-                                     model_state=model_state, train_state=train_state)
+        ckpt_format.write_checkpoint(directory, meta=meta, history=None, model_state=model_state,
+                                     train_state=train_state)
+        if send_row:
+            metrics["checkpoint_s"] = metrics.get("checkpoint_s", 0.0) + time.perf_counter() - started
+        ckpt_format.write_checkpoint(directory, meta=None, history=state.history)  # with this row's checkpoint_s
         if (cfg.keep_best and not partials
                 and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]):
             # Ray Train prunes by age here (its score order would keep the N best, not the last N):
             # a new best's model is copied aside, one more model write per improvement.
             RunFolder.of(cfg).save_best(directory)
+        if send_row and reporter is not None:
+            reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
         name = _checkpoint_dir_name()
         index = uploads.add(name)  # before the report: once Ray names it latest, the ones before are persisted
         ray.train.report({k: v for k, v in metrics.items() if v is not None},

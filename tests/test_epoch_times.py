@@ -1,0 +1,107 @@
+"""Where an epoch's time goes (issue 24): ``samples_per_s`` is training throughput, the samples over
+``train_s`` (the time in steps); ``checkpoint_s`` and ``eval_s`` are the epoch's time in checkpoints
+and in evaluation, apart from it, so that the three add up to the epoch's wall time. Without Ray:
+the real loop (``_Loop``) with a slow stand-in for the step checkpoints' save, and ``save_and_report``
+with Ray Train's report stood in for. Through Ray: tests/test_fit.py's 2-worker run (every row's
+parts, within the run's wall time); the pipeline runner's rows in
+tests/test_pipeline_step_checkpoints.py (its checkpoint_s is the stages' logged pauses).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray.train
+import torch
+from _reference import train_one_worker
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.runtime import worker_checkpoint
+from raytrain_mgpu.runtime.metrics import EpochMeter
+from raytrain_mgpu.runtime.progress import ProgressPrinter
+from raytrain_mgpu.runtime.run_state import RunState
+from raytrain_mgpu.strategies import WorkerContext
+
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1,
+           seed=3, num_workers=1, epochs=1, checkpoint_every_n_steps=5)
+SAVE_S = 0.1
+
+
+def test_step_checkpoints_are_checkpoint_time_not_training_time(monkeypatch):
+    saves, walls = [], []
+
+    def slow_save(meter):  # a step checkpoint that holds training up for SAVE_S
+        saves.append(meter.samples)
+        time.sleep(SAVE_S)
+
+    def elapsed(meter):  # the epoch's wall time, as the loop reads it
+        walls.append(time.perf_counter() - meter.start)
+        return walls[-1]
+
+    monkeypatch.setattr(EpochMeter, "elapsed", elapsed)
+    (row,) = train_one_worker(MLP, save_step=slow_save)[3]
+    steps = 1438 // 64
+    assert len(saves) == (steps - 1) // 5  # steps 5, 10, 15, 20 (the epoch's end is the epoch's checkpoint)
+    assert row["checkpoint_s"] >= len(saves) * SAVE_S
+    # The epoch's wall time is the time in steps plus the time in step checkpoints, each once; training
+    # throughput is the epoch's samples over the time in steps alone.
+    (wall,) = walls
+    assert 0 < row["train_s"] and row["train_s"] + row["checkpoint_s"] == pytest.approx(wall)
+    assert row["samples_per_s"] * row["train_s"] == pytest.approx(steps * 64)
+    assert row["step_time_s"] == pytest.approx(row["train_s"] / steps)
+    assert row["eval_s"] == 0.0  # the loop's row; train_worker times the evaluation
+
+
+def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_driver_before_the_report(
+        monkeypatch, tmp_path):
+    order, reported = [], []
+
+    def report(metrics, checkpoint=None, **upload):
+        order.append("report")
+        history = json.loads((Path(checkpoint.path) / "history.json").read_text())
+        reported.append((dict(metrics), history))
+
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
+    reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])),
+                               checkpoint=lambda path: order.append("checkpoint"))
+
+    def slow_state_dict(model):  # the model's serialisation, slow: training stands still for it
+        time.sleep(SAVE_S)
+        return model.state_dict()
+
+    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", epochs=3,
+                          storage_path=str(tmp_path))
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = SimpleNamespace(state_dict=slow_state_dict, optimizer_state_dict=lambda m, o: o.state_dict())
+    row = {"epoch": 1, "checkpoint_s": 0.25, "eval_s": 0.0}  # 0.25 s of the epoch's step checkpoints
+    state = RunState(epoch=1, step=10, history=[row])
+    started = time.perf_counter()
+    worker_checkpoint.save_and_report(
+        cfg, strategy, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        torch.amp.GradScaler("cpu", enabled=False), state, row, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)),
+        {"input_shape": [3], "num_classes": 2}, reporter, send_row=True)
+    stall = time.perf_counter() - started
+    (metrics, history), = reported
+    assert 0.25 + SAVE_S <= metrics["checkpoint_s"] <= 0.25 + stall
+    assert history[-1]["checkpoint_s"] == metrics["checkpoint_s"]  # the checkpoint's history holds it too
+    assert order == [("row", metrics["checkpoint_s"]), "report"]  # the progress line first, with it
+
+
+def test_the_progress_line_says_where_the_epochs_time_went():
+    out = io.StringIO()
+    row = {"epoch": 2, "step": 44, "train_loss": 0.5, "test_loss": 0.4, "test_accuracy": 0.9, "train_accuracy": 0.8,
+           "samples_per_s": 1408 / 1.25, "train_s": 1.25, "checkpoint_s": 0.31, "eval_s": 0.12,
+           "peak_memory_bytes": [2**20]}
+    ProgressPrinter(3, out).epoch(row)
+    assert "1,126 samples/s  train 1.2 s  ckpt 0.3 s  eval 0.1 s  mem/device" in out.getvalue()
+    out = io.StringIO()  # a row without the parts (a run's history from before they were kept): as before
+    ProgressPrinter(3, out).epoch({k: v for k, v in row.items() if k not in ("checkpoint_s", "eval_s")})
+    assert "1,126 samples/s  mem/device" in out.getvalue()
