@@ -1,5 +1,5 @@
 """Where an epoch's time goes (issue 24): ``samples_per_s`` is training throughput, the samples over
-``train_s`` (the time in steps); ``checkpoint_s`` and ``eval_s`` are the epoch's time in checkpoints
+``training_s`` (the time in steps); ``checkpoint_s`` and ``eval_s`` are the epoch's time in checkpoints
 and in evaluation, apart from it, so that the three add up to the epoch's wall time. Without Ray:
 the real loop (``_Loop``) with a slow stand-in for the step checkpoints' save, and ``save_and_report``
 with Ray Train's report stood in for. Through Ray: tests/test_fit.py's 2-worker run (every row's
@@ -51,9 +51,9 @@ def test_step_checkpoints_are_checkpoint_time_not_training_time(monkeypatch):
     # The epoch's wall time is the time in steps plus the time in step checkpoints, each once; training
     # throughput is the epoch's samples over the time in steps alone.
     (wall,) = walls
-    assert 0 < row["train_s"] and row["train_s"] + row["checkpoint_s"] == pytest.approx(wall)
-    assert row["samples_per_s"] * row["train_s"] == pytest.approx(steps * 64)
-    assert row["step_time_s"] == pytest.approx(row["train_s"] / steps)
+    assert 0 < row["training_s"] and row["training_s"] + row["checkpoint_s"] == pytest.approx(wall)
+    assert row["samples_per_s"] * row["training_s"] == pytest.approx(steps * 64)
+    assert row["step_time_s"] == pytest.approx(row["training_s"] / steps)
     assert row["eval_s"] == 0.0  # the loop's row; train_worker times the evaluation
 
 
@@ -98,10 +98,12 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
 def test_the_progress_line_says_where_the_epochs_time_went():
     out = io.StringIO()
     row = {"epoch": 2, "step": 44, "train_loss": 0.5, "test_loss": 0.4, "test_accuracy": 0.9, "train_accuracy": 0.8,
-           "samples_per_s": 1408 / 1.25, "train_s": 1.25, "checkpoint_s": 0.31, "eval_s": 0.12,
+           "samples_per_s": 1408 / 1.25, "training_s": 1.25, "checkpoint_s": 0.31, "eval_s": 0.12,
            "peak_memory_bytes": [2**20]}
     ProgressPrinter(3, out).epoch(row)
-    assert "1,126 samples/s  train 1.2 s  ckpt 0.3 s  eval 0.1 s  mem/device" in out.getvalue()
+    # the whole line: the times are no metric of their own (no "train_"/"test_" key names one)
+    assert out.getvalue().startswith("epoch   2/3  step     44  loss 0.5000  test_loss 0.4000  test_acc 0.9000  "
+                                     "1,126 samples/s  train 1.25 s  ckpt 0.31 s  eval 0.12 s  mem/device"), out.getvalue()
     out = io.StringIO()  # a row without the parts (a run's history from before they were kept): as before
     ProgressPrinter(3, out).epoch({k: v for k, v in row.items() if k not in ("checkpoint_s", "eval_s")})
     assert "1,126 samples/s  mem/device" in out.getvalue()

@@ -80,9 +80,9 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     # Where each epoch's time went (tests/test_epoch_times.py): throughput is training throughput, the
     # epoch's checkpoint and evaluation apart; the parts of the first fit's epochs fit in its wall time.
     for row in resumed.history:
-        assert row["samples_per_s"] * row["train_s"] == pytest.approx(1408)  # 22 steps of 64
+        assert row["samples_per_s"] * row["training_s"] == pytest.approx(1408)  # 22 steps of 64
         assert row["checkpoint_s"] > 0 and (row["eval_s"] > 0) == (row["test_loss"] is not None)
-    assert sum(row["train_s"] + row["checkpoint_s"] + row["eval_s"] for row in first.history) < first_s
+    assert sum(row["training_s"] + row["checkpoint_s"] + row["eval_s"] for row in first.history) < first_s
     table = pq.read_table(f"{resumed.path}/history.parquet")
     assert table.num_rows == 3 and table.column("epoch").to_pylist() == [1, 2, 3]
 

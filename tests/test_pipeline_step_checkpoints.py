@@ -322,6 +322,6 @@ def test_the_background_upload_stalls_the_stages_only_for_the_snapshot_on_a_slow
     # (Each pause the driver times around a step checkpoint holds the logged one; the epoch's own is timed
     # up to handing its history to the writer, just before the logged one ends: a few microseconds less.)
     assert sum(background) - 0.005 <= row["checkpoint_s"] <= sum(background) + 0.05, (row, background)
-    assert row["samples_per_s"] * row["train_s"] == pytest.approx(STEPS_PER_EPOCH * 64)
+    assert row["samples_per_s"] * row["training_s"] == pytest.approx(STEPS_PER_EPOCH * 64)
     assert row["eval_s"] > 0  # the last epoch is evaluated
 

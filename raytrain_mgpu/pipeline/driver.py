@@ -118,7 +118,7 @@ def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: in
     done = state.step_in_epoch
     steps = steps_per_epoch if cfg.max_steps is None else min(steps_per_epoch, done + cfg.max_steps - state.step)
     start, chunk = time.perf_counter() - ((state.meta.get(EPOCH_ELAPSED) or 0.0) if done else 0.0), 1
-    checkpoint_s = 0.0  # this attempt's step checkpoints: not training (train_s leaves them out)
+    checkpoint_s = 0.0  # this attempt's step checkpoints: not training (training_s leaves them out)
     every = cfg.checkpoint_every_n_steps
     while done < steps:
         n = min(chunk, steps - done, every - state.step % every if every else steps)  # stop at a step checkpoint
@@ -137,11 +137,11 @@ def _train_epoch(cfg: TrainConfig, group: StageGroup, state: RunState, epoch: in
             checkpoint_s += time.perf_counter() - saving
         chunk = max(1, int(n * TARGET_CALL_S / max(elapsed, 1e-3)))
     state.step_in_epoch = 0
-    train_s = time.perf_counter() - start - checkpoint_s
+    training_s = time.perf_counter() - start - checkpoint_s
     stats = group.call("finish_epoch")
     if hasattr(reporter, "scalars"):  # the stage figures the epoch row sums up, per stage
         reporter.scalars(state.step, stage_scalars(stats, cfg.num_stages))
-    return epoch_metrics(cfg, stats, epoch, state, train_s, partition, checkpoint_s=checkpoint_s)
+    return epoch_metrics(cfg, stats, epoch, state, training_s, partition, checkpoint_s=checkpoint_s)
 
 
 def _report_scalars(reporter, closed: List[list]) -> None:

@@ -226,7 +226,7 @@ class _Loop:
         return self._epoch_metrics(epoch, state, meter, steps)
 
     def _save_step(self, meter: EpochMeter) -> None:
-        """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``train_s``)."""
+        """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``training_s``)."""
         start = time.perf_counter()
         self.save_step(meter)
         meter.checkpoint_s += time.perf_counter() - start
@@ -246,9 +246,9 @@ class _Loop:
     def _epoch_metrics(self, epoch: int, state: _State, meter: EpochMeter, steps: int) -> dict:
         elapsed = meter.elapsed()
         sums = meter.totals  # one all-reduce of every rank's loss and metric sums and counts, and its times
-        train_s = elapsed - meter.checkpoint_s  # the time in steps: step checkpoints are not training
+        training_s = elapsed - meter.checkpoint_s  # the time in steps: step checkpoints are not training
         totals = all_reduce_sum(torch.cat([sums, torch.tensor(
-            [meter.data_wait_s, train_s, meter.checkpoint_s], dtype=torch.float64, device=sums.device)])).tolist()
+            [meter.data_wait_s, training_s, meter.checkpoint_s], dtype=torch.float64, device=sums.device)])).tolist()
         *sums, wait_sum, train_sum, checkpoint_sum = totals
         loss_sum, samples, metric_totals = meter.split(sums)
         peaks = all_gather_list(peak_memory_bytes(self.strategy.memory_devices()))

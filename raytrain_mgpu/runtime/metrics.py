@@ -57,7 +57,7 @@ class EpochMeter:
         self._host_sums = [0.0] * (2 + 2 * m)
         self.samples = 0
         self.data_wait_s = 0.0
-        self.checkpoint_s = 0.0  # step checkpoints written inside the epoch (not training: train_s leaves it out)
+        self.checkpoint_s = 0.0  # step checkpoints written inside the epoch (not training: training_s leaves it out)
         self.steps = 0
         self.start = time.perf_counter()
 

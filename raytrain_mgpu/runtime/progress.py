@@ -77,8 +77,8 @@ class ProgressPrinter:
             if m.get("test_loss") is not None else "")
         restart = f"  [restart {m['attempt']}]" if m.get("attempt") else ""
         # where the epoch's time went: in steps (what samples/s is of), in checkpoints, in evaluation
-        times = (f"train {m['train_s']:.1f} s  ckpt {m['checkpoint_s']:.1f} s  eval {m.get('eval_s') or 0:.1f} s  "
-                 if m.get("checkpoint_s") is not None and m.get("train_s") is not None else "")
+        times = (f"train {m['training_s']:.2f} s  ckpt {m['checkpoint_s']:.2f} s  eval {m.get('eval_s') or 0:.2f} s  "
+                 if m.get("checkpoint_s") is not None and m.get("training_s") is not None else "")
         self._write(f"epoch {m['epoch']:>3}/{self.total_epochs}  step {m['step']:>6}  "
                     f"loss {m['train_loss']:.4f}  {train}{test}"
                     f"{m['samples_per_s']:,.0f} samples/s  {times}{mem}{restart}\n")

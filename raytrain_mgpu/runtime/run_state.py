@@ -24,11 +24,11 @@ META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_
 the shapes ``TrainResult.load_model()`` builds the model with, and the config (redacted)."""
 
 EPOCH_KEYS = ("epoch", "step", "attempt", "workers", "lr", "train_loss", "train_accuracy", "samples_per_s",
-              "train_s", "step_time_s", "data_wait_share", "peak_memory_bytes", "test_loss", "test_accuracy", "devices_per_rank",
+              "training_s", "step_time_s", "data_wait_share", "peak_memory_bytes", "test_loss", "test_accuracy", "devices_per_rank",
               "backend", "gpu_ids_per_rank")
 """Every history row, in this order; ``workers`` is the world size that trained the epoch (an elastic
 run's count at the epoch's end, when a resize restarted it part-way); ``samples_per_s`` is training throughput,
-the samples over ``train_s``, the time in steps (the Ray Train runner's rows add ``checkpoint_s`` and ``eval_s``,
+the samples over ``training_s``, the time in steps (the Ray Train runner's rows add ``checkpoint_s`` and ``eval_s``,
 the epoch's time in checkpoints and evaluation, which training does not include); ``test_*`` are None on epochs without
 evaluation, ``*_accuracy`` without an accuracy metric. Other metrics ``X`` follow as ``train_X``, ``test_X``,
 then a runner's own keys."""
@@ -147,7 +147,7 @@ def epoch_row(*, epoch: int, state: RunState, lr: float, loss_sum: float, sample
         "epoch": epoch + 1, "step": state.step, "attempt": state.attempt,
         "workers": len(peak_memory_bytes) if workers is None else workers, "lr": lr,
         "train_loss": loss_sum / max(samples, 1), "train_accuracy": train.get("train_accuracy"),
-        "samples_per_s": samples / max(elapsed_s, 1e-9), "train_s": elapsed_s,
+        "samples_per_s": samples / max(elapsed_s, 1e-9), "training_s": elapsed_s,
         "step_time_s": elapsed_s / max(steps, 1),
         "data_wait_share": data_wait_share,
         "peak_memory_bytes": [int(b) for b in peak_memory_bytes],
