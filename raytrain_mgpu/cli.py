@@ -259,6 +259,10 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.short_epochs:
+        from raytrain_mgpu.bench import short_epochs
+
+        return short_epochs.run_and_print(args)
     if args.step_scalars:
         from raytrain_mgpu.bench import step_scalars
 

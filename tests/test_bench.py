@@ -89,3 +89,21 @@ def test_bench_checkpoint_runs_ray_trains_controller_with_fits_poll(monkeypatch,
     args = SimpleNamespace(widths=[8], batch_size=4, saves=2, steps_between=1, threads=1, upload_mb_per_s=0)
     assert bench_checkpoint._run_one("async", args, str(tmp_path / "storage"), str(tmp_path), 0) == {"stalls": []}
     assert seen == [FIT_POLL_S] and POLL_ENV not in os.environ
+
+
+def test_short_epochs_report_takes_an_epochs_overhead_from_two_run_lengths_and_the_step_checkpoints_share():
+    from raytrain_mgpu.bench.short_epochs import VARIANTS, Run, per_epoch_outside_steps, report
+
+    def pair(wall_10, wall_1, training=0.1, checkpoint=None):  # 10 epochs and 1 epoch, 64 x 22 samples each
+        return (Run(wall_10, [training] * 10, [1408] * 10, checkpoint and [checkpoint] * 10),
+                Run(wall_1, [training], [1408], checkpoint and [checkpoint]))
+
+    # the hand-written loop: 2.0 s more per extra epoch, 0.1 s of it in steps; fit: 0.2 s more
+    hand, ours, steps = pair(40.0, 22.0), pair(12.0, 10.2, checkpoint=0.01), pair(13.0, 11.0, checkpoint=0.02)
+    assert per_epoch_outside_steps(*hand) == pytest.approx(1.9) and per_epoch_outside_steps(*ours) == pytest.approx(0.1)
+    text = report({VARIANTS[0]: [hand], VARIANTS[1]: [ours], VARIANTS[2]: [steps]})
+    fit_line = next(line for line in text.splitlines() if line.startswith("fit "))
+    assert fit_line.split()[1:4] == ["12.0", "0.30x", "0.100"]  # wall, its ratio, per epoch outside the steps
+    assert fit_line.split()[-1] == "1.00x"  # the same samples/s: 14,080
+    # K=10: 10 x 0.01 s more checkpoint time over 10 x 0.1 s in steps
+    assert "step checkpoints every 10 steps: 10.0 % of the steps' time" in text

@@ -240,6 +240,9 @@ def add_arguments(parser) -> None:
                         help="instead: fit with per-step scalars every step, at the default log_every_n_steps and "
                              "off, side by side (raytrain_mgpu.bench.step_scalars)")
     parser.add_argument("--num-workers", type=int, default=1, help="ddp workers for --step-scalars")
+    parser.add_argument("--short-epochs", type=int, metavar="EPOCHS",
+                        help="instead: fit against a hand-written Ray Train loop on EPOCHS short epochs (digits, 2 "
+                             "workers), and fit with a step checkpoint every 10 steps (raytrain_mgpu.bench.short_epochs)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

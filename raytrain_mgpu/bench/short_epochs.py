@@ -1,0 +1,184 @@
+"""Short epochs: ``fit`` against a hand-written Ray Train loop, and what step checkpoints cost.
+
+    raytrain-mgpu bench --short-epochs 10 [--rounds 2]
+
+The README's kind of run: digits, 2 workers, a small MLP, epochs of a fraction of a second, where
+what happens between the steps (reports, checkpoints, evaluation) is most of the wall time. Per
+round, in an order rotated from round to round, on one Ray instance:
+
+- ``ray train``: what Ray Train's documentation shows a user writing: ``TorchTrainer`` with
+  ``prepare_model`` and ``prepare_data_loader`` (a ``DistributedSampler`` underneath), and after
+  every epoch ``ray.train.report`` with a checkpoint (``torch.save`` of the model); Ray's default
+  controller poll, as a user has it;
+- ``fit``: the same model (the same initial weights), data, global batch, epochs and workers,
+  evaluated and checkpointed every epoch;
+- ``fit, K=10``: the same with a step checkpoint every 10 steps (``checkpoint_every_n_steps``).
+
+Each variant runs ``--short-epochs`` epochs and 1 epoch. Per variant (medians over rounds): the wall time
+of the call (``trainer.fit()``, ``fit()``) of the long run, the time an epoch adds outside its
+steps ((wall(E) - wall(1)) / (E - 1) less an epoch's time in steps: the issue's own method, free of
+start-up), and the steady samples/s (the epochs after the first, samples over the time in steps). For ``fit, K=10``: the step checkpoints' time (the rows' ``checkpoint_s`` less the epochs'
+own, which ``fit`` has too) as a share of the steps' time. Issue 24's targets: ``fit``'s wall
+<= 0.80x the hand-written loop's, its samples/s >= 0.90x, step checkpoints <= 10 % of the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from raytrain_mgpu.config import TrainConfig
+
+CONFIG = dict(model="mlp", model_kwargs={"widths": [64]}, dataset="digits", batch_size=64, optimizer="sgd",
+              lr=0.1, seed=0, num_workers=2, cpus_per_worker=1, epochs=10)
+STEP_CHECKPOINT_EVERY = 10
+VARIANTS = ("ray train", "fit", f"fit, K={STEP_CHECKPOINT_EVERY}")
+
+
+@dataclass
+class Run:
+    wall_s: float  # the call, from before it to its return
+    training_s: List[float]  # per epoch, the time in steps
+    samples: List[int]  # per epoch
+    checkpoint_s: Optional[List[float]] = None  # per epoch (fit's rows)
+
+    @property
+    def samples_per_s(self) -> float:
+        rates = [n / t for n, t in zip(self.samples, self.training_s)]
+        return statistics.median(rates[1:] or rates)
+
+
+def per_epoch_outside_steps(long: Run, short: Run) -> float:
+    """What an epoch adds besides its steps: the wall time per extra epoch less an epoch's time in steps."""
+    epochs = len(long.training_s) - len(short.training_s)
+    return (long.wall_s - short.wall_s) / epochs - statistics.median(long.training_s[1:] or long.training_s)
+
+
+def _hand_written_loop(config: dict) -> None:
+    """What a Ray Train user writes (Ray Train's "Get started with PyTorch"), our data and model."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    from torch.utils.data import DataLoader
+
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.models import build_model
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_dict(config["cfg"])
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = ray.train.torch.prepare_model(build_model(cfg.model, data.input_shape, data.num_classes,
+                                                      cfg.model_kwargs))
+    world = ray.train.get_context().get_world_size()
+    loader = ray.train.torch.prepare_data_loader(
+        DataLoader(data.train, batch_size=cfg.batch_size // world, shuffle=True, drop_last=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    rank = ray.train.get_context().get_world_rank()
+    for epoch in range(cfg.epochs):
+        if ray.train.get_context().get_world_size() > 1:
+            loader.sampler.set_epoch(epoch)
+        epoch_start, samples = time.perf_counter(), 0
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            samples += len(y) * world
+        training_s = time.perf_counter() - epoch_start
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint = None
+            if rank == 0:
+                torch.save(model.module.state_dict() if world > 1 else model.state_dict(),
+                           os.path.join(directory, "model.pt"))
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+                with open(config["out"], "a") as out:
+                    out.write(json.dumps({"training_s": training_s, "samples": samples}) + "\n")
+            ray.train.report({"epoch": epoch + 1, "loss": loss.item()}, checkpoint=checkpoint)
+
+
+def hand_written(cfg: TrainConfig, storage: str, name: str) -> Run:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = os.path.join(storage, f"{name}.jsonl")
+    trainer = TorchTrainer(_hand_written_loop, train_loop_config={"cfg": cfg.to_dict(), "out": out},
+                           scaling_config=ScalingConfig(num_workers=cfg.num_workers),
+                           run_config=RunConfig(name=name, storage_path=storage))
+    start = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - start
+    with open(out) as f:
+        rows = [json.loads(line) for line in f]
+    return Run(wall, training_s=[r["training_s"] for r in rows], samples=[r["samples"] for r in rows])
+
+
+def ours(cfg: TrainConfig, storage: str, name: str) -> Run:
+    from raytrain_mgpu.api import fit
+
+    start = time.perf_counter()
+    result = fit(cfg.replace(storage_path=storage, name=name), stream=open(os.devnull, "w"))
+    wall = time.perf_counter() - start
+    rows = result.history
+    return Run(wall, training_s=[r["training_s"] for r in rows],
+               samples=[round(r["samples_per_s"] * r["training_s"]) for r in rows],
+               checkpoint_s=[r["checkpoint_s"] for r in rows])
+
+
+def run(epochs: int = CONFIG["epochs"], rounds: int = 2) -> Dict[str, List[tuple]]:
+    """Per variant and round: ``(long run, 1-epoch run)``."""
+    import ray
+
+    base = TrainConfig(**{**CONFIG, "epochs": epochs})
+    variants = {
+        VARIANTS[0]: lambda cfg, storage, name: hand_written(cfg, storage, name),
+        VARIANTS[1]: lambda cfg, storage, name: ours(cfg, storage, name),
+        VARIANTS[2]: lambda cfg, storage, name: ours(cfg.replace(checkpoint_every_n_steps=STEP_CHECKPOINT_EVERY),
+                                                     storage, name),
+    }
+    measured: Dict[str, List[tuple]] = {label: [] for label in VARIANTS}
+    ray.init(log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as storage:
+            for r in range(rounds):
+                for label in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                    index = VARIANTS.index(label)
+                    measured[label].append(tuple(variants[label](base.replace(epochs=n), storage, f"v{index}-e{n}-r{r}")
+                                                 for n in (epochs, 1)))
+    finally:
+        ray.shutdown()
+    return measured
+
+
+def report(measured: Dict[str, List[tuple]]) -> str:
+    base = [long for long, _ in measured[VARIANTS[0]]]
+    lines = [f"{'variant':<14} {'wall s':>7} {'vs ray train':>12} {'per epoch outside steps s':>26} "
+             f"{'samples/s':>10} {'vs ray train':>12}", "-" * 88]
+    for label, runs in measured.items():
+        longs = [long for long, _ in runs]
+        wall_ratio = statistics.median(r.wall_s / b.wall_s for r, b in zip(longs, base))
+        rate_ratio = statistics.median(r.samples_per_s / b.samples_per_s for r, b in zip(longs, base))
+        lines.append(f"{label:<14} {statistics.median(r.wall_s for r in longs):>7.1f} {wall_ratio:>11.2f}x "
+                     f"{statistics.median(per_epoch_outside_steps(*pair) for pair in runs):>26.3f} "
+                     f"{statistics.median(r.samples_per_s for r in longs):>10,.0f} {rate_ratio:>11.2f}x")
+    with_steps = [long for long, _ in measured[VARIANTS[2]]]
+    without = [long for long, _ in measured[VARIANTS[1]]]
+    shares = [(sum(k.checkpoint_s) - sum(f.checkpoint_s)) / sum(k.training_s) for k, f in zip(with_steps, without)]
+    lines.append(f"step checkpoints every {STEP_CHECKPOINT_EVERY} steps: {100 * statistics.median(shares):.1f} % of "
+                 f"the steps' time (the K run's checkpoint_s less the plain fit's, over its time in steps; "
+                 f"target <= 10 %)")
+    lines.append("medians over rounds; ratios are within a round. Targets (issue 24): fit's wall <= 0.80x, "
+                 "samples/s >= 0.90x the hand-written Ray Train loop's")
+    return "\n".join(lines)
+
+
+def run_and_print(args) -> int:
+    print(f"mlp 64-64-10 on digits, 2 workers x 1 CPU, global batch 64, {args.short_epochs} epochs (and 1), "
+          f"{os.cpu_count()} CPU cores, {args.rounds} round(s)")
+    print(report(run(args.short_epochs, args.rounds)))
+    return 0
