@@ -3,13 +3,13 @@
 The arithmetic is checked for every count against torch's own ``DistributedSampler``: with the
 micro-batch fixed by the max count and ``max x grad_accum_steps / W`` accumulation steps, every
 count trains the same samples in each optimizer step and the same number of steps per epoch.
-The two-node grow/shrink run is ``tests/test_two_node_elastic.py``.
+The two-node grow/shrink run is ``tests/test_two_node_elastic.py``; an elastic fit that starts with the
+room the cluster has (2 of at most 3) and ends with one worker's weights is tests/test_real_cpus.py's.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.utils.data import DistributedSampler
 
 import raytrain_mgpu as rtm
@@ -136,23 +136,3 @@ def test_the_memory_estimate_and_compare_refuse_a_range_naming_the_count_to_use(
     with pytest.raises(ValueError, match=r"compare: TrainConfig.num_workers=\(1, 2\) is an elastic range.*"
                                          r"Pass num_workers=2"):
         compare(cfg, ["ddp"], fit=no_fit)
-
-
-MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=66, grad_accum_steps=2, optimizer="sgd", lr=0.1,
-           seed=3, epochs=1)
-
-
-def test_an_elastic_run_takes_the_counts_room_and_equals_one_worker(ray_session, storage):
-    from _reference import one_worker_weights
-
-    # 4 CPUs, 2 a worker: room for 2 of at most 3, so each of the 2 accumulates 3 micro-batches of 11.
-    elastic = rtm.fit(rtm.TrainConfig(**MLP, num_workers=(1, 3), cpus_per_worker=2, name="elastic",
-                                      storage_path=storage, elastic_resize_interval_s=1.0))
-    assert [row["workers"] for row in elastic.history] == [2]
-    assert elastic.history[-1]["step"] == 1438 // 66
-    # One worker, 2 micro-batches of 33 a step, computed in this process (what a 1-worker fit trains).
-    one = one_worker_weights(**MLP, num_workers=1)
-    weights = elastic.load_model().state_dict()
-    assert weights.keys() == one.keys()
-    for key, value in one.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=key)

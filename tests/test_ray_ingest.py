@@ -29,6 +29,13 @@ def micro_batch_rows(outputs, targets):
     return torch.ones_like(targets).sum(), 1
 
 
+def write_raw_parquet(out) -> None:
+    """digits as raw pixel bytes in train/ and test/ (``raytrain-mgpu data convert``'s output): the fits
+    below stream it (no image decode on Ray Data's tasks, no torchvision to import there: the PNG decode
+    is checked bit for bit above them)."""
+    convert_to_parquet(rtm.TrainConfig(dataset="digits").data, str(out), rows_per_file=500)
+
+
 def write_png_parquet(out, split_folders: bool = True) -> None:
     """digits as PNG bytes: train/ and test/ with two files each, or one file of both splits."""
     from torchvision.io import encode_png
@@ -124,8 +131,8 @@ def test_ray_data_samples_are_the_loader_paths_bit_for_bit(ray_session, tmp_path
 
 
 def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tmp_path, storage):
-    write_png_parquet(tmp_path / "png")
-    common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
+    write_raw_parquet(tmp_path / "raw")
+    common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
                   batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
     managers = dataset_manager_actors(ray_session)
@@ -148,8 +155,8 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
 
 
 def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
-    write_png_parquet(tmp_path / "png")
-    common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "png"),
+    write_raw_parquet(tmp_path / "raw")
+    common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
                   batch_size=64, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2, optimizer="sgd",
                   lr=0.1, storage_path=storage)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed"))

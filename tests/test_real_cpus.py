@@ -5,9 +5,10 @@ there meets the resources a user has. Here, in a subprocess, local Rays started 
 script starts them (the CPUs they detect; 2 fake GPUs under the emulation, computed on CPU) run
 each runner and the Ray Data path once:
 
-- Ray Train workers: an elastic ``num_workers=(1, 2)`` ddp run with ``use_gpu=True``, which Ray's
-  elastic policy grows to 2 workers on the 2 fake GPUs, in a script without ``ray.init``: ``fit``
-  starts the local Ray itself and stops it after the run;
+- Ray Train workers: an elastic ``num_workers=(1, 3)`` ddp run with ``use_gpu=True``, which Ray's
+  elastic policy starts with the 2 workers the 2 fake GPUs have room for, ending with one worker's
+  weights (tests/test_elastic.py's arithmetic), in a script without ``ray.init``: ``fit`` starts the
+  local Ray itself and stops it after the run;
 - the runs below share one ``ray.init()``. The pipeline's actor group: 2 stages, one CPU each
   (every CPU of a 2-core machine);
 - Ray Data streaming into 1 Ray Train worker, with a CPU left for Ray Data's read tasks;
@@ -27,7 +28,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from _emulation_checks import check_devices
+from _reference import one_worker_weights
 from _ray_nodes import base_env
 
 import raytrain_mgpu as rtm
@@ -36,6 +39,10 @@ from raytrain_mgpu.runtime.devices import EMULATE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, epochs=2)
+# The elastic run: at most 3 workers, room for 2 (the 2 fake GPUs); the micro-batch is fixed by the max count
+# (66 / (3 x 2) = 11), so each of the 2 accumulates 3 micro-batches a step (tests/test_elastic.py's arithmetic).
+ELASTIC = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=66, grad_accum_steps=2, optimizer="sgd",
+               lr=0.1, seed=3, epochs=1, max_steps=4)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +59,9 @@ def laptop_runs():
                       storage_path=storage)
         steps = [
             # No ray.init before it: fit starts a local Ray of its own, as a script without one does.
-            {"kind": "fit", "own_ray": True, "config": dict(SMALL, dataset="digits", num_workers=[1, 2],
-                                                            use_gpu=True, max_steps=4, epochs=1, name="elastic",
-                                                            storage_path=storage)},
+            {"kind": "fit", "own_ray": True, "config": dict(ELASTIC, dataset="digits", num_workers=[1, 3],
+                                                            use_gpu=True, name="elastic", storage_path=storage),
+             "weights": str(root / "elastic.pt")},
             {"kind": "fit", "config": dict(SMALL, dataset="digits", strategy="pipeline", num_stages=2,
                                            num_microbatches=2, name="pipe", storage_path=storage)},
             {"kind": "fit", "config": dict(stream, num_workers=1, name="stream")},
@@ -71,7 +78,7 @@ def laptop_runs():
         assert done.returncode == 0, done.stderr[-4000:]
         results = json.loads((root / "results.json").read_text())
         assert len(results) == len(steps), done.stderr[-4000:]
-        yield dict(zip([s["config"]["name"] for s in steps], results))
+        yield {**dict(zip([s["config"]["name"] for s in steps], results)), "elastic.pt": str(root / "elastic.pt")}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -87,6 +94,12 @@ def test_each_runner_trains_on_the_real_cpus(laptop_runs):
     check_devices(row, workers=2, per_worker=1)  # grown to both fake GPUs; the CPUs held nothing back
     assert row["workers"] == 2 and row["step"] == 4
     assert sorted(d for ds in row["devices_per_rank"] for d in ds) == ["cuda:0", "cuda:1"]
+    # 2 of at most 3 workers train what one worker does (2 micro-batches of 33 a step), computed here
+    one = one_worker_weights(**ELASTIC, num_workers=1)
+    weights = torch.load(laptop_runs["elastic.pt"], weights_only=True)
+    assert weights.keys() == one.keys()
+    for key, value in one.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=key)
     # fit started that Ray itself (no ray.init before it) with the fake GPUs, and shut it down after
     assert elastic["ray_left_running"] is False
 
