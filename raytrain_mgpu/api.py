@@ -9,6 +9,7 @@ family, the pipeline's own actor group for ``pipeline``/``ddp_pipeline``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -48,6 +49,12 @@ class TrainResult:
     history: List[dict]
     checkpoint_path: Optional[str]
     path: str
+    startup: dict = field(default_factory=dict)
+    """Where this call's time to the first step went, in seconds (the Ray Train runner's; empty for the
+    pipeline and for a run answered from its folder): ``checks_s`` (fit's checks before Ray), ``ray_s``
+    (connecting to or starting Ray), ``worker_group_s`` (Ray Train's controller and workers, to rank 0's
+    train function), ``setup_s`` (rank 0's data, model and resume, to its first step), ``first_step_s``
+    (their sum: from the call to the first step)."""
     metrics: dict = field(init=False)
     best_checkpoint_path: Optional[str] = field(init=False)
 
@@ -81,6 +88,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     the choice and its reason are printed, logged, and added to every history row.
     ``cfg.loggers`` and ``cfg.callbacks`` see the run's events (``runtime/callbacks.py``).
     """
+    called = time.time()  # the start-up's clock (rank 0 reports its own times on this clock: time.time())
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     cfg, watchers = _watchers(cfg)  # a callback that does not import, or a logger not installed, fails before Ray
@@ -105,7 +113,9 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             stored = _stored_result(cfg, stream)  # a finished run is answered from its folder: no Ray, no worker
             if stored is not None:
                 return stored
+        checked = time.time()
         started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
+        connected = time.time()
         if cfg.strategy == "auto":
             from raytrain_mgpu.planning.auto import resolve_auto
 
@@ -123,17 +133,19 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             events.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         events.banner(_banner(cfg, plan, input_shape, num_classes))
         events.train_start(_run_info(cfg))
+        startup: dict = {}
         if plan.runner == "actor_group":
             from raytrain_mgpu.pipeline.runner import run_pipeline
 
             outcome = run_pipeline(cfg, events, plan)
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
         else:
-            history, checkpoint_path = _run_train_workers(cfg, plan, events)
+            history, checkpoint_path, rank0 = _run_train_workers(cfg, plan, events)
+            startup = _startup(called, checked, connected, rank0)
         run_path = _run_path(cfg)
         history = _stamp_auto(history, auto_record, run_path)
         _write_history(history, run_path)
-        result = TrainResult(cfg, history, checkpoint_path, run_path)
+        result = TrainResult(cfg, history, checkpoint_path, run_path, startup)
         events.train_end(result)
         return result
     finally:
@@ -239,9 +251,19 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     if pump.failure is not None:  # on the last events, after the run ended
         raise pump.failure
     if result.checkpoint is None:
-        return [], None
+        return [], None, pump.startup
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
-    return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path)
+    return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path), pump.startup
+
+
+def _startup(called: float, checked: float, connected: float, rank0: Optional[dict]) -> dict:
+    """``TrainResult.startup`` from the driver's times and rank 0's (``WorkerReporter.startup``: its
+    train function's entry and its first step, on its node's clock; none if it never got that far)."""
+    if not rank0:
+        return {}
+    parts = {"checks_s": checked - called, "ray_s": connected - checked,
+             "worker_group_s": rank0["entered"] - connected, "setup_s": rank0["first_step"] - rank0["entered"]}
+    return {**parts, "first_step_s": rank0["first_step"] - called}
 
 
 def _run_config(cfg: TrainConfig):

@@ -220,7 +220,10 @@ def _train(args: argparse.Namespace) -> int:
     result = fit(cfg)
     m = result.metrics
     accuracy = f"test_accuracy {m['test_accuracy']:.4f}, " if m.get("test_accuracy") is not None else ""
-    print(f"done in {time.perf_counter() - start:.0f} s: {accuracy}{m.get('step', 0)} steps\n"
+    s = result.startup
+    startup = (f" (first step after {s['first_step_s']:.1f} s: checks {s['checks_s']:.1f}, Ray {s['ray_s']:.1f}, "
+               f"worker group {s['worker_group_s']:.1f}, data and model {s['setup_s']:.1f})" if s else "")
+    print(f"done in {time.perf_counter() - start:.0f} s{startup}: {accuracy}{m.get('step', 0)} steps\n"
           f"  checkpoint: {result.checkpoint_path}\n  history:    {result.path}/history.parquet")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import time
@@ -146,6 +147,13 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
     assert "samples/s" in epoch_lines[-1] and "mem/device" in epoch_lines[-1]
     accuracy = float(out.split("test_accuracy ")[-1].split(",")[0])
     assert accuracy > 0.9
+    # The closing line says where the time to the first step went (TrainResult.startup): the parts add up
+    # to it (to the printed rounding), and it is within the run.
+    done = re.search(r"done in (\d+) s \(first step after ([\d.]+) s: checks ([\d.]+), Ray ([\d.]+), worker group "
+                     r"([\d.]+), data and model ([\d.]+)\): test_accuracy", out)
+    assert done, out
+    first, *parts = (float(v) for v in done.groups()[1:])
+    assert sum(parts) == pytest.approx(first, abs=0.25) and 0 < first < run_s and parts[2] > 0, done.group(0)
 
     # The same run again, from Python: answered from its folder, Ray refused.
     _refuse_ray(monkeypatch)

@@ -70,6 +70,7 @@ def _device_record(ctx: WorkerContext) -> dict:
 @name_stuck_ranks
 def train_worker(payload: dict) -> dict:
     """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": actor}."""
+    entered = time.time()  # the start-up's clock (fit's: TrainResult.startup)
     cfg: TrainConfig = payload["config"]
     plan: RunPlan = payload["plan"]  # built once by fit: the batch arithmetic is not derived again here
     torch.set_num_threads(cfg.cpus_per_worker)
@@ -118,6 +119,7 @@ def train_worker(payload: dict) -> dict:
         {"epoch": state.epoch, "step": state.step, STEP_IN_EPOCH: state.step_in_epoch}, ctx, shape_info,
         reporter, epoch_partial=meter.partial())
     test_batches = test_loader(cfg.data, data.test, shard, num_shards, plan.replica_batch, strategy.device)
+    reporter.startup(entered, time.time())
     for epoch in range(state.epoch, cfg.epochs):
         if state.finished(cfg):
             break

@@ -153,6 +153,12 @@ class WorkerReporter:
         if self.sink is not None:
             self.sink.put.remote("notice", line)
 
+    def startup(self, entered: float, first_step: float) -> None:
+        """When (``time.time()``) the train function was entered and its first step began: the driver
+        keeps the first attempt's (``TrainResult.startup``)."""
+        if self.sink is not None:
+            self.sink.put.remote("startup", {"entered": entered, "first_step": first_step})
+
 
 class SinkPump:
     """Driver thread: moves events from the sink to the printer (a ``RunEvents``) until stopped.
@@ -164,6 +170,7 @@ class SinkPump:
     def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25):
         self.sink, self.printer, self.interval_s = sink, printer, interval_s
         self.failure: Optional[BaseException] = None
+        self.startup: Optional[dict] = None  # rank 0's first ``WorkerReporter.startup``
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-mgpu-progress", daemon=True)
 
@@ -197,6 +204,8 @@ class SinkPump:
                     self.printer.checkpoint(payload)
                 elif kind == "notice":
                     self.printer.banner(payload)
+                elif kind == "startup":
+                    self.startup = self.startup or payload
                 else:
                     self.printer.step(*payload)
             except Exception as exc:  # a callback or logger raised: the run fails with it, never silently
