@@ -21,6 +21,7 @@ import torch
 from _reference import train_one_worker
 
 import raytrain_mgpu as rtm
+from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.runtime import worker_checkpoint
 from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.progress import ProgressPrinter
@@ -32,7 +33,10 @@ MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_s
 SAVE_S = 0.1
 
 
-def test_step_checkpoints_are_checkpoint_time_not_training_time(monkeypatch):
+def test_step_checkpoints_and_the_wait_for_the_last_reports_are_checkpoint_time_not_training_time(monkeypatch):
+    """On 2+ workers every rank but 0 holds its epoch's report until the controller takes it; rank 0
+    would wait for it in its next epoch's first all-reduce. The loop waits for them in a barrier
+    before the steps (``barrier_s``, stood in for here): checkpoint time, not training."""
     saves, walls = [], []
 
     def slow_save(meter):  # a step checkpoint that holds training up for SAVE_S
@@ -43,11 +47,16 @@ def test_step_checkpoints_are_checkpoint_time_not_training_time(monkeypatch):
         walls.append(time.perf_counter() - meter.start)
         return walls[-1]
 
+    def barrier_s():  # the other ranks still holding their last report for Ray Train's controller
+        time.sleep(SAVE_S)
+        return SAVE_S
+
     monkeypatch.setattr(EpochMeter, "elapsed", elapsed)
+    monkeypatch.setattr(loop_module, "barrier_s", barrier_s)
     (row,) = train_one_worker(MLP, save_step=slow_save)[3]
     steps = 1438 // 64
     assert len(saves) == (steps - 1) // 5  # steps 5, 10, 15, 20 (the epoch's end is the epoch's checkpoint)
-    assert row["checkpoint_s"] >= len(saves) * SAVE_S
+    assert row["checkpoint_s"] >= (len(saves) + 1) * SAVE_S  # the saves, and the wait for the last reports
     # The epoch's wall time is the time in steps plus the time in step checkpoints, each once; training
     # throughput is the epoch's samples over the time in steps alone.
     (wall,) = walls

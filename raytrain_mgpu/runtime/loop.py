@@ -25,7 +25,8 @@ from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
 from raytrain_mgpu.runtime.faults import name_stuck_ranks
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
-from raytrain_mgpu.runtime.metrics import EpochMeter, all_gather_list, all_reduce_sum, peak_memory_bytes, reset_peak_memory
+from raytrain_mgpu.runtime.metrics import (EpochMeter, all_gather_list, all_reduce_sum, barrier_s, peak_memory_bytes,
+                                           reset_peak_memory)
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
@@ -184,6 +185,10 @@ class _Loop:
         self.model.train()
         reset_peak_memory(self.strategy.memory_devices())
         meter = EpochMeter(self.device, self.strategy.objective)
+        # Every rank but 0 holds its last report until Ray Train's controller takes it (up to a poll: the
+        # kill-right-after-report guarantee, runtime/faults.py), and rank 0 would wait for it in the first
+        # all-reduce, inside its steps. Waited for here, it is checkpoint time, not training.
+        meter.checkpoint_s += barrier_s()
         batches = iter(self.loader)
         steps, window = state.step_in_epoch, self.window  # a step checkpoint resumes part-way
         self.preemption.resumed(state, self.steps_per_epoch)  # the driver's "resuming at step S", once

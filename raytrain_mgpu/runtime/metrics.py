@@ -117,6 +117,15 @@ class EpochMeter:
             self.start -= part["elapsed_s"]
 
 
+def barrier_s() -> float:
+    """Seconds this rank waited for every rank to arrive (0 outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0.0
+    start = time.perf_counter()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
