@@ -233,9 +233,11 @@ class _Loop:
         return self._epoch_metrics(epoch, state, meter, steps)
 
     def _save_step(self, meter: EpochMeter) -> None:
-        """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``training_s``)."""
+        """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``training_s``), with
+        the wait for the other ranks to hand their reports to Ray Train's controller (see ``train_epoch``)."""
         start = time.perf_counter()
         self.save_step(meter)
+        barrier_s()
         meter.checkpoint_s += time.perf_counter() - start
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
