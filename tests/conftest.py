@@ -192,9 +192,11 @@ def ray_session(tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.update(SHARED_RAY_TRAIN_ENV)
     os.environ[EMULATE_ENV] = str(EMULATED_GPUS)
-    # No dashboard: nothing here reads Ray's state API (tests/test_ray_ingest.py reads the GCS's actor
-    # table), and an idle dashboard costs ~1 CPU-s every 30 s of the suite.
-    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, include_dashboard=False, log_to_driver=False)
+    # With its dashboard, although no test reads Ray's state API (tests/test_ray_ingest.py reads the GCS's
+    # actor table): Ray Train's PlacementGroupCleaner asks the state API whether the controller lives, and
+    # on a Ray without a dashboard that question goes to 127.0.0.1:8265, where another test's Ray may
+    # answer "no such actor": the cleaner then removed a live run's placement group (a CI run, 2026-11-25).
+    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, include_dashboard=True, log_to_driver=False)
     try:
         yield ray
     finally:
