@@ -14,11 +14,12 @@ round, in an order rotated from round to round, on one Ray instance:
   evaluated and checkpointed every epoch;
 - ``fit, K=10``: the same with a step checkpoint every 10 steps (``checkpoint_every_n_steps``).
 
-Each variant runs ``--short-epochs`` epochs and 1 epoch. Per variant (medians over rounds): the wall time
-of the call (``trainer.fit()``, ``fit()``) of the long run, the time an epoch adds outside its
+Each variant runs ``--short-epochs`` epochs and 1 epoch. Per variant (medians over rounds): the wall
+time of the call (``trainer.fit()``, ``fit()``) of the long run, the time an epoch adds outside its
 steps ((wall(E) - wall(1)) / (E - 1) less an epoch's time in steps: the issue's own method, free of
-start-up), and the steady samples/s (the epochs after the first, samples over the time in steps). For ``fit, K=10``: the step checkpoints' time (the rows' ``checkpoint_s`` less the epochs'
-own, which ``fit`` has too) as a share of the steps' time. Issue 24's targets: ``fit``'s wall
+start-up), and the steady samples/s (the epochs after the first, samples over the time in steps).
+For ``fit, K=10``: the step checkpoints' time (the rows' ``checkpoint_s`` less the plain fit's, whose
+epochs checkpoint too) as a share of the steps' time. Issue 24's targets: ``fit``'s wall
 <= 0.80x the hand-written loop's, its samples/s >= 0.90x, step checkpoints <= 10 % of the steps.
 """
 
