@@ -39,6 +39,13 @@ def test_without_gpus_or_emulation_the_report_says_how_to_run_it(monkeypatch):
         gpu_report.run_report(sections=("nope",))
 
 
+def test_the_gpu_tests_row_runs_the_checkouts_tests():
+    # The command runs `pytest -m gpu` from CHECKOUT; it pointed one folder too deep (raytrain_mgpu/)
+    # until the first GPU run was prepared, so the row said "no tests/ folder" on every machine.
+    assert (gpu_report.CHECKOUT / "tests" / "test_gpu_report.py").is_file()
+    assert (gpu_report.CHECKOUT / "raytrain_mgpu" / "bench" / "gpu_report.py").is_file()
+
+
 def test_rows_format_as_readme_table_rows():
     row = gpu_report.Row("what it is", "1.5x", "2 x H100")
     assert gpu_report.format_rows([row]) == "| what it is | 1.5x | `raytrain-mgpu gpu-report` | 2 x H100 |"

@@ -45,6 +45,8 @@ STRATEGIES = tuple(_REGISTRY)  # every registered strategy, in the registry's or
 # The strategy whose schedules the report times: the first registered one that reads ``schedule``.
 SCHEDULED = next(name for name, cls in _REGISTRY.items() if "schedule" in cls.options_used)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""A source checkout's root (raytrain_mgpu/ and tests/ in it), where the GPU-only tests run from."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Sizes:
     d2l_samples: int
     d2l_epochs: int
     d2l_batch: int
-    strategy_steps: int
+    strategy_steps: int  # an epoch's; a step's time is the second epoch's (the first holds CUDA's warm-up)
     wide_classes: int
 
 
@@ -132,7 +134,7 @@ def _strategy_config(name: str, gpus: int, sizes: Sizes, storage: str, schedule:
     return TrainConfig(model="mlp", model_kwargs={"widths": [512] * 8}, dataset="synthetic",
                        input_shape=(1, 28, 28), num_classes=sizes.wide_classes,
                        num_samples=batch * sizes.strategy_steps, strategy=name, use_gpu=True, batch_size=batch,
-                       epochs=1, optimizer="sgd", lr=0.01, storage_path=storage, eval_every_epochs=100,
+                       epochs=2, optimizer="sgd", lr=0.01, storage_path=storage, eval_every_epochs=100,
                        name=f"gpu-report-{name}-{schedule}", **layout)
 
 
@@ -303,10 +305,9 @@ def add_arguments(parser) -> None:
 
 def run_and_print(args) -> int:
     sections = tuple(s.strip() for s in args.only.split(",")) if args.only else tuple(SECTIONS)
-    root = Path(__file__).resolve().parent.parent
     require_gpus()
     print(f"gpu-report on {machine()}", flush=True)
-    rows = run_report(sections, args.quick, root, on_row=lambda row: print(format_rows([row]), flush=True))
+    rows = run_report(sections, args.quick, CHECKOUT, on_row=lambda row: print(format_rows([row]), flush=True))
     text = "| what | figure | command | machine |\n|---|---|---|---|\n" + format_rows(rows) + "\n"
     if args.out:
         Path(args.out).write_text(text)
