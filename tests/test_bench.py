@@ -95,8 +95,8 @@ def test_short_epochs_report_takes_an_epochs_overhead_from_two_run_lengths_and_t
     from raytrain_mgpu.bench.short_epochs import VARIANTS, Run, per_epoch_outside_steps, report
 
     def pair(wall_10, wall_1, training=0.1, checkpoint=None):  # 10 epochs and 1 epoch, 64 x 22 samples each
-        return (Run(wall_10, [training] * 10, [1408] * 10, checkpoint and [checkpoint] * 10),
-                Run(wall_1, [training], [1408], checkpoint and [checkpoint]))
+        return (Run(wall_10, [training] * 10, [1408] * 10, checkpoint and [checkpoint] * 10, [22] * 10),
+                Run(wall_1, [training], [1408], checkpoint and [checkpoint], [22]))
 
     # the hand-written loop: 2.0 s more per extra epoch, 0.1 s of it in steps; fit: 0.2 s more
     hand, ours, steps = pair(40.0, 22.0), pair(12.0, 10.2, checkpoint=0.01), pair(13.0, 11.0, checkpoint=0.02)
@@ -107,3 +107,5 @@ def test_short_epochs_report_takes_an_epochs_overhead_from_two_run_lengths_and_t
     assert fit_line.split()[-1] == "1.00x"  # the same samples/s: 14,080
     # K=10: 10 x 0.01 s more checkpoint time over 10 x 0.1 s in steps
     assert "step checkpoints every 10 steps: 10.0 % of the steps' time" in text
+    # per save: 0.1 s over 2 saves an epoch that are not its last step (steps 10 and 20 of 22) x 10 epochs
+    assert "5.0 ms a save against 10 steps of 4.5 ms; against 10 steps of 50 ms (issue 24's example) 1.0 %" in text
