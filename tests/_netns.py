@@ -81,7 +81,7 @@ class TwoNodeCluster:
         self.address = f"{HEAD_IP}:{GCS_PORT}"
         (self.root / "home").mkdir(parents=True, exist_ok=True)
         self.env = base_env(self.root / "home", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME=IFNAME,
-                            RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", **FAST_NODE_DEATH)
+                            **FAST_NODE_DEATH)  # fit sets its controller poll itself
         self.head: Optional[RayNode] = None
         self.worker: Optional[RayNode] = None
         self._namespaces: List[str] = []

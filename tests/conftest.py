@@ -29,6 +29,7 @@ import time
 import pytest
 
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
+from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 
@@ -172,8 +173,9 @@ def pytest_collection_modifyitems(config, items):
 # controller, its workers and four helper actors, each a Python process (measured with
 # /proc/<pid>/stat: 22.6 CPU-s for a 2-epoch MLP fit on 2 workers, 19.7 s with these):
 SHARED_RAY_TRAIN_ENV = {
-    # each state change waits for a controller poll, every 2 s by default;
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    # each state change waits for a controller poll, every 2 s by default: fit's own poll
+    # (runtime/faults.controller_poll), set here because the tests' drivers set it as a user would;
+    POLL_ENV: FIT_POLL_S,
     # the preemption watcher, one more actor per fit (1.4 CPU-s): the spot tests, on nodes of
     # their own (tests/test_two_node_spot.py), keep it, as a user's cluster does;
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",

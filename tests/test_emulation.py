@@ -73,7 +73,7 @@ def test_resolver_under_emulation_computes_on_cpu_and_records_cuda(monkeypatch):
 
 def _clean_env(root: Path, **extra: str) -> dict:
     (root / "home").mkdir(exist_ok=True)
-    return base_env(root / "home", RAY_AUTH_MODE="disabled", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", **extra)
+    return base_env(root / "home", RAY_AUTH_MODE="disabled", **extra)  # fit sets its controller poll itself
 
 
 def _two_emulated_nodes(root: Path, env: dict):

@@ -149,7 +149,7 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
     driver's environment when TorchTrainer.fit() starts its controller: checked there."""
     import ray.train.torch
 
-    from raytrain_mgpu.runtime.faults import POLL_ENV
+    from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
     seen = []
 
@@ -186,7 +186,7 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
         with pytest.raises(KeyboardInterrupt):
             api._run_train_workers(cfg, plan, SimpleNamespace())
         assert os.environ.get(POLL_ENV) == user_value  # restored after the run
-    assert seen == ["0.2", "1.5"]
+    assert seen == [FIT_POLL_S, "1.5"]
 
 
 @pytest.mark.slow  # Ray Train's default 2 s polls: each restart waits for one
