@@ -6,11 +6,11 @@ in the head's namespace), and compares with the 1-worker run's weights computed 
 process (tests/_reference.py: the same numbers as a fit through Ray, tests/test_loaders.py):
 
 - a storage path only the head can see is refused at start, naming the node;
-- a 2-worker ``ddp`` run with ``STRICT_SPREAD`` (node ranks 0 and 1, gloo over rtm0) reads each
-  epoch what the 1-worker run reads, split into disjoint shards, and ends with its weights;
-- the same run loses its worker node (every Ray process on it, SIGKILL) half-way through
-  epoch 2; the test starts a new worker node in its place and the run resumes from the last
-  checkpoint and still ends with the reference weights;
+- a 2-worker ``ddp`` run with ``STRICT_SPREAD`` (node ranks 0 and 1, gloo over rtm0) loses its
+  worker node (every Ray process on it, SIGKILL) half-way through epoch 2; the test starts a new
+  worker node in its place and the run resumes from the last checkpoint. Each epoch (the first
+  from the first group, the second from the restarted one) read what the 1-worker run reads,
+  split into disjoint shards, and the run ends with the 1-worker run's weights;
 - a 2-stage ``pipeline`` run with one stage actor per node (activations and gradients over
   rtm0), whose worker node the test kills once epoch 1's checkpoint is published and a stage
   actor is parked before its first batch of epoch 2 (tests/_elastic_probe.py: the run cannot end
@@ -167,27 +167,8 @@ def test_storage_path_only_the_head_sees_is_refused_naming_the_node(site):
     assert refused_fit["seconds"] < 2 * storage_check["seconds"] + 10, (refused_fit, storage_check)
 
 
-def test_ddp_on_two_nodes_shards_the_data_and_equals_one_worker(site, one_worker):
+def test_ddp_on_two_nodes_shards_the_data_survives_losing_the_worker_node_and_equals_one_worker(site, one_worker):
     reference, single = one_worker
-    probe = _probe(site, "two")
-    (two,), replaced = _drive(site, "two", [{"kind": "fit", "weights": str(site.root / "two.pt"), "config": {
-        **MLP, "num_workers": 2, "placement": "STRICT_SPREAD", "data_root": str(probe), "name": "two",
-        "storage_path": str(site.shared)}}])
-    assert two["ok"] and replaced == 0, two
-    (group,) = _attempts(probe)
-    _assert_two_nodes(group)
-    # Each epoch's shards: disjoint, and together exactly what the single worker trained on.
-    for epoch in (0, 1):
-        shards = {rank: set(indices[epoch * PER_RANK_EPOCH:(epoch + 1) * PER_RANK_EPOCH])
-                  for rank, (_, indices) in group.items()}
-        assert not shards[0] & shards[1]
-        assert shards[0] | shards[1] == set(single[epoch * 2 * PER_RANK_EPOCH:(epoch + 1) * 2 * PER_RANK_EPOCH])
-    assert Path(two["checkpoint_path"]).is_relative_to(site.shared) and Path(two["checkpoint_path"]).is_dir()
-    _assert_same_weights(site.root / "two.pt", reference, atol=1e-5)
-
-
-def test_ddp_survives_losing_the_worker_node_and_still_equals_one_worker(site, one_worker):
-    reference, _ = one_worker
     probe = _probe(site, "lost", {"action": "kill_node", "node_ip": WORKER_IP,
                                   "after_samples": PER_RANK_EPOCH + PER_RANK_EPOCH // 2})
     (lost,), replaced = _drive(site, "lost", [{"kind": "fit", "weights": str(site.root / "lost.pt"), "config": {
@@ -203,6 +184,13 @@ def test_ddp_survives_losing_the_worker_node_and_still_equals_one_worker(site, o
         assert len(indices) == PER_RANK_EPOCH
         in_flight = first[rank][1][PER_RANK_EPOCH:]
         assert indices[:len(in_flight)] == in_flight
+    # Each epoch's shards (epoch 1: the first group's; epoch 2: the restarted group's): disjoint, and
+    # together exactly what the single worker trained on.
+    for epoch, shards in enumerate([{rank: set(indices[:PER_RANK_EPOCH]) for rank, (_, indices) in first.items()},
+                                    {rank: set(indices) for rank, (_, indices) in restarted_group.items()}]):
+        assert not shards[0] & shards[1]
+        assert shards[0] | shards[1] == set(single[epoch * 2 * PER_RANK_EPOCH:(epoch + 1) * 2 * PER_RANK_EPOCH])
+    assert Path(lost["checkpoint_path"]).is_relative_to(site.shared) and Path(lost["checkpoint_path"]).is_dir()
     # Lost in epoch 2, resumed from epoch 1's checkpoint on the new node, ends like one worker.
     assert [(h["epoch"], h["attempt"]) for h in lost["history"]] == [(1, 0), (2, 1)]
     assert lost["history"][-1]["step"] == 2 * STEPS_PER_EPOCH
