@@ -30,8 +30,7 @@ import os
 import statistics
 import tempfile
 import time
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from raytrain_mgpu.config import TrainConfig
@@ -49,8 +48,7 @@ class Run:
     training_s: List[float]  # per epoch, the time in steps
     samples: List[int]  # per epoch
     checkpoint_s: Optional[List[float]] = None  # per epoch (fit's rows)
-
-    steps_per_epoch: List[int] = dataclasses.field(default_factory=list)  # fit's rows
+    steps_per_epoch: List[int] = field(default_factory=list)  # fit's rows
 
     @property
     def steps(self) -> int:
