@@ -143,8 +143,12 @@ def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_referenc
     probe = site.root / "probe-lost"
     probe.mkdir()
     kill_after = STEPS_PER_EPOCH * PER_RANK_STEP + 12 * PER_RANK_STEP  # loading step 13 of epoch 2
+    # ... once rank 0 has queued its report of the step-30 checkpoint, its 7th (steps 5, 10, 15, 20, the
+    # epoch's end at 22, then 25, 30): rank 0 queues it only after its asynchronous upload, and a node
+    # lost before that resumes from the checkpoint before, by design (docs/reliability.md). With a
+    # 0.05 s controller poll the upload of step 30 outlasted steps 31-34 once (a CI run: 10 steps redone).
     (probe / "plan.json").write_text(json.dumps({"action": "kill_node", "node_ip": WORKER_IP,
-                                                 "after_samples": kill_after}))
+                                                 "after_samples": kill_after, "after_rank0_reports": 7}))
     (lost,), replaced, output = _drive(site, "lost", [{"kind": "fit", "weights": str(site.root / "lost.pt"), "config": {
         **MLP, "dataset": "_probe_data:digits", "data_root": str(probe), "num_workers": 2,
         "placement": "STRICT_SPREAD", "max_failures": 1, "checkpoint_every_n_steps": K, "name": "lost",
