@@ -35,7 +35,7 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     from _reference import evaluate, train_one_worker
     from test_callbacks import Recorder, assert_events_in_order
     from test_loggers import assert_logged
-    from test_ray_ingest import dataset_manager_actors
+    from test_ray_ingest import actors_started
 
     # Reference: one worker, three epochs in one go, in this process (what a 1-worker fit trains:
     # tests/test_loaders.py), evaluated as fit evaluates.
@@ -44,7 +44,7 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     one_test_loss = evaluate(one_fields, w_one)["test_loss"]
     # Two workers with accumulation, stopped after two epochs, then resumed for the third.
     first_events, resumed_events = Recorder(), Recorder()
-    managers = dataset_manager_actors(ray_session)
+    managers = actors_started(ray_session, "DatasetManager")
     two_cfg = rtm.TrainConfig(**MLP, strategy="auto", num_workers=2, grad_accum_steps=2, epochs=2, name="two",
                               storage_path=storage, log_every_n_steps=2, loggers=["tensorboard", "mlflow", "csv"])
     started = time.perf_counter()
@@ -55,7 +55,7 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
     resume_s = time.perf_counter() - started
     # A loader run starts no Ray Data actor (api._torch_trainer_class; a ray_data run does: test_ray_ingest.py).
-    assert dataset_manager_actors(ray_session) == managers
+    assert actors_started(ray_session, "DatasetManager") == managers
 
     # Resume trained only the third epoch and kept the history before it.
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]

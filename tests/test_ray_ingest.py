@@ -78,13 +78,14 @@ def ray_data_samples(data_cfg) -> tuple:
     return torch.cat([b["x"] for b in batches]), torch.cat([b["y"] for b in batches])
 
 
-def dataset_manager_actors(ray) -> int:
-    """Ray Train's ``DatasetManager`` actors started on this Ray so far (alive or dead), from the GCS's
-    actor table (no dashboard needed): one per run with ``datasets=``, none for a loader run
-    (``api._torch_trainer_class``)."""
+def actors_started(ray, name: str) -> int:
+    """Actors of class ``name`` started on this Ray so far (alive or dead), from the GCS's actor table
+    (no dashboard needed). Ray Train's ``DatasetManager``: one per run with ``datasets=``, none for a
+    loader run (``api._torch_trainer_class``). Ray Data's ``FooterReader``: one per execution of a read
+    of a few files (``ray_ingest.footer_readers``), 32 without it."""
     from ray._private import state
 
-    return sum(actor["ActorClassName"].endswith("DatasetManager") for actor in state.actors().values())
+    return sum(actor["ActorClassName"].endswith(name) for actor in state.actors().values())
 
 
 def loader_history(common: dict) -> list:
@@ -135,9 +136,11 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
                   batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
-    managers = dataset_manager_actors(ray_session)
+    managers, footers = actors_started(ray_session, "DatasetManager"), actors_started(ray_session, "FooterReader")
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed"))
-    assert dataset_manager_actors(ray_session) == managers + 1  # Ray Train's shard server, for this run only
+    assert actors_started(ray_session, "DatasetManager") == managers + 1  # Ray Train's shard server, for this run only
+    # 3 train files: one footer reader per epoch's listing, not Ray Data's 32 (ray_ingest.footer_readers).
+    assert actors_started(ray_session, "FooterReader") - footers == 2
     # The same config through the loader (what a 2-worker fit trains: 2 x 32 = 1 x 64): other steps.
     loaded = loader_history(common)
     assert_read_the_stream(streamed, loaded)  # the workers read the stream, not the loader
@@ -235,3 +238,18 @@ def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_any_bundle(caplog):
     full = Capacity(alive=({"CPU": 2.0, "GPU": 1.0},), node_types=(NodeType("gpu", {"CPU": 2.0, "GPU": 1.0}, 1),))
     check_cpus_left(cfg, build_plan(cfg), full)
     assert "would wait for a CPU for ever" in caplog.text and "autoscales" in caplog.text
+
+
+def test_footer_readers_follow_the_file_count_and_keep_a_users_value(monkeypatch):
+    from raytrain_mgpu.runtime.ray_ingest import FOOTER_ACTORS_ENV, footer_readers
+
+    monkeypatch.delenv(FOOTER_ACTORS_ENV, raising=False)
+    for files, actors in ((1, "1"), (3, "1"), (11, "2"), (310, "31")):
+        with footer_readers(files):
+            assert os.environ[FOOTER_ACTORS_ENV] == actors, files
+        assert FOOTER_ACTORS_ENV not in os.environ  # only around the read
+    with footer_readers(320):  # as many batches as Ray's pool: Ray's own choice
+        assert FOOTER_ACTORS_ENV not in os.environ
+    monkeypatch.setenv(FOOTER_ACTORS_ENV, "7")
+    with footer_readers(3):
+        assert os.environ[FOOTER_ACTORS_ENV] == "7"
