@@ -219,7 +219,7 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     from raytrain_mgpu.runtime.loop import train_worker
 
     RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
-    sink = ProgressSink.remote()
+    sink = ProgressSink.open()
     trainer = _torch_trainer_class()(
         train_worker,
         train_loop_config={"config": cfg, "plan": plan, "sink": sink},
@@ -247,7 +247,7 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
             raise RuntimeError(_failure_message(cfg, exc)) from exc
         raise
     finally:
-        ray.kill(sink)
+        sink.close()
     if pump.failure is not None:  # on the last events, after the run ended
         raise pump.failure
     if result.checkpoint is None:

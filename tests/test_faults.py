@@ -177,9 +177,8 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
             return False
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
-    monkeypatch.setattr(api, "ProgressSink", SimpleNamespace(remote=lambda: "sink"))
+    monkeypatch.setattr(api, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
     monkeypatch.setattr(api, "SinkPump", Pump)
-    monkeypatch.setattr(api.ray, "kill", lambda actor: None)
     monkeypatch.delenv(POLL_ENV, raising=False)
     cfg = rtm.TrainConfig(**MLP, storage_path=storage)
     plan = build_plan(cfg)

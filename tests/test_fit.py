@@ -50,12 +50,15 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     started = time.perf_counter()
     first = rtm.fit(two_cfg.replace(callbacks=[first_events]))
     first_s = time.perf_counter() - started
+    mailboxes = actors_started(ray_session, "_Mailbox")  # the driver's progress mailbox (runtime/progress.py)
     assert [h["epoch"] for h in first.history] == [1, 2]
     started = time.perf_counter()
     resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
     resume_s = time.perf_counter() - started
     # A loader run starts no Ray Data actor (api._torch_trainer_class; a ray_data run does: test_ray_ingest.py).
     assert actors_started(ray_session, "DatasetManager") == managers
+    # The resumed run's events (resumed_events below) came through the first run's mailbox, on a channel of its own.
+    assert actors_started(ray_session, "_Mailbox") == mailboxes
 
     # Resume trained only the third epoch and kept the history before it.
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
@@ -229,3 +232,33 @@ def test_cli_pipeline_job_config_trains_resumes_and_loads(ray_session, storage, 
     with torch.no_grad():
         accuracy = (model(x).argmax(1) == y).float().mean().item()
     assert accuracy == pytest.approx(result.metrics["test_accuracy"], abs=1e-6) and accuracy > 0.9
+
+
+@pytest.mark.quick  # two small actors on the shared Ray
+def test_the_runs_of_one_driver_share_its_progress_mailbox_on_channels_of_their_own(ray_session):
+    from raytrain_mgpu.runtime.progress import ProgressSink
+
+    ray = ray_session
+    first, second = ProgressSink.open(), ProgressSink.open()
+    assert first.mailbox == second.mailbox and first.channel != second.channel  # one actor for both runs
+    first.put.remote("epoch", 1)
+    second.put.remote("epoch", 2)
+    assert ray.get(first.drain.remote()) == [("epoch", 1)] and ray.get(second.drain.remote()) == [("epoch", 2)]
+    first.close()
+    first.put.remote("epoch", 3)  # a killed run's rank 0, late: dropped, nobody would drain it
+    assert ray.get(first.drain.remote()) == [] and ray.get(second.drain.remote()) == []
+    second.close()
+    ray.kill(second.mailbox)  # a mailbox that died is replaced by the next run
+    deadline = time.monotonic() + 120
+    while True:  # until it is dead: the kill is asynchronous
+        try:
+            ray.get(second.mailbox.drain.remote(second.channel), timeout=30)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed mailbox still answers"
+        time.sleep(0.1)
+    third = ProgressSink.open()
+    assert third.mailbox != second.mailbox
+    third.put.remote("notice", "hello")
+    assert ray.get(third.drain.remote()) == [("notice", "hello")]
+    third.close()

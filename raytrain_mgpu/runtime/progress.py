@@ -1,7 +1,7 @@
 """What the user sees on the driver: a start banner, a live bar, one line per epoch.
 
-Workers never print. Rank 0 sends events to a zero-CPU ``ProgressSink`` actor; a driver
-thread (``SinkPump``) drains it and hands them on. Runners that live on the driver (the
+Workers never print. Rank 0 sends events to the run's ``ProgressSink`` (a channel in a zero-CPU
+actor on the driver's node); a driver thread (``SinkPump``) drains it and hands them on. Runners that live on the driver (the
 pipeline's actor group) call the same object directly: ``fit`` gives both a
 ``runtime.callbacks.RunEvents``, which passes them to the ``ProgressPrinter`` and to the
 loggers and callbacks.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import uuid
 from typing import Optional
 
 import ray
@@ -89,35 +90,97 @@ class ProgressPrinter:
 
 
 class ProgressSink:
-    """A mailbox between rank 0 and the driver: ``ProgressSink.remote()`` starts it on the driver's node.
+    """One run's channel in the driver's mailbox: rank 0 sends events in (``put.remote(kind, payload)``),
+    the driver's :class:`SinkPump` takes them out (``drain.remote()``), as with an actor's methods.
 
-    Anywhere else it would die with that node: a lost spot node took every later progress line
-    (epochs, "resuming at step S") with it, although the run went on (tests/test_two_node_spot.py).
+    The mailbox is a zero-CPU actor on the driver's node. A driver's first run starts it and its later
+    runs on the same Ray reuse it, each with a channel of its own, closed at its end (events a killed
+    worker sends later are dropped): an actor is a Ray worker process, about 1.3 CPU-s to start and run
+    on the 2-core VM, which a driver running ``fit`` in a loop (a notebook, a sweep, this project's
+    test suite with ~60 runs) paid for every run.
+
+    On the driver's node because anywhere else it would die with that node: a lost spot node took every
+    later progress line (epochs, "resuming at step S") with it, although the run went on
+    (tests/test_two_node_spot.py).
     """
 
-    @staticmethod
-    def remote():
+    _mailbox: Optional[tuple] = None  # (the Ray and node it runs for, its handle)
+    OPEN_TIMEOUT_S = 60.0
+
+    def __init__(self, mailbox, channel: str):
+        self.mailbox, self.channel = mailbox, channel
+
+    @classmethod
+    def open(cls) -> "ProgressSink":
+        """A new channel, in the driver's mailbox (started here if this driver has none on this Ray, or
+        it died)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        context = ray.get_runtime_context()
+        here = context.get_node_id()
+        key = (context.get_job_id(), here)
+        channel = uuid.uuid4().hex
+        if cls._mailbox is not None and cls._mailbox[0] == key:
+            try:
+                ray.get(cls._mailbox[1].open.remote(channel), timeout=cls.OPEN_TIMEOUT_S)
+                return cls(cls._mailbox[1], channel)
+            except Exception:  # the mailbox died (or never answers): a new one
+                pass
         # Hard affinity: with soft=True a busy head raylet spilled the lease back to a worker node
         # (seen on the namespace nodes); the driver's own node is alive as long as the driver is.
-        here = ray.get_runtime_context().get_node_id()
-        return _Mailbox.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+        mailbox = _Mailbox.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+        mailbox.open.remote(channel)  # before any put: an actor runs its calls in order
+        cls._mailbox = (key, mailbox)
+        return cls(mailbox, channel)
+
+    @property
+    def put(self) -> "_ChannelMethod":
+        return _ChannelMethod(self.mailbox.put, self.channel)
+
+    @property
+    def drain(self) -> "_ChannelMethod":
+        return _ChannelMethod(self.mailbox.drain, self.channel)
+
+    def close(self) -> None:
+        """The run is over: its channel goes, with any event still in it (the driver drained the last ones)."""
+        try:
+            self.mailbox.close.remote(self.channel)
+        except Exception:  # the mailbox is gone already
+            pass
+
+
+class _ChannelMethod:
+    """A mailbox method bound to one channel: ``.remote(*args)`` calls it with the channel first."""
+
+    def __init__(self, method, channel: str):
+        self.method, self.channel = method, channel
+
+    def remote(self, *args):
+        return self.method.remote(self.channel, *args)
 
 
 @ray.remote(num_cpus=0)
 class _Mailbox:
-    """The sink's actor (see :class:`ProgressSink`)."""
+    """The driver's mailbox (see :class:`ProgressSink`): events per channel, in arrival order."""
 
     def __init__(self):
-        self.events = []
+        self.channels = {}
 
-    def put(self, kind: str, payload) -> None:
-        self.events.append((kind, payload))
+    def open(self, channel: str) -> None:
+        self.channels[channel] = []
 
-    def drain(self) -> list:
-        events, self.events = self.events, []
+    def put(self, channel: str, kind: str, payload) -> None:
+        if channel in self.channels:  # a closed run's late events are dropped
+            self.channels[channel].append((kind, payload))
+
+    def drain(self, channel: str) -> list:
+        events = self.channels.get(channel, [])
+        if channel in self.channels:
+            self.channels[channel] = []
         return events
+
+    def close(self, channel: str) -> None:
+        self.channels.pop(channel, None)
 
 
 class WorkerReporter:
