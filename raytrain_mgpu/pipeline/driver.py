@@ -18,10 +18,11 @@ from typing import List, Optional, Tuple
 from raytrain_mgpu.batches import shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.runtime.engine import run_epochs
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.step_checkpoints import step_checkpoint_due
 from raytrain_mgpu.runtime.step_scalars import stage_scalars
-from raytrain_mgpu.runtime.run_state import RunState, add_metric_totals, epoch_row, eval_columns, stops_early
+from raytrain_mgpu.runtime.run_state import RunState, add_metric_totals, epoch_row, eval_columns
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.pipeline.checkpoints import EPOCH_ELAPSED, EPOCH_PARTIALS, CheckpointSaver
 from raytrain_mgpu.pipeline.group import StageGroup
@@ -85,21 +86,15 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState) ->
         shape_info = {"input_shape": shape_record(input_shape), "num_classes": num_classes}  # for load_model()
         saver = CheckpointSaver(cfg, group, partition, shape_info)
         path = state.checkpoint
-        for epoch in range(state.epoch, cfg.epochs):
-            if state.finished(cfg):
-                break
-            metrics = _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition, saver)
-            # the last epoch is evaluated, also one that stops early
-            last = epoch + 1 == cfg.epochs or state.finished(cfg) or stops_early(state.history + [metrics], cfg)
-            if last or (epoch + 1) % cfg.eval_every_epochs == 0:
-                evaluating = time.perf_counter()
-                metrics.update(_evaluate(group))
-                metrics["eval_s"] = time.perf_counter() - evaluating
-            state.epoch = epoch + 1
-            state.history.append(metrics)
-            # written in the background; on_checkpoint once published; the stages' pause joins checkpoint_s
-            path = saver.save(state, reporter, row=metrics)
-            reporter.epoch(metrics)
+
+        def end_epoch(row: dict) -> None:
+            nonlocal path
+            path = saver.save(state, reporter, row=row)  # written in the background; the stages' pause joins checkpoint_s
+            reporter.epoch(row)
+
+        run_epochs(cfg, state, lambda epoch: _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition,
+                                                          saver),
+                   lambda: _evaluate(group), end_epoch)
         saver.finish(reporter)  # the last upload, before the actors go
         group.shutdown(graceful=True)
         return path, state.history

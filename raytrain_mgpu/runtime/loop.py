@@ -23,6 +23,7 @@ from raytrain_mgpu.runtime import ray_ingest
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
+from raytrain_mgpu.runtime.engine import run_epochs
 from raytrain_mgpu.runtime.faults import name_stuck_ranks
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import (EpochMeter, all_gather_list, all_reduce_sum, barrier_s, peak_memory_bytes,
@@ -33,7 +34,7 @@ from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.preemption import PreemptionCheck
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH, ResumableSampler
-from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns, stops_early
+from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns
 from raytrain_mgpu.runtime.step_scalars import StepWindow
 from raytrain_mgpu.runtime.worker_checkpoint import (load_train_state, restore, save_and_report,
                                                    seed_rank_stream)
@@ -121,23 +122,17 @@ def train_worker(payload: dict) -> dict:
         reporter, epoch_partial=meter.partial())
     test_batches = test_loader(cfg.data, data.test, shard, num_shards, plan.replica_batch, strategy.device)
     reporter.startup(entered, time.time())
-    for epoch in range(state.epoch, cfg.epochs):
-        if state.finished(cfg):
-            break
+
+    def train_epoch(epoch: int) -> dict:
         sampler.set_epoch(epoch)  # the loader hands the epoch to transforms with the indices (runtime/loaders.py)
         prefetch(data.train, sampler)  # Parquet: load exactly this worker's rows once, before the loader forks
-        metrics = loop.train_epoch(epoch, state)
-        state.epoch = epoch + 1
-        # the last epoch is evaluated, also one that stops early (same all-reduced rows on every rank)
-        if (state.finished(cfg) or stops_early(state.history + [metrics], cfg)
-                or state.epoch % cfg.eval_every_epochs == 0):
-            started = time.perf_counter()
-            metrics.update(loop.evaluate(test_batches))
-            metrics["eval_s"] = time.perf_counter() - started
-        state.history.append(metrics)
-        # the row goes to the driver once its checkpoint is written (checkpoint_s counts that write)
-        save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, metrics, ctx, shape_info, reporter,
-                        send_row=True)
+        return loop.train_epoch(epoch, state)
+
+    # Every rank evaluates the same epochs (all-reduced rows); the row goes to the driver once its
+    # checkpoint is written (checkpoint_s counts that write).
+    run_epochs(cfg, state, train_epoch, lambda: loop.evaluate(test_batches),
+               lambda row: save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, row, ctx,
+                                           shape_info, reporter, send_row=True))
     # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 

@@ -1,0 +1,64 @@
+"""The epoch loop both runners share (``runtime/engine.run_epochs``), with stand-in epochs.
+
+Both runners run it: the Ray Train workers (tests/test_fit.py, tests/test_best_checkpoint.py) and the
+pipeline's driver (tests/test_pipeline_ray.py, the pipeline half of tests/test_best_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.runtime.engine import run_epochs
+from raytrain_mgpu.runtime.run_state import RunState
+
+
+def _run(cfg, state=None, losses=None, steps_per_epoch=10) -> tuple:
+    """Run ``cfg``'s epochs; each epoch's test_loss is ``losses[epoch]``. What was called, in order."""
+    state = state or RunState()
+    calls = []
+
+    def train_epoch(epoch):
+        calls.append(("train", epoch))
+        state.step += steps_per_epoch
+        return {"epoch": epoch + 1, "step": state.step, "test_loss": None}
+
+    def evaluate():
+        calls.append(("evaluate", state.epoch))
+        return {"test_loss": (losses or {}).get(state.epoch - 1, 1.0)}
+
+    def end_epoch(row):
+        assert state.history[-1] is row  # recorded before it is checkpointed
+        calls.append(("end", row["epoch"], "eval_s" in row))
+
+    run_epochs(cfg, state, train_epoch, evaluate, end_epoch)
+    return state, calls
+
+
+def test_epochs_are_evaluated_every_eval_every_epochs_and_at_the_last():
+    state, calls = _run(rtm.TrainConfig(epochs=5, eval_every_epochs=2))
+    assert calls == [("train", 0), ("end", 1, False), ("train", 1), ("evaluate", 2), ("end", 2, True),
+                     ("train", 2), ("end", 3, False), ("train", 3), ("evaluate", 4), ("end", 4, True),
+                     ("train", 4), ("evaluate", 5), ("end", 5, True)]
+    assert state.epoch == 5 and [row["epoch"] for row in state.history] == [1, 2, 3, 4, 5]
+
+
+def test_max_steps_makes_its_epoch_the_last_and_evaluated():
+    state, calls = _run(rtm.TrainConfig(epochs=5, eval_every_epochs=3, max_steps=20))
+    assert calls == [("train", 0), ("end", 1, False), ("train", 1), ("evaluate", 2), ("end", 2, True)]
+    assert state.epoch == 2
+
+
+def test_an_early_stop_is_evaluated_and_ends_the_run():
+    # test_loss improves at epoch 1 only; patience 2: epochs 2 and 3 do not improve, the run stops after 3.
+    cfg = rtm.TrainConfig(epochs=8, monitor="test_loss", mode="min", early_stopping_patience=2)
+    state, calls = _run(cfg, losses={0: 0.5, 1: 0.6, 2: 0.7})
+    assert [c for c in calls if c[0] == "train"] == [("train", 0), ("train", 1), ("train", 2)]
+    assert calls[-2:] == [("evaluate", 3), ("end", 3, True)]
+
+
+def test_a_resumed_run_trains_only_the_epochs_left_and_a_finished_one_none():
+    resumed = RunState()
+    resumed.epoch, resumed.step, resumed.history = 3, 30, [{"epoch": e} for e in (1, 2, 3)]
+    state, calls = _run(rtm.TrainConfig(epochs=4), state=resumed)
+    assert calls == [("train", 3), ("evaluate", 4), ("end", 4, True)]
+    _, calls = _run(rtm.TrainConfig(epochs=4), state=state)
+    assert calls == []
