@@ -89,12 +89,14 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState) ->
 
         def end_epoch(row: dict) -> None:
             nonlocal path
-            path = saver.save(state, reporter, row=row)  # written in the background; the stages' pause joins checkpoint_s
+            # written in the background; on_checkpoint once published; the stages' pause joins checkpoint_s
+            path = saver.save(state, reporter, row=row)
             reporter.epoch(row)
 
-        run_epochs(cfg, state, lambda epoch: _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition,
-                                                          saver),
-                   lambda: _evaluate(group), end_epoch)
+        def train_epoch(epoch: int) -> dict:
+            return _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition, saver)
+
+        run_epochs(cfg, state, train_epoch, lambda: _evaluate(group), end_epoch)
         saver.finish(reporter)  # the last upload, before the actors go
         group.shutdown(graceful=True)
         return path, state.history

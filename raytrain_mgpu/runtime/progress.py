@@ -1,10 +1,10 @@
 """What the user sees on the driver: a start banner, a live bar, one line per epoch.
 
 Workers never print. Rank 0 sends events to the run's ``ProgressSink`` (a channel in a zero-CPU
-actor on the driver's node); a driver thread (``SinkPump``) drains it and hands them on. Runners that live on the driver (the
-pipeline's actor group) call the same object directly: ``fit`` gives both a
-``runtime.callbacks.RunEvents``, which passes them to the ``ProgressPrinter`` and to the
-loggers and callbacks.
+actor on the driver's node); a driver thread (``SinkPump``) drains it and hands them on. Runners
+that live on the driver (the pipeline's actor group) call the same object directly: ``fit``
+gives both a ``runtime.callbacks.RunEvents``, which passes them to the ``ProgressPrinter`` and
+to the loggers and callbacks.
 """
 
 from __future__ import annotations
