@@ -18,6 +18,11 @@ Regression losses and metrics view the targets in the outputs' shape when both h
 many values (a 1-unit head with one target per sample), in the outputs' dtype: torch's
 ``mse_loss`` would otherwise broadcast ``(N, 1)`` against ``(N,)`` to ``(N, N)``.
 
+The built-in losses and metrics take a model zoo's outputs as they come: a tensor, or anything
+holding ``logits`` (a Hugging Face ``ModelOutput`` or another object with a ``logits``
+attribute, a dict, a named tuple), whose logits they use (:func:`logits_of`). Your own loss and
+metrics get the outputs untouched.
+
 Factories load through ``_factory.load_factory`` and follow its rules (no standard-library
 callables; a config file names one only with ``allow_code`` or a trusted module).
 """
@@ -32,9 +37,23 @@ from torch.nn import functional as F
 from raytrain_mgpu._factory import is_factory, load_factory
 from raytrain_mgpu.batches import detach
 
-__all__ = ["LOSSES", "METRICS", "Objective", "metric_name", "default_metrics", "Predictions", "move_pairs", "add_pairs"]
+__all__ = ["LOSSES", "METRICS", "Objective", "logits_of", "metric_name", "default_metrics", "Predictions", "move_pairs", "add_pairs"]
 
 Pair = Tuple[object, object]  # (sum, count): tensors on the outputs' device, or Python numbers
+
+
+def logits_of(outputs):
+    """``outputs`` if a tensor, else its ``logits`` (a dict's key, or an attribute: ``ModelOutput``, a
+    named tuple, a dataclass); a ValueError naming the type and the fix for anything else."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ValueError(f"the model returned a {type(outputs).__name__} with no 'logits' tensor, which the built-in "
+                     f"losses and metrics cannot read. Return a tensor (or an object, dict or named tuple with "
+                     f"'logits'), or set TrainConfig.loss and metrics to functions of your outputs "
+                     f"('module:function').")
 
 
 def _as_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -99,6 +118,15 @@ def default_metrics(metrics: Optional[Sequence[str]], num_classes: Optional[int]
     return ("accuracy",) if num_classes is not None else ()
 
 
+def _as_is(outputs):
+    return outputs
+
+
+def _reader(spec: str) -> Callable:
+    """What a loss or metric named ``spec`` is handed of the outputs: a factory all of them, a built-in the logits."""
+    return _as_is if is_factory(spec) else logits_of
+
+
 def _load(spec: str, registry: dict, field: str) -> Callable:
     return load_factory(spec, field) if is_factory(spec) else registry[spec]
 
@@ -115,6 +143,9 @@ class Objective:
         self.metric_specs = tuple(metrics)
         self.names: Tuple[str, ...] = tuple(metric_name(m) for m in self.metric_specs)
         self._metrics = [_load(m, METRICS, "metrics") for m in self.metric_specs]
+        # A built-in reads a model zoo's logits (logits_of); a user's function gets the outputs as they are.
+        self._loss_reads = _reader(loss)
+        self._metric_reads = [_reader(m) for m in self.metric_specs]
 
     @classmethod
     def of(cls, cfg, num_classes: Optional[int]) -> "Objective":
@@ -123,7 +154,7 @@ class Objective:
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of the batch; a custom loss that returns no scalar tensor is named."""
-        value = self._loss(outputs, targets)
+        value = self._loss(self._loss_reads(outputs), targets)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"TrainConfig.loss={self.loss_spec!r} returned {shape}, not a scalar tensor. Return "
@@ -134,8 +165,8 @@ class Objective:
         """Every metric's ``(sum, count)`` for one batch, where ``outputs`` live (no host sync)."""
         outputs = detach(outputs)
         pairs = []
-        for spec, metric in zip(self.metric_specs, self._metrics):
-            pair = metric(outputs, targets)
+        for spec, metric, reads in zip(self.metric_specs, self._metrics, self._metric_reads):
+            pair = metric(reads(outputs), targets)
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"TrainConfig.metrics entry {spec!r} returned {type(pair).__name__}, not a "
                                  f"(sum, count) pair. Return e.g. ((outputs - targets).abs().sum(), targets.numel()).")

@@ -23,6 +23,7 @@ processes and on the shared test Ray's workers.
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import multiprocessing as mp
@@ -145,6 +146,70 @@ def test_a_loss_that_returns_no_scalar_and_a_metric_that_returns_no_pair_are_nam
         objective.loss(out, y)
     with pytest.raises(ValueError, match=r"entry 'test_objectives:squared_error' returned Tensor, not a \(sum, count\)"):
         objective.measure(out, y)
+
+
+class ZooOutput(dict):
+    """What a Hugging Face model returns (``ModelOutput``: a dict whose keys are also attributes)."""
+
+    __getattr__ = dict.__getitem__
+
+
+Named = collections.namedtuple("Named", "loss logits")  # a model zoo's outputs as a named tuple
+
+
+def test_built_in_losses_and_metrics_read_a_model_zoos_logits_and_user_ones_get_the_outputs():
+    logits, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1])
+    objective = Objective("cross_entropy", ["accuracy", "top5"])
+    plain_loss, plain_pairs = objective.loss(logits, y), objective.measure(logits, y)
+    for outputs in ({"logits": logits, "hidden": logits * 0}, ZooOutput(logits=logits), Named(None, logits)):
+        assert torch.equal(objective.loss(outputs, y), plain_loss), type(outputs)
+        assert [(int(a), b) for a, b in objective.measure(outputs, y)] == [(int(a), b) for a, b in plain_pairs]
+    with pytest.raises(ValueError, match=r"returned a tuple with no 'logits' tensor.*'module:function'"):
+        objective.loss((logits, logits), y)
+    # A user's loss and metric get the outputs as the model returned them.
+    LOGITS_SEEN.clear()
+    mine = Objective("test_objectives:logits_loss", ["test_objectives:logits_metric"])
+    outputs = ZooOutput(logits=logits)
+    assert torch.equal(mine.loss(outputs, y), plain_loss)
+    mine.measure(outputs, y)
+    assert LOGITS_SEEN == [ZooOutput, ZooOutput]
+
+
+LOGITS_SEEN: list = []
+
+
+def logits_loss(outputs, targets):
+    LOGITS_SEEN.append(type(outputs))
+    return F.cross_entropy(outputs.logits, targets)
+
+
+def logits_metric(outputs, targets):
+    LOGITS_SEEN.append(type(outputs))
+    return (outputs.logits.argmax(1) == targets).sum(), targets.numel()
+
+
+def test_a_fit_step_and_the_meter_take_a_model_returning_logits_in_a_dict():
+    """One strategy step (compute_loss) and the epoch meter on a model that returns ``{"logits": ...}``:
+    the loss, gradients and accuracy of the same model returning the tensor."""
+    torch.manual_seed(0)
+    base = nn.Linear(3, 4)
+    wrapped = nn.Module()
+    wrapped.inner = base
+    wrapped.forward = lambda x: {"logits": base(x)}
+    x, y = torch.randn(8, 3), torch.randint(0, 4, (8,))
+    strategy = _strategy("ddp", 1, Objective())
+    loss_dict, outputs = strategy.compute_loss(wrapped, x, y)
+    loss_dict.backward()
+    grads = [p.grad.clone() for p in base.parameters()]
+    base.zero_grad()
+    loss_plain, plain_outputs = strategy.compute_loss(base, x, y)
+    loss_plain.backward()
+    assert torch.equal(loss_dict, loss_plain)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, base.parameters()))
+    meter, plain_meter = EpochMeter(CPU, Objective()), EpochMeter(CPU, Objective())
+    meter.add(loss_dict, outputs, y)
+    plain_meter.add(loss_plain, plain_outputs, y)
+    assert torch.equal(meter.totals, plain_meter.totals)
 
 
 def test_regression_losses_view_the_targets_in_the_outputs_shape():
