@@ -1,4 +1,11 @@
-"""Resolving ``"package.module:function"`` factories, and shipping the user's own to workers.
+"""Resolving the user's code: ``"package.module:function"`` factories, or the objects themselves.
+
+From Python, every field that names code (``model``, ``dataset``, ``optimizer``, ``loss``,
+``metrics`` entries, ``callbacks``) also takes the class or function itself, including one
+defined in ``__main__`` or a notebook cell, as Ray Train takes ``train_loop_per_worker``: Ray
+pickles it with cloudpickle, by value for ``__main__``, by reference (its module shipped, below)
+otherwise. A run folder records such an object as :func:`code_record` (its qualified name and a
+hash of its source), so a resume with another object is refused like a changed config.
 
 A factory in the user's own folder imports on the driver (the folder is on ``sys.path``)
 but not on Ray workers, which start elsewhere. ``local_modules_to_ship`` finds such
@@ -19,6 +26,8 @@ A factory is code, so two rules keep a config from calling arbitrary functions:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import inspect
 import os
@@ -30,8 +39,54 @@ from typing import Callable, Iterable, Tuple
 TRUSTED_MODULES_ENV = "RAYTRAIN_MGPU_TRUSTED_MODULES"
 
 
-def is_factory(spec: str) -> bool:
-    return ":" in spec
+def is_factory(spec) -> bool:
+    """Whether ``spec`` is the user's own code: a ``module:function`` string, or an object from Python."""
+    return is_object(spec) or (isinstance(spec, str) and ":" in spec)
+
+
+def is_object(spec) -> bool:
+    """A class, function or callable instance handed over from Python (not a name)."""
+    return callable(spec) and not isinstance(spec, str)
+
+
+def _named(spec):
+    """What names an object: a function or class itself, an instance's class, a partial's function."""
+    while isinstance(spec, functools.partial):
+        spec = spec.func
+    return spec if hasattr(spec, "__qualname__") else type(spec)
+
+
+def code_name(spec) -> str:
+    """``spec`` as messages and reports name it: a string as given, an object's ``module:qualname``."""
+    if isinstance(spec, str):
+        return spec
+    named = _named(spec)
+    return f"{getattr(named, '__module__', None) or '?'}:{named.__qualname__}"
+
+
+def function_name(spec) -> str:
+    """The name after the ``:`` (a metric is reported under it), or a registry name as it is."""
+    return code_name(spec).split(":", 1)[-1] if is_factory(spec) else spec
+
+
+def code_record(spec):
+    """What a run folder records of ``spec``: a name as it is; an object as
+    ``<object module:qualname sha256:...>`` of its source (of its code object where Python has no source,
+    e.g. ``python -c``), so that an edited function or another object refuses a resume."""
+    if spec is None or isinstance(spec, str):
+        return spec
+    named = _named(spec)
+    try:
+        source = inspect.getsource(named)
+    except (OSError, TypeError):
+        source = _code_text(named)
+    if named is not spec and not isinstance(spec, functools.partial):  # an instance: its plain settings too
+        source += repr(sorted((k, v) for k, v in vars(spec).items() if isinstance(v, (bool, int, float, str, tuple))
+                              or v is None) if hasattr(spec, "__dict__") else spec)
+    if isinstance(spec, functools.partial):
+        source += repr((spec.args, sorted(spec.keywords.items())))
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return f"<object {code_name(spec)} sha256:{digest}>"
 
 
 def _is_standard_library(module_name: str) -> bool:
@@ -73,8 +128,12 @@ def check_file_factories(values: dict, fields: Iterable[str], source: str, allow
             f"registry name.")
 
 
-def load_factory(spec: str, field: str) -> Callable:
-    """Import ``module:function``; errors name the field, the module and the fix."""
+def load_factory(spec, field: str) -> Callable:
+    """Import ``module:function`` (an object from Python is already the function); errors name the field,
+    the module and the fix. An object handed over from Python is the user's own code, as a string typed
+    in Python is: the standard-library rule is for names (``functools.partial(build, width=64)`` is fine)."""
+    if is_object(spec):
+        return spec
     check_factory_spec(spec, field)
     module_name, func_name = spec.split(":", 1)
     # Console scripts do not put the working directory on sys.path; appending it (not
@@ -102,6 +161,41 @@ def load_factory(spec: str, field: str) -> Callable:
     return func
 
 
+def _code_text(obj) -> str:
+    """A function's (a class's methods') bytecode, names and constants, without the addresses and line
+    numbers that differ between processes: the record of code that has no source file."""
+    if isinstance(obj, (classmethod, staticmethod, property)):
+        obj = getattr(obj, "__func__", None) or obj.fget
+    if isinstance(obj, type):
+        return repr(sorted((name, _code_text(value)) for name, value in vars(obj).items()
+                           if callable(value) or isinstance(value, (classmethod, staticmethod, property))))
+    code = getattr(obj, "__code__", obj)
+    if not hasattr(code, "co_code"):
+        return ""
+    consts = [_code_text(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts]
+    return repr((code.co_code, code.co_names, consts))
+
+
+def check_objects_ship(cfg) -> None:
+    """Every class or function given from Python pickles as Ray will send it to the workers (cloudpickle:
+    ``__main__``'s by value); one that does not fails here, before Ray, naming it and the fix."""
+    from ray import cloudpickle
+
+    entries = [(name, getattr(cfg, name)) for name in ("model", "dataset", "optimizer", "loss")]
+    entries += [("metrics", entry) for entry in cfg.metrics or []]
+    for field, spec in entries:
+        if not is_object(spec):
+            continue
+        try:
+            cloudpickle.dumps(spec)
+        except Exception as exc:  # whatever the object holds that cannot travel
+            raise ValueError(
+                f"TrainConfig.{field}={code_name(spec)!r} cannot be sent to the Ray workers: pickling it raised "
+                f"{type(exc).__name__}: {exc}. Ray sends your objects by value (cloudpickle), with everything "
+                f"they refer to: build what cannot travel (locks, open files, clients, CUDA tensors) inside the "
+                f"function instead of capturing it, or name a module-level function as 'module:function'.") from exc
+
+
 def keyword_parameters(func: Callable) -> Tuple[frozenset, bool]:
     """The names ``func`` accepts as keyword arguments, and whether it takes ``**kwargs``.
 
@@ -126,7 +220,9 @@ def local_modules_to_ship(*specs: str) -> list:
     for spec in specs:
         if not is_factory(spec):
             continue
-        top = spec.split(":", 1)[0].split(".")[0]
+        top = code_name(spec).split(":", 1)[0].split(".")[0]
+        if top in ("__main__", "?"):  # cloudpickle sends __main__'s objects by value
+            continue
         module = sys.modules.get(top) or importlib.import_module(top)
         origin = getattr(module, "__file__", None)
         if origin is None:

@@ -19,7 +19,7 @@ from torch import nn
 from raytrain_mgpu.batches import as_shape, shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices, ray_ingest
-from raytrain_mgpu._factory import is_factory, load_factory
+from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
@@ -91,6 +91,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     called = time.time()  # the start-up's clock (rank 0 reports its own times on this clock: time.time())
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
+    check_objects_ship(cfg)  # a class or function from Python that cannot be pickled, named before Ray
     cfg, watchers = _watchers(cfg)  # a callback that does not import, or a logger not installed, fails before Ray
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray
     check_model_builds(cfg, input_shape, num_classes)  # on meta: a factory that raises fails here, named
@@ -180,7 +181,7 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
     elif not cfg.use_gpu and plan.devices_per_worker > 1:  # dp, dp_balanced, mp, ddp2, ddp_mp on CPU
         device += f" ({plan.devices_per_worker} CPU stand-in devices)"
     outputs = f"{num_classes} classes" if num_classes is not None else "outputs (no classes)"
-    return (f"raytrain-mgpu: {cfg.model} on {cfg.dataset} {as_shape(input_shape)} -> {outputs} | "
+    return (f"raytrain-mgpu: {code_name(cfg.model)} on {code_name(cfg.dataset)} {as_shape(input_shape)} -> {outputs} | "
             f"strategy {cfg.strategy}, {describe_range(cfg)} worker(s) x {device} | {plan.describe()} | "
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 

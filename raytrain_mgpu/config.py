@@ -36,11 +36,11 @@ class TrainConfig:
 
     # --- model and data
     model: str = "lenet"
-    """Registry name (``lenet``, ``resnet18``, ``mlp``, ``transformer_lm``) or ``pkg.module:function``."""
+    """Registry name (``lenet``, ``resnet18``, ``mlp``, ``transformer_lm``), ``pkg.module:function``, or from Python the class or function itself (``__main__`` and notebooks included)."""
     model_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments for the model factory, e.g. ``{"widths": [256, 256]}`` for ``mlp``."""
     dataset: str = "digits"
-    """Registry name (``digits``, ``fashion_mnist``, ``cifar10``, ``synthetic``, ``parquet``, ...) or ``pkg.module:function``."""
+    """Registry name (``digits``, ``fashion_mnist``, ``cifar10``, ``synthetic``, ``parquet``, ...), ``pkg.module:function`` taking the ``DataConfig`` and returning ``raytrain_mgpu.data.Datasets``, or from Python that function itself."""
     data_root: Optional[str] = None
     """Folder (or, for ``parquet``, a file, folder or ``s3://``/``gs://`` URI) holding the dataset files."""
     download: bool = False
@@ -283,10 +283,19 @@ class TrainConfig:
                 *factory_parts(self.train_transform), *factory_parts(self.test_transform)]
 
     def to_dict(self) -> dict:
+        """The fields as plain data; a class or function from Python as its record (``_factory.code_record``:
+        qualified name and source hash), which is what a run folder keeps and compares on a resume."""
+        from raytrain_mgpu._factory import code_record
+
         values = dataclasses.asdict(self)
         for key, value in values.items():
             if isinstance(value, tuple):
                 values[key] = list(value)
+        for key in ("model", "dataset", "optimizer", "loss"):
+            values[key] = code_record(values[key])
+        for key in ("metrics", "callbacks"):
+            if isinstance(values[key], list):
+                values[key] = [code_record(entry) for entry in values[key]]
         return values
 
     def replace(self, **changes: Any) -> "TrainConfig":

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Literal
 
+from raytrain_mgpu._factory import check_factory_spec, function_name, is_factory, is_object
 from raytrain_mgpu._units import parse_bytes
 
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
@@ -30,7 +31,7 @@ _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_micro
                   "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience",
                            "checkpoint_every_n_steps")
-_NON_EMPTY_STRINGS = ("model", "dataset", "strategy", "image_column", "label_column")
+_NON_EMPTY_STRINGS = ("strategy", "image_column", "label_column")  # model, dataset: _check_code
 _OPTIONAL_STRINGS = ("data_root", "address")
 SEED_LIMIT = 2**63
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -45,7 +46,8 @@ def validate(cfg) -> Dict[str, Any]:
     coerce(cfg)
     check_fields(cfg)
     if cfg.name is None:
-        cfg.name = f"{cfg.model}-{cfg.dataset.replace(':', '.')}-{cfg.strategy}"
+        model, dataset = (function_name(v) if is_object(v) else v for v in (cfg.model, cfg.dataset))
+        cfg.name = f"{model}-{dataset.replace(':', '.')}-{cfg.strategy}"
     # The registries import torch: imported here, not at module top, so the config imports light.
     from raytrain_mgpu.data import check_data_fields
     from raytrain_mgpu.data.ingest import check_ingest
@@ -175,6 +177,7 @@ def coerce(cfg) -> None:
 def check_fields(cfg) -> None:
     """Every field's type and range; cross-field rules of a strategy live in its class."""
     _check_types(cfg)
+    _check_code(cfg)
     _check_ranges(cfg)
     for name, valid in choices(type(cfg)).items():
         value = getattr(cfg, name)
@@ -262,26 +265,33 @@ def _check_balance(cfg) -> None:
              "Use balance='params' for the default split.")
 
 
-def _check_factory_choices(cfg) -> None:
-    """A field that takes a name or a ``module:function`` (``optimizer``), and its kwargs."""
-    from raytrain_mgpu._factory import check_factory_spec, is_factory
+def _is_code(name: str, value: Any, listed: Any = None, fix: str = "") -> bool:
+    """Whether ``value`` is the user's code: a class or function from Python, or a ``package.module:function``
+    (its form and the standard-library rule checked here). ``listed``: the whole list, for a list's entry."""
+    if is_object(value):
+        return True
+    if not (isinstance(value, str) and is_factory(value)):
+        return False
+    if not FACTORY_RE.match(value):
+        fail(name, value if listed is None else listed, f"{'' if listed is None else f'entry {value!r} '}is not of "
+             f"the form 'package.module:function'", fix or "Write e.g. 'my_code:build' for build() in my_code.py.")
+    check_factory_spec(value, name)
+    return True
 
+
+def _check_factory_choices(cfg) -> None:
+    """A field that takes a name, a ``module:function`` or the function (``optimizer``, ``loss``), and its kwargs."""
     for name, valid in factory_choices(type(cfg)).items():
         value = getattr(cfg, name)
-        if isinstance(value, str) and is_factory(value):
-            if not FACTORY_RE.match(value):
-                fail(name, value, "is not of the form 'package.module:function'",
-                     "Write e.g. 'my_optim:build' for build() in my_optim.py.")
-            check_factory_spec(value, name)
-        elif not isinstance(value, str) or value not in valid:
+        if not _is_code(name, value) and (not isinstance(value, str) or value not in valid):
             fail(name, value, f"is not one of {list(valid)} or a 'package.module:function'",
-                 f"Set {name} to one of them, or name your own function.")
+                 f"Set {name} to one of them, name your own function, or (from Python) pass the function itself.")
     kwargs = cfg.optimizer_kwargs
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         fail("optimizer_kwargs", kwargs, "must be a mapping with string keys", "Write it as {key: value}.")
     # What the trainer passes itself: the parameters, the (scaled, scheduled) lr, and the
     # built-in optimizers' own fields.
-    own = ("params", "lr") if is_factory(cfg.optimizer) else ("params", "lr", "momentum", "weight_decay")
+    own = ("params", "lr") if _is_code("optimizer", cfg.optimizer) else ("params", "lr", "momentum", "weight_decay")
     clash = sorted(set(kwargs) & set(own))
     if clash:
         fail("optimizer_kwargs", kwargs, f"must not set {clash}: the trainer passes them to the optimizer",
@@ -289,9 +299,7 @@ def _check_factory_choices(cfg) -> None:
 
 
 def _check_metrics(cfg) -> None:
-    """``metrics``: None or a list of names or ``module:function`` entries, reported under distinct names."""
-    from raytrain_mgpu._factory import check_factory_spec, is_factory
-
+    """``metrics``: None or a list of names, ``module:function`` entries or functions, reported under distinct names."""
     from raytrain_mgpu.config_sections import Metric  # objectives.METRICS' names, without torch
 
     metrics = cfg.metrics
@@ -303,14 +311,10 @@ def _check_metrics(cfg) -> None:
         fail("metrics", metrics, "must be a list of metric names or 'package.module:function's", fix)
     seen = set()
     for entry in metrics:
-        if isinstance(entry, str) and is_factory(entry):
-            if not FACTORY_RE.match(entry):
-                fail("metrics", metrics, f"entry {entry!r} is not of the form 'package.module:function'", fix)
-            check_factory_spec(entry, "metrics")
-        elif not isinstance(entry, str) or entry not in valid:
+        if not _is_code("metrics", entry, metrics, fix) and (not isinstance(entry, str) or entry not in valid):
             fail("metrics", metrics, f"entry {entry!r} is not one of {list(valid)} or a 'package.module:function'",
                  fix)
-        name = entry.split(":", 1)[-1]
+        name = function_name(entry)
         if name == "loss":
             fail("metrics", metrics, f"entry {entry!r} would be reported as train_loss/test_loss, the loss's "
                                      f"own keys", "Rename the function, e.g. to my_loss_metric.")
@@ -321,24 +325,26 @@ def _check_metrics(cfg) -> None:
 
 
 def _check_shapes(cfg) -> None:
-    from raytrain_mgpu._factory import check_factory_spec, is_factory
-
     shape = cfg.input_shape
     if shape is not None and not (isinstance(shape, tuple) and shape and all(_is_int(d) and d > 0 for d in shape)):
         fail("input_shape", shape, "must be a list of positive integers", "E.g. [1, 28, 28].")
-    for name in ("model", "dataset"):
+
+
+def _check_code(cfg) -> None:
+    """``model`` and ``dataset``: a registry name, a ``package.module:function``, or (from Python) the class
+    or function itself; the registries' names are checked by ``models.check_model_name`` and ``data``."""
+    for name, example in (("model", "'lenet'"), ("dataset", "'digits'")):
         value = getattr(cfg, name)
-        if is_factory(value):
-            if not FACTORY_RE.match(value):
-                fail(name, value, "is not of the form 'package.module:function'",
-                     "Write e.g. 'my_models:build' for build() in my_models.py.")
-            check_factory_spec(value, name)
+        if not _is_code(name, value) and (not isinstance(value, str) or not value.strip()):
+            fail(name, value, "must be a registry name, a 'package.module:function' or (from Python) a class or "
+                              "function", f"Set {name} to e.g. {example}, 'my_code:build' for build() in "
+                                          f"my_code.py, or pass build itself.")
 
 
 def monitor_keys(cfg) -> tuple:
     """The history keys ``monitor`` may name: ``train_``/``test_`` + ``loss`` or a metric the run records."""
     metrics = getattr(cfg, "metrics", None)  # user metrics, where the config has them
-    names = ["accuracy"] if metrics is None else [str(m).rsplit(":", 1)[-1] for m in metrics]
+    names = ["accuracy"] if metrics is None else [function_name(m) for m in metrics]
     return tuple(f"{split}_{name}" for split in ("train", "test") for name in ["loss", *names])
 
 
@@ -366,7 +372,6 @@ _HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_trai
 
 def _check_watching(cfg) -> None:
     """``loggers`` (distinct ``Logger`` names), ``mlflow_tracking_uri``, ``callbacks`` (``module:Class``s, objects)."""
-    from raytrain_mgpu._factory import check_factory_spec
     valid = typing.get_args(typing.get_args(typing.get_type_hints(type(cfg))["loggers"])[0])
     loggers = cfg.loggers
     if not isinstance(loggers, list) or not all(isinstance(n, str) and n in valid for n in loggers):

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.nn import functional as F
 
-from raytrain_mgpu._factory import is_factory, load_factory
+from raytrain_mgpu._factory import code_name, function_name, is_factory, load_factory
 from raytrain_mgpu.batches import detach
 
 __all__ = ["LOSSES", "METRICS", "Objective", "logits_of", "metric_name", "default_metrics", "Predictions", "move_pairs", "add_pairs"]
@@ -106,9 +106,9 @@ METRICS: Dict[str, Callable[..., Pair]] = {"accuracy": _accuracy, "top5": _top5,
 """Registry name -> ``metric(outputs, targets) -> (sum, count)``; counts are Python ints (known on the host)."""
 
 
-def metric_name(spec: str) -> str:
+def metric_name(spec) -> str:
     """The name a metric is reported under: the registry name, or a factory's function name."""
-    return spec.split(":", 1)[1] if is_factory(spec) else spec
+    return function_name(spec)
 
 
 def default_metrics(metrics: Optional[Sequence[str]], num_classes: Optional[int]) -> Tuple[str, ...]:
@@ -157,7 +157,7 @@ class Objective:
         value = self._loss(self._loss_reads(outputs), targets)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"TrainConfig.loss={self.loss_spec!r} returned {shape}, not a scalar tensor. Return "
+            raise ValueError(f"TrainConfig.loss={code_name(self.loss_spec)!r} returned {shape}, not a scalar tensor. Return "
                              f"the mean over the batch (e.g. .mean()).")
         return value
 
@@ -168,13 +168,13 @@ class Objective:
         for spec, metric, reads in zip(self.metric_specs, self._metrics, self._metric_reads):
             pair = metric(reads(outputs), targets)
             if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise ValueError(f"TrainConfig.metrics entry {spec!r} returned {type(pair).__name__}, not a "
+                raise ValueError(f"TrainConfig.metrics entry {code_name(spec)!r} returned {type(pair).__name__}, not a "
                                  f"(sum, count) pair. Return e.g. ((outputs - targets).abs().sum(), targets.numel()).")
             pairs.append(pair)
         return pairs
 
     def __repr__(self) -> str:
-        return f"Objective(loss={self.loss_spec!r}, metrics={list(self.metric_specs)})"
+        return f"Objective(loss={code_name(self.loss_spec)!r}, metrics={[code_name(m) for m in self.metric_specs]})"
 
 
 class Predictions:

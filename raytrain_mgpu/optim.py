@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from raytrain_mgpu._factory import is_factory, load_factory
+from raytrain_mgpu._factory import code_name, function_name, is_factory, load_factory
 from raytrain_mgpu.config_sections import OptimConfig
 
 
@@ -32,9 +32,9 @@ def build_optimizer(params: Iterable, cfg: OptimConfig) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kwargs)
 
 
-def _from_factory(spec: str, params: Iterable, lr: float, kwargs: dict) -> torch.optim.Optimizer:
-    factory = load_factory(spec, "optimizer")
-    call = f"{spec.split(':', 1)[1]}(params, lr={lr!r}{''.join(f', {k}={v!r}' for k, v in kwargs.items())})"
+def _from_factory(factory_spec, params: Iterable, lr: float, kwargs: dict) -> torch.optim.Optimizer:
+    factory, spec = load_factory(factory_spec, "optimizer"), code_name(factory_spec)
+    call = f"{function_name(factory_spec)}(params, lr={lr!r}{''.join(f', {k}={v!r}' for k, v in kwargs.items())})"
     try:
         optimizer = factory(params, lr, **kwargs)
     except Exception as exc:  # the user's code: name it and what it was given

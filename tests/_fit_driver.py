@@ -13,6 +13,10 @@ A first fit step with ``"own_ray": true`` runs before the driver connects: ``fit
 stops) a local Ray of its own, as in a script without ``ray.init``; its entry says whether Ray was
 left running (``ray_left_running``).
 
+A fit step's ``"objects"`` (``{"model": "Net", "loss": "smooth_loss", "metrics": ["hits"]}``) replaces those
+fields with the classes and functions of that name defined below, in this script's ``__main__``: what a
+user's driver script or notebook hands ``TrainConfig``, which Ray must send to its processes by value.
+
 After every step ``results.json`` holds one entry per finished step: ``ok``, ``seconds``,
 ``error`` ("Type: message") or, for a fit, ``history``, ``path``, ``checkpoint_path``
 (and the trained weights saved to ``weights``).
@@ -29,12 +33,53 @@ import torch
 import raytrain_mgpu as rtm
 from raytrain_mgpu.planning import preflight
 
+# ----------------------------------------------------------------------------- a user's objects, in __main__
+
+
+class Net(torch.nn.Sequential):
+    """A two-layer classifier of the digits; a sequence of blocks, so the pipeline can split it."""
+
+    def __init__(self, input_shape, num_classes, width=32):
+        pixels = int(torch.tensor(input_shape).prod())
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(pixels, width), torch.nn.ReLU(),
+                         torch.nn.Linear(width, num_classes))
+
+
+def digit_tensors(cfg):
+    """The digits as a user holds them: two TensorDatasets of pixels in [0, 1]."""
+    from torch.utils.data import TensorDataset
+
+    from raytrain_mgpu.data.base import Datasets
+    from raytrain_mgpu.data.digits import load_split
+
+    train_x, train_y, test_x, test_y = load_split()
+    pixels = lambda images: torch.tensor(images, dtype=torch.float32) / 16  # noqa: E731 (shipped by value too)
+    return Datasets(TensorDataset(pixels(train_x), torch.tensor(train_y)),
+                    TensorDataset(pixels(test_x), torch.tensor(test_y)), (1, 8, 8), 10)
+
+
+def smooth_loss(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs, targets, label_smoothing=0.05)
+
+
+def hits(outputs, targets):
+    return (outputs.argmax(1) == targets).sum(), targets.numel()
+
+
+def momentum_sgd(params, lr):
+    return torch.optim.SGD(params, lr=lr, momentum=0.5)
+
+
+def _objects(names: dict) -> dict:
+    here = globals()
+    return {k: [here[n] for n in v] if isinstance(v, list) else here[v] for k, v in names.items()}
+
 
 def _run(step: dict) -> dict:
     if step["kind"] == "check_storage":
         preflight.check_storage_reachable(step["storage_path"])
         return {}
-    result = rtm.fit(rtm.TrainConfig(**step["config"]))
+    result = rtm.fit(rtm.TrainConfig(**{**step["config"], **_objects(step.get("objects", {}))}))
     if step.get("weights"):
         torch.save(result.load_model().state_dict(), step["weights"])
     return {"history": result.history, "path": result.path, "checkpoint_path": result.checkpoint_path}

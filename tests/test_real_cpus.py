@@ -12,6 +12,9 @@ each runner and the Ray Data path once:
 - the runs below share one ``ray.init()``. The pipeline's actor group: 2 stages, one CPU each
   (every CPU of a 2-core machine);
 - Ray Data streaming into 1 Ray Train worker, with a CPU left for Ray Data's read tasks;
+- those two runs train what a user's script defines in its ``__main__`` (the driver's model class,
+  dataset function, loss, metric and optimizer functions: tests/_fit_driver.py), which Ray sends to
+  the stage actors and the Ray Train worker by value;
 - the runs that would leave Ray Data no CPU (2 workers; a 2-stage pipeline), refused before any
   bundle is placed instead of waiting for ever (what a user saw before: ``2.0/2.0 CPU used``, a
   pending ``{'CPU': 1.0}`` read task, nothing printed).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,14 +61,17 @@ def laptop_runs():
         # 2 workers stream an equal split, on the shared instance (tests/test_ray_ingest.py).
         stream = dict(SMALL, dataset="parquet", data_root=str(root / "parquet"), ingest="ray_data", epochs=1,
                       storage_path=storage)
+        mine = {"model": "Net", "loss": "smooth_loss", "metrics": ["hits"], "optimizer": "momentum_sgd"}
+        width = {"model_kwargs": {"width": 32}}
         steps = [
             # No ray.init before it: fit starts a local Ray of its own, as a script without one does.
             {"kind": "fit", "own_ray": True, "config": dict(ELASTIC, dataset="digits", num_workers=[1, 3],
                                                             use_gpu=True, name="elastic", storage_path=storage),
              "weights": str(root / "elastic.pt")},
-            {"kind": "fit", "config": dict(SMALL, dataset="digits", strategy="pipeline", num_stages=2,
-                                           num_microbatches=2, name="pipe", storage_path=storage)},
-            {"kind": "fit", "config": dict(stream, num_workers=1, name="stream")},
+            {"kind": "fit", "config": dict(SMALL, **width, strategy="pipeline", num_stages=2, num_microbatches=2,
+                                           name="pipe", storage_path=storage),
+             "objects": {**mine, "dataset": "digit_tensors"}, "weights": str(root / "pipe.pt")},
+            {"kind": "fit", "config": dict(stream, **width, num_workers=1, name="stream"), "objects": mine},
             {"kind": "fit", "config": dict(stream, num_workers=2, name="stream-2")},
             {"kind": "fit", "config": dict(stream, strategy="pipeline", num_stages=2, num_microbatches=2,
                                            name="stream-pipe")},
@@ -78,7 +85,11 @@ def laptop_runs():
         assert done.returncode == 0, done.stderr[-4000:]
         results = json.loads((root / "results.json").read_text())
         assert len(results) == len(steps), done.stderr[-4000:]
-        yield {**dict(zip([s["config"]["name"] for s in steps], results)), "elastic.pt": str(root / "elastic.pt")}
+        runs = dict(zip([s["config"]["name"] for s in steps], results))
+        for name in ("pipe", "stream"):  # what the run folder recorded of the objects, read before it goes
+            run = runs[name]
+            run["recorded"] = json.loads((Path(run["path"]) / "run.json").read_text()) if run["ok"] else None
+        yield {**runs, "elastic.pt": str(root / "elastic.pt"), "pipe.pt": str(root / "pipe.pt")}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -89,7 +100,14 @@ def test_each_runner_trains_on_the_real_cpus(laptop_runs):
     pipe, elastic = laptop_runs["pipe"], laptop_runs["elastic"]
     assert pipe["ok"] and elastic["ok"], (pipe, elastic, f"{cpus} CPUs")
     assert [row["epoch"] for row in pipe["history"]] == [1, 2]
-    assert pipe["history"][-1]["test_accuracy"] > 0.5 and pipe["history"][-1]["train_loss"] < pipe["history"][0]["train_loss"]
+    # the driver's own metric function ("hits") measured on the last stage, its loss trained the stages
+    assert pipe["history"][-1]["test_hits"] > 0.5 and pipe["history"][-1]["train_loss"] < pipe["history"][0]["train_loss"]
+    assert "test_accuracy" not in pipe["history"][-1] or pipe["history"][-1]["test_accuracy"] is None
+    recorded = pipe["recorded"]  # the run folder names each object and hashes its source (a resume compares it)
+    for field, name in (("model", "Net"), ("dataset", "digit_tensors"), ("optimizer", "momentum_sgd")):
+        assert re.fullmatch(rf"<object __main__:{name} sha256:[0-9a-f]{{16}}>", recorded[field]), recorded
+    # load_model() rebuilt the driver's Net (its layer names) with the stages' weights
+    assert sorted(torch.load(laptop_runs["pipe.pt"], weights_only=True)) == ["1.bias", "1.weight", "3.bias", "3.weight"]
     row = elastic["history"][-1]
     check_devices(row, workers=2, per_worker=1)  # grown to both fake GPUs; the CPUs held nothing back
     assert row["workers"] == 2 and row["step"] == 4
@@ -109,8 +127,9 @@ def test_ray_data_trains_beside_one_worker_and_a_run_without_a_spare_cpu_is_refu
     stream = laptop_runs["stream"]
     assert stream["ok"], stream
     assert [row["step"] for row in stream["history"]] == [1438 // 64]
-    # one epoch of SGD from scratch has learnt (10 classes)
-    assert stream["history"][-1]["test_accuracy"] > 0.6
+    # one epoch of SGD from scratch has learnt (10 classes): the driver's Net, loss, metric and optimizer
+    assert stream["history"][-1]["test_hits"] > 0.6
+    assert stream["recorded"]["model"].startswith("<object __main__:Net sha256:")
     if os.cpu_count() > 2:
         pytest.skip(f"{os.cpu_count()} CPUs: 2 workers leave Ray Data a CPU here")
     for name, fix in (("stream-2", "lower num_workers or cpus_per_worker"),

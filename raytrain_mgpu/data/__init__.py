@@ -94,10 +94,12 @@ def dataset_names() -> list[str]:
     return sorted(DATASETS)
 
 
-def check_dataset_name(name: str) -> None:
+def check_dataset_name(name) -> None:
     """Raise ``ValueError`` for an unknown registry name; ``pkg.module:function`` passes
-    without being imported (it may only be importable on the workers)."""
-    if ":" in name or name in DATASETS:
+    without being imported (it may only be importable on the workers), as does a function from Python."""
+    from raytrain_mgpu._factory import is_factory
+
+    if is_factory(name) or name in DATASETS:
         return
     raise ValueError(f"TrainConfig.dataset={name!r}: unknown dataset. Valid names: "
                      f"{', '.join(dataset_names())}; or write 'package.module:function' for your "
@@ -127,7 +129,7 @@ def check_data_fields(cfg) -> None:
         check_transform_spec(name, getattr(cfg, name))
 
 
-def _import_factory(spec: str) -> Callable:
+def _import_factory(spec) -> Callable:
     from raytrain_mgpu._factory import load_factory
 
     return load_factory(spec, "dataset")
@@ -155,12 +157,14 @@ def build_datasets(cfg: "DataConfig") -> "Datasets":
 def _build_untransformed(cfg: "DataConfig") -> "Datasets":
     from raytrain_mgpu.data.base import Datasets
 
+    from raytrain_mgpu._factory import code_name, is_factory
+
     check_dataset_name(cfg.dataset)
-    if ":" not in cfg.dataset:
+    if not is_factory(cfg.dataset):
         return DATASETS[cfg.dataset](cfg)
     result = _import_factory(cfg.dataset)(cfg)
     if not isinstance(result, Datasets):
-        raise ValueError(f"TrainConfig.dataset={cfg.dataset!r}: the factory returned "
+        raise ValueError(f"TrainConfig.dataset={code_name(cfg.dataset)!r}: the factory returned "
                          f"{type(result).__name__}, not raytrain_mgpu.data.Datasets. Return "
                          f"Datasets(train, test, input_shape, num_classes).")
     return result
@@ -174,7 +178,7 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     a broken factory fails on the driver rather than on every worker.
     """
     check_dataset_name(cfg.dataset)
-    check = _CHECKS.get(cfg.dataset)
+    check = _CHECKS.get(cfg.dataset) if isinstance(cfg.dataset, str) else None  # a function: built below
     if check is not None:
         input_shape, num_classes = check(cfg)
     else:

@@ -9,6 +9,8 @@ of each pipeline replica.
 
 from __future__ import annotations
 
+from raytrain_mgpu._factory import code_name
+
 __all__ = ["RAY_DATA_DATASETS", "check_ingest"]
 
 RAY_DATA_DATASETS = ("parquet",)
@@ -21,9 +23,10 @@ def check_ingest(cfg) -> None:
     if cfg.ingest != "ray_data":
         return
     if cfg.dataset not in RAY_DATA_DATASETS:
-        raise ValueError(f"TrainConfig.ingest='ray_data': Ray Data reads Parquet files, and dataset={cfg.dataset!r} "
-                         f"is not 'parquet'. Write it as Parquet (`raytrain-mgpu data convert --dataset "
-                         f"{cfg.dataset} --out DIR`) and set dataset='parquet', data_root=DIR; or set ingest='loader'.")
+        name = code_name(cfg.dataset)
+        raise ValueError(f"TrainConfig.ingest='ray_data': Ray Data reads Parquet files, and dataset={name!r} is not "
+                         f"'parquet'. Write it as Parquet (`raytrain-mgpu data convert --dataset {name} --out DIR`) "
+                         f"and set dataset='parquet', data_root=DIR; or set ingest='loader'.")
     if cfg.train_transform is not None:
         raise ValueError(f"TrainConfig.ingest='ray_data': train_transform={cfg.train_transform!r} is not applied "
                          f"to Ray Data's stream yet (its seed is per epoch and sample; the stream has neither). "

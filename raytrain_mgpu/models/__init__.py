@@ -1,6 +1,6 @@
 """Models: plain ``nn.Module``s with no distributed code, built by registry name.
 
-A user's own model is ``"package.module:function"`` (or a class). Of ``input_shape``,
+A user's own model is ``"package.module:function"`` (or a class), or from Python the class or function itself. Of ``input_shape``,
 ``num_classes`` and ``model_kwargs`` it receives the keyword arguments it names; a
 ``**kwargs`` catch-all gets ``model_kwargs`` and ``num_classes`` but never ``input_shape``,
 because model-zoo builders hand their ``**kwargs`` to the model class, which raises on a
@@ -10,12 +10,15 @@ name it does not know (torchvision: ``resnet18(num_classes=10)`` works,
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, Dict
 
-from raytrain_mgpu._factory import is_factory, keyword_parameters, load_factory
+from raytrain_mgpu._factory import code_name, function_name, is_factory, keyword_parameters, load_factory
 
 if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
     from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def _lenet(input_shape, num_classes, **kwargs) -> nn.Module:
@@ -54,13 +57,13 @@ def model_names() -> list:
     return sorted(MODELS)
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name) -> None:
     if not is_factory(name) and name not in MODELS:
         raise ValueError(f"TrainConfig.model={name!r} is not a known model. Valid names: "
                          f"{', '.join(model_names())}; or 'package.module:function' for your own.")
 
 
-def build_model(name: str, input_shape: tuple, num_classes: int, model_kwargs: dict) -> nn.Module:
+def build_model(name, input_shape: tuple, num_classes: int, model_kwargs: dict) -> nn.Module:
     """Build a model on CPU (or the caller's device context, e.g. ``meta``).
 
     Callers seed torch first so every worker gets the same weights.
@@ -73,6 +76,23 @@ def build_model(name: str, input_shape: tuple, num_classes: int, model_kwargs: d
     except TypeError as exc:
         raise ValueError(f"TrainConfig.model_kwargs={model_kwargs!r} do not fit model {name!r}: {exc}. "
                          f"Remove or rename the offending keys.") from None
+
+
+def build_model_shapes(name, input_shape: tuple, num_classes, model_kwargs: dict) -> nn.Module:
+    """The model for its structure and shapes only (the driver's checks and plans): built on the ``meta``
+    device, no memory, or on CPU where the builder reads values while building (timm:
+    ``torch.linspace(...).item()``; a user's ``int(torch.tensor(shape).prod())``), which a meta tensor cannot
+    give. A broken factory raises its own error from the CPU build. The caller's random stream is kept."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return build_model(name, input_shape, num_classes, model_kwargs)
+    except ValueError as meta_error:
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(name, input_shape, num_classes, model_kwargs)
+        logger.info("model %r does not build on the meta device (%s); it builds on CPU", code_name(name), meta_error)
+        return model
 
 
 def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> dict:
@@ -96,12 +116,12 @@ def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_clas
     return {**arguments, **model_kwargs}
 
 
-def _build_from_factory(spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> nn.Module:
+def _build_from_factory(factory_spec, input_shape: tuple, num_classes, model_kwargs: dict) -> nn.Module:
     from torch import nn
 
-    factory = load_factory(spec, "model")
+    factory, spec = load_factory(factory_spec, "model"), code_name(factory_spec)
     arguments = factory_arguments(factory, spec, input_shape, num_classes, model_kwargs)
-    call = f"{spec.split(':', 1)[1]}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+    call = f"{function_name(factory_spec)}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
     try:
         model = factory(**arguments)
     except Exception as exc:  # the user's code: name it and what it was given

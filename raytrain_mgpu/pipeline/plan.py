@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, List, Optional
 
-import torch
-
+from raytrain_mgpu._factory import code_name
 from raytrain_mgpu.data import check_data
-from raytrain_mgpu.models import build_model
+from raytrain_mgpu.models import build_model_shapes
 from raytrain_mgpu.models.partition import Partition, blocks_of, plan_partition
 from raytrain_mgpu.pipeline.schedule import num_virtual_stages
 
@@ -26,11 +25,10 @@ __all__ = ["meta_blocks", "check_splittable", "choose_partition", "partition_fro
 
 
 def meta_blocks(cfg: TrainConfig) -> list:
-    """The model's blocks, built on the meta device; ``ValueError`` if it cannot be split."""
+    """The model's blocks, built on the meta device (on CPU for a builder that reads values); ``ValueError`` if
+    it cannot be split."""
     input_shape, num_classes = check_data(cfg.data)
-    with torch.device("meta"):
-        model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
-    return blocks_of(model)
+    return blocks_of(build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs))
 
 
 def check_splittable(cfg: TrainConfig) -> None:
@@ -52,7 +50,7 @@ def choose_partition(cfg: TrainConfig, profile: Optional[Callable[[], List[float
         extra = f" x {chunks} model chunks per stage (schedule='interleaved_1f1b')" if chunks > 1 else ""
         raise ValueError(
             f"TrainConfig.num_stages={cfg.num_stages}{extra} needs {num_parts} parts, more than the {len(blocks)} "
-            f"blocks model {cfg.model!r} can be split into: every part needs at least one block. Set num_stages "
+            f"blocks model {code_name(cfg.model)!r} can be split into: every part needs at least one block. Set num_stages "
             f"to at most {len(blocks) // chunks}, or use a model with more blocks (e.g. more layers).")
     return plan_partition(blocks, num_parts, cfg.balance, time_costs=profile, log=log)
 

@@ -30,6 +30,7 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence
 
+from raytrain_mgpu._factory import code_name
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.planning.auto import ClusterInfo, candidates, cluster_info, describe_layout, plan_config
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
@@ -275,20 +276,18 @@ def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, strea
 
 def _finish(cfg, rows: List[RunRow], info: ClusterInfo, budget: Optional[int], steps: int, warm: int,
             profile) -> CompareReport:
-    import torch
-
     from raytrain_mgpu.data import check_data
-    from raytrain_mgpu.models import build_model
+    from raytrain_mgpu.models import build_model_shapes
 
     reference = next((r for r in rows if r.label == REFERENCE and r.status == "ok"), None)
     for row in rows:
         if row.status == "ok" and reference is not None:
             row.speedup = row.samples_per_s / reference.samples_per_s
     input_shape, num_classes = check_data(cfg.data)
-    with torch.device("meta"):
-        model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)
     comparable, why_not = losses_comparable(cfg, model)
     loss_check = check_losses(rows, comparable, why_not, optimizer=cfg.optimizer)
-    title = (f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}, "
+    title = (f"{code_name(cfg.model)} on {code_name(cfg.dataset)}, global batch {cfg.batch_size}, "
+             f"{code_name(cfg.optimizer)} lr {cfg.lr:g}, "
              f"seed {cfg.seed}: {steps} measured steps after {warm} warm-up, {info.describe()}")
     return CompareReport(title, rows, loss_check, recommend(rows, cfg.batch_size, budget, cfg.use_gpu), budget)

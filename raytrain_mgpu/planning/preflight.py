@@ -31,6 +31,7 @@ import socket
 import uuid
 from typing import List, Optional, Tuple
 
+from raytrain_mgpu._factory import code_name
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.checkpoint import filesystem
 
@@ -267,7 +268,7 @@ def check_data_fits(cfg, num_classes: Optional[int]) -> Optional[int]:
     size = train_split_size(cfg.data)
     if size is not None and cfg.batch_size > size:
         raise ValueError(f"TrainConfig.batch_size={cfg.batch_size}: the global batch is larger than the training "
-                         f"split of {cfg.dataset!r} ({size} samples), so an epoch has no full step. Set "
+                         f"split of {code_name(cfg.dataset)!r} ({size} samples), so an epoch has no full step. Set "
                          f"batch_size to {size} or less, or use more data.")
     return size
 
@@ -277,28 +278,16 @@ def check_data_fits(cfg, num_classes: Optional[int]) -> Optional[int]:
 
 def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> None:
     """Build ``cfg``'s model on ``meta`` and its optimizer over it; errors name the factory and the fix."""
-    import torch
-
-    from raytrain_mgpu.models import build_model
+    from raytrain_mgpu.models import build_model_shapes
     from raytrain_mgpu.objectives import Objective
     from raytrain_mgpu.optim import build_optimizer
 
-    try:
-        with torch.device("meta"):
-            model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
-    except ValueError as meta_error:
-        # Some builders read values while building (timm: torch.linspace(...).item()), which a
-        # meta tensor cannot give. Build once on CPU, which costs the model's memory on the
-        # driver, to tell that from a broken factory (whose error this raises); the caller's
-        # random stream is left as it was.
-        with torch.random.fork_rng(devices=[]):
-            model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
-        logger.info("model %r does not build on the meta device (%s); it builds on CPU", cfg.model, meta_error)
+    model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)  # meta, else CPU
     Objective.of(cfg, num_classes)  # a loss or metric factory that does not import fails here, named
     try:
         build_optimizer(model.parameters(), cfg.optim)
     except ValueError:
         raise
     except Exception as exc:
-        raise ValueError(f"TrainConfig.optimizer={cfg.optimizer!r} with optimizer_kwargs={cfg.optimizer_kwargs!r} "
+        raise ValueError(f"TrainConfig.optimizer={code_name(cfg.optimizer)!r} with optimizer_kwargs={cfg.optimizer_kwargs!r} "
                          f"does not build: {type(exc).__name__}: {exc}. Fix or remove the offending keys.") from exc

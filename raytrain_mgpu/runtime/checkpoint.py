@@ -125,8 +125,12 @@ def load_part(folder, path: str, part: str) -> tuple:
         return load_model_state(directory), load_train_state(directory, part)
 
 
-def check_resumable(meta: dict, model: str, strategy: str, directory: str) -> None:
-    """A checkpoint of another model or strategy must not be resumed silently."""
+def check_resumable(meta: dict, model, strategy: str, directory: str) -> None:
+    """A checkpoint of another model or strategy must not be resumed silently (``model``: a name, or a
+    class or function, compared by its record: ``_factory.code_record``)."""
+    from raytrain_mgpu._factory import code_record
+
+    model = code_record(model)
     if meta.get("model") != model:
         raise ValueError(
             f"checkpoint {directory!r} was trained with model={meta.get('model')!r}, but this run has "

@@ -117,7 +117,10 @@ def best_record(cfg, history: list) -> dict:
 
 def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
     """``meta.json`` of the checkpoint after ``state``; ``shape_info``: input_shape, num_classes."""
-    return {"model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy, "epoch": state.epoch,
+    from raytrain_mgpu._factory import code_record
+
+    return {"model": code_record(cfg.model), "dataset": code_record(cfg.dataset), "strategy": cfg.strategy,
+            "epoch": state.epoch,
             "step": state.step, "attempt": state.attempt, **best_record(cfg, state.history), **extra,
             **shape_info, "config": redact(cfg.to_dict())}  # no URI credentials in meta.json
 

@@ -44,13 +44,10 @@ def validate_split(cfg) -> None:
 
 def check_split(cfg, input_shape: tuple, num_classes: int) -> None:
     """Build the model on the ``meta`` device (no memory) and check that the split works."""
-    import torch
-
-    from raytrain_mgpu.models import build_model
+    from raytrain_mgpu.models import build_model_shapes
     from raytrain_mgpu.models.partition import blocks_of, plan_partition
 
-    with torch.device("meta"):
-        model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)
     if not callable(getattr(model, "place", None)):  # a model that places itself is not split
         plan_partition(blocks_of(model), cfg.gpus_per_worker, cfg.balance, what="gpus_per_worker")
 
