@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # with this package, which registers them); loaded on first use (PEP 562), because they
 # need torch and the registry's name check, which TrainConfig runs, does not.
 _BASE_NAMES = frozenset({"Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files",
-                         "download_with_torchvision"})
+                         "find_or_download", "download_with_torchvision"})
 
 
 def __getattr__(name: str):

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
 
-__all__ = ["Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files",
+__all__ = ["Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files", "find_or_download",
            "download_with_torchvision"]
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,19 @@ def find_files(dataset: str, folders: Sequence[str], names: Sequence[str], allow
                          f"{', '.join(folders)}. Copy the files into one of these folders, or set "
                          f"download=True to fetch them with torchvision (needs internet). {download_hint}")
     return found
+
+
+def find_or_download(cfg: "DataConfig", dataset: str, class_name: str, root: str, folders: Sequence[str],
+                     names: Sequence[str], allow_gz: bool, download_hint: str) -> dict[str, str]:
+    """:func:`find_files` in ``folders``; with files missing and ``cfg.download``, fetched first with
+    ``torchvision.datasets.<class_name>`` into ``root`` (``cfg.data_root``: :func:`data_root_folder`)."""
+    try:
+        return find_files(dataset, folders, names, allow_gz=allow_gz, download_hint=download_hint)
+    except ValueError:
+        if not cfg.download:
+            raise
+    download_with_torchvision(dataset, class_name, root, where=" or ".join(folders))
+    return find_files(dataset, folders, names, allow_gz=allow_gz, download_hint=download_hint)
 
 
 def download_with_torchvision(dataset: str, class_name: str, root: str, where: str) -> None:

@@ -20,41 +20,30 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_mgpu.data.base import (Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder,
-                                     download_with_torchvision, find_files)
+from raytrain_mgpu.data.base import Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder, find_or_download
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
 
 logger = logging.getLogger(__name__)
 
-INPUT_SHAPE = (3, 32, 32)
-NUM_CLASSES = 10
-MAX_VALUE = 255
-MEAN = (0.4914, 0.4822, 0.4465)  # per channel, train split, pixels scaled to [0, 1]
-STD = (0.2470, 0.2435, 0.2616)
+INPUT_SHAPE, NUM_CLASSES = (3, 32, 32), 10
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILES = ("test_batch",)
 FOLDER = "cifar-10-batches-py"
 
 
 def normaliser() -> PixelNormaliser:
-    return PixelNormaliser(MAX_VALUE, MEAN, STD, INPUT_SHAPE)
+    """Pixels 0..255; the train split's mean and std per channel (of pixels scaled to [0, 1])."""
+    return PixelNormaliser(255, mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), shape=INPUT_SHAPE)
 
 
 def locate(cfg: "DataConfig") -> dict[str, str]:
     """Paths of the six batches; downloads them first when missing and ``download=True``."""
     root = data_root_folder(cfg, "the CIFAR-10 python batches")
-    folders = [os.path.join(root, FOLDER), root]
-    names = TRAIN_FILES + TEST_FILES
-    hint = "Get cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html and unpack it."
-    try:
-        return find_files("cifar10", folders, names, allow_gz=False, download_hint=hint)
-    except ValueError:
-        if not cfg.download:
-            raise
-    download_with_torchvision("cifar10", "CIFAR10", root, where=" or ".join(folders))
-    return find_files("cifar10", folders, names, allow_gz=False, download_hint=hint)
+    return find_or_download(cfg, "cifar10", "CIFAR10", root, [os.path.join(root, FOLDER), root], TRAIN_FILES + TEST_FILES,
+                            allow_gz=False, download_hint="Get cifar-10-python.tar.gz from "
+                                                          "https://www.cs.toronto.edu/~kriz/cifar.html and unpack it.")
 
 
 def _corrupt(path: str, what: str) -> ValueError:

@@ -21,26 +21,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raytrain_mgpu.data.base import (Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder,
-                                     download_with_torchvision, find_files)
+from raytrain_mgpu.data.base import Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder, find_or_download
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
 
 logger = logging.getLogger(__name__)
 
-INPUT_SHAPE = (1, 28, 28)
-NUM_CLASSES = 10
-MAX_VALUE = 255
-MEAN = (0.2860,)  # of the train split, pixels scaled to [0, 1]
-STD = (0.3530,)
+INPUT_SHAPE, NUM_CLASSES = (1, 28, 28), 10
 FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
          "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 _IDX_UBYTE = 0x08
 
 
 def normaliser() -> PixelNormaliser:
-    return PixelNormaliser(MAX_VALUE, MEAN, STD, INPUT_SHAPE)
+    """Pixels 0..255; the train split's mean and std (of pixels scaled to [0, 1])."""
+    return PixelNormaliser(255, mean=(0.2860,), std=(0.3530,), shape=INPUT_SHAPE)
 
 
 # ----------------------------------------------------------------------------- IDX
@@ -124,16 +120,10 @@ def read_idx(path: str, ndim: int) -> np.ndarray:
 def locate(cfg: "DataConfig") -> dict[str, str]:
     """Paths of the four files; downloads them first when missing and ``download=True``."""
     root = data_root_folder(cfg, "the four Fashion-MNIST IDX files")
-    folders = [root, os.path.join(root, "FashionMNIST", "raw")]
-    names = [name for pair in FILES.values() for name in pair]
-    hint = "Get them from https://github.com/zalandoresearch/fashion-mnist."
-    try:
-        return find_files("fashion_mnist", folders, names, allow_gz=True, download_hint=hint)
-    except ValueError:
-        if not cfg.download:
-            raise
-    download_with_torchvision("fashion_mnist", "FashionMNIST", root, where=" or ".join(folders))
-    return find_files("fashion_mnist", folders, names, allow_gz=True, download_hint=hint)
+    return find_or_download(cfg, "fashion_mnist", "FashionMNIST", root,
+                            [root, os.path.join(root, "FashionMNIST", "raw")],
+                            [name for pair in FILES.values() for name in pair], allow_gz=True,
+                            download_hint="Get them from https://github.com/zalandoresearch/fashion-mnist.")
 
 
 def _check_pair(images: str, labels: str, image_dims: tuple, label_dims: tuple) -> None:

@@ -22,7 +22,7 @@ allocator fragmentation): keep a margin, or let ``compare`` find the batch by tr
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -64,14 +64,14 @@ class ModelProfile:
     """Optimizer state bytes per parameter byte: 2 for AdamW, 1 for SGD with momentum, else 0."""
     splittable: bool
     """Whether the model splits into blocks (``mp``, ``pipeline``); otherwise one block."""
+    param_bytes: int = field(init=False)
+    """The whole model's parameter bytes (every block's)."""
+    activation_bytes: float = field(init=False)
+    """Bytes autograd saves per sample in the whole forward."""
 
-    @property
-    def param_bytes(self) -> int:
-        return sum(self.block_param_bytes)
-
-    @property
-    def activation_bytes(self) -> float:
-        return sum(self.block_activation_bytes)
+    def __post_init__(self):
+        object.__setattr__(self, "param_bytes", sum(self.block_param_bytes))  # frozen: set once, here
+        object.__setattr__(self, "activation_bytes", sum(self.block_activation_bytes))
 
     def state_bytes(self, blocks: Optional[Sequence[int]] = None) -> float:
         """Parameters + gradients + optimizer state of ``blocks`` (default: all)."""

@@ -20,7 +20,7 @@ classes without loading it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ClassVar, FrozenSet, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +57,14 @@ DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_m
 PLACEMENT_STEPS = ("device", "keep", "data_parallel", "balanced", "split")
 REPLICATION_STEPS = ("none", "replicate", "fully_shard")
 
+class Refusal(NamedTuple):
+    """A configuration a strategy cannot run: where ``applies(cfg)``, :meth:`Strategy.validate` raises
+    ``ValueError(message.format(cfg=cfg))``, a message naming the field, why, and the fix."""
+
+    applies: Callable[["TrainConfig"], bool]
+    message: str
+
+
 # ``Strategy.auto_rank`` bands: the plain model first; below AUTO_MEASURE_ONLY the strategies the
 # memory estimate tries when it does not fit one device; from AUTO_MEASURE_ONLY up, timed only.
 AUTO_FIRST, AUTO_MEASURE_ONLY = 0, 10
@@ -75,6 +83,8 @@ class Strategy:
     (``parallel/replication.py``)."""
     options_used: ClassVar[FrozenSet[str]] = DDP_OPTIONS | {"sync_batchnorm"}
     """Which of the optional TrainConfig fields this strategy reads; others set are warned about."""
+    refusals: ClassVar[Tuple[Refusal, ...]] = ()
+    """The configurations this strategy cannot run, checked first by ``validate``, in order."""
     elastic: ClassVar[bool] = False
     """Whether ``num_workers=(min, max)`` may resize it: its workers are plain data-parallel replicas on
     the Ray Train runner, so any count in the range trains the same steps (``strategies/elastic.py``)."""
@@ -99,6 +109,9 @@ class Strategy:
         Pure checks, no warnings: ``config_checks.validate`` calls it once per config and
         warns about the options this strategy does not read (``options_used``).
         """
+        for refusal in cls.refusals:
+            if refusal.applies(cfg):
+                raise ValueError(refusal.message.format(cfg=cfg))
         check_batch_divisible(cfg, cls.data_parallel_size(cfg))
         if cfg.checkpoint_every_n_steps is not None and cfg.ingest == "ray_data":
             raise ValueError(

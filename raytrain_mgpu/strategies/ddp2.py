@@ -19,7 +19,7 @@ on CPU stand-ins, under DDP. On the worker: placement ``data_parallel``, then re
 
 from __future__ import annotations
 
-from raytrain_mgpu.strategies.base import DDP_OPTIONS, NodeDevices
+from raytrain_mgpu.strategies.base import DDP_OPTIONS, NodeDevices, Refusal
 from raytrain_mgpu.strategies.dp import check_output_device, data_parallel_memory
 
 
@@ -32,21 +32,20 @@ class DDP2Strategy(NodeDevices):
     # loss over the whole batch (what ddp2 is for, e.g. InfoNCE) sees; the mean of a per-sample loss would not.
     elastic = False
     options_used = DDP_OPTIONS | {"gpus_per_worker", "output_device"}
+    refusals = (
+        Refusal(lambda cfg: cfg.use_gpu and cfg.num_workers > 1 and cfg.placement != "STRICT_SPREAD",
+                "TrainConfig.placement={cfg.placement!r} with strategy='ddp2' and num_workers={cfg.num_workers}: "
+                "ddp2 runs one worker per node, holding that node's GPUs. Set placement='STRICT_SPREAD' (and "
+                "gpus_per_worker to the GPUs of a node), or use strategy='ddp' for several workers on one node."),
+        Refusal(lambda cfg: cfg.sync_batchnorm,
+                "TrainConfig.sync_batchnorm=True with strategy='ddp2': each DataParallel replica would start "
+                "SyncBatchNorm's collectives from its own thread, which deadlocks or mixes them up. Use "
+                "strategy='ddp' (one worker per GPU) for SyncBatchNorm, or set sync_batchnorm=False."),
+    )
 
     @classmethod
     def validate(cls, cfg) -> None:
         check_output_device(cfg)
-        if cfg.use_gpu and cfg.num_workers > 1 and cfg.placement != "STRICT_SPREAD":
-            raise ValueError(
-                f"TrainConfig.placement={cfg.placement!r} with strategy='ddp2' and num_workers="
-                f"{cfg.num_workers}: ddp2 runs one worker per node, holding that node's GPUs. Set "
-                f"placement='STRICT_SPREAD' (and gpus_per_worker to the GPUs of a node), or use "
-                f"strategy='ddp' for several workers on one node.")
-        if cfg.sync_batchnorm:
-            raise ValueError(
-                "TrainConfig.sync_batchnorm=True with strategy='ddp2': each DataParallel replica would "
-                "start SyncBatchNorm's collectives from its own thread, which deadlocks or mixes them up. "
-                "Use strategy='ddp' (one worker per GPU) for SyncBatchNorm, or set sync_batchnorm=False.")
         super().validate(cfg)
 
     @classmethod

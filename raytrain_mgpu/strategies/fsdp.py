@@ -28,7 +28,7 @@ On the worker: placement ``keep`` (where it was built), then replication ``fully
 from __future__ import annotations
 
 from raytrain_mgpu.strategies._memory import DeviceMemory, fsdp_state_bytes
-from raytrain_mgpu.strategies.base import Strategy, data_parallel_workers
+from raytrain_mgpu.strategies.base import Refusal, Strategy, data_parallel_workers
 from raytrain_mgpu.strategies.ddp import replicated_memory
 
 
@@ -39,15 +39,10 @@ class FSDPStrategy(Strategy):
     placement, replication = "keep", "fully_shard"
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = frozenset({"sync_batchnorm"})
-
-    @classmethod
-    def validate(cls, cfg) -> None:
-        if cfg.precision == "16-mixed":
-            raise ValueError(
-                "TrainConfig.precision='16-mixed' with strategy='fsdp': the GradScaler's overflow check "
-                "sees only this worker's shard, so workers could disagree on skipping a step. Use "
-                "precision='bf16-mixed' (same memory saving, no loss scaling needed).")
-        super().validate(cfg)
+    refusals = (Refusal(lambda cfg: cfg.precision == "16-mixed",
+                        "TrainConfig.precision='16-mixed' with strategy='fsdp': the GradScaler's overflow check sees "
+                        "only this worker's shard, so workers could disagree on skipping a step. Use "
+                        "precision='bf16-mixed' (same memory saving, no loss scaling needed)."),)
 
     @classmethod
     def auto_layout(cls, cfg, info) -> dict:
