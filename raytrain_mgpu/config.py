@@ -172,7 +172,11 @@ class TrainConfig:
     checkpoint_every_n_steps: Optional[int] = None
     """Also checkpoint every this many optimizer steps inside an epoch; a resume continues mid-epoch (spot nodes)."""
     eval_every_epochs: int = 1
-    """Evaluate on the test split every this many epochs (and always after the last)."""
+    """Evaluate every this many epochs (and always after the last): the validation split when there is one, else the test split."""
+    val_fraction: Optional[float] = None
+    """Hold out this fraction of the training split as the validation split (``val_*`` keys), chosen by ``seed`` before any sharding, so the same on every worker count; a dataset factory may return ``Datasets(..., val=...)`` instead. With a validation split, ``monitor``, ``keep_best`` and early stopping rank epochs on it and the test split is evaluated after the last epoch only."""
+    test_every_epoch: bool = False
+    """With a validation split: evaluate the test split on every evaluated epoch too, not only after the last (its scores are for reading, never for choosing)."""
     address: Optional[str] = None
     """Ray cluster to use; default ``RAY_ADDRESS`` or a new local instance."""
     verbose: bool = False
@@ -184,7 +188,7 @@ class TrainConfig:
 
     # --- checkpoints: the best one and early stopping
     monitor: Optional[str] = None
-    """History key that ranks epochs, e.g. ``test_loss`` or ``test_accuracy`` (measured on evaluated epochs only); None: no best tracking."""
+    """History key that ranks epochs, e.g. ``val_loss`` or ``val_accuracy`` with a validation split, else ``test_loss`` or ``test_accuracy`` (measured on evaluated epochs only); None: no best tracking."""
     mode: MonitorMode = "min"
     """``min``: a lower ``monitor`` is better (losses); ``max``: higher is better (accuracy)."""
     keep_best: bool = False

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import re
 import typing
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Literal
 
-from raytrain_mgpu._factory import check_factory_spec, function_name, is_factory, is_object
+from raytrain_mgpu._checks import check_number, fail, is_int
+from raytrain_mgpu._factory import function_name, is_factory, is_object
+from raytrain_mgpu.config_code import check_callbacks, check_code_choices, check_metrics, check_model_and_dataset
 from raytrain_mgpu._units import parse_bytes
 
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
-          "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose", "keep_best")
+          "gradient_as_bucket_view", "sync_batchnorm", "compile", "channels_last", "verbose", "keep_best",
+          "test_every_epoch")
 _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
                   "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
@@ -34,7 +35,6 @@ _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "e
 _NON_EMPTY_STRINGS = ("strategy", "image_column", "label_column")  # model, dataset: _check_code
 _OPTIONAL_STRINGS = ("data_root", "address")
 SEED_LIMIT = 2**63
-FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def validate(cfg) -> Dict[str, Any]:
@@ -95,50 +95,12 @@ def warn_unused(unused: Dict[str, Any], strategy: str, stacklevel: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def factory_choices(cls) -> Dict[str, tuple]:
-    """``{field: its names}`` for every field typed ``Union[Literal[...], str]``: a name or a ``module:function``."""
-    hints = typing.get_type_hints(cls)
-    found = {}
-    for f in dataclasses.fields(cls):
-        args = typing.get_args(hints[f.name])
-        literals = [a for a in args if typing.get_origin(a) is Literal]
-        if typing.get_origin(hints[f.name]) is typing.Union and str in args and literals:
-            found[f.name] = typing.get_args(literals[0])
-    return found
-
-
 @functools.lru_cache(maxsize=None)
 def choices(cls) -> Dict[str, tuple]:
     """``{field: its values}`` for every field of dataclass ``cls`` typed ``Literal[...]``."""
     hints = typing.get_type_hints(cls)
     return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
             if typing.get_origin(hints[f.name]) is Literal}
-
-
-def fail(name: str, value: Any, rule: str, fix: str) -> None:
-    raise ValueError(f"TrainConfig.{name}={value!r}: {rule}. {fix}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _number(cfg, name: str, low: float, high: float = math.inf, low_open: bool = False,
-            high_open: bool = True, fix: str = "") -> None:
-    """A finite int or float (not a bool or string) in the range; the range is in the error."""
-    value = getattr(cfg, name)
-    upper = "inf)" if high == math.inf else f"{high:g}{')' if high_open else ']'}"
-    rule = f"must be a finite number in {'(' if low_open else '['}{low:g}, {upper}"
-    if high == math.inf and low == 0:
-        rule = "must be a finite positive number" if low_open else "must be a finite number >= 0"
-    if not _is_number(value):
-        fail(name, value, rule, fix)
-    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
-        fail(name, value, rule, fix)
 
 
 def check_name(name: Any) -> None:
@@ -163,7 +125,7 @@ def coerce(cfg) -> None:
     for name in ("input_shape", "balance"):
         if isinstance(getattr(cfg, name), list):
             setattr(cfg, name, tuple(getattr(cfg, name)))
-    if _is_int(cfg.precision):
+    if is_int(cfg.precision):
         cfg.precision = str(cfg.precision)
     for name in ("metrics", "loggers", "callbacks"):
         if isinstance(getattr(cfg, name), tuple):
@@ -177,16 +139,17 @@ def coerce(cfg) -> None:
 def check_fields(cfg) -> None:
     """Every field's type and range; cross-field rules of a strategy live in its class."""
     _check_types(cfg)
-    _check_code(cfg)
+    check_model_and_dataset(cfg)
     _check_ranges(cfg)
     for name, valid in choices(type(cfg)).items():
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in valid:
             fail(name, value, f"is not one of {list(valid)}", f"Set {name} to one of them.")
-    _check_factory_choices(cfg)
-    _check_metrics(cfg)
+    check_code_choices(cfg)
+    check_metrics(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
+    _check_validation(cfg)
     _check_monitor(cfg)
     _check_watching(cfg)
 
@@ -207,11 +170,11 @@ def _check_types(cfg) -> None:
                                                         f"not quoted strings).")
     for name in _POSITIVE_INTS:
         value = getattr(cfg, name)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             fail(name, value, "must be a positive integer", f"Set {name} to 1 or more.")
     for name in _OPTIONAL_POSITIVE_INTS:
         value = getattr(cfg, name)
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             fail(name, value, "must be a positive integer or None", f"Set {name} to 1 or more, or leave it unset.")
     for name in _NON_EMPTY_STRINGS:
         value = getattr(cfg, name)
@@ -227,37 +190,37 @@ def _check_types(cfg) -> None:
 
 
 def _check_ranges(cfg) -> None:
-    if cfg.num_classes is not None and (not _is_int(cfg.num_classes) or cfg.num_classes < 2):
+    if cfg.num_classes is not None and (not is_int(cfg.num_classes) or cfg.num_classes < 2):
         fail("num_classes", cfg.num_classes, "must be an integer >= 2 or None",
              "A classifier needs at least 2 classes; set num_classes to 2 or more.")
-    if not _is_int(cfg.max_failures) or cfg.max_failures < -1:
+    if not is_int(cfg.max_failures) or cfg.max_failures < -1:
         fail("max_failures", cfg.max_failures, "must be -1 (retry forever) or a count >= 0",
              "Set max_failures to 0 to fail fast.")
-    if not _is_int(cfg.max_preemption_failures) or cfg.max_preemption_failures < -1:
+    if not is_int(cfg.max_preemption_failures) or cfg.max_preemption_failures < -1:
         fail("max_preemption_failures", cfg.max_preemption_failures,
              "must be -1 (restart after every preemption) or a count >= 0",
              "Leave it at -1 on spot nodes; 0 fails the run on the first preemption.")
-    _number(cfg, "preemption_grace_s", 0, fix="Set preemption_grace_s to 0 (restart at the deadline) or a few seconds.")
-    if not _is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
+    check_number(cfg, "preemption_grace_s", 0, fix="Set preemption_grace_s to 0 (restart at the deadline) or a few seconds.")
+    if not is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
         fail("seed", cfg.seed, "must be an integer in [0, 2**63)", "Set seed to e.g. 0.")
-    if cfg.output_device is not None and (not _is_int(cfg.output_device) or cfg.output_device < 0):
+    if cfg.output_device is not None and (not is_int(cfg.output_device) or cfg.output_device < 0):
         fail("output_device", cfg.output_device, "must be a local device index >= 0 or None",
              "Leave it unset to gather on the first device.")
-    _number(cfg, "lr", 0, low_open=True, fix="Set lr to e.g. 0.05.")
-    _number(cfg, "momentum", 0, 1, fix="Set momentum to e.g. 0.9.")
-    _number(cfg, "weight_decay", 0, fix="Set weight_decay to 0 or a small positive value.")
-    _number(cfg, "warmup_epochs", 0, fix="Set warmup_epochs to 0 for no warm-up.")
-    _number(cfg, "lr_step_gamma", 0, 1, low_open=True, high_open=False,
+    check_number(cfg, "lr", 0, low_open=True, fix="Set lr to e.g. 0.05.")
+    check_number(cfg, "momentum", 0, 1, fix="Set momentum to e.g. 0.9.")
+    check_number(cfg, "weight_decay", 0, fix="Set weight_decay to 0 or a small positive value.")
+    check_number(cfg, "warmup_epochs", 0, fix="Set warmup_epochs to 0 for no warm-up.")
+    check_number(cfg, "lr_step_gamma", 0, 1, low_open=True, high_open=False,
             fix="Set lr_step_gamma to e.g. 0.1 (the LR shrinks; a negative one would ascend the loss).")
-    _number(cfg, "collective_timeout_s", 1, fix="Set it to e.g. 600 (whole seconds; torch rounds down).")
+    check_number(cfg, "collective_timeout_s", 1, fix="Set it to e.g. 600 (whole seconds; torch rounds down).")
     for name in ("grad_clip_norm", "bucket_cap_mb"):
         if getattr(cfg, name) is not None:
-            _number(cfg, name, 0, low_open=True, fix=f"Leave {name} unset for the default.")
+            check_number(cfg, name, 0, low_open=True, fix=f"Leave {name} unset for the default.")
 
 
 def _check_balance(cfg) -> None:
     if isinstance(cfg.balance, tuple):
-        if not cfg.balance or not all(_is_int(n) and n > 0 for n in cfg.balance):
+        if not cfg.balance or not all(is_int(n) and n > 0 for n in cfg.balance):
             fail("balance", cfg.balance, "an explicit split must list a positive block count per stage",
                  "E.g. [3, 2] puts 3 blocks on the first stage and 2 on the second.")
     elif not isinstance(cfg.balance, str) or cfg.balance not in ("params", "time"):
@@ -265,87 +228,20 @@ def _check_balance(cfg) -> None:
              "Use balance='params' for the default split.")
 
 
-def _is_code(name: str, value: Any, listed: Any = None, fix: str = "") -> bool:
-    """Whether ``value`` is the user's code: a class or function from Python, or a ``package.module:function``
-    (its form and the standard-library rule checked here). ``listed``: the whole list, for a list's entry."""
-    if is_object(value):
-        return True
-    if not (isinstance(value, str) and is_factory(value)):
-        return False
-    if not FACTORY_RE.match(value):
-        fail(name, value if listed is None else listed, f"{'' if listed is None else f'entry {value!r} '}is not of "
-             f"the form 'package.module:function'", fix or "Write e.g. 'my_code:build' for build() in my_code.py.")
-    check_factory_spec(value, name)
-    return True
-
-
-def _check_factory_choices(cfg) -> None:
-    """A field that takes a name, a ``module:function`` or the function (``optimizer``, ``loss``), and its kwargs."""
-    for name, valid in factory_choices(type(cfg)).items():
-        value = getattr(cfg, name)
-        if not _is_code(name, value) and (not isinstance(value, str) or value not in valid):
-            fail(name, value, f"is not one of {list(valid)} or a 'package.module:function'",
-                 f"Set {name} to one of them, name your own function, or (from Python) pass the function itself.")
-    kwargs = cfg.optimizer_kwargs
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        fail("optimizer_kwargs", kwargs, "must be a mapping with string keys", "Write it as {key: value}.")
-    # What the trainer passes itself: the parameters, the (scaled, scheduled) lr, and the
-    # built-in optimizers' own fields.
-    own = ("params", "lr") if _is_code("optimizer", cfg.optimizer) else ("params", "lr", "momentum", "weight_decay")
-    clash = sorted(set(kwargs) & set(own))
-    if clash:
-        fail("optimizer_kwargs", kwargs, f"must not set {clash}: the trainer passes them to the optimizer",
-             "Remove them, and set TrainConfig.lr (for sgd/adamw also momentum, weight_decay) instead.")
-
-
-def _check_metrics(cfg) -> None:
-    """``metrics``: None or a list of names, ``module:function`` entries or functions, reported under distinct names."""
-    from raytrain_mgpu.config_sections import Metric  # objectives.METRICS' names, without torch
-
-    metrics = cfg.metrics
-    valid = typing.get_args(Metric)
-    fix = f"Write a list, e.g. metrics=['mae'] or ['my_metrics:within_tenth'], of {list(valid)} or your functions."
-    if metrics is None:
-        return
-    if not isinstance(metrics, list):
-        fail("metrics", metrics, "must be a list of metric names or 'package.module:function's", fix)
-    seen = set()
-    for entry in metrics:
-        if not _is_code("metrics", entry, metrics, fix) and (not isinstance(entry, str) or entry not in valid):
-            fail("metrics", metrics, f"entry {entry!r} is not one of {list(valid)} or a 'package.module:function'",
-                 fix)
-        name = function_name(entry)
-        if name == "loss":
-            fail("metrics", metrics, f"entry {entry!r} would be reported as train_loss/test_loss, the loss's "
-                                     f"own keys", "Rename the function, e.g. to my_loss_metric.")
-        if name in seen:
-            fail("metrics", metrics, f"two entries would both be reported as train_{name}/test_{name}",
-                 "List each metric once, and give each metric function its own name.")
-        seen.add(name)
-
-
 def _check_shapes(cfg) -> None:
     shape = cfg.input_shape
-    if shape is not None and not (isinstance(shape, tuple) and shape and all(_is_int(d) and d > 0 for d in shape)):
+    if shape is not None and not (isinstance(shape, tuple) and shape and all(is_int(d) and d > 0 for d in shape)):
         fail("input_shape", shape, "must be a list of positive integers", "E.g. [1, 28, 28].")
 
 
-def _check_code(cfg) -> None:
-    """``model`` and ``dataset``: a registry name, a ``package.module:function``, or (from Python) the class
-    or function itself; the registries' names are checked by ``models.check_model_name`` and ``data``."""
-    for name, example in (("model", "'lenet'"), ("dataset", "'digits'")):
-        value = getattr(cfg, name)
-        if not _is_code(name, value) and (not isinstance(value, str) or not value.strip()):
-            fail(name, value, "must be a registry name, a 'package.module:function' or (from Python) a class or "
-                              "function", f"Set {name} to e.g. {example}, 'my_code:build' for build() in "
-                                          f"my_code.py, or pass build itself.")
-
-
 def monitor_keys(cfg) -> tuple:
-    """The history keys ``monitor`` may name: ``train_``/``test_`` + ``loss`` or a metric the run records."""
+    """The history keys ``monitor`` may name: ``train_``/``val_``/``test_`` + ``loss`` or a metric the run
+    records; ``val_`` where there may be a validation split (``val_fraction``, or a dataset factory's own)."""
     metrics = getattr(cfg, "metrics", None)  # user metrics, where the config has them
     names = ["accuracy"] if metrics is None else [function_name(m) for m in metrics]
-    return tuple(f"{split}_{name}" for split in ("train", "test") for name in ["loss", *names])
+    val = getattr(cfg, "val_fraction", None) is not None or is_factory(getattr(cfg, "dataset", ""))
+    return tuple(f"{split}_{name}" for split in ("train", *(("val",) if val else ()), "test")
+                 for name in ["loss", *names])
 
 
 def _check_monitor(cfg) -> None:
@@ -361,17 +257,29 @@ def _check_monitor(cfg) -> None:
     if not isinstance(monitor, str) or monitor not in valid:
         fail("monitor", monitor, f"is not a history key of this run ({', '.join(valid)})",
              "Set monitor to one of them, or leave it unset.")
-    if monitor.startswith("test_") and cfg.eval_every_epochs > cfg.epochs:
+    if monitor.startswith("test_") and getattr(cfg, "val_fraction", None) is not None:
+        fail("monitor", monitor, f"ranks epochs on the test split, while val_fraction={cfg.val_fraction} holds out a "
+                                 f"validation split for that: the best epoch's test score would be chosen by the "
+                                 f"test split itself, so biased", f"Set monitor='val_{monitor[len('test_'):]}'.")
+    if monitor.startswith(("test_", "val_")) and cfg.eval_every_epochs > cfg.epochs:
         fail("monitor", monitor, f"is measured on evaluated epochs only, and eval_every_epochs="
                                  f"{cfg.eval_every_epochs} > epochs={cfg.epochs} evaluates only the last one",
              "Set eval_every_epochs to 1 (or a divisor of epochs), or monitor a train_* key.")
 
 
-_HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # runtime/callbacks.py
+def _check_validation(cfg) -> None:
+    """``val_fraction``: a fraction of the training split, held out before the loader path shards it."""
+    if cfg.val_fraction is None:
+        return
+    check_number(cfg, "val_fraction", 0, 1, low_open=True, fix="Hold out e.g. val_fraction=0.1 of the training split.")
+    if cfg.ingest == "ray_data":
+        fail("val_fraction", cfg.val_fraction, "holds samples out of the loader path's training split, and "
+                                               "ingest='ray_data' streams every training file",
+             "Set ingest='loader', or leave val_fraction unset.")
 
 
 def _check_watching(cfg) -> None:
-    """``loggers`` (distinct ``Logger`` names), ``mlflow_tracking_uri``, ``callbacks`` (``module:Class``s, objects)."""
+    """``loggers`` (distinct ``Logger`` names), ``mlflow_tracking_uri``, ``callbacks`` (``config_code``)."""
     valid = typing.get_args(typing.get_args(typing.get_type_hints(type(cfg))["loggers"])[0])
     loggers = cfg.loggers
     if not isinstance(loggers, list) or not all(isinstance(n, str) and n in valid for n in loggers):
@@ -383,16 +291,4 @@ def _check_watching(cfg) -> None:
     if uri is not None and (not isinstance(uri, str) or not uri.strip()):
         fail("mlflow_tracking_uri", uri, "must be a non-empty URI or None",
              "Write e.g. http://mlflow:5000 or file:/data/mlruns, or leave it unset for <run>/mlruns.")
-    callbacks = cfg.callbacks
-    fix = "Write a list of 'package.module:Class' entries, e.g. callbacks=['my_hooks:Notify']."
-    if not isinstance(callbacks, list):
-        fail("callbacks", callbacks, "must be a list", fix)
-    for entry in callbacks:
-        if isinstance(entry, str):
-            if not FACTORY_RE.match(entry):
-                fail("callbacks", callbacks, f"entry {entry!r} is not of the form 'package.module:Class'", fix)
-            check_factory_spec(entry, "callbacks")
-        elif not any(callable(getattr(entry, hook, None)) for hook in _HOOKS):
-            fail("callbacks", callbacks, f"entry {entry!r} has none of the hooks {', '.join(_HOOKS)}",
-                 "Pass an instance of a raytrain_mgpu.runtime.callbacks.Callback subclass, or a "
-                 "'package.module:Class'.")
+    check_callbacks(cfg.callbacks)

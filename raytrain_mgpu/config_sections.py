@@ -48,6 +48,7 @@ class DataConfig:
     persistent_workers: bool = True
     train_transform: Optional[str] = None
     test_transform: Optional[str] = None
+    val_fraction: Optional[float] = None  # a held-out part of the training split (data/base.split_validation)
     ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (runtime/ray_ingest.py)
 
 

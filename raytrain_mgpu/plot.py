@@ -33,7 +33,7 @@ DPI = 100
 LOSS_COLUMNS = ("train_loss", "test_loss")
 ACCURACY_COLUMNS = ("train_accuracy", "test_accuracy")
 _X_AXES = (("epoch", "epoch"), ("step", "optimizer step"))
-_STYLE = {"train": dict(ls="-", marker="o"), "test": dict(ls="--", marker="s")}
+_STYLE = {"train": dict(ls="-", marker="o"), "val": dict(ls=":", marker="^"), "test": dict(ls="--", marker="s")}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -88,17 +88,23 @@ def _metric_columns(runs: Dict[str, List[dict]], metric: Optional[str]) -> Tuple
     """The columns of the lower panels: train/test accuracy, or ``metric`` (``accuracy`` is
     ``train_accuracy`` and ``test_accuracy``); an unknown metric raises, naming those there are."""
     if metric is None:
-        return ACCURACY_COLUMNS
+        return _with_val(runs, ACCURACY_COLUMNS)
     there = _numeric_columns(runs)
     if metric in there or not there:  # no history anywhere yet (a live plot's first redraws): no verdict
         return (metric,)
-        return (metric,)
-    split = tuple(c for c in (f"train_{metric}", f"test_{metric}") if c in there)
+    split = tuple(c for c in (f"train_{metric}", f"val_{metric}", f"test_{metric}") if c in there)
     if split:
         return split
     raise ValueError(f"metric {metric!r} is in no run's history ({', '.join(runs)}); the numeric columns there "
                      f"are: {', '.join(there) or 'none'}. Pass one of them as --metric, or leave it out for "
                      f"train/test accuracy.")
+
+
+def _with_val(runs: Dict[str, List[dict]], columns: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``columns`` with ``val_<name>`` before each ``test_<name>`` where some run has it (``val_fraction``)."""
+    there = _numeric_columns(runs)
+    return tuple(c for column in columns for c in ((f"val_{column[5:]}", column) if column.startswith("test_")
+                                                   and f"val_{column[5:]}" in there else (column,)))
 
 
 def _series(rows: List[dict], x: str, column: str) -> Tuple[list, list]:
@@ -127,7 +133,7 @@ def draw_runs(runs: Dict[str, List[dict]], metric: Optional[str] = None, _logged
     logged = set() if _logged is None else _logged
     fig, axes = plt.subplots(2, 2, figsize=FIGSIZE, dpi=DPI, squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for row_axes, columns, ylabel in ((axes[0], LOSS_COLUMNS, "loss"),
+    for row_axes, columns, ylabel in ((axes[0], _with_val(runs, LOSS_COLUMNS), "loss"),
                                       (axes[1], metric_columns, metric or "accuracy")):
         for run_index, (name, rows) in enumerate(runs.items()):
             for column in columns:

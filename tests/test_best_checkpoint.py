@@ -175,13 +175,14 @@ DIVERGING = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", b
                  lr=0.8, warmup_epochs=5, seed=3, epochs=6)
 
 
-def _test_loss(model, cfg: TrainConfig) -> float:
+def _loss(model, cfg: TrainConfig, split: str) -> float:
+    """``model``'s mean cross-entropy over ``cfg``'s ``split`` (``val`` or ``test``), computed here."""
     from raytrain_mgpu.data import build_datasets
 
-    test = build_datasets(cfg.data).test
+    data = getattr(build_datasets(cfg.data), split)
     loss_sum, count = 0.0, 0
     with torch.no_grad():
-        for x, y in torch.utils.data.DataLoader(test, batch_size=256):
+        for x, y in torch.utils.data.DataLoader(data, batch_size=256):
             loss_sum += torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
             count += len(y)
     return loss_sum / count
@@ -198,32 +199,35 @@ def _refuse_ray(monkeypatch):
 
 
 def _check_stopped_early(result, patience: int, epochs: int) -> int:
-    """The run stopped ``patience`` evaluated epochs after its best, before ``epochs``; returns the best epoch."""
-    losses = [row["test_loss"] for row in result.history]
+    """The run stopped ``patience`` evaluated epochs after its best val_loss, before ``epochs``, and read the test
+    split after that last epoch only; returns the best epoch."""
+    losses = [row["val_loss"] for row in result.history]
     best_epoch = losses.index(min(losses)) + 1
     assert all(loss is not None for loss in losses)  # eval_every_epochs=1
     assert 1 < best_epoch and len(result.history) == best_epoch + patience < epochs, losses  # neither first nor last
+    assert [row["test_loss"] is not None for row in result.history] == [False] * (len(losses) - 1) + [True]
     meta = ckpt_format.read_meta(result.checkpoint_path)
     assert meta["stopped_early"] is True and meta["epoch"] == len(result.history)
-    assert meta["best"] == {"monitor": "test_loss", "mode": "min", "epoch": best_epoch, "value": min(losses)}
+    assert meta["best"] == {"monitor": "val_loss", "mode": "min", "epoch": best_epoch, "value": min(losses)}
     return best_epoch
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ray_train_keeps_the_best_besides_the_last_and_stops_early(ray_session, storage, monkeypatch):
-    cfg = rtm.TrainConfig(**DIVERGING, num_workers=2, monitor="test_loss", keep_best=True, num_checkpoints_to_keep=1,
-                          early_stopping_patience=2, storage_path=storage, name="best-ddp")
+    # Early stopping and the best checkpoint chosen on a validation split held out of the training split
+    cfg = rtm.TrainConfig(**DIVERGING, num_workers=2, val_fraction=0.2, monitor="val_loss", keep_best=True,
+                          num_checkpoints_to_keep=1, early_stopping_patience=2, storage_path=storage, name="best-ddp")
     result = rtm.fit(cfg)
     best_epoch = _check_stopped_early(result, patience=2, epochs=cfg.epochs)
     folder = RunFolder(result.path)
     assert len(folder.checkpoints()) == 1  # Ray Train keeps the last one ...
     assert result.best_checkpoint_path == str(Path(result.path) / BEST_CHECKPOINT)  # ... and the best is a copy
     assert ckpt_format.read_meta(result.best_checkpoint_path)["epoch"] == best_epoch
-    # The best model's test loss is the best epoch's, the last model's the last epoch's.
-    assert _test_loss(result.load_model(best=True), cfg) == pytest.approx(result.history[best_epoch - 1]["test_loss"],
-                                                                          rel=1e-4)
-    assert _test_loss(result.load_model(), cfg) == pytest.approx(result.history[-1]["test_loss"], rel=1e-4)
+    # The best model's validation loss is the best epoch's; the last model's test loss the last epoch's.
+    assert _loss(result.load_model(best=True), cfg, "val") == pytest.approx(result.history[best_epoch - 1]["val_loss"],
+                                                                           rel=1e-4)
+    assert _loss(result.load_model(), cfg, "test") == pytest.approx(result.history[-1]["test_loss"], rel=1e-4)
 
     _refuse_ray(monkeypatch)  # stopped early = finished: answered from the folder
     again = rtm.fit(cfg)
@@ -232,20 +236,21 @@ def test_ray_train_keeps_the_best_besides_the_last_and_stops_early(ray_session, 
 
 @pytest.mark.ray
 def test_the_pipeline_stops_early_and_spares_the_best_epochs_folder(ray_session, storage, monkeypatch, capsys):
-    cfg = rtm.TrainConfig(**DIVERGING, strategy="pipeline", num_stages=2, num_microbatches=4, monitor="test_loss",
-                          keep_best=True, num_checkpoints_to_keep=1, early_stopping_patience=2, storage_path=storage,
-                          name="best-pipe")
+    cfg = rtm.TrainConfig(**DIVERGING, strategy="pipeline", num_stages=2, num_microbatches=4, val_fraction=0.2,
+                          monitor="val_loss", keep_best=True, num_checkpoints_to_keep=1, early_stopping_patience=2,
+                          storage_path=storage, name="best-pipe")
     result = rtm.fit(cfg)
     best_epoch = _check_stopped_early(result, patience=2, epochs=cfg.epochs)
     names = [c.name for c in RunFolder(result.path).checkpoints()]
     assert names == [f"checkpoint_epoch{best_epoch:06d}", f"checkpoint_epoch{len(result.history):06d}"]
     assert result.best_checkpoint_path == str(Path(result.path) / names[0])
-    assert _test_loss(result.load_model(best=True), cfg) == pytest.approx(result.history[best_epoch - 1]["test_loss"],
-                                                                          rel=1e-4)
+    assert _loss(result.load_model(best=True), cfg, "val") == pytest.approx(result.history[best_epoch - 1]["val_loss"],
+                                                                           rel=1e-4)
+    assert _loss(result.load_model(), cfg, "test") == pytest.approx(result.history[-1]["test_loss"], rel=1e-4)
 
     _refuse_ray(monkeypatch)
     capsys.readouterr()
     again = rtm.fit(cfg, stream=sys.stdout)
     assert again.history == result.history and again.best_checkpoint_path == result.best_checkpoint_path
-    assert "nothing to train. stopped early: test_loss did not improve for early_stopping_patience=2 evaluated " \
+    assert "nothing to train. stopped early: val_loss did not improve for early_stopping_patience=2 evaluated " \
            "epoch(s). Raise early_stopping_patience to train it further" in capsys.readouterr().out

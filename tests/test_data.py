@@ -576,3 +576,59 @@ def test_driver_checks_read_headers_not_data(tmp_path, monkeypatch):
     monkeypatch.setattr(parquet.ParquetTable, "read_row_group", fail)
     assert check_data(make_cfg("fashion_mnist", data_root=str(tmp_path / "fashion"))) == ((1, 28, 28), 10)
     assert check_data(make_cfg("parquet", data_root=str(tmp_path / "pq"))) == ((1, 8, 8), 10)
+
+
+# ----------------------------------------------------------------------------- validation split
+
+
+def test_val_fraction_holds_out_a_seeded_part_of_the_training_split_before_any_sharding():
+    import raytrain_mgpu as rtm
+    from raytrain_mgpu.planning.preflight import train_split_size
+
+    cfg = rtm.TrainConfig(dataset="digits", val_fraction=0.2, train_transform="random_crop_flip", monitor="val_loss")
+    built, again = build_datasets(cfg.data), build_datasets(cfg.data)
+    whole = len(build_datasets(rtm.TrainConfig(dataset="digits").data).train)
+    train, val = built.train.dataset, built.val  # the training split under its augmentation
+    assert len(val) == round(0.2 * whole) and len(train) + len(val) == whole
+    assert sorted(train.indices + val.indices) == list(range(whole))  # disjoint, together the whole split
+    assert val.indices == again.val.indices and train.indices == again.train.dataset.indices  # the seed decides
+    assert val.indices != build_datasets(cfg.replace(seed=1).data).val.indices
+    assert train_split_size(cfg.data) == len(train)  # the plan's steps count the training part only
+    # validation is evaluated, never augmented: its samples are the reader's own
+    x, y = val[0]
+    raw_x, raw_y = build_datasets(rtm.TrainConfig(dataset="digits").data).train[val.indices[0]]
+    assert torch.equal(x, raw_x) and y == raw_y
+
+
+def test_a_held_out_splits_rows_reach_the_readers_prefetch_as_the_readers_rows():
+    from torch.utils.data import Subset
+
+    from raytrain_mgpu.runtime.loaders import prefetch
+
+    class Reader:
+        asked = None
+
+        def __len__(self):
+            return 10
+
+        def prefetch(self, rows):
+            Reader.asked = rows
+
+    prefetch(Subset(Reader(), [1, 4, 6, 9]), [0, 2, 3])
+    assert Reader.asked == [1, 6, 9]
+
+
+@pytest.mark.parametrize("fields, error", [
+    (dict(val_fraction=1.0), r"val_fraction=1.0: must be a finite number in \(0, 1\)"),
+    (dict(val_fraction=0.1, ingest="ray_data", dataset="parquet", data_root="/x"),
+     r"val_fraction=0.1: holds samples out of the loader path's training split.*Set ingest='loader'"),
+    (dict(val_fraction=0.1, monitor="test_loss"),
+     r"monitor='test_loss': ranks epochs on the test split, while val_fraction=0.1 .* Set monitor='val_loss'"),
+    (dict(monitor="val_loss"), r"monitor='val_loss': is not a history key of this run \(train_loss, train_accuracy, "
+                               r"test_loss, test_accuracy\)"),
+])
+def test_validation_settings_that_cannot_work_are_refused_with_the_fix(fields, error):
+    import raytrain_mgpu as rtm
+
+    with pytest.raises(ValueError, match=error):
+        rtm.TrainConfig(**fields)

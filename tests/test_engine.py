@@ -11,8 +11,9 @@ from raytrain_mgpu.runtime.engine import run_epochs
 from raytrain_mgpu.runtime.run_state import RunState
 
 
-def _run(cfg, state=None, losses=None, steps_per_epoch=10) -> tuple:
-    """Run ``cfg``'s epochs; each epoch's test_loss is ``losses[epoch]``. What was called, in order."""
+def _run(cfg, state=None, losses=None, steps_per_epoch=10, has_val=False) -> tuple:
+    """Run ``cfg``'s epochs; each epoch's evaluated loss (val_loss with a validation split, else test_loss) is
+    ``losses[epoch]``. What was called, in order: ``("evaluate", epoch)`` for the test split, ``("val", epoch)``."""
     state = state or RunState()
     calls = []
 
@@ -21,15 +22,15 @@ def _run(cfg, state=None, losses=None, steps_per_epoch=10) -> tuple:
         state.step += steps_per_epoch
         return {"epoch": epoch + 1, "step": state.step, "test_loss": None}
 
-    def evaluate():
-        calls.append(("evaluate", state.epoch))
-        return {"test_loss": (losses or {}).get(state.epoch - 1, 1.0)}
+    def evaluate(split):
+        calls.append(("evaluate" if split == "test" else split, state.epoch))
+        return {f"{split}_loss": (losses or {}).get(state.epoch - 1, 1.0)}
 
     def end_epoch(row):
         assert state.history[-1] is row  # recorded before it is checkpointed
         calls.append(("end", row["epoch"], "eval_s" in row))
 
-    run_epochs(cfg, state, train_epoch, evaluate, end_epoch)
+    run_epochs(cfg, state, train_epoch, evaluate, end_epoch, has_val=has_val)
     return state, calls
 
 
@@ -62,3 +63,23 @@ def test_a_resumed_run_trains_only_the_epochs_left_and_a_finished_one_none():
     assert calls == [("train", 3), ("evaluate", 4), ("end", 4, True)]
     _, calls = _run(rtm.TrainConfig(epochs=4), state=state)
     assert calls == []
+
+
+def test_with_a_validation_split_epochs_rank_on_it_and_the_test_split_waits_for_the_last():
+    cfg = rtm.TrainConfig(epochs=3, val_fraction=0.2, monitor="val_loss")
+    _, calls = _run(cfg, has_val=True)
+    assert calls == [("train", 0), ("val", 1), ("end", 1, True), ("train", 1), ("val", 2), ("end", 2, True),
+                     ("train", 2), ("val", 3), ("evaluate", 3), ("end", 3, True)]
+    _, calls = _run(cfg.replace(test_every_epoch=True), has_val=True)  # test read on every evaluated epoch
+    assert [c for c in calls if c[0] != "train"] == [("val", 1), ("evaluate", 1), ("end", 1, True), ("val", 2),
+                                                      ("evaluate", 2), ("end", 2, True), ("val", 3),
+                                                      ("evaluate", 3), ("end", 3, True)]
+
+
+def test_an_early_stop_on_the_validation_split_is_the_epoch_the_test_split_is_evaluated():
+    # val_loss improves at epoch 1 only; patience 2: the run stops after epoch 3, whose test split is read.
+    cfg = rtm.TrainConfig(epochs=8, val_fraction=0.2, monitor="val_loss", early_stopping_patience=2)
+    state, calls = _run(cfg, losses={0: 0.5, 1: 0.6, 2: 0.7}, has_val=True)
+    assert [c for c in calls if c[0] != "train"] == [("val", 1), ("end", 1, True), ("val", 2), ("end", 2, True),
+                                                      ("val", 3), ("evaluate", 3), ("end", 3, True)]
+    assert [row.get("test_loss") for row in state.history] == [None, None, 0.7]

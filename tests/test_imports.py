@@ -131,8 +131,9 @@ def _one_cycle(graph: Dict[str, Set[str]], component: Set[str]) -> List[str]:
 # longest prefix listed (``runtime.loop`` is a runner, the rest of ``runtime`` is not), so a
 # new module lands in its package's layer without an edit here.
 LAYERS = [
-    # Standard library only: credential redaction, the `module:function` factory loader, size parsing.
-    ("_redact", "_factory", "_units"),
+    # Standard library only: credential redaction, the `module:function` factory loader, size parsing,
+    # the config error's shape.
+    ("_redact", "_factory", "_units", "_checks"),
     # What knows nothing of a run: plain nn.Modules with their registry and partitioning,
     # and the dataset readers with theirs. Each receives its config section duck-typed (the
     # DataConfig import is under TYPE_CHECKING), so both sit below the config. objectives (the
@@ -142,7 +143,7 @@ LAYERS = [
     ("models", "data", "objectives", "batches"),
     # The config checks a model or dataset name against those registries; everything
     # above reads the config.
-    ("config_checks", "config_sections", "config"),
+    ("config_checks", "config_code", "config_sections", "config"),
     # What a run needs whatever its strategy: devices, metrics, checkpoints, the run folder,
     # progress, the run lock, the cluster, fault injection, the optimizer from its section.
     # planning.preflight sits here, not with planning: runtime.cluster probes the Ray address

@@ -376,7 +376,7 @@ def _run_loop(rank: int, world: int, fields: dict):
     loop = loop_module._Loop(cfg, strategy, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
                              loader, WorkerReporter(None), len(loader))
     row = loop.train_epoch(0, RunState())
-    row.update(loop.evaluate(loaders.test_loader(None, data.test, rank, world, cfg.batch_size // world)))
+    row.update(loop.evaluate(loaders.test_loader(None, data.test, rank, world, cfg.batch_size // world), "test"))
     return row, strategy.state_dict(model)
 
 

@@ -101,6 +101,17 @@ def test_a_column_a_run_lacks_is_skipped_with_one_log_line(tmp_path, caplog):
                        "run no_eval: no test_accuracy in its history, not drawn"]
 
 
+def test_a_validation_split_draws_its_own_line_beside_train_and_test(tmp_path):
+    plain = _run(tmp_path, "plain", 2)
+    held_out = RunFolder(str(tmp_path / "held_out"))  # val_fraction: val_* on every epoch, test_* at the last
+    held_out.write_history([{**_row(e), "val_loss": 1.0 / e, "val_accuracy": 0.5 + e / 10} for e in (1, 2)])
+    fig = plot.draw_runs(plot.read_runs([plain, held_out.uri]))
+    assert "held_out val_loss" in _labels(fig.axes[0]) and "held_out val_accuracy" in _labels(fig.axes[2])
+    assert "plain val_loss" not in _labels(fig.axes[0])  # a run without one has no line (a log line says so)
+    by_label = {line.get_label(): line for line in fig.axes[0].lines}
+    assert list(by_label["held_out val_loss"].get_ydata()) == [1.0, 0.5]
+
+
 def test_metric_picks_the_lower_panels_and_an_unknown_one_names_the_columns(tmp_path):
     runs = plot.read_runs([_run(tmp_path, "a", 2), _run(tmp_path, "b", 2)])
     assert _labels(plot.draw_runs(runs, metric="lr").axes[2]) == ["a lr", "b lr"]

@@ -19,6 +19,8 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Callable
 
+from raytrain_mgpu._factory import code_name, is_factory
+
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
     from raytrain_mgpu.data.base import Datasets
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 # with this package, which registers them); loaded on first use (PEP 562), because they
 # need torch and the registry's name check, which TrainConfig runs, does not.
 _BASE_NAMES = frozenset({"Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files",
-                         "find_or_download", "download_with_torchvision"})
+                         "find_or_download", "download_with_torchvision", "split_validation", "validation_size"})
 
 
 def __getattr__(name: str):
@@ -97,8 +99,6 @@ def dataset_names() -> list[str]:
 def check_dataset_name(name) -> None:
     """Raise ``ValueError`` for an unknown registry name; ``pkg.module:function`` passes
     without being imported (it may only be importable on the workers), as does a function from Python."""
-    from raytrain_mgpu._factory import is_factory
-
     if is_factory(name) or name in DATASETS:
         return
     raise ValueError(f"TrainConfig.dataset={name!r}: unknown dataset. Valid names: "
@@ -136,28 +136,36 @@ def _import_factory(spec) -> Callable:
 
 
 def build_datasets(cfg: "DataConfig") -> "Datasets":
-    """Build train and test datasets for a registry name or a ``pkg.module:function``, with the
-    config's per-sample transforms (``data/transforms.py``) around each split."""
+    """Build the splits for a registry name or a ``pkg.module:function``: ``val_fraction`` held out of the
+    training split, the config's per-sample transforms (``data/transforms.py``) around each split (the
+    validation split gets the test split's: it is evaluated, never augmented)."""
     built = _build_untransformed(cfg)
+    if cfg.val_fraction is not None:
+        from raytrain_mgpu.data.base import split_validation
+
+        if built.val is not None:
+            raise ValueError(f"TrainConfig.val_fraction={cfg.val_fraction}: dataset {code_name(cfg.dataset)!r} "
+                             f"returns a validation split of its own. Leave val_fraction unset to use it.")
+        train, val = split_validation(built.train, cfg.val_fraction, cfg.seed)
+        built = built._replace(train=train, val=val)
     if not (cfg.train_transform or cfg.test_transform):
         return built
     from raytrain_mgpu.data.transforms import TransformedDataset, build_transform, transformed_shape
 
     input_shape = transformed_shape(cfg.train_transform, cfg.test_transform, built.input_shape)
-    train, test = built.train, built.test
+    train, test, val = built.train, built.test, built.val
     if cfg.train_transform:
         train = TransformedDataset(train, build_transform(cfg.train_transform, built.input_shape,
                                                           "train_transform")[0], cfg.seed)
-    if cfg.test_transform:  # the test split keeps epoch 0: every evaluation sees the same inputs
-        test = TransformedDataset(test, build_transform(cfg.test_transform, built.input_shape,
-                                                        "test_transform")[0], cfg.seed)
-    return built._replace(train=train, test=test, input_shape=input_shape)
+    if cfg.test_transform:  # the evaluated splits keep epoch 0: every evaluation sees the same inputs
+        transform = build_transform(cfg.test_transform, built.input_shape, "test_transform")[0]
+        test = TransformedDataset(test, transform, cfg.seed)
+        val = None if val is None else TransformedDataset(val, transform, cfg.seed)
+    return built._replace(train=train, test=test, val=val, input_shape=input_shape)
 
 
 def _build_untransformed(cfg: "DataConfig") -> "Datasets":
     from raytrain_mgpu.data.base import Datasets
-
-    from raytrain_mgpu._factory import code_name, is_factory
 
     check_dataset_name(cfg.dataset)
     if not is_factory(cfg.dataset):

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
 
 __all__ = ["Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files", "find_or_download",
-           "download_with_torchvision"]
+           "download_with_torchvision", "split_validation", "validation_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,29 @@ class Datasets(NamedTuple):
     """Shape of one ``x``, e.g. ``(1, 8, 8)``; for a dict (or tuple) ``x``, a dict (tuple) of shapes."""
     num_classes: Optional[int]
     """Classes of a classification dataset; None for anything else (then no ``accuracy`` by default)."""
+    val: Optional[Dataset] = None
+    """The validation split, if any: what ``monitor``, ``keep_best`` and early stopping rank epochs on
+    (``TrainConfig.val_fraction`` holds one out of ``train`` instead: :func:`split_validation`)."""
+
+
+def validation_size(train_size: int, fraction: float) -> int:
+    """Samples ``val_fraction`` holds out of a training split of ``train_size`` (at least one)."""
+    return max(1, round(train_size * fraction))
+
+
+def split_validation(train: Dataset, fraction: float, seed: int) -> Tuple[Dataset, Dataset]:
+    """``(train, val)``: ``fraction`` of ``train``'s samples, drawn by ``seed``, held out as validation.
+
+    Done once on the whole split, before any worker takes its shard, so every worker count trains and
+    validates on the same samples; each part keeps the reader's order (sorted indices), so a reader
+    that loads rows in ranges (Parquet) still does."""
+    size = len(train)
+    held_out = validation_size(size, fraction)
+    if held_out >= size:
+        raise ValueError(f"TrainConfig.val_fraction={fraction}: holds out {held_out} of the training split's {size} "
+                         f"samples, leaving none to train on. Lower val_fraction, or use more data.")
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(train, sorted(order[held_out:])), Subset(train, sorted(order[:held_out]))
 
 
 class PixelNormaliser:

@@ -96,7 +96,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, reporter, state: RunState) ->
         def train_epoch(epoch: int) -> dict:
             return _train_epoch(cfg, group, state, epoch, steps_per_epoch, reporter, partition, saver)
 
-        run_epochs(cfg, state, train_epoch, lambda: _evaluate(group), end_epoch)
+        run_epochs(cfg, state, train_epoch, lambda split: _evaluate(group, split), end_epoch,
+                   has_val=infos[0]["has_val"])
         saver.finish(reporter)  # the last upload, before the actors go
         group.shutdown(graceful=True)
         return path, state.history
@@ -178,10 +179,10 @@ def epoch_metrics(cfg: TrainConfig, stats: List[dict], epoch: int, state: RunSta
         partition=list(partition.counts), checkpoint_s=checkpoint_s, eval_s=0.0)
 
 
-def _evaluate(group: StageGroup) -> dict:
-    sums = [s for s in group.call("evaluate") if s is not None]  # one per replica: its last stage's
+def _evaluate(group: StageGroup, split: str) -> dict:
+    sums = [s for s in group.call("evaluate", split) if s is not None]  # one per replica: its last stage's
     return eval_columns(sum(s["loss_sum"] for s in sums), sum(s["targets"] for s in sums),
-                        add_metric_totals(s["metrics"] for s in sums))
+                        add_metric_totals(s["metrics"] for s in sums), split=split)
 
 
 def _path_in_folder(cfg: TrainConfig, checkpoint: Optional[str]) -> Optional[str]:

@@ -157,7 +157,7 @@ class StageWorker:
         self.step = start_step
         self._eval_orders: Dict[int, Order] = {}
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
-                "steps_per_epoch": self.steps_per_epoch, "node_ip": node_ip(), **self.assignment.record(),
+                "steps_per_epoch": self.steps_per_epoch, "has_val": self.data.val is not None, "node_ip": node_ip(), **self.assignment.record(),
                 "gpu_ids": ray_gpu_ids(), "nccl_semantics": self.emulate_nccl}
 
     def _build_groups(self) -> None:
@@ -181,7 +181,9 @@ class StageWorker:
         if cfg.ingest == "ray_data":  # Ray Data streams this replica's equal share instead (runtime/ray_ingest.py)
             self.loader = ShardLoader(self.data_shard, self.replica_batch, self.steps_per_epoch, cfg.seed, self.replica)
             self.sampler = self.loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
-        self.test_loader = test_loader(cfg.data, self.data.test, self.replica, D, self.replica_batch, self.device)
+        self.eval_loaders = {split: test_loader(cfg.data, dataset, self.replica, D, self.replica_batch, self.device)
+                             for split, dataset in (("test", self.data.test), ("val", self.data.val))
+                             if dataset is not None}
 
     def _restore(self, directory: str) -> None:
         state, train_state = ckpt_format.load_part(RunFolder.of(self.cfg), directory, f"-stage{self.prank}")
@@ -326,13 +328,15 @@ class StageWorker:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> Optional[dict]:
-        """Loss and metric sums over this replica's test shard (``StageTotals``' keys; from the last rank, others None)."""
+    def evaluate(self, split: str = "test") -> Optional[dict]:
+        """Loss and metric sums over this replica's shard of ``split`` (test or val; ``StageTotals``' keys; from
+        the last rank, others None)."""
         for stage in self.stages.values():
             stage.eval()
         meter = EpochMeter(self.device, self.objective)
-        size, bs = len(self.test_loader.dataset), self.test_loader.batch_size
-        batches = iter(self.test_loader) if self.is_first else None
+        loader = self.eval_loaders[split]
+        size, bs = len(loader.dataset), loader.batch_size
+        batches = iter(loader) if self.is_first else None
         for start in range(0, size, bs):
             rows = microbatch_rows(min(bs, size - start), self.cfg.num_microbatches)
             order = self._eval_orders.setdefault(len(rows), forward_only(self.num_ranks, len(rows), self.num_stages))

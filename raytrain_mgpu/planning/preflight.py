@@ -241,8 +241,17 @@ def _norm(value):
 
 
 def train_split_size(data) -> Optional[int]:
-    """Samples in the training split where that is known without reading the data (None:
-    not known cheaply, e.g. a user factory or a fixed-size download)."""
+    """Samples in the training split, less what ``val_fraction`` holds out, where that is known without
+    reading the data (None: not known cheaply, e.g. a user factory or a fixed-size download)."""
+    from raytrain_mgpu.data.base import validation_size
+
+    size = _whole_train_split_size(data)
+    if size is None or data.val_fraction is None:
+        return size
+    return size - validation_size(size, data.val_fraction)
+
+
+def _whole_train_split_size(data) -> Optional[int]:
     from raytrain_mgpu.data import digits, parquet, synthetic, text
 
     if data.dataset == "digits":

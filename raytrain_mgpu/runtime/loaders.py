@@ -50,15 +50,21 @@ class _EpochIndices(Sampler):
 
 
 def base_dataset(dataset):
-    """The reader under a :class:`TransformedDataset` (where ``prefetch`` lives)."""
-    return dataset.dataset if isinstance(dataset, TransformedDataset) else dataset
+    """The reader (where ``prefetch`` lives) under a :class:`TransformedDataset` and a held-out split's ``Subset``."""
+    while isinstance(dataset, (TransformedDataset, Subset)):
+        dataset = dataset.dataset
+    return dataset
 
 
 def prefetch(dataset, indices: Sequence[int]) -> None:
-    """Load exactly this epoch's rows in the training process, where the reader can (``parquet``)."""
-    reader = base_dataset(dataset)
-    if hasattr(reader, "prefetch"):
-        reader.prefetch(list(indices))
+    """Load exactly this epoch's rows in the training process, where the reader can (``parquet``); the indices
+    of a split held out by ``val_fraction`` (a ``Subset``) are the reader's rows it names."""
+    rows = list(indices)
+    while isinstance(dataset, (TransformedDataset, Subset)):
+        rows = [dataset.indices[i] for i in rows] if isinstance(dataset, Subset) else rows
+        dataset = dataset.dataset
+    if hasattr(dataset, "prefetch"):
+        dataset.prefetch(rows)
 
 
 def _worker_options(cfg: Optional["DataConfig"], dataset) -> dict:

@@ -120,7 +120,8 @@ def train_worker(payload: dict) -> dict:
         cfg, strategy, model, optimizer, scheduler, scaler, state,
         {"epoch": state.epoch, "step": state.step, STEP_IN_EPOCH: state.step_in_epoch}, ctx, shape_info,
         reporter, epoch_partial=meter.partial())
-    test_batches = test_loader(cfg.data, data.test, shard, num_shards, plan.replica_batch, strategy.device)
+    evaluated = {split: test_loader(cfg.data, dataset, shard, num_shards, plan.replica_batch, strategy.device)
+                 for split, dataset in (("test", data.test), ("val", data.val)) if dataset is not None}
     reporter.startup(entered, time.time())
 
     def train_epoch(epoch: int) -> dict:
@@ -130,9 +131,9 @@ def train_worker(payload: dict) -> dict:
 
     # Every rank evaluates the same epochs (all-reduced rows); the row goes to the driver once its
     # checkpoint is written (checkpoint_s counts that write).
-    run_epochs(cfg, state, train_epoch, lambda: loop.evaluate(test_batches),
+    run_epochs(cfg, state, train_epoch, lambda split: loop.evaluate(evaluated[split], split),
                lambda row: save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, row, ctx,
-                                           shape_info, reporter, send_row=True))
+                                           shape_info, reporter, send_row=True), has_val=data.val is not None)
     # An early stop is read from the history at the loop's top: every rank stops after the same epoch.
     return {"epochs": state.epoch, "steps": state.step}
 
@@ -268,8 +269,8 @@ class _Loop:
                          checkpoint_s=checkpoint_sum / world, eval_s=0.0)
 
     @torch.no_grad()
-    def evaluate(self, loader: DataLoader) -> dict:
-        """Loss and metrics over the whole test split: every worker takes a disjoint shard."""
+    def evaluate(self, loader: DataLoader, split: str) -> dict:
+        """Loss and metrics over the whole ``split`` (test or val): every worker takes a disjoint shard."""
         self.model.eval()
         meter = EpochMeter(self.device, self.strategy.objective)
         for x, y in loader:
@@ -277,7 +278,7 @@ class _Loop:
             with self.autocast():
                 loss, outputs = self.strategy.compute_loss(self.model, x, y)
             meter.add(loss.float(), outputs, y)
-        return eval_columns(*meter.split(all_reduce_sum(meter.totals).tolist()))
+        return eval_columns(*meter.split(all_reduce_sum(meter.totals).tolist()), split=split)
 
 
 def _own_partials(partials: Optional[list], ctx: WorkerContext) -> list:

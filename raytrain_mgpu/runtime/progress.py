@@ -73,9 +73,9 @@ class ProgressPrinter:
         names = metric_names(m)
         train = "".join(f"{_SHORT.get(name, name)} {_number(m[f'train_{name}'])}  " for name in names
                         if name != "accuracy")  # the train accuracy of a run that has one stays off the line, as before
-        test = (f"test_loss {m['test_loss']:.4f}  " + "".join(
-            f"test_{_SHORT.get(name, name)} {_number(m.get(f'test_{name}'))}  " for name in names)
-            if m.get("test_loss") is not None else "")
+        test = "".join(f"{split}_loss {m[f'{split}_loss']:.4f}  " + "".join(
+            f"{split}_{_SHORT.get(name, name)} {_number(m.get(f'{split}_{name}'))}  " for name in names)
+            for split in ("val", "test") if m.get(f"{split}_loss") is not None)  # the evaluated splits
         restart = f"  [restart {m['attempt']}]" if m.get("attempt") else ""
         # where the epoch's time went: in steps (what samples/s is of), in checkpoints, in evaluation
         times = (f"train {m['training_s']:.2f} s  ckpt {m['checkpoint_s']:.2f} s  eval {m.get('eval_s') or 0:.2f} s  "

@@ -67,9 +67,9 @@ class RunState:
 
 
 def _value(row: dict, monitor: str) -> Optional[float]:
-    """``row[monitor]``, None on an epoch that did not measure it (``test_*`` between evaluations)."""
-    value = row.get(monitor)
-    if value is None and (not monitor.startswith("test_") or row.get("test_loss") is not None):
+    """``row[monitor]``, None on an epoch that did not measure it (``val_*``/``test_*`` between evaluations)."""
+    value, split = row.get(monitor), monitor.split("_", 1)[0]
+    if value is None and (split not in ("val", "test") or row.get(f"{split}_loss") is not None):
         raise ValueError(f"TrainConfig.monitor={monitor!r} is not in the history of epoch {row.get('epoch')} "
                          f"(keys: {', '.join(k for k, v in row.items() if isinstance(v, (int, float)))}). "
                          f"Set monitor to one of them.")
@@ -164,9 +164,11 @@ def metric_columns(prefix: str, metric_totals: Mapping[str, Sequence[float]]) ->
     return {f"{prefix}_{name}": (total / count if count else None) for name, (total, count) in metric_totals.items()}
 
 
-def eval_columns(loss_sum: float, samples: float, metric_totals: Mapping[str, Sequence[float]]) -> dict:
-    """An evaluation's ``test_loss`` and ``test_<metric>`` from its sums over every rank and device."""
-    return {"test_loss": loss_sum / max(samples, 1), **metric_columns("test", metric_totals)}
+def eval_columns(loss_sum: float, samples: float, metric_totals: Mapping[str, Sequence[float]],
+                 split: str = "test") -> dict:
+    """An evaluation's ``<split>_loss`` and ``<split>_<metric>`` (``split``: ``test`` or ``val``) from its sums
+    over every rank and device."""
+    return {f"{split}_loss": loss_sum / max(samples, 1), **metric_columns(split, metric_totals)}
 
 
 def add_metric_totals(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict:

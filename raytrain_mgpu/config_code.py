@@ -1,0 +1,118 @@
+"""The ``TrainConfig`` fields that name code, checked without importing it (part of
+``config_checks.check_fields``): ``model``, ``dataset``, ``optimizer``, ``loss``, ``metrics`` and
+``callbacks`` take a registry name, a ``package.module:function`` (its form here, the standard-library
+rule in ``_factory.py``), or from Python the class or function itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from typing import Any, Dict, Literal
+
+from raytrain_mgpu._checks import fail
+from raytrain_mgpu._factory import check_factory_spec, function_name, is_factory, is_object
+
+__all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_metrics", "check_model_and_dataset",
+           "check_callbacks"]
+
+FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # runtime/callbacks.py
+
+
+def factory_choices(cls) -> Dict[str, tuple]:
+    """``{field: its names}`` for every field typed ``Union[Literal[...], str]``: a name or a ``module:function``."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        args = typing.get_args(hints[f.name])
+        literals = [a for a in args if typing.get_origin(a) is Literal]
+        if typing.get_origin(hints[f.name]) is typing.Union and str in args and literals:
+            found[f.name] = typing.get_args(literals[0])
+    return found
+
+
+def is_code(name: str, value: Any, listed: Any = None, fix: str = "") -> bool:
+    """Whether ``value`` is the user's code: a class or function from Python, or a ``package.module:function``
+    (its form and the standard-library rule checked here). ``listed``: the whole list, for a list's entry."""
+    if is_object(value):
+        return True
+    if not (isinstance(value, str) and is_factory(value)):
+        return False
+    if not FACTORY_RE.match(value):
+        fail(name, value if listed is None else listed, f"{'' if listed is None else f'entry {value!r} '}is not of "
+             f"the form 'package.module:function'", fix or "Write e.g. 'my_code:build' for build() in my_code.py.")
+    check_factory_spec(value, name)
+    return True
+
+
+def check_code_choices(cfg) -> None:
+    """A field that takes a name, a ``module:function`` or the function (``optimizer``, ``loss``), and its kwargs."""
+    for name, valid in factory_choices(type(cfg)).items():
+        value = getattr(cfg, name)
+        if not is_code(name, value) and (not isinstance(value, str) or value not in valid):
+            fail(name, value, f"is not one of {list(valid)} or a 'package.module:function'",
+                 f"Set {name} to one of them, name your own function, or (from Python) pass the function itself.")
+    kwargs = cfg.optimizer_kwargs
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        fail("optimizer_kwargs", kwargs, "must be a mapping with string keys", "Write it as {key: value}.")
+    # What the trainer passes itself: the parameters, the (scaled, scheduled) lr, and the
+    # built-in optimizers' own fields.
+    own = ("params", "lr") if is_code("optimizer", cfg.optimizer) else ("params", "lr", "momentum", "weight_decay")
+    clash = sorted(set(kwargs) & set(own))
+    if clash:
+        fail("optimizer_kwargs", kwargs, f"must not set {clash}: the trainer passes them to the optimizer",
+             "Remove them, and set TrainConfig.lr (for sgd/adamw also momentum, weight_decay) instead.")
+
+
+def check_metrics(cfg) -> None:
+    """``metrics``: None or a list of names, ``module:function`` entries or functions, reported under distinct names."""
+    from raytrain_mgpu.config_sections import Metric  # objectives.METRICS' names, without torch
+
+    metrics = cfg.metrics
+    valid = typing.get_args(Metric)
+    fix = f"Write a list, e.g. metrics=['mae'] or ['my_metrics:within_tenth'], of {list(valid)} or your functions."
+    if metrics is None:
+        return
+    if not isinstance(metrics, list):
+        fail("metrics", metrics, "must be a list of metric names or 'package.module:function's", fix)
+    seen = set()
+    for entry in metrics:
+        if not is_code("metrics", entry, metrics, fix) and (not isinstance(entry, str) or entry not in valid):
+            fail("metrics", metrics, f"entry {entry!r} is not one of {list(valid)} or a 'package.module:function'",
+                 fix)
+        name = function_name(entry)
+        if name == "loss":
+            fail("metrics", metrics, f"entry {entry!r} would be reported as train_loss/test_loss, the loss's "
+                                     f"own keys", "Rename the function, e.g. to my_loss_metric.")
+        if name in seen:
+            fail("metrics", metrics, f"two entries would both be reported as train_{name}/test_{name}",
+                 "List each metric once, and give each metric function its own name.")
+        seen.add(name)
+
+
+def check_model_and_dataset(cfg) -> None:
+    """``model`` and ``dataset``: a registry name, a ``package.module:function``, or (from Python) the class
+    or function itself; the registries' names are checked by ``models.check_model_name`` and ``data``."""
+    for name, example in (("model", "'lenet'"), ("dataset", "'digits'")):
+        value = getattr(cfg, name)
+        if not is_code(name, value) and (not isinstance(value, str) or not value.strip()):
+            fail(name, value, "must be a registry name, a 'package.module:function' or (from Python) a class or "
+                              "function", f"Set {name} to e.g. {example}, 'my_code:build' for build() in "
+                                          f"my_code.py, or pass build itself.")
+
+
+def check_callbacks(callbacks: Any) -> None:
+    """``callbacks``: ``package.module:Class`` entries, or (from Python) objects with at least one hook."""
+    fix = "Write a list of 'package.module:Class' entries, e.g. callbacks=['my_hooks:Notify']."
+    if not isinstance(callbacks, list):
+        fail("callbacks", callbacks, "must be a list", fix)
+    for entry in callbacks:
+        if isinstance(entry, str):
+            if not FACTORY_RE.match(entry):
+                fail("callbacks", callbacks, f"entry {entry!r} is not of the form 'package.module:Class'", fix)
+            check_factory_spec(entry, "callbacks")
+        elif not any(callable(getattr(entry, hook, None)) for hook in _HOOKS):
+            fail("callbacks", callbacks, f"entry {entry!r} has none of the hooks {', '.join(_HOOKS)}",
+                 "Pass an instance of a raytrain_mgpu.runtime.callbacks.Callback subclass, or a "
+                 "'package.module:Class'.")
