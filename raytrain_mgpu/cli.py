@@ -157,6 +157,21 @@ def _build_parser() -> argparse.ArgumentParser:
                               "trial runs (default: try on GPU, estimate on CPU)")
     _add_config_options(compare)
 
+    tune = commands.add_parser("tune", help="hyperparameter search with Ray Tune: one fit per trial, ASHA stopping "
+                                            "hopeless trials early; prints the trials and the best values",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tune.add_argument("--config", help="YAML file of TrainConfig fields")
+    tune.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
+    tune.add_argument("--param", action="append", required=True, metavar="NAME=KIND:VALUES",
+                      help="a searched field, e.g. lr=loguniform:1e-4:1e-1, batch_size=grid:32,64, "
+                           "optimizer=choice:sgd,adamw, uniform:LOW:HIGH, randint:LOW:HIGH (repeatable)")
+    tune.add_argument("--samples", type=int, default=8, help="trials (a grid runs each of its values this often)")
+    tune.add_argument("--metric", default="val_accuracy", help="history key that ranks the trials, with --mode "
+                                                               "(the config's: min for losses, max for accuracy)")
+    tune.add_argument("--scheduler", choices=("asha", "none"), default="asha",
+                      help="asha: stop trials early on the metric of each epoch; none: train every trial fully")
+    _add_config_options(tune)
+
     commands.add_parser("bench", help="benchmark fit against a plain PyTorch loop and torchrun",
                         add_arguments=_arguments_of("raytrain_mgpu.bench.ddp"))
     for command, (module, help_text) in _MODULE_COMMANDS.items():
@@ -240,6 +255,14 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    from raytrain_mgpu.tune import search
+
+    search(cfg, args.param, args.samples, args.metric, cfg.mode, args.scheduler, stream=sys.stdout)
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from raytrain_mgpu.data.convert import convert_to_parquet
 
@@ -294,6 +317,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _compare(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "tune":
+            return _tune(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         from raytrain_mgpu._redact import redact

@@ -114,6 +114,19 @@ def test_run_events_fan_out_in_order_and_a_raising_callback_is_named():
     assert first.kinds()[-1] == "checkpoint" and len(first.events) == 4
 
 
+def test_a_callbacks_error_copies_and_pickles_with_its_message():
+    # Ray Tune copies a trial's error (copy.copy) and Ray pickles errors between processes: both rebuild
+    # it from its args, which failed with a TypeError that hid the callback's own error.
+    import copy
+    import pickle
+
+    error = CallbackError("callbacks entry 'my:Hook'", "on_epoch_end", ValueError("no"))
+    for again in (copy.copy(error), pickle.loads(pickle.dumps(error))):
+        assert type(again) is CallbackError and str(again) == str(error) == (
+            "callbacks entry 'my:Hook' raised in on_epoch_end: ValueError: no")
+        assert (again.label, again.hook) == ("callbacks entry 'my:Hook'", "on_epoch_end")
+
+
 def test_callbacks_load_from_names_and_bad_entries_fail_with_the_fix(tmp_path, monkeypatch):
     (tmp_path / "my_hooks.py").write_text(
         "from raytrain_mgpu.runtime.callbacks import Callback\n"

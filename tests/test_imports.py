@@ -167,7 +167,7 @@ LAYERS = [
     # the api's fit, which the api passes in.
     ("planning",),
     # fit and the public compare; plot draws finished (or running) runs' histories, beside the api.
-    ("api", "plot"),
+    ("api", "plot", "tune"),
     # The package face (loads the api lazily) and the benchmarks, which drive fit; nothing in
     # the training path imports a benchmark.
     (PACKAGE, "bench"),

@@ -31,7 +31,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,17 @@ class Callback:
 
 
 class CallbackError(RuntimeError):
-    """A callback or logger raised; names it, the hook, and the exception (its ``__cause__``)."""
+    """A callback or logger raised; names it, the hook, and the exception (its ``__cause__``).
 
-    def __init__(self, label: str, hook: str, exc: BaseException):
-        super().__init__(f"{label} raised in {hook}: {type(exc).__name__}: {exc}")
+    Its ``args`` rebuild it (``label, hook, "Type: message"``), so it copies and pickles: Ray Tune
+    copies a trial's error, and Ray sends errors between processes."""
+
+    def __init__(self, label: str, hook: str, exc: Union[BaseException, str]):
+        super().__init__(label, hook, exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}")
         self.label, self.hook = label, hook
+
+    def __str__(self) -> str:
+        return "{} raised in {}: {}".format(*self.args)
 
 
 def _label(field: str, entry) -> str:

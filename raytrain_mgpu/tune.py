@@ -1,0 +1,152 @@
+"""Hyperparameter search with Ray Tune: each trial is one ``fit`` with the trial's values.
+
+    tuner = tune.Tuner(raytrain_mgpu.tune.trainable(cfg), param_space={"lr": tune.loguniform(1e-4, 1e-1)},
+                       tune_config=tune.TuneConfig(metric="val_accuracy", mode="max", num_samples=8,
+                                                   scheduler=ASHAScheduler(max_t=cfg.epochs),
+                                                   max_concurrent_trials=max_concurrent_trials(cfg)))
+
+- A trial's values are ``TrainConfig`` fields (any of them, checked like ``replace``); its run is
+  ``{storage_path}/{name}-{trial id}``, a run folder like any other: a restored trial resumes from
+  its last checkpoint, as ``fit`` always does, and ``raytrain-mgpu plot`` draws it.
+- Every epoch's row (its numbers) goes to ``ray.tune.report``, so a scheduler (ASHA, PBT's
+  ``training_iteration`` is the epoch count) stops or compares trials by ``val_*``/``test_*``/``train_*``.
+  A stopped trial's process ends, and its Ray Train workers with it.
+- The trial's own process only drives ``fit`` (:data:`TRIAL_CPUS` of a CPU): the training bundles
+  are the run's, requested by ``fit``. Trials beyond what the cluster holds at once would wait for
+  their bundles (a pipeline's for at most its placement timeout, then fail):
+  :func:`max_concurrent_trials` is how many runs of ``cfg`` fit the cluster together, for
+  ``TuneConfig(max_concurrent_trials=...)``, so the others queue in Tune instead.
+
+``raytrain-mgpu tune`` (:func:`search`) is the same from the command line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Dict, List, Optional, Sequence
+
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.runtime.callbacks import Callback
+
+__all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "TRIAL_CPUS"]
+
+TRIAL_CPUS = 0.01
+"""A trial's process only waits on its ``fit`` (Tune refuses a request of nothing)."""
+
+
+class _ReportEpochs(Callback):
+    """Every epoch's numbers to Ray Tune, from the trial's process (where ``fit``'s events arrive)."""
+
+    def on_epoch_end(self, epoch: int, metrics: dict) -> None:
+        from ray import tune
+
+        tune.report({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+
+def trainable(cfg: TrainConfig) -> Callable:
+    """A Ray Tune trainable whose trials run ``fit(cfg.replace(**trial values))``, one run folder each."""
+    from ray import tune
+
+    def run_trial(values: dict) -> None:
+        from raytrain_mgpu.api import fit
+
+        trial = tune.get_context().get_trial_id()
+        fit(cfg.replace(**values, name=f"{cfg.name}-{trial}", callbacks=[*cfg.callbacks, _ReportEpochs()]))
+
+    run_trial.__name__ = f"raytrain_mgpu-{cfg.name}"  # Tune names the experiment's trials after it
+    return tune.with_resources(run_trial, {"CPU": TRIAL_CPUS})
+
+
+def max_concurrent_trials(cfg: TrainConfig, resources: Optional[Dict[str, float]] = None) -> int:
+    """How many runs of ``cfg`` the cluster (``ray.cluster_resources()``, or ``resources``) holds at once."""
+    from raytrain_mgpu.strategies.plan import build_plan
+
+    if resources is None:
+        import ray
+
+        resources = ray.cluster_resources()
+    needed: Dict[str, float] = {}
+    for bundle in build_plan(cfg).bundles:
+        for key, amount in bundle.items():
+            needed[key] = needed.get(key, 0.0) + amount
+    fits = [math.floor(resources.get(key, 0.0) / amount) for key, amount in needed.items() if amount > 0]
+    return max(1, min(fits, default=1))
+
+
+_PARAM = re.compile(r"^(?P<name>\w+)=(?P<kind>grid|choice|uniform|loguniform|randint):(?P<values>.+)$")
+
+
+def parse_param(text: str):
+    """``name=kind:values`` (``lr=loguniform:1e-4:1e-1``, ``batch_size=grid:32,64``, ``optimizer=choice:sgd,adamw``,
+    ``uniform:lo:hi``, ``randint:lo:hi``) as ``(name, Tune search space)``; errors name the fix."""
+    import yaml
+    from ray import tune
+
+    match = _PARAM.match(text.strip())
+    fix = ("Write NAME=KIND:VALUES with KIND one of grid, choice (comma-separated values), uniform, loguniform, "
+           "randint (LOW:HIGH), e.g. lr=loguniform:1e-4:1e-1.")
+    if match is None:
+        raise ValueError(f"--param {text!r}: not of the form NAME=KIND:VALUES. {fix}")
+    name, kind, values = match["name"], match["kind"], match["values"]
+    if name not in TrainConfig.field_names():
+        raise ValueError(f"--param {text!r}: {name!r} is not a TrainConfig field. {fix}")
+    if kind in ("grid", "choice"):
+        options = [yaml.safe_load(v) for v in values.split(",")]
+        return name, tune.grid_search(options) if kind == "grid" else tune.choice(options)
+    bounds = values.split(":")
+    try:
+        low, high = (float(b) for b in bounds) if len(bounds) == 2 else (None, None)
+    except ValueError:
+        low = high = None
+    if low is None or not low < high or (kind == "loguniform" and low <= 0):
+        raise ValueError(f"--param {text!r}: {kind} needs LOW:HIGH numbers with LOW < HIGH"
+                         f"{' and LOW > 0' if kind == 'loguniform' else ''}. {fix}")
+    if kind == "randint":
+        return name, tune.randint(int(low), int(high))
+    return name, (tune.loguniform if kind == "loguniform" else tune.uniform)(low, high)
+
+
+def search(cfg: TrainConfig, params: Sequence[str], samples: int, metric: str, mode: str,
+           scheduler: str = "asha", stream=None):
+    """``raytrain-mgpu tune``: ``samples`` trials of ``cfg`` over ``params`` (:func:`parse_param` texts), ASHA
+    stopping trials early on ``metric`` per epoch (``scheduler="none"``: every trial trains every epoch);
+    prints the trials table and the best values. Returns Ray Tune's ``ResultGrid``."""
+    from raytrain_mgpu.config_checks import monitor_keys
+
+    space = dict(parse_param(p) for p in params)  # bad input fails before Ray
+    if metric not in monitor_keys(cfg):
+        raise ValueError(f"--metric {metric!r}: not a history key of this run ({', '.join(monitor_keys(cfg))}). "
+                         f"Pick one of them, e.g. val_accuracy with val_fraction set.")
+    if not samples >= 1:
+        raise ValueError(f"--samples {samples}: at least 1 trial. Set --samples 8, say.")
+    from ray import tune
+
+    from raytrain_mgpu.runtime.cluster import connect
+
+    connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)  # a local Ray for the CLI, as fit starts one
+    asha = tune.schedulers.ASHAScheduler(max_t=cfg.epochs, grace_period=1) if scheduler == "asha" else None
+    tuner = tune.Tuner(trainable(cfg), param_space=space,
+                       tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=samples, scheduler=asha,
+                                                   max_concurrent_trials=max_concurrent_trials(cfg)),
+                       run_config=tune.RunConfig(storage_path=cfg.storage_path, name=f"{cfg.name}-tune", verbose=0))
+    results = tuner.fit()
+    if stream is not None:
+        stream.write(trials_table(results, list(space), metric) + "\n")
+        best = results.get_best_result()
+        stream.write(f"best: {best.config} {metric}={best.metrics.get(metric)}\n")
+    return results
+
+
+def trials_table(results, names: List[str], metric: str) -> str:
+    """One line per trial: its values, the epochs it trained, its last ``metric``, and an error if it failed."""
+    lines = [" | ".join(["trial", *names, "epochs", metric])]
+    for result in results:
+        values = [str(result.config.get(n)) for n in names]
+        epochs = str(result.metrics.get("epoch", "-")) if result.metrics else "-"
+        score = result.metrics.get(metric) if result.metrics else None
+        status = f"{score:.4f}" if isinstance(score, float) else str(score)
+        trial = (result.metrics or {}).get("trial_id", "?")
+        lines.append(" | ".join([str(trial), *values, epochs, status + (f" (error: {result.error})" if result.error
+                                                                          else "")]))
+    return "\n".join(lines)

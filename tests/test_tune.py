@@ -1,0 +1,73 @@
+"""Hyperparameter search with Ray Tune (``raytrain_mgpu/tune.py``): a real ``tune.Tuner`` with a grid and
+ASHA on the shared Ray; the search's inputs checked in one process."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+import raytrain_mgpu as rtm
+from raytrain_mgpu.cli import main
+from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search
+
+SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",
+             val_fraction=0.2, epochs=4, num_workers=1)
+
+
+def test_params_read_as_tune_search_spaces_and_bad_ones_name_the_fix():
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    name, space = parse_param("lr=loguniform:1e-4:1e-1")
+    assert name == "lr" and isinstance(space, Float) and (space.lower, space.upper) == (1e-4, 1e-1)
+    assert parse_param("batch_size=grid:32,64") == ("batch_size", {"grid_search": [32, 64]})
+    name, space = parse_param("optimizer=choice:sgd,adamw")
+    assert isinstance(space, Categorical) and space.categories == ["sgd", "adamw"]
+    assert isinstance(parse_param("grad_accum_steps=randint:1:4")[1], Integer)
+    for text, error in (("lr", "not of the form NAME=KIND:VALUES"), ("lr=normal:0:1", "not of the form"),
+                        ("learning_rate=uniform:0:1", "'learning_rate' is not a TrainConfig field"),
+                        ("lr=loguniform:0:1", "LOW:HIGH numbers with LOW < HIGH and LOW > 0"),
+                        ("lr=uniform:1:0", "LOW:HIGH numbers with LOW < HIGH")):
+        with pytest.raises(ValueError, match=error):
+            parse_param(text)
+
+
+def test_concurrent_trials_are_the_runs_the_cluster_holds_at_once():
+    cfg = rtm.TrainConfig(**SMALL, cpus_per_worker=2)
+    assert max_concurrent_trials(cfg, {"CPU": 4.0}) == 2 and max_concurrent_trials(cfg, {"CPU": 3.0}) == 1
+    gpu = rtm.TrainConfig(**{**SMALL, "num_workers": 2}, use_gpu=True)  # 2 x (1 CPU, 1 GPU)
+    assert max_concurrent_trials(gpu, {"CPU": 16.0, "GPU": 4.0}) == 2
+
+
+def test_the_cli_refuses_a_metric_the_run_does_not_record_before_ray(capsys, monkeypatch):
+    import raytrain_mgpu.runtime.cluster as cluster
+
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: pytest.fail("tune connected to Ray before refusing"))
+    assert main(["tune", "--param", "lr=loguniform:1e-3:1e-1", "--metric", "val_accuracy", "--epochs", "2"]) == 2
+    assert "--metric 'val_accuracy': not a history key of this run (train_loss, train_accuracy, test_loss, " \
+           "test_accuracy). Pick one of them, e.g. val_accuracy with val_fraction set." in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_asha_over_a_grid_stops_the_hopeless_trial_and_returns_the_best(ray_session, tmp_path):
+    # One trial at a time (a run holds 3 of the shared Ray's 4 CPUs), in the grid's order: the good rate
+    # reaches every epoch; the hopeless one (lr 1e-6) is behind at the first rung and ASHA stops it there.
+    cfg = rtm.TrainConfig(**SMALL, cpus_per_worker=3, storage_path=str(tmp_path), name="search")
+    out = io.StringIO()
+    results = search(cfg, ["lr=grid:0.1,0.000001"], samples=1, metric="val_accuracy", mode="max", stream=out)
+    by_lr = {r.config["lr"]: r for r in results}
+    assert sorted(by_lr) == [1e-6, 0.1] and not any(r.error for r in results), [r.error for r in results]
+    good, hopeless = by_lr[0.1], by_lr[1e-6]
+    assert good.metrics["epoch"] == 4 and good.metrics["val_accuracy"] > 0.8  # every epoch, reported per epoch
+    assert hopeless.metrics["epoch"] < 4 and hopeless.metrics["val_accuracy"] < 0.5  # stopped early
+    assert results.get_best_result().config == {"lr": 0.1}
+    # each trial is a run folder of its own ({name}-{trial id}), with its checkpoints (a stopped trial's workers
+    # may have finished an epoch or two more before its process ended)
+    for result in results:
+        run = RunFolder(str(Path(tmp_path) / f"search-{result.metrics['trial_id']}"))
+        assert run.newest_checkpoint() is not None and run.state().epoch >= result.metrics["epoch"]
+    table = out.getvalue()
+    assert table.splitlines()[0] == "trial | lr | epochs | val_accuracy" and len(table.splitlines()) == 4
+    assert "best: {'lr': 0.1} val_accuracy=" in table
