@@ -48,7 +48,7 @@ from raytrain_mgpu.batches import call_model, detach, first_tensor, target_count
 from raytrain_mgpu.models.partition import blocks_of, plan_partition
 from raytrain_mgpu.objectives import Objective, Predictions, add_pairs, move_pairs
 from raytrain_mgpu.parallel import _dp_ops
-from raytrain_mgpu.parallel.worker import ModelWrapper, explain_ddp_errors
+from raytrain_mgpu.parallel.worker import ModelWrapper, explain_ddp_error
 
 if TYPE_CHECKING:
     from raytrain_mgpu.parallel.worker import WorkerStrategy
@@ -70,8 +70,13 @@ class Placement:
         return model.to(self.input_device(ctx, cfg))
 
     def compute_loss(self, worker: "WorkerStrategy", model: nn.Module, x, y) -> Tuple[torch.Tensor, object]:
-        with explain_ddp_errors(worker.unwrap(model)):
+        try:
             outputs = call_model(model, x)
+        except RuntimeError as exc:
+            explained = explain_ddp_error(exc, worker.unwrap(model))
+            if explained is None:
+                raise
+            raise explained from exc
         where = first_tensor(outputs).device
         y = to_device(y, where)
         loss = worker.objective.loss(outputs, y)

@@ -19,9 +19,8 @@ loss, and the plain model's and the optimizer's state for checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from typing import TYPE_CHECKING, ContextManager, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, ContextManager, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -117,24 +116,21 @@ class WorkerStrategy:
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
 
 
-@contextlib.contextmanager
-def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
-    """Re-raise DDP's unused-parameter error with the TrainConfig option that fixes it.
+def explain_ddp_error(exc: RuntimeError, model: nn.Module) -> Optional[RuntimeError]:
+    """DDP's unused-parameter error with the TrainConfig option that fixes it; None for any other error.
 
     DDP raises it in the forward *after* a step in which some parameters got no gradient;
-    torch lists their indices, which we translate into names.
+    torch lists their indices, which we translate into names. (A function the forward's ``except``
+    calls, not a context manager around every forward: entering one costs a few us a micro-batch.)
     """
-    try:
-        yield
-    except RuntimeError as exc:
-        if _DDP_UNUSED not in str(exc):
-            raise
-        names = [name for name, p in model.named_parameters() if p.requires_grad]
-        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
-        unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
-        which = f" Parameters that got no gradient: {', '.join(unused)}." if unused else ""
-        raise RuntimeError(
-            f"DDP: some parameters were not used in producing the loss, so their gradients were never "
-            f"all-reduced.{which} Set TrainConfig.find_unused_parameters=True (costs one autograd-graph "
-            f"walk per step), or static_graph=True if the same parameters are unused in every step; "
-            f"or make every output of forward() take part in the loss. (torch: {exc})") from exc
+    if _DDP_UNUSED not in str(exc):
+        return None
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
+    unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
+    which = f" Parameters that got no gradient: {', '.join(unused)}." if unused else ""
+    return RuntimeError(
+        f"DDP: some parameters were not used in producing the loss, so their gradients were never "
+        f"all-reduced.{which} Set TrainConfig.find_unused_parameters=True (costs one autograd-graph "
+        f"walk per step), or static_graph=True if the same parameters are unused in every step; "
+        f"or make every output of forward() take part in the loss. (torch: {exc})")

@@ -163,7 +163,9 @@ class _Loop:
         self.loader, self.reporter, self.steps_per_epoch = loader, reporter, steps_per_epoch
         self.device = strategy.device
         dtype = _DTYPES.get(cfg.precision)
-        self.autocast = lambda: torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+        # fp32: no autocast context at all (entering a disabled one costs ~3.5 us a micro-batch on CPU)
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else (
+            contextlib.nullcontext)
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
         self.accum_steps = cfg.grad_accum_steps  # micro-steps per optimizer step (train_worker: its world size's)
         self.save_step = None  # writes a step checkpoint (set by train_worker)
@@ -206,7 +208,7 @@ class _Loop:
                 with sync:
                     with self.autocast():
                         loss, outputs = self.strategy.compute_loss(self.model, x, y)
-                    self.scaler.scale(loss / accum).backward()
+                    self.scaler.scale(loss / accum if accum > 1 else loss).backward()
                 counted = meter.samples
                 meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
                 del outputs  # not held through the next forward: one micro-batch of outputs less per device

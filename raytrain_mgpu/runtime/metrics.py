@@ -54,6 +54,9 @@ class EpochMeter:
         # Python number: building a device tensor from it every micro-batch would be a
         # blocking host-to-device copy.
         self._device_sums = torch.zeros(2 + 2 * m, dtype=torch.float64, device=device)
+        # One view per slot, made once: each micro-batch adds into it in place with one op (an index, a cast
+        # and a multiply each time cost ~8 us a micro-batch on CPU, 3 ops of a ~0.4 ms step of a small model).
+        self._slots = list(self._device_sums.unbind())
         self._host_sums = [0.0] * (2 + 2 * m)
         self.samples = 0
         self.data_wait_s = 0.0
@@ -67,7 +70,7 @@ class EpochMeter:
             pairs = outputs.pairs
         else:
             pairs = self.objective.measure(outputs, to_device(y, first_tensor(outputs).device))
-        self._device_sums[0] += loss.detach().double() * n
+        self._slots[0].add_(loss.detach(), alpha=n)  # float64 += float32 * n, in place
         m = len(self.names)
         for i, (total, count) in enumerate(pairs):
             self._accumulate(1 + i, total)
@@ -76,7 +79,7 @@ class EpochMeter:
 
     def _accumulate(self, slot: int, value) -> None:
         if isinstance(value, torch.Tensor):
-            self._device_sums[slot] += value.detach()  # in place on the device: no sync
+            self._slots[slot].add_(value.detach())  # in place on the device: no sync
         else:
             self._host_sums[slot] += value
 
