@@ -181,7 +181,8 @@ def check_objects_ship(cfg) -> None:
     ``__main__``'s by value); one that does not fails here, before Ray, naming it and the fix."""
     from ray import cloudpickle
 
-    entries = [(name, getattr(cfg, name)) for name in ("model", "dataset", "optimizer", "loss")]
+    entries = [(name, getattr(cfg, name)) for name in ("model", "dataset", "optimizer", "loss", "train_transform",
+                                                       "test_transform")]
     entries += [("metrics", entry) for entry in cfg.metrics or []]
     for field, spec in entries:
         if not is_object(spec):

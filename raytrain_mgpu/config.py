@@ -64,7 +64,7 @@ class TrainConfig:
     persistent_workers: bool = True
     """Keep the loader workers between epochs (``loader_workers`` > 0); datasets that load each epoch's rows in the training process (``parquet``) restart them every epoch regardless."""
     train_transform: Optional[str] = None
-    """Per-sample augmentation of the training inputs: ``random_crop_flip`` (RandomCrop with padding 4 and RandomHorizontalFlip, the CIFAR recipe), ``resize:<n>`` (to n x n, e.g. ``resize:96`` as d2l does for Fashion-MNIST), several joined with ``+``, or ``pkg.module:function`` returning a callable on one input tensor. Seeded by (seed, epoch, sample): reproducible, and a resumed run equals an uninterrupted one."""
+    """Per-sample augmentation of the training inputs: ``random_crop_flip`` (RandomCrop with padding 4 and RandomHorizontalFlip, the CIFAR recipe), ``resize:<n>`` (to n x n, e.g. ``resize:96`` as d2l does for Fashion-MNIST), several joined with ``+``, or ``pkg.module:function`` returning a callable on one input tensor; from Python, that callable itself. Seeded by (seed, epoch, sample): reproducible, and a resumed run equals an uninterrupted one."""
     test_transform: Optional[str] = None
     """The same for the test split (e.g. ``resize:96`` when training with it; a transform that changes the shape must be given for both)."""
     ingest: Ingest = "loader"
@@ -295,7 +295,7 @@ class TrainConfig:
         for key, value in values.items():
             if isinstance(value, tuple):
                 values[key] = list(value)
-        for key in ("model", "dataset", "optimizer", "loss"):
+        for key in ("model", "dataset", "optimizer", "loss", "train_transform", "test_transform"):
             values[key] = code_record(values[key])
         for key in ("metrics", "callbacks"):
             if isinstance(values[key], list):

@@ -105,9 +105,9 @@ def test_an_object_ray_cannot_send_is_refused_before_ray(tmp_path, monkeypatch):
 
     monkeypatch.setattr(api, "connect", no_ray)
     cfg = rtm.TrainConfig(model=holds_a_lock, storage_path=str(tmp_path))
-    with pytest.raises(ValueError, match=r"TrainConfig.model='test_objects:test_an_object_ray_cannot_send_is_refused_"
-                                         r"before_ray.<locals>.holds_a_lock' cannot be sent to the Ray workers: pickling "
-                                         r"it raised TypeError: cannot pickle '_thread.lock' object"):
+    with pytest.raises(ValueError, match=r"TrainConfig.model='test_objects:test_an_object_ray_cannot_send_is_"
+                                         r"refused_before_ray.<locals>.holds_a_lock' cannot be sent to the Ray "
+                                         r"workers: pickling it raised TypeError: cannot pickle '_thread.lock' object"):
         api.fit(cfg)
     assert list(tmp_path.iterdir()) == []  # no run folder either
 
@@ -123,3 +123,20 @@ def test_an_objects_own_module_ships_with_the_run_and_main_travels_by_value(tmp_
         assert local_modules_to_ship(in_main) == []
     finally:
         sys.modules.pop("my_local_models", None)
+
+
+def noisy(x):
+    """A random augmentation of one input: what a user hands ``train_transform`` from Python."""
+    return x + torch.rand(x.shape)
+
+
+def test_a_transform_from_python_is_applied_seeded_per_sample_and_recorded():
+    cfg = rtm.TrainConfig(dataset=four_points, train_transform=noisy)
+    first, again = build_datasets(cfg.data), build_datasets(cfg.data)
+    x, _ = first.train[1]
+    assert not torch.equal(x, four_points(cfg.data).train[1][0])  # augmented
+    assert torch.equal(x, again.train[1][0])  # seeded by (seed, epoch, sample): the same on every build
+    first.train.set_epoch(1)
+    assert not torch.equal(first.train[1][0], x)  # another epoch, another draw
+    assert torch.equal(first.test[1][0], four_points(cfg.data).test[1][0])  # the test split is not augmented
+    assert cfg.to_dict()["train_transform"].startswith("<object test_objects:noisy sha256:")

@@ -28,6 +28,7 @@ def check_ingest(cfg) -> None:
                          f"'parquet'. Write it as Parquet (`raytrain-mgpu data convert --dataset {name} --out DIR`) "
                          f"and set dataset='parquet', data_root=DIR; or set ingest='loader'.")
     if cfg.train_transform is not None:
-        raise ValueError(f"TrainConfig.ingest='ray_data': train_transform={cfg.train_transform!r} is not applied "
-                         f"to Ray Data's stream yet (its seed is per epoch and sample; the stream has neither). "
+        raise ValueError(f"TrainConfig.ingest='ray_data': train_transform={code_name(cfg.train_transform)!r} is "
+                         f"not applied to Ray Data's stream yet (its seed is per epoch and sample; the stream has "
+                         f"neither). "
                          f"Set ingest='loader' to augment, or leave train_transform unset.")

@@ -30,15 +30,17 @@ __all__ = ["TransformedDataset", "build_transform", "check_transform_spec", "fac
 
 _RECIPES = ("random_crop_flip", "resize:<n>")
 _FIX = ("Write e.g. 'random_crop_flip', 'resize:96', 'resize:96+random_crop_flip' or 'my_augment:build' "
-        "(a function returning a callable on one input tensor).")
+        "(a function returning a callable on one input tensor), or from Python pass the callable itself.")
 
 
 def _parts(spec: str) -> list:
     return [part.strip() for part in spec.split("+")]
 
 
-def factory_parts(spec: Optional[str]) -> list:
-    """The ``module:function`` parts of a spec (what may name code)."""
+def factory_parts(spec) -> list:
+    """The ``module:function`` parts of a spec (what may name code), or the transform object itself."""
+    if callable(spec) and not isinstance(spec, str):
+        return [spec]
     if not isinstance(spec, str):
         return []
     return [part for part in _parts(spec) if ":" in part and not part.startswith("resize:")]
@@ -50,7 +52,7 @@ def check_transform_spec(field: str, spec) -> None:
 
     from raytrain_mgpu._factory import check_factory_spec
 
-    if spec is None:
+    if spec is None or (callable(spec) and not isinstance(spec, str)):  # from Python: the transform itself
         return
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"TrainConfig.{field}={spec!r}: must be a transform spec or None. {_FIX}")
@@ -98,8 +100,8 @@ def build_transform(spec: str, input_shape: tuple, field: str) -> tuple:
         raise ValueError(f"TrainConfig.{field}={spec!r}: transforms apply to one input tensor, but this "
                          f"dataset's inputs are structured ({input_shape}). Transform them in your dataset.")
     steps, shape = [], tuple(input_shape)
-    for part in _parts(spec):
-        step = _one(part, shape, field)
+    for part in ([spec] if callable(spec) and not isinstance(spec, str) else _parts(spec)):
+        step = part if callable(part) else _one(part, shape, field)  # an object from Python: the transform
         with torch.random.fork_rng(devices=[]):
             shape = tuple(step(torch.zeros(shape)).shape)  # a probe: the shape after this part
         steps.append(step)
