@@ -8,6 +8,7 @@ seconds on a small machine.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import queue as queue_module
@@ -21,6 +22,7 @@ import torch
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
+from raytrain_mgpu.pipeline import worker as stage_worker
 from raytrain_mgpu.pipeline.worker import StageWorker
 from raytrain_mgpu.strategies.plan import build_plan
 from raytrain_mgpu.runtime.placement import free_address
@@ -49,6 +51,21 @@ def _world(cfg: TrainConfig) -> int:
     return build_plan(cfg).num_processes  # stages x replicas
 
 
+@contextlib.contextmanager
+def _without_warm_up(skip: bool):
+    """``skip``: the stage worker's set-up without its communicator warm-up (``pipeline/p2p.warm_up``), in this
+    rank's process only, to reproduce the start-up deadlock the warm-up prevents on NCCL."""
+    if not skip:
+        yield
+        return
+    original = stage_worker.warm_up
+    stage_worker.warm_up = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        stage_worker.warm_up = original
+
+
 def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
     for index, (run, partition, port) in enumerate(jobs):
         if rank >= _world(run.cfg):
@@ -57,10 +74,11 @@ def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
         # otherwise wait for its peers in the rendezvous, against collective_timeout_s), and
         # close together (rank 0 holds the store: the others' errors must not be lost to it).
         start, end = barriers[index]
-        worker = StageWorker(run.cfg, rank, emulate_nccl=run.emulate_nccl, _skip_warmup=run.skip_warmup)
+        worker = StageWorker(run.cfg, rank, emulate_nccl=run.emulate_nccl)
         try:
             start.wait(timeout=_BARRIER_TIMEOUT_S)
-            info = worker.setup("127.0.0.1", port, partition, None, 0)
+            with _without_warm_up(run.skip_warmup):
+                info = worker.setup("127.0.0.1", port, partition, None, 0)
             remaining, epoch = run.num_steps, 0
             while remaining > 0:
                 worker.start_epoch(epoch)

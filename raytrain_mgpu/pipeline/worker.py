@@ -64,15 +64,14 @@ class StageWorker:
     """One pipeline rank of one replica.
 
     ``emulate_nccl`` forces NCCL's semantics on gloo on or off (default: on when emulating
-    GPUs); ``_skip_warmup`` is for the test that shows the start-up deadlock it prevents.
+    GPUs).
     """
 
     def __init__(self, cfg: TrainConfig, rank: int,
-                 emulate_nccl: Optional[bool] = None, _skip_warmup: bool = False, plan: Optional[RunPlan] = None):
+                 emulate_nccl: Optional[bool] = None, plan: Optional[RunPlan] = None):
         torch.set_num_threads(cfg.cpus_per_worker)
         self.cfg, self.rank = cfg, rank
         self.emulate_nccl = nccl_semantics(cfg.use_gpu) if emulate_nccl is None else emulate_nccl
-        self._skip_warmup = _skip_warmup
         self.num_ranks = cfg.num_stages
         # fit's plan, handed down by the driver; the local harness (no driver) builds the same one
         self.plan = plan if plan is not None else build_plan(cfg)
@@ -127,8 +126,7 @@ class StageWorker:
                                 timeout=timedelta(seconds=cfg.collective_timeout_s), **eager)
         self.train_order = build_order(cfg.schedule, self.num_ranks, cfg.num_microbatches)
         self._build_groups()
-        if not self._skip_warmup:
-            warm_up(self.comm, self.groups, self.device)
+        warm_up(self.comm, self.groups, self.device)
         self.data = build_datasets(cfg.data)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank as in one process
         model = build_model(cfg.model, self.data.input_shape, self.data.num_classes, cfg.model_kwargs)
