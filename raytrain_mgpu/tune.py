@@ -59,8 +59,12 @@ def trainable(cfg: TrainConfig) -> Callable:
 
 
 def max_concurrent_trials(cfg: TrainConfig, resources: Optional[Dict[str, float]] = None) -> int:
-    """How many runs of ``cfg`` the cluster (``ray.cluster_resources()``, or ``resources``) holds at once."""
+    """How many runs of ``cfg`` the cluster (``ray.cluster_resources()``, or ``resources``) holds at once;
+    1 for ``strategy="auto"``, whose layout each trial's ``fit`` chooses from the whole cluster."""
     from raytrain_mgpu.strategies.plan import build_plan
+
+    if cfg.strategy == "auto":
+        return 1
 
     if resources is None:
         import ray

@@ -39,6 +39,7 @@ def test_concurrent_trials_are_the_runs_the_cluster_holds_at_once():
     assert max_concurrent_trials(cfg, {"CPU": 4.0}) == 2 and max_concurrent_trials(cfg, {"CPU": 3.0}) == 1
     gpu = rtm.TrainConfig(**{**SMALL, "num_workers": 2}, use_gpu=True)  # 2 x (1 CPU, 1 GPU)
     assert max_concurrent_trials(gpu, {"CPU": 16.0, "GPU": 4.0}) == 2
+    assert max_concurrent_trials(rtm.TrainConfig(strategy="auto"), {"CPU": 64.0}) == 1  # each trial takes the cluster
 
 
 def test_the_cli_refuses_a_metric_the_run_does_not_record_before_ray(capsys, monkeypatch):
