@@ -1,7 +1,8 @@
 """Resolving the user's code: ``"package.module:function"`` factories, or the objects themselves.
 
 From Python, every field that names code (``model``, ``dataset``, ``optimizer``, ``loss``,
-``metrics`` entries, ``callbacks``) also takes the class or function itself, including one
+``metrics`` entries, ``train_transform``/``test_transform``, ``callbacks``) also takes the class or
+function itself, including one
 defined in ``__main__`` or a notebook cell, as Ray Train takes ``train_loop_per_worker``: Ray
 pickles it with cloudpickle, by value for ``__main__``, by reference (its module shipped, below)
 otherwise. A run folder records such an object as :func:`code_record` (its qualified name and a
