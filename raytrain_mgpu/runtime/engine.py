@@ -45,7 +45,7 @@ def run_epochs(cfg, state: RunState, train_epoch: Callable[[int], dict], evaluat
             if has_val:
                 row.update(evaluate("val"))
             last = state.finished(cfg) or stops_early(state.history + [row], cfg)  # an early stop on val_*
-            if not has_val or last or getattr(cfg, "test_every_epoch", False):
+            if not has_val or last or cfg.test_every_epoch:
                 row.update(evaluate("test"))
             row["eval_s"] = time.perf_counter() - started
         state.history.append(row)
