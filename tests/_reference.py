@@ -73,7 +73,7 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0,
                                  steps_per_epoch)
         loop.accum_steps = accum
         if save_step is not None:
-            loop.save_step, loop.preemption.get_info = save_step, lambda: None
+            loop.save_step, loop.preemption.local_notice = save_step, lambda: None  # no notice, no Ray
         state, history = RunState(), []
         for epoch in range(start, epochs):
             sampler.set_epoch(epoch)

@@ -42,12 +42,14 @@ def test_data_parallel_report_takes_the_median_ratio_and_shows_the_range():
 def test_preemption_report_takes_medians_and_the_share_of_one_check_every_n_steps():
     from raytrain_mgpu.bench.preemption import report
 
-    times = {"step": [0.010, 0.020, 0.030], "check": [0.001, 0.002, 0.100]}  # one slow outlier check
+    times = {"step": [0.010, 0.020, 0.030], "check": [0.0001, 0.0002, 0.0003],
+             "get_preemption_info": [0.001, 0.002, 0.100]}  # one slow outlier call
     text = report(times, every=10)
     assert "step (DDP, mlp 784-256-10, batch 64): 20.00 ms (median)" in text
-    assert "get_preemption_info: 2.00 ms (median; mean 34.33 ms)" in text
+    assert "the loop's check (no notice): 0.200 ms (median; mean 0.200 ms)" in text
     # 2 ms every 10 steps is 0.2 ms a step: 1% of a 20 ms step
-    assert "one check every 10 steps: 0.200 ms a step, 1.00% of this step; under 1% for steps over 20 ms" in text
+    assert ("get_preemption_info: 2.000 ms (median; mean 34.333 ms); one every 10 steps: 0.2000 ms a step, "
+            "1.00% of this step; under 1% for steps over 20.0 ms") in text
 
 
 def test_checkpoint_report_measures_the_stall_against_the_run_without_saves():

@@ -41,15 +41,24 @@ class RecordingSink:
 
 
 class FakeInfo:
-    """``ray.train.get_preemption_info``: None until call ``notice_at`` (1-based), the notice from then on."""
+    """A worker's notice: None until check ``notice_at`` (1-based: ``local`` counts the checks), the notice
+    from then on; ``__call__`` stands in for ``ray.train.get_preemption_info`` (the agreed notice)."""
 
     def __init__(self, notice_at: int, deadline_ms: int = None):
-        self.calls, self.notice_at = 0, notice_at
+        self.calls, self.agreed, self.notice_at = 0, 0, notice_at
         self.info = PreemptionInfo(deadline_ms=deadline_ms, preempted_node_to_ranks={NODE: [1]})
 
-    def __call__(self):
+    def local(self):
         self.calls += 1
         return self.info if self.calls >= self.notice_at else None
+
+    def __call__(self):
+        self.agreed += 1
+        return self.info
+
+    def check(self, cfg, every: int) -> PreemptionCheck:
+        """One rank's check reading this notice (no other rank: ``any_rank`` is this rank's answer)."""
+        return PreemptionCheck(cfg, every=every, get_info=self, local_notice=self.local, any_rank=lambda seen: seen)
 
 
 def _loop(monkeypatch, sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, **overrides) -> tuple:
@@ -64,7 +73,8 @@ def _loop(monkeypatch, sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, **overri
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     loop = _Loop(cfg, strategy, model, optimizer, build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs),
                  torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(sink), steps_per_epoch)
-    loop.preemption.get_info = get_info
+    loop.preemption = get_info.check(cfg, CHECK_EVERY_N_STEPS)
+    loop.preemption.reporter = loop.reporter
     saves: list = []
     state = _State()
     loop.save_step = lambda meter: saves.append((state.step, state.step_in_epoch))
@@ -81,6 +91,7 @@ def test_checks_every_n_global_steps_and_saves_once_on_the_first_notice(monkeypa
         state.epoch = epoch + 1
     assert CHECK_EVERY_N_STEPS == 10 and state.step == 75
     assert fake.calls == 3 and loop.preemption.checks == 3  # steps 10, 20, 30; none after the notice
+    assert fake.agreed == 1  # Ray's barrier only once a rank has the notice
     assert saves == [(30, 5)]  # global step 30 = step 5 of the second epoch
     notices = [payload for kind, payload in sink.events if kind == "notice"]
     assert notices == [f"preempted (node {NODE[:12]}): saved step 30"]
@@ -122,7 +133,7 @@ def test_no_check_without_save_step_and_the_resume_line_once(monkeypatch):
 def test_check_cadence_is_the_global_step_so_every_rank_agrees():
     """The barrier is entered at the same global steps whatever the step in the epoch."""
     fake = FakeInfo(notice_at=99)
-    check = PreemptionCheck(TrainConfig(), every=4, get_info=fake)
+    check = fake.check(TrainConfig(), every=4)
     for step in range(1, 18):
         check.after_step(step, step % 7 or 7, 7, lambda: pytest.fail("no notice, no save"))
     assert fake.calls == 4  # steps 4, 8, 12, 16
@@ -133,7 +144,7 @@ def test_a_ray_data_run_never_asks():
     fake = FakeInfo(notice_at=1)
     cfg = TrainConfig()
     cfg.ingest = "ray_data"  # the check only reads the field (a real ray_data config needs parquet data)
-    check = PreemptionCheck(cfg, every=1, get_info=fake)
+    check = fake.check(cfg, every=1)
     for step in range(1, 6):
         assert check.after_step(step, step, 10, lambda: pytest.fail("no save")) is False
     assert fake.calls == 0
@@ -296,3 +307,29 @@ def test_spot_watch_cli_checks_the_grace(capsys):
 
     assert main(["spot-watch", "--grace-s", "-1"]) == 2
     assert "spot-watch --grace-s=-1.0: must be a finite number >= 0" in capsys.readouterr().err
+
+
+def _any_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from raytrain_mgpu.runtime.preemption import AnyRank
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    any_rank = AnyRank()
+    # rank 1 alone has a notice at the second check; nobody at the first and the third
+    answers = [any_rank(seen) for seen in (False, rank == 1, False)]
+    with open(f"{out}/{rank}", "w") as f:
+        f.write(",".join(str(a) for a in answers))
+    dist.destroy_process_group()
+
+
+def test_the_ranks_agree_when_only_one_has_the_notice(tmp_path):
+    """The watcher's notice reaches the workers one by one: a check where only rank 1 has it is a
+    notice on every rank (each then calls Ray's barrier), the checks before and after are not."""
+    import torch.multiprocessing as mp
+
+    from raytrain_mgpu.runtime.placement import free_address
+
+    # fork: the ranks start with torch imported (a spawned rank would import it again, seconds)
+    mp.start_processes(_any_rank_worker, args=(2, free_address()[1], str(tmp_path)), nprocs=2, start_method="fork")
+    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["False,True,False"] * 2

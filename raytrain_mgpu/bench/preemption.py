@@ -1,15 +1,20 @@
-"""What the preemption check costs a step: ``ray.train.get_preemption_info()`` timed against a plain step.
+"""What the preemption check costs a step: the loop's check and ``ray.train.get_preemption_info()``
+timed against a plain step.
 
     raytrain-mgpu bench-preemption [--workers 2] [--calls 200] [--rounds 3]
 
-The loop asks Ray Train for a preemption notice every ``CHECK_EVERY_N_STEPS`` optimizer steps
-(``runtime/preemption.py``). The call is a barrier over every rank (Ray Train's
-synchronization actor), so its cost grows with the workers and with how unevenly they arrive.
-Here ``--workers`` Ray Train workers (gloo, 1 CPU each) run, side by side in one run:
+The loop checks for a preemption notice every ``CHECK_EVERY_N_STEPS`` optimizer steps
+(``runtime/preemption.py``): each rank reads the notice on its own worker and the ranks agree with
+an all-reduce of one number; ``get_preemption_info()`` (a barrier over every rank through Ray
+Train's synchronization actor) only once one has it. Here ``--workers`` Ray Train workers (gloo,
+1 CPU each) run, side by side in one run:
 
 - ``step``: a small DDP step (an MLP 784-256-10 on a random batch of 64), the baseline;
-- ``check``: one ``get_preemption_info()`` call, after a ``torch.distributed`` barrier so that
-  every rank enters it together (the loop's ranks are in step after the gradient all-reduce).
+- ``check``: the loop's check (no notice: the all-reduce);
+- ``get_preemption_info``: one call, what every check cost before (and what Ray's docs show).
+
+Each check after a ``torch.distributed`` barrier so that every rank enters it together (the loop's
+ranks are in step after the gradient all-reduce).
 
 Each measured ``--calls`` times per round; rank 0's medians are printed, and the share of a step
 that one check every N steps costs.
@@ -30,13 +35,16 @@ def _train_fn(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from raytrain_mgpu.runtime.preemption import AnyRank, _ray_local_notice
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
-    times: Dict[str, List[float]] = {"step": [], "check": []}
+    times: Dict[str, List[float]] = {"step": [], "check": [], "get_preemption_info": []}
+    any_rank = AnyRank()
     for _ in range(config["rounds"]):
         for _ in range(config["calls"]):
             start = time.perf_counter()
@@ -47,8 +55,13 @@ def _train_fn(config: dict) -> None:
         for _ in range(config["calls"]):
             dist.barrier()
             start = time.perf_counter()
-            ray.train.get_preemption_info()
+            any_rank(_ray_local_notice() is not None)
             times["check"].append(time.perf_counter() - start)
+        for _ in range(config["calls"]):
+            dist.barrier()
+            start = time.perf_counter()
+            ray.train.get_preemption_info()
+            times["get_preemption_info"].append(time.perf_counter() - start)
     if ray.train.get_context().get_world_rank() == 0:
         with open(config["out"], "w") as f:
             json.dump(times, f)
@@ -74,12 +87,15 @@ def run(args) -> Dict[str, List[float]]:
 
 
 def report(times: Dict[str, List[float]], every: int) -> str:
-    step, check = statistics.median(times["step"]), statistics.median(times["check"])
-    return (f"step (DDP, mlp 784-256-10, batch 64): {step * 1e3:.2f} ms (median)\n"
-            f"get_preemption_info: {check * 1e3:.2f} ms (median; mean {statistics.mean(times['check']) * 1e3:.2f} ms)\n"
-            f"one check every {every} steps: {check / every * 1e3:.3f} ms a step, "
-            f"{100 * check / (every * step):.2f}% of this step; under 1% for steps over "
-            f"{100 * check / every * 1e3:.0f} ms")
+    step = statistics.median(times["step"])
+    lines = [f"step (DDP, mlp 784-256-10, batch 64): {step * 1e3:.2f} ms (median)"]
+    for label, key in (("the loop's check (no notice)", "check"), ("get_preemption_info", "get_preemption_info")):
+        check = statistics.median(times[key])
+        lines.append(f"{label}: {check * 1e3:.3f} ms (median; mean {statistics.mean(times[key]) * 1e3:.3f} ms); "
+                     f"one every {every} steps: {check / every * 1e3:.4f} ms a step, "
+                     f"{100 * check / (every * step):.2f}% of this step; under 1% for steps over "
+                     f"{100 * check / every * 1e3:.1f} ms")
+    return "\n".join(lines)
 
 
 def add_arguments(parser) -> None:

@@ -5,16 +5,22 @@ deadline (``raytrain-mgpu spot-watch`` issues it on a spot node: ``runtime/spot_
 Ray Train's watcher polls the drained nodes (every ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``,
 5 s) and hands the notice to every worker; ``ray.train.get_preemption_info()`` returns it.
 
-Every rank asks every :data:`CHECK_EVERY_N_STEPS` optimizer steps (the call is a barrier: all
-ranks call it at the same global steps). On the first notice of a run attempt the loop saves a
-step checkpoint (the same one as ``checkpoint_every_n_steps``: the resume continues mid-epoch),
-tells the driver, and keeps training: Ray Train tears the group down at the deadline (plus
-``preemption_grace_s``) and restarts it from that checkpoint, counting the restart against
-``max_preemption_failures``, not ``max_failures``. Returning instead would end the run as finished.
+Every :data:`CHECK_EVERY_N_STEPS` optimizer steps every rank looks at the notice Ray Train's watcher
+left on its own worker (no call, no barrier) and the ranks agree whether any has one with a
+one-number all-reduce on a gloo group of their own; only then does every rank call
+``ray.train.get_preemption_info()``, Ray's agreed notice (a barrier over the ranks). On the first
+notice of a run attempt the loop saves a step checkpoint (the same one as
+``checkpoint_every_n_steps``: the resume continues mid-epoch), tells the driver, and keeps training:
+Ray Train tears the group down at the deadline (plus ``preemption_grace_s``) and restarts it from
+that checkpoint, counting the restart against ``max_preemption_failures``, not ``max_failures``.
+Returning instead would end the run as finished.
 
-Cost: one call took 2.0 ms (mean of 200) with 2 CPU workers of a ``TorchTrainer`` on a 2-core
-machine; a check every 10 steps therefore costs under 1% of any step over 20 ms. A notice is
-acted on at most 10 steps after Ray's watcher has seen the drain.
+Why not ``get_preemption_info()`` at every check, as Ray's docs show: measured with
+``raytrain-mgpu bench-preemption`` (2 CPU workers of a ``TorchTrainer``, 2-core machine), one call
+takes ~2 ms (Ray's synchronization actor), 0.2 ms a step at a check every 10 steps: 8 % of the
+README's 2.4 ms steps, most of what ``fit`` trailed a hand-written loop by (issue 24). The
+all-reduce of a flag takes a tenth of that (the bench prints both). A notice is acted on at most
+10 steps after Ray's watcher has handed it to a worker.
 """
 
 from __future__ import annotations
@@ -36,6 +42,39 @@ def _ray_preemption_info():
     return ray.train.get_preemption_info()
 
 
+def _ray_local_notice():
+    """The notice Ray Train's watcher handed to this worker (``mark_preempt``), or None: what
+    ``get_preemption_info`` broadcasts from rank 0, read here without its barrier."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info
+
+
+class AnyRank:
+    """``any_rank(seen)``: whether any rank's ``seen`` is true, the same answer on every rank.
+
+    One all-reduce (max) of one number on a gloo group of the ranks' own, made at the first call
+    (every rank makes its first check at the same global step): a CPU tensor whatever the training
+    backend, so a check never waits for a GPU's queued work. Without a process group (one worker
+    outside Ray Train) the rank's own answer.
+    """
+
+    def __init__(self):
+        self._group = None
+
+    def __call__(self, seen: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return seen
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor([1 if seen else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
 def notice_line(info, step: int, now_s: Optional[float] = None) -> str:
     """The driver's one line for a notice: the drained node(s), the time left, the step saved."""
     nodes = ", ".join(node[:12] for node in sorted(info.preempted_node_to_ranks)) or "?"
@@ -55,18 +94,22 @@ def resume_line(step: int, epoch: int, step_in_epoch: int, steps_per_epoch: int)
 class PreemptionCheck:
     """The loop's preemption hook for one run attempt (a restart builds a new one).
 
-    ``get_info``: ``ray.train.get_preemption_info`` (tests pass a fake).
+    ``local_notice``: this worker's notice, without a barrier; ``any_rank``: whether any rank saw one
+    (:class:`AnyRank`); ``get_info``: ``ray.train.get_preemption_info``, the ranks' agreed notice (tests
+    pass fakes).
     """
 
-    def __init__(self, cfg, reporter=None, every: int = CHECK_EVERY_N_STEPS,
-                 get_info: Optional[Callable] = None):
+    def __init__(self, cfg, reporter=None, every: int = CHECK_EVERY_N_STEPS, get_info: Optional[Callable] = None,
+                 local_notice: Optional[Callable] = None, any_rank: Optional[Callable[[bool], bool]] = None):
         self.cfg, self.reporter, self.every = cfg, reporter, every
         # A Ray Data stream restarts its epoch on resume (config_checks refuses checkpoint_every_n_steps
         # with it): a step checkpoint could not continue mid-epoch, so such a run does not ask.
         self.enabled = getattr(cfg, "ingest", None) != "ray_data"
         self.get_info = get_info or _ray_preemption_info
+        self.local_notice = local_notice or _ray_local_notice
+        self.any_rank = any_rank or AnyRank()
         self.notice = None  # the first notice of this attempt; no check after it
-        self.checks = 0  # barriers this rank entered (every rank the same number)
+        self.checks = 0  # checks this rank made (every rank the same number)
         self._announced = False
 
     def resumed(self, state, steps_per_epoch: int) -> None:
@@ -96,5 +139,10 @@ class PreemptionCheck:
         if not self.enabled or self.notice is not None or step % self.every:
             return None
         self.checks += 1
-        self.notice = self.get_info()  # a barrier: every rank reaches it at the same global steps
+        # Every rank reaches a check at the same global steps: the all-reduce and the barrier meet.
+        if not self.any_rank(self.local_notice() is not None):
+            return None
+        # None while the notice has reached another rank but not yet rank 0 (Ray broadcasts rank 0's):
+        # the next check asks again.
+        self.notice = self.get_info()
         return self.notice
