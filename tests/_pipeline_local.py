@@ -15,7 +15,7 @@ import queue as queue_module
 import threading
 import time
 import traceback
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
 from raytrain_mgpu.pipeline import worker as stage_worker
+from raytrain_mgpu.runtime import engine
 from raytrain_mgpu.pipeline.worker import StageWorker
 from raytrain_mgpu.strategies.plan import build_plan
 from raytrain_mgpu.runtime.placement import free_address
@@ -35,6 +36,7 @@ class LocalRun(NamedTuple):
     num_steps: int
     emulate_nccl: Optional[bool] = None  # NCCL's semantics on gloo; None: on when emulating GPUs
     skip_warmup: bool = False            # tests only: reproduces the start-up deadlock on NCCL
+    step_event: Optional[Callable[[int], None]] = None  # joins runtime/engine.STEP_EVENTS in each rank's process
 
 
 class LocalResult(NamedTuple):
@@ -75,6 +77,8 @@ def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
         # close together (rank 0 holds the store: the others' errors must not be lost to it).
         start, end = barriers[index]
         worker = StageWorker(run.cfg, rank, emulate_nccl=run.emulate_nccl)
+        if run.step_event is not None:
+            engine.STEP_EVENTS.append(run.step_event)
         try:
             start.wait(timeout=_BARRIER_TIMEOUT_S)
             with _without_warm_up(run.skip_warmup):

@@ -1,12 +1,17 @@
-"""The epoch loop both runners share (``runtime/engine.run_epochs``), with stand-in epochs.
+"""The loop both runners share (``runtime/engine.py``): the epochs (``run_epochs``, with stand-in epochs)
+and the end of every step (``OptimizerStep``, whose ``STEP_EVENTS`` an event added here reaches in both).
 
-Both runners run it: the Ray Train workers (tests/test_fit.py, tests/test_best_checkpoint.py) and the
-pipeline's driver (tests/test_pipeline_ray.py, the pipeline half of tests/test_best_checkpoint.py).
+Both runners run ``run_epochs``: the Ray Train workers (tests/test_fit.py, tests/test_best_checkpoint.py) and
+the pipeline's driver (tests/test_pipeline_ray.py, the pipeline half of tests/test_best_checkpoint.py).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import raytrain_mgpu as rtm
+from raytrain_mgpu.runtime import engine
 from raytrain_mgpu.runtime.engine import run_epochs
 from raytrain_mgpu.runtime.run_state import RunState
 
@@ -83,3 +88,42 @@ def test_an_early_stop_on_the_validation_split_is_the_epoch_the_test_split_is_ev
     assert [c for c in calls if c[0] != "train"] == [("val", 1), ("end", 1, True), ("val", 2), ("end", 2, True),
                                                       ("val", 3), ("evaluate", 3), ("end", 3, True)]
     assert [row.get("test_loss") for row in state.history] == [None, None, 0.7]
+
+
+def record_step(path: str, step: int) -> None:
+    """A test-only engine event: which process took which global step."""
+    with open(path, "a") as out:
+        out.write(f"{os.getpid()} {step}\n")
+
+
+def _steps_by_process(path) -> dict:
+    taken: dict = {}
+    for line in path.read_text().splitlines():
+        pid, step = line.split()
+        taken.setdefault(int(pid), []).append(int(step))
+    return taken
+
+
+def test_an_event_added_to_the_engine_runs_in_both_runners(tmp_path):
+    """Issue 23's check of one engine: a new feature of the loop (here an event in ``engine.STEP_EVENTS``) runs in
+    a Ray Train worker's loop and in every pipeline stage, with no code of either runner: both end each step
+    with ``engine.OptimizerStep``. (The Ray Train loop runs here in the test's process, the stages in local
+    processes: the same ``_Loop`` and ``StageWorker`` the workers and actors run.)"""
+    from _pipeline_local import LocalRun, run_local
+    from _reference import train_one_worker
+
+    event = functools.partial(record_step, str(tmp_path / "ray_train"))
+    engine.STEP_EVENTS.append(event)
+    try:
+        train_one_worker(dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1))
+    finally:
+        engine.STEP_EVENTS.remove(event)
+    assert _steps_by_process(tmp_path / "ray_train") == {os.getpid(): list(range(1, 1438 // 64 + 1))}
+
+    cfg = rtm.TrainConfig(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
+                          model_kwargs={"widths": [24, 24]}, batch_size=24, num_microbatches=2, strategy="pipeline",
+                          num_stages=2, cpus_per_worker=1)
+    run_local([LocalRun(cfg, 4, step_event=functools.partial(record_step, str(tmp_path / "pipeline")))])
+    stages = _steps_by_process(tmp_path / "pipeline")
+    assert len(stages) == 2 and os.getpid() not in stages  # each stage's own process
+    assert list(stages.values()) == [[1, 2, 3, 4]] * 2

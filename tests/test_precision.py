@@ -3,7 +3,7 @@
 On GPUs ``16-mixed`` scales the loss, skips steps whose gradients overflowed, unscales
 before clipping and carries the scaler's state across a resume. The loop's scaler uses
 the compute device's type, so under GPU emulation (and here) the same code runs on CPU.
-These tests drive ``loop._Loop._optimizer_step`` and the loop's save/restore path.
+These tests drive ``loop._Loop.end_step`` (runtime/engine.OptimizerStep) and the loop's save/restore path.
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ def test_a_step_with_an_inf_gradient_is_skipped_and_the_scale_halves():
     for p in loop.model.parameters():
         p.grad = torch.ones_like(p)
     next(loop.model.parameters()).grad[0, 0] = math.inf
-    loop._optimizer_step()
+    loop.end_step(1)
     assert all(torch.equal(a, p) for a, p in zip(before, loop.model.parameters()))
     assert loop.scaler.get_scale() == 2.0**15
     # a finite step afterwards does move the weights, at the lowered scale
     for p in loop.model.parameters():
         p.grad = torch.full_like(p, 2.0**15 * 0.01)
-    loop._optimizer_step()
+    loop.end_step(1)
     assert all(torch.allclose(p, a - 0.01) for a, p in zip(before, loop.model.parameters()))
 
 
@@ -95,7 +95,7 @@ def test_gradients_are_unscaled_before_clipping():
     true_grads = [torch.randn_like(p) for p in params]
     for p, g in zip(params, true_grads):
         p.grad = g * scale  # what backward of the scaled loss leaves
-    loop._optimizer_step()
+    loop.end_step(1)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in true_grads]))
     coef = min(1.0, 0.5 / (norm.item() + 1e-6))
     assert norm > 0.5  # clipping bites; on the scaled gradients it would shrink them 65536 times more
@@ -126,11 +126,11 @@ def test_scaler_state_survives_a_checkpoint_round_trip(monkeypatch, tmp_path):
     loop = _loop(cfg)
     for p in loop.model.parameters():  # one overflow, then two good steps: scale 2**15, tracker 2
         p.grad = torch.full_like(p, math.inf)
-    loop._optimizer_step()
+    loop.end_step(1)
     for _ in range(2):
         for p in loop.model.parameters():
             p.grad = torch.zeros_like(p)
-        loop._optimizer_step()
+        loop.end_step(1)
     want = loop.scaler.state_dict()
     assert want["scale"] == 2.0**15 and want["_growth_tracker"] == 2
     saved, (state, train_state) = checkpoint_roundtrip(monkeypatch, tmp_path, loop, cfg, _State(epoch=1, step=3))

@@ -90,11 +90,11 @@ def report(times: Dict[str, List[float]], every: int) -> str:
     step = statistics.median(times["step"])
     lines = [f"step (DDP, mlp 784-256-10, batch 64): {step * 1e3:.2f} ms (median)"]
     for label, key in (("the loop's check (no notice)", "check"), ("get_preemption_info", "get_preemption_info")):
-        check = statistics.median(times[key])
-        lines.append(f"{label}: {check * 1e3:.3f} ms (median; mean {statistics.mean(times[key]) * 1e3:.3f} ms); "
-                     f"one every {every} steps: {check / every * 1e3:.4f} ms a step, "
-                     f"{100 * check / (every * step):.2f}% of this step; under 1% for steps over "
-                     f"{100 * check / every * 1e3:.1f} ms")
+        check, mean = statistics.median(times[key]), statistics.mean(times[key])
+        per_step = check / every  # one check every `every` steps
+        lines.append(f"{label}: {check * 1e3:.3f} ms (median; mean {mean * 1e3:.3f} ms); one every {every} steps: "
+                     f"{per_step * 1e3:.4f} ms a step, {100 * per_step / step:.2f}% of this step; "
+                     f"under 1% for steps over {100 * per_step * 1e3:.1f} ms")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.runtime.engine import OptimizerStep
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals, peak_memory_bytes, reset_peak_memory
 from raytrain_mgpu.runtime.placement import free_address, node_ip, ray_gpu_ids
@@ -146,6 +147,8 @@ class StageWorker:
 
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps_per_epoch, cfg.epochs)
+        # the end of each step, as a Ray Train worker ends its (runtime/engine.py); the norm is the whole model's
+        self.end_step = OptimizerStep(cfg, self.optimizer, self.scheduler, self._clip_gradients, window=self.window)
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between replicas
         if resume_dir is not None:
             self._restore(resume_dir)
@@ -224,12 +227,13 @@ class StageWorker:
         """``num_steps`` optimizer steps; ``[(step, scalars)]`` of the ``log_every_n_steps`` windows that closed."""
         closed = []
         for _ in range(num_steps):
-            self._train_step()
-            if self.window is not None and self.step % self.cfg.log_every_n_steps == 0:
-                closed.append((self.step, self.window.read()))  # one device read per N steps
+            scalars = self._train_step()
+            if scalars is not None:
+                closed.append((self.step, scalars))
         return closed
 
-    def _train_step(self) -> None:
+    def _train_step(self) -> Optional[dict]:
+        """One step; the scalars of the log_every_n_steps window it closed, if any."""
         start = time.perf_counter()
         inputs, targets, sends = self._read_batch(self._batches, self.cfg.num_microbatches)
         if self.is_first:
@@ -240,17 +244,10 @@ class StageWorker:
         stats = self.executor.train_step(self.train_order, inputs, targets, self.rows, self._step_meter)
         self._wait_targets_sent(sends)
         self._average_gradients()
-        grad_norm = None
-        if self.cfg.grad_clip_norm is not None:
-            grad_norm = self._clip_gradients(self.cfg.grad_clip_norm)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         self.step += 1
-        if self.window is not None:
-            self.window.end_step(lr, grad_norm)
+        scalars = self.end_step(self.step)
         self.totals.add_step(stats, time.perf_counter() - start)
+        return scalars
 
     def _read_batch(self, batches, num_chunks: int) -> tuple:
         """``(input micro-batches, target micro-batches, sends to wait for)`` for this rank.

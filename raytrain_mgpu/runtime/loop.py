@@ -23,7 +23,7 @@ from raytrain_mgpu.runtime import ray_ingest
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.devices import resolve_devices
-from raytrain_mgpu.runtime.engine import run_epochs
+from raytrain_mgpu.runtime.engine import OptimizerStep, run_epochs
 from raytrain_mgpu.runtime.faults import name_stuck_ranks
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import (EpochMeter, all_gather_list, all_reduce_sum, barrier_s, peak_memory_bytes,
@@ -173,6 +173,8 @@ class _Loop:
         # Per-step scalars on the rank that holds the sink (rank 0); the other ranks do nothing extra.
         self.window = (StepWindow(self.device, strategy.data_shard()[1])
                        if getattr(reporter, "sink", None) is not None else None)
+        # the end of each step, as the pipeline's stages end theirs (runtime/engine.py)
+        self.end_step = OptimizerStep(cfg, optimizer, scheduler, self._clip, scaler, self.window)
 
     def _to_device(self, x, y):
         """Inputs and targets (tensors, or tuples/dicts of them: ``raytrain_mgpu.batches``) on the device."""
@@ -215,14 +217,11 @@ class _Loop:
                 if window is not None:
                     window.add_loss(loss, meter.samples - counted)  # the samples (targets) the meter counted
                     window.add_data_wait(waited)
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
-            grad_norm = self._optimizer_step()
             state.step += 1
             steps += 1
-            if window is not None:
-                window.end_step(lr, grad_norm)
-                if state.step % cfg.log_every_n_steps == 0:
-                    self.reporter.scalars(state.step, window.read())  # one device read per N steps
+            scalars = self.end_step(state.step)
+            if scalars is not None:  # a log_every_n_steps window closed (rank 0)
+                self.reporter.scalars(state.step, scalars)
             self.reporter.step(steps, self.steps_per_epoch, epoch + 1)
             state.step_in_epoch = steps
             if self.save_step is not None:  # checkpoint_every_n_steps, or the first preemption notice
@@ -238,17 +237,9 @@ class _Loop:
         barrier_s()
         meter.checkpoint_s += time.perf_counter() - start
 
-    def _optimizer_step(self) -> Optional[torch.Tensor]:
-        """One optimizer step; the gradients' total norm (on the device, unread) where they are clipped."""
-        grad_norm = None
-        if self.cfg.grad_clip_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return grad_norm
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Clip this worker's model's gradients to ``max_norm``; their total norm (on the device, unread)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def _epoch_metrics(self, epoch: int, state: _State, meter: EpochMeter, steps: int) -> dict:
         elapsed = meter.elapsed()
