@@ -193,6 +193,9 @@ def _check_ranges(cfg) -> None:
     if cfg.num_classes is not None and (not is_int(cfg.num_classes) or cfg.num_classes < 2):
         fail("num_classes", cfg.num_classes, "must be an integer >= 2 or None",
              "A classifier needs at least 2 classes; set num_classes to 2 or more.")
+    if not is_int(cfg.activation_checkpointing) or cfg.activation_checkpointing < 0:
+        fail("activation_checkpointing", cfg.activation_checkpointing, "must be an integer >= 0",
+             "Set it to 1 to recompute every block, k for every k-th block, or 0 for none.")
     if not is_int(cfg.max_failures) or cfg.max_failures < -1:
         fail("max_failures", cfg.max_failures, "must be -1 (retry forever) or a count >= 0",
              "Set max_failures to 0 to fail fast.")

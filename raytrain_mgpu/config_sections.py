@@ -107,4 +107,5 @@ class ParallelConfig:
     sync_batchnorm: bool
     compile: bool
     channels_last: bool
+    activation_checkpointing: int
     collective_timeout_s: float

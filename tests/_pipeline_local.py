@@ -41,7 +41,7 @@ class LocalRun(NamedTuple):
 
 class LocalResult(NamedTuple):
     model_state: dict          # the whole model, merged from replica 0's stages
-    stats: List[dict]          # finish_epoch() of every rank, for the last epoch run
+    stats: List[dict]          # finish_epoch() of every rank, for the last epoch run, with its setup()'s under "setup"
     partition: Partition
     error: Optional[str] = None  # with return_errors: every failed rank's traceback
 
@@ -91,7 +91,7 @@ def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
                 remaining -= steps
                 epoch += 1
             state = worker.model_state() if worker.replica == 0 else {}
-            results.put((index, rank, None, _to_bytes(state), worker.finish_epoch()))
+            results.put((index, rank, None, _to_bytes(state), {**worker.finish_epoch(), "setup": info}))
         except Exception:  # reported to the parent, which raises it
             results.put((index, rank, traceback.format_exc(), None, None))
         finally:

@@ -39,6 +39,10 @@ CASES["mlp-p3-1f1b-adamw-clip-cosine"] = dict(MLP, strategy="pipeline", num_stag
                                               optimizer="adamw", lr=0.01, grad_clip_norm=0.05,
                                               lr_schedule="cosine", warmup_epochs=0.5, balance="time")
 CASES["mlp-p2-1f1b-bf16"] = dict(MLP, strategy="pipeline", num_stages=2, schedule="1f1b", precision="bf16-mixed")
+# Activation checkpointing in the stages (every block recomputed in the backward): the same weights as the
+# plain model in one process (tests/test_activation_checkpointing.py checks the Ray Train worker's loop).
+CASES["lm-p2-1f1b-checkpointed"] = dict(LM, strategy="pipeline", num_stages=2, schedule="1f1b",
+                                        activation_checkpointing=1)
 CASES["lm-ddp2-p2-gpipe-clip"] = dict(LM, strategy="ddp_pipeline", num_workers=2, num_stages=2, schedule="gpipe",
                                       grad_clip_norm=0.5)
 
@@ -105,6 +109,9 @@ def test_pipeline_ends_with_the_weights_of_one_process(pipeline_results, name):
     # every rank trained every step; only ranks with another stage downstream/upstream send
     assert all(stats["steps"] == STEPS - 3 for stats in result.stats)  # the last epoch's steps
     assert sum(stats["bytes_sent"] for stats in result.stats) > 0
+    # every rank recomputed the blocks the config names (all 5 of the LM's), or none
+    expected_checkpointed = 5 if cfg.activation_checkpointing else 0
+    assert [stats["setup"]["checkpointed_blocks"] for stats in result.stats] == [expected_checkpointed] * len(result.stats)
 
 
 def test_cases_cover_what_the_issue_asks(pipeline_results):

@@ -40,6 +40,7 @@ from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 from raytrain_mgpu.runtime.step_scalars import StepWindow, WindowedMeter
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.models.checkpointing import checkpoint_blocks
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.checkpoints import BackgroundWriter, epoch_partial, resume_sums, snapshot
 from raytrain_mgpu.pipeline.executor import PipelineExecutor
@@ -131,6 +132,7 @@ class StageWorker:
         self.data = build_datasets(cfg.data)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank as in one process
         model = build_model(cfg.model, self.data.input_shape, self.data.num_classes, cfg.model_kwargs)
+        checkpointed = checkpoint_blocks(model, cfg.activation_checkpointing)  # as a Ray Train worker
         stages = build_stage_modules(model, partition)
         self.stages = {s: stages[s].to(self.device) for s in range(self.num_stages)
                        if stage_rank(s, self.num_ranks) == self.prank}
@@ -158,7 +160,8 @@ class StageWorker:
         self.step = start_step
         self._eval_orders: Dict[int, Order] = {}
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params),
-                "steps_per_epoch": self.steps_per_epoch, "has_val": self.data.val is not None, "node_ip": node_ip(), **self.assignment.record(),
+                "steps_per_epoch": self.steps_per_epoch, "has_val": self.data.val is not None, "checkpointed_blocks": checkpointed, "node_ip": node_ip(),
+                **self.assignment.record(),
                 "gpu_ids": ray_gpu_ids(), "nccl_semantics": self.emulate_nccl}
 
     def _build_groups(self) -> None:

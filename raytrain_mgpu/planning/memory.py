@@ -13,6 +13,10 @@ batch, per block of the model, times the share of the batch a device sees. The f
 runs on the ``meta`` device when the model allows it: shapes only, no memory and no
 time, so a model larger than the driver's memory is still estimated.
 
+With ``activation_checkpointing`` a checkpointed block keeps only its input (counted in its place),
+and the largest of a device's checkpointed blocks is recomputed whole in the backward (counted once,
+on top): ``ModelProfile.activations``.
+
 It is an upper bound of the steady state in fp32 (gradients and the saved activations
 are counted as if alive together; in the backward, activations are freed as gradients
 appear) and leaves out the framework's own memory (the CUDA context, about 0.5 GiB, and
@@ -64,6 +68,9 @@ class ModelProfile:
     """Optimizer state bytes per parameter byte: 2 for AdamW, 1 for SGD with momentum, else 0."""
     splittable: bool
     """Whether the model splits into blocks (``mp``, ``pipeline``); otherwise one block."""
+    block_recompute_bytes: Tuple[float, ...] = ()
+    """Per sample, for each block ``activation_checkpointing`` recomputes: what its forward saves when it
+    runs again in the backward (0 for the others; empty without checkpointing)."""
     param_bytes: int = field(init=False)
     """The whole model's parameter bytes (every block's)."""
     activation_bytes: float = field(init=False)
@@ -72,6 +79,13 @@ class ModelProfile:
     def __post_init__(self):
         object.__setattr__(self, "param_bytes", sum(self.block_param_bytes))  # frozen: set once, here
         object.__setattr__(self, "activation_bytes", sum(self.block_activation_bytes))
+
+    def activations(self, blocks: Optional[Sequence[int]] = None) -> float:
+        """Per sample, the activation bytes ``blocks`` (default: all) hold at the peak of a backward: what
+        each saves, plus the largest checkpointed block's recomputed forward (one at a time)."""
+        blocks = range(len(self.block_activation_bytes)) if blocks is None else blocks
+        recomputed = [self.block_recompute_bytes[i] for i in blocks] if self.block_recompute_bytes else []
+        return sum(self.block_activation_bytes[i] for i in blocks) + max(recomputed, default=0.0)
 
     def state_bytes(self, blocks: Optional[Sequence[int]] = None) -> float:
         """Parameters + gradients + optimizer state of ``blocks`` (default: all)."""
@@ -91,12 +105,14 @@ def _targets_for(out: torch.Tensor) -> torch.Tensor:
 
 
 def _saved_bytes(blocks: Sequence[nn.Module], x: torch.Tensor, params: set) -> Tuple[List[int], int, int]:
-    """Bytes saved for backward per block, by the loss, and the logits' bytes, for batch ``x``.
+    """Bytes saved for backward per block, by the loss, the logits' bytes and each block's input bytes, for
+    batch ``x``.
 
     Each storage is counted once, by the first block that saves it (a ReLU's output saved
     again by the next Linear is one tensor), and parameters (and views of them) not at all.
     """
     seen, per_block, current = set(), [0] * (len(blocks) + 1), [0]
+    inputs = []  # each block's input bytes (what a checkpointed block keeps); the batch itself is input_bytes
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
@@ -109,33 +125,38 @@ def _saved_bytes(blocks: Sequence[nn.Module], x: torch.Tensor, params: set) -> T
         h = x
         for index, block in enumerate(blocks):
             current[0] = index
+            inputs.append(0 if h is x else h.untyped_storage().nbytes())
             h = block(h)
         current[0] = len(blocks)
         # Cross-entropy whatever TrainConfig.loss is: this estimates memory, and what a loss saves
         # for backward is small next to the blocks' activations (a user loss is not imported here).
         loss = F.cross_entropy(h, _targets_for(h))
     del loss  # the graph (and the saved tensors the ids refer to) lived until here
-    return per_block[:-1], per_block[-1], h.untyped_storage().nbytes()
+    return per_block[:-1], per_block[-1], h.untyped_storage().nbytes(), inputs
 
 
 def _forward_bytes(blocks: Sequence[nn.Module], input_shape: tuple, batch: int, device: str) -> tuple:
+    """``(saved per block, saved by the loss, logits, input batch, input per block)`` in bytes, for ``batch``."""
     params = {id(p) for block in blocks for p in block.parameters()}
     errors = []
     for dtype in (torch.float32, torch.long):  # images, then token ids
         x = torch.zeros((batch, *input_shape), dtype=dtype, device=device)
         try:
-            return (*_saved_bytes(blocks, x, params), x.untyped_storage().nbytes())
+            per_block, loss, logits, inputs = _saved_bytes(blocks, x, params)
+            return per_block, loss, logits, x.untyped_storage().nbytes(), inputs
         except (RuntimeError, TypeError, IndexError) as exc:
             errors.append(exc)
     raise errors[0]
 
 
 def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw", momentum: float = 0.9,
-                  batches: Tuple[int, int] = (2, 4)) -> ModelProfile:
+                  batches: Tuple[int, int] = (2, 4), checkpoint_every: int = 0) -> ModelProfile:
     """Measure ``model`` (on the device its parameters are on: ``meta`` or CPU).
 
     Two batch sizes separate what grows with the batch from what does not (the scalar
-    loss, position indices); only the growing part is kept, per sample.
+    loss, position indices); only the growing part is kept, per sample. ``checkpoint_every``:
+    ``activation_checkpointing``'s interval (the model measured as built, the blocks it names
+    counted as checkpointed).
     """
     from raytrain_mgpu.models.partition import blocks_of
 
@@ -152,9 +173,18 @@ def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw"
     small, large = (_forward_bytes(blocks, tuple(input_shape), b, device) for b in batches)
     span = batches[1] - batches[0]
     per_sample = [max(0.0, (l - s) / span) for s, l in zip(small[0], large[0])]
+    recompute = ()
+    if checkpoint_every and splittable:
+        from raytrain_mgpu.models.checkpointing import checkpointed_indices
+
+        recompute = [0.0] * len(blocks)
+        for i in checkpointed_indices(len(blocks), checkpoint_every):
+            recompute[i], per_sample[i] = per_sample[i], max(0.0, (large[4][i] - small[4][i]) / span)
+        recompute = tuple(recompute)
     return ModelProfile(
         block_param_bytes=tuple(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks),
         block_activation_bytes=tuple(per_sample),
+        block_recompute_bytes=recompute,
         output_bytes=max(0.0, (large[1] - small[1]) / span) + (large[2] - small[2]) / span,
         input_bytes=(large[3] - small[3]) / span,
         optimizer_state_factor=_optimizer_state_factor(optimizer, momentum),
@@ -172,7 +202,8 @@ def profile_config(cfg) -> ModelProfile:
         with torch.device(device):
             model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
         try:
-            return profile_model(model, input_shape, cfg.optimizer, cfg.momentum)
+            return profile_model(model, input_shape, cfg.optimizer, cfg.momentum,
+                                 checkpoint_every=cfg.activation_checkpointing)
         except (RuntimeError, NotImplementedError) as exc:
             if device == "cpu":
                 raise

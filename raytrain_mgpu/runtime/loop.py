@@ -29,6 +29,7 @@ from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import (EpochMeter, all_gather_list, all_reduce_sum, barrier_s, peak_memory_bytes,
                                            reset_peak_memory)
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.models.checkpointing import checkpoint_blocks
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.preemption import PreemptionCheck
@@ -148,6 +149,7 @@ def _build_model(cfg: TrainConfig, strategy: WorkerStrategy, input_shape: tuple,
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    checkpoint_blocks(model, cfg.activation_checkpointing)  # as the pipeline's stages (models/checkpointing.py)
     # With the shared seed every rank would draw the same dropout masks: R copies of one mask.
     seed_rank_stream(cfg.seed, strategy.ctx.world_rank)
     return model

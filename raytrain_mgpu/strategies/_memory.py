@@ -62,7 +62,7 @@ def replica_on(profile, parts: List[range], share: float, inflight: Sequence[flo
     last = len(parts) - 1
     devices = []
     for j, blocks in enumerate(parts):
-        per = sum(profile.block_activation_bytes[i] for i in blocks) * share * inflight[j]
+        per = profile.activations(blocks) * share * inflight[j]
         per += profile.input_bytes * loaded if j == 0 else 0.0
         per += profile.output_bytes * share * inflight[j] if j == last else 0.0
         devices.append(DeviceMemory(profile.state_bytes(blocks), per))
@@ -81,7 +81,7 @@ def data_parallel_node(profile, num_devices: int, share: float, balanced: bool,
     devices = []
     for d in range(num_devices):
         state = profile.state_bytes() if d == 0 else profile.param_bytes
-        per = profile.activation_bytes * share / num_devices
+        per = profile.activations() * share / num_devices
         per += profile.input_bytes * share * (1.0 if d == output_device else 1.0 / num_devices)
         gathered = not balanced and d == output_device
         per += profile.output_bytes * share * (1.0 if gathered else (0.0 if not balanced else 1.0 / num_devices))

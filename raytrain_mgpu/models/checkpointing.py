@@ -1,0 +1,60 @@
+"""Activation checkpointing per block (``TrainConfig.activation_checkpointing``): every k-th block of a
+model forgets what its forward saved for backward and computes it again in the backward pass.
+
+A checkpointed block keeps only its input (``torch.utils.checkpoint``, non-reentrant, the random state
+of its forward kept: dropout draws the same masks again), so the gradients are exactly those without
+it; the cost is one more forward of the block per step. Which blocks: ``blocks_of`` (an
+``nn.Sequential``'s children or a ``blocks()`` method: the same blocks the pipeline and ``mp`` split),
+the ``k``-th, ``2k``-th, ... (``k=1``: every block; torchtitan's per-layer interval).
+
+How: the block's class is swapped for a subclass whose ``forward`` runs the original under
+``checkpoint``. The module, its parameter names and its ``state_dict`` stay what they were (a
+wrapper module, as ``torch.distributed``'s ``checkpoint_wrapper``, would insert a level into every
+parameter name, which every name-reading path here would have to strip), and ``nn.DataParallel``'s
+replicas, FSDP2's per-block hooks and the pipeline's stages see the same blocks as without it.
+Both runners call :func:`checkpoint_blocks` on the model right after building it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["checkpoint_blocks", "checkpointed_indices"]
+
+_SUBCLASSES: Dict[type, type] = {}
+
+
+def checkpointed_indices(num_blocks: int, every: int) -> List[int]:
+    """0-based indices of the blocks checkpointed at an interval of ``every`` (0: none)."""
+    return [i for i in range(num_blocks) if every and (i + 1) % every == 0]
+
+
+def _checkpointed(cls: type) -> type:
+    """``cls`` with its forward run under ``torch.utils.checkpoint`` (one subclass per class)."""
+    if cls not in _SUBCLASSES:
+        def forward(self, *args, **kwargs):
+            return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+
+        _SUBCLASSES[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+    return _SUBCLASSES[cls]
+
+
+def checkpoint_blocks(model: nn.Module, every: int) -> int:
+    """Checkpoint every ``every``-th block of ``model`` in place (0: none); how many blocks were."""
+    if not every:
+        return 0
+    from raytrain_mgpu.models.partition import blocks_of
+
+    try:
+        blocks = blocks_of(model)
+    except ValueError as exc:
+        raise ValueError(f"TrainConfig.activation_checkpointing={every} checkpoints blocks, and {exc}") from None
+    chosen = checkpointed_indices(len(blocks), every)
+    for index in chosen:
+        block = blocks[index]
+        if type(block) not in _SUBCLASSES.values():  # checkpointed once, even if asked twice
+            block.__class__ = _checkpointed(type(block))
+    return len(chosen)
