@@ -155,6 +155,8 @@ class TrainConfig:
     """Wrap the model in ``torch.compile``."""
     channels_last: bool = False
     """Use the channels-last memory format for 4-D inputs and the model."""
+    shard_group_size: Optional[int] = None
+    """``fsdp``: the workers that shard the model among themselves (HSDP): groups of this many consecutive ranks each hold one sharded copy, and the groups average gradients as DDP replicas do. Set it to the workers of one node so that the all-gathers stay inside nodes and only the gradient all-reduce crosses them. None: one group of all workers (plain FSDP)."""
     activation_checkpointing: int = 0
     """Recompute every k-th block's activations in the backward pass instead of keeping them (k=1: every block; 0: off): less activation memory for one more forward of those blocks, the same gradients. Blocks as ``mp`` and the pipeline split them (an ``nn.Sequential``'s children, or ``blocks()``); every strategy."""
     collective_timeout_s: float = 1800.0

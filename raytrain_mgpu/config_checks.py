@@ -31,7 +31,7 @@ _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_micro
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
                   "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience",
-                           "checkpoint_every_n_steps")
+                           "checkpoint_every_n_steps", "shard_group_size")
 _NON_EMPTY_STRINGS = ("strategy", "image_column", "label_column")  # model, dataset: _check_code
 _OPTIONAL_STRINGS = ("data_root", "address")
 SEED_LIMIT = 2**63

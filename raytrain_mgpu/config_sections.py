@@ -107,5 +107,6 @@ class ParallelConfig:
     sync_batchnorm: bool
     compile: bool
     channels_last: bool
+    shard_group_size: Optional[int]
     activation_checkpointing: int
     collective_timeout_s: float

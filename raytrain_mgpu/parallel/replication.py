@@ -154,7 +154,12 @@ class FSDPReplication(Replication):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(worker.device.type, (worker.ctx.world_size,))
+        world = worker.ctx.world_size
+        shard = worker.cfg.shard_group_size or world
+        if shard < world:  # HSDP: consecutive ranks (a node's workers) shard, the groups replicate (torchtitan's dp_replicate x dp_shard)
+            mesh = init_device_mesh(worker.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(worker.device.type, (world,))
         if worker.cfg.precision == "bf16-mixed":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:

@@ -1,4 +1,5 @@
-"""``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``), one shard per worker.
+"""``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``), one shard per worker; with ``shard_group_size``
+HSDP: shards within groups of that many workers, replicas across the groups (a 2-D device mesh).
 
 Each block of the model (see ``raytrain_mgpu.models.partition.blocks_of``) and then the
 root are sharded: every worker keeps 1/N of the parameters, gradients and optimizer
@@ -38,8 +39,12 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     placement, replication = "keep", "fully_shard"
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
-    options_used = frozenset({"sync_batchnorm"})
-    refusals = (Refusal(lambda cfg: cfg.precision == "16-mixed",
+    options_used = frozenset({"sync_batchnorm", "shard_group_size"})
+    refusals = (Refusal(lambda cfg: cfg.shard_group_size is not None and cfg.num_workers % cfg.shard_group_size != 0,
+                        "TrainConfig.shard_group_size={cfg.shard_group_size}: must divide num_workers={cfg.num_workers} "
+                        "(every group of that many workers holds one sharded copy of the model). Set it to the "
+                        "workers of one node, or leave it unset to shard over all workers."),
+                Refusal(lambda cfg: cfg.precision == "16-mixed",
                         "TrainConfig.precision='16-mixed' with strategy='fsdp': the GradScaler's overflow check sees "
                         "only this worker's shard, so workers could disagree on skipping a step. Use "
                         "precision='bf16-mixed' (same memory saving, no loss scaling needed)."),)
@@ -61,4 +66,5 @@ class FSDPStrategy(Strategy):
         replicas = replicated_memory(cls, cfg, profile)
         if cfg.num_workers == 1:
             return replicas  # one worker: nothing to shard over
-        return [DeviceMemory(fsdp_state_bytes(profile, cfg.num_workers), replicas[0].per_sample)] * cfg.num_workers
+        shards = cfg.shard_group_size or cfg.num_workers  # HSDP: the state is split over a group, not all workers
+        return [DeviceMemory(fsdp_state_bytes(profile, shards), replicas[0].per_sample)] * cfg.num_workers
