@@ -193,6 +193,10 @@ def _check_ranges(cfg) -> None:
     if cfg.num_classes is not None and (not is_int(cfg.num_classes) or cfg.num_classes < 2):
         fail("num_classes", cfg.num_classes, "must be an integer >= 2 or None",
              "A classifier needs at least 2 classes; set num_classes to 2 or more.")
+    if cfg.shard_group_size is not None and isinstance(cfg.num_workers, (list, tuple)):
+        fail("shard_group_size", cfg.shard_group_size, f"needs a fixed number of workers, not the range "
+             f"num_workers={list(cfg.num_workers)} (an elastic run may go on with a count it does not divide)",
+             "Set num_workers to one count, or leave shard_group_size unset.")
     if not is_int(cfg.activation_checkpointing) or cfg.activation_checkpointing < 0:
         fail("activation_checkpointing", cfg.activation_checkpointing, "must be an integer >= 0",
              "Set it to 1 to recompute every block, k for every k-th block, or 0 for none.")

@@ -97,3 +97,9 @@ def test_hsdp_shards_inside_groups_replicates_across_them_and_trains_like_one_pr
 def test_a_shard_group_size_that_does_not_divide_the_workers_is_refused(size, error):
     with pytest.raises(ValueError, match=error):
         TrainConfig(**{**CFG, "shard_group_size": size})
+
+
+def test_an_elastic_worker_range_is_refused():
+    with pytest.raises(ValueError, match=r"shard_group_size=2: needs a fixed number of workers, not the range "
+                                         r"num_workers=\[2, 4\]"):
+        TrainConfig(**{**CFG, "num_workers": (2, 4)})
