@@ -103,3 +103,12 @@ def test_an_elastic_worker_range_is_refused():
     with pytest.raises(ValueError, match=r"shard_group_size=2: needs a fixed number of workers, not the range "
                                          r"num_workers=\[2, 4\]"):
         TrainConfig(**{**CFG, "num_workers": (2, 4)})
+
+
+def test_shard_groups_that_span_nodes_are_named():
+    """The worker warns (rank 0, at set-up) about groups whose ranks are on several nodes."""
+    from raytrain_mgpu.parallel.replication import shard_groups_across_nodes
+
+    assert shard_groups_across_nodes([0, 0, 1, 1], 2) == []  # each node's pair: one group each
+    assert shard_groups_across_nodes([0, 1, 0, 1], 2) == [[0, 1], [2, 3]]  # interleaved: both span
+    assert shard_groups_across_nodes([0, 0, 0, 1, 1, 1], 2) == [[2, 3]]  # 3 workers a node, groups of 2

@@ -23,6 +23,7 @@ makes them (``runtime/worker_checkpoint.save_and_report`` does).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, ContextManager, Dict, Iterator
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_mgpu.models.partition import blocks_of
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from raytrain_mgpu.parallel.worker import WorkerStrategy
@@ -118,6 +121,13 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def shard_groups_across_nodes(node_ranks: list, shard: int) -> list:
+    """The HSDP shard groups (``shard`` consecutive world ranks each) whose ranks are on more than one node,
+    as lists of ranks; ``node_ranks[r]``: world rank r's node."""
+    groups = [list(range(start, start + shard)) for start in range(0, len(node_ranks), shard)]
+    return [group for group in groups if len({node_ranks[r] for r in group}) > 1]
+
+
 def _shard_units(model: nn.Module) -> list:
     """Blocks with parameters, sharded one by one so only one block is ever gathered."""
     try:
@@ -157,6 +167,14 @@ class FSDPReplication(Replication):
         world = worker.ctx.world_size
         shard = worker.cfg.shard_group_size or world
         if shard < world:  # HSDP: consecutive ranks (a node's workers) shard, the groups replicate (torchtitan's dp_replicate x dp_shard)
+            nodes = [None] * world
+            dist.all_gather_object(nodes, worker.ctx.node_rank)  # once, at set-up
+            spanning = shard_groups_across_nodes(nodes, shard)
+            if spanning and worker.ctx.world_rank == 0:
+                logger.warning("shard_group_size=%d: the shard groups %s span nodes %s, so every all-gather of "
+                               "theirs crosses the network. Set shard_group_size to the workers of one node (and "
+                               "the same number of workers on every node).", shard, spanning,
+                               [sorted({nodes[r] for r in group}) for group in spanning])
             mesh = init_device_mesh(worker.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(worker.device.type, (world,))
