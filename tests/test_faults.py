@@ -285,3 +285,36 @@ def test_damaged_dataset_file_fails_before_ray_starts(tmp_path, monkeypatch, dam
     train.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"label,image\n1,0 0 0\n")
     with pytest.raises(ValueError, match=r"cannot be read .*Point data_root at intact Parquet files"):
         rtm.fit(rtm.TrainConfig(dataset="parquet", data_root=str(tmp_path / "pq"), storage_path=str(tmp_path)))
+
+
+def test_waiting_for_the_report_returns_once_the_controller_took_it_and_not_before(monkeypatch, caplog):
+    """``wait_until_report_collected`` returns when the controller's task_done() lands (woken by it, not by a
+    sleep loop's next turn), never while a report is pending, and gives up with a warning at its deadline."""
+    import queue
+    import threading
+
+    from ray.train.v2._internal.execution import context as train_context
+
+    from raytrain_mgpu.runtime.faults import wait_until_report_collected
+
+    pending = queue.Queue()
+    monkeypatch.setattr(train_context, "get_train_context",
+                        lambda: SimpleNamespace(get_result_queue=lambda: pending))
+    pending.put("report")
+    taken = threading.Event()
+
+    def controller():  # takes the report a little later, as its poll does
+        time.sleep(0.2)
+        pending.get()
+        taken.set()
+        pending.task_done()
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    wait_until_report_collected(timeout_s=300)
+    assert taken.is_set() and pending.unfinished_tasks == 0
+    thread.join()
+    pending.put("never taken")
+    with caplog.at_level("WARNING"):
+        wait_until_report_collected(timeout_s=0.1)
+    assert "has not collected this worker's report after 0 s" in caplog.text

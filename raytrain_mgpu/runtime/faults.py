@@ -191,13 +191,17 @@ def wait_until_report_collected(timeout_s: float = 300.0) -> None:
         return
     deadline = time.monotonic() + timeout_s
     # The controller calls task_done() when it takes a report, so unfinished_tasks drops
-    # to 0 exactly when every report this rank made has been collected.
-    while pending.unfinished_tasks:
-        if time.monotonic() > deadline:
-            logger.warning("Ray Train's controller has not collected this worker's report after %.0f s; "
-                           "continuing without waiting", timeout_s)
-            return
-        time.sleep(0.02)
+    # to 0 exactly when every report this rank made has been collected; task_done() notifies
+    # all_tasks_done, so this wakes at once (Queue.join with a deadline). A 20 ms sleep loop here
+    # added 10 ms on average to every step checkpoint (issue 24: ~50 ms a save).
+    with pending.all_tasks_done:
+        while pending.unfinished_tasks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("Ray Train's controller has not collected this worker's report after %.0f s; "
+                               "continuing without waiting", timeout_s)
+                return
+            pending.all_tasks_done.wait(left)
 
 
 @contextlib.contextmanager
