@@ -202,8 +202,10 @@ _MODULE_COMMANDS = {
                    "torchvision ImageFolder on the same PNG files, with 0/1/2 loader workers"),
     "bench-checkpoint": ("raytrain_mgpu.bench.checkpoint", "the training stall per checkpoint: Ray Train's "
                          "synchronous vs asynchronous upload of a large model's checkpoint"),
-    "bench-preemption": ("raytrain_mgpu.bench.preemption", "what the preemption check costs: "
-                         "ray.train.get_preemption_info() against a small DDP step"),
+    "bench-preemption": ("raytrain_mgpu.bench.preemption", "what the preemption check costs: the loop's "
+                         "check and ray.train.get_preemption_info() against a small DDP step"),
+    "bench-checkpointing": ("raytrain_mgpu.bench.activation_checkpointing", "what activation checkpointing "
+                            "saves and costs: a transformer LM's step with and without it"),
     "gpu-report": ("raytrain_mgpu.bench.gpu_report", "run the GPU-only tests and measure every GPU figure of "
                    "docs/performance.md (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)"),
     "spot-watch": ("raytrain_mgpu.runtime.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "

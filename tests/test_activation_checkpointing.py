@@ -7,7 +7,6 @@ The pipeline's stages with it: ``tests/test_pipeline_equivalence.py`` (case ``lm
 from __future__ import annotations
 
 import copy
-import ctypes
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import raytrain_mgpu as rtm
+from raytrain_mgpu.bench.activation_checkpointing import heap_in_use
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.models.checkpointing import checkpoint_blocks, checkpointed_indices
 from raytrain_mgpu.planning.memory import profile_config, profile_model
@@ -65,19 +65,6 @@ def test_the_ray_train_workers_loop_trains_the_same_weights_with_it(strategy, gl
     assert history[-1]["train_loss"] == plain_history[-1]["train_loss"]
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
-def _heap_in_use() -> int:
-    """Bytes glibc's allocator has handed out and not had back (its main arena and its own mappings)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
 def test_it_holds_less_through_the_backward_as_the_estimate_says():
     """A transformer LM (6 blocks, hidden 64, 128 tokens, batch 64): without checkpointing each block keeps its
     attention and feed-forward activations until the backward (~18x its input); checkpointed, only its input.
@@ -95,9 +82,9 @@ def test_it_holds_less_through_the_backward_as_the_estimate_says():
             model = build_model("transformer_lm", shape, 256, kwargs)
             checkpoint_blocks(model, every)
             x = torch.randint(0, 256, (batch, *shape))
-            before = _heap_in_use()
+            before = heap_in_use()
             logits = model(x)  # the graph (and what it saved) lives as long as logits does
-            held[every] = _heap_in_use() - before
+            held[every] = heap_in_use() - before
             del logits
     finally:
         torch.set_num_threads(threads)

@@ -111,3 +111,14 @@ def test_short_epochs_report_takes_an_epochs_overhead_from_two_run_lengths_and_t
     assert "step checkpoints every 10 steps: 10.0 % of the steps' time" in text
     # per save: 0.1 s over 2 saves an epoch that are not its last step (steps 10 and 20 of 22) x 10 epochs
     assert "5.0 ms a save against 10 steps of 4.5 ms; against 10 steps of 50 ms (issue 24's example) 1.0 %" in text
+
+
+def test_checkpointing_report_puts_the_two_variants_side_by_side():
+    from raytrain_mgpu.bench.activation_checkpointing import report
+
+    mib = 2**20
+    text = report({0: {"step_s": [0.010, 0.012, 0.011], "held": [200 * mib, 210 * mib], "estimated": 300 * mib},
+                   1: {"step_s": [0.014, 0.013, 0.015], "held": [50 * mib], "estimated": 60 * mib}})
+    lines = text.splitlines()
+    assert lines[2].split() == ["0", "11.0", "205", "300"] and lines[3].split() == ["1", "14.0", "50", "60"]
+    assert "step time 1.27x, held for the backward 0.24x, estimate 0.20x" in text
