@@ -91,13 +91,15 @@ def report(measured: Dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
+_OPTIONS = (("--layers", 6, "transformer blocks"), ("--hidden", 64, "hidden size (4 heads)"),
+            ("--seq-len", 128, "tokens per sample"), ("--batch", 64, "samples per step"),
+            ("--steps", 10, "timed steps per variant and round"),
+            ("--rounds", 3, "rounds, alternating which variant goes first"))
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size (4 heads)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample")
-    parser.add_argument("--batch", type=int, default=64, help="samples per step")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, alternating which variant goes first")
+    for flag, default, text in _OPTIONS:
+        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
 
 
 def run_and_print(args) -> int:
