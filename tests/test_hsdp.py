@@ -1,7 +1,7 @@
 """HSDP: ``fsdp`` with ``shard_group_size`` shards inside groups of that many workers and replicates across the
 groups (FSDP2 on a 2-D device mesh, replicate x shard), as the workers of one node form one group.
 
-Four local processes (gloo, forked: no Ray) shard an MLP as a Ray Train worker does (``loop._build_model``,
+Four local processes (gloo, spawned: no Ray) shard an MLP as a Ray Train worker does (``loop._build_model``,
 then the strategy's ``setup_model``) with ``shard_group_size=2``: every parameter is a DTensor on a 2 x 2 mesh,
 replicated over its first dimension and sharded over the second, each rank holding half of it; three steps on
 each rank's quarter of the global batch end with the weights one process trains on the whole batch.
@@ -69,7 +69,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_hsdp_shards_inside_groups_replicates_across_them_and_trains_like_one_process(tmp_path):
     from raytrain_mgpu.runtime.placement import free_address
 
-    mp.start_processes(_rank, args=(free_address()[1], str(tmp_path)), nprocs=WORLD, start_method="fork")
+    # spawned, as the suite's other local process groups: a fork of a pytest worker (threads, perhaps a Ray
+    # connection) is not safe
+    mp.start_processes(_rank, args=(free_address()[1], str(tmp_path)), nprocs=WORLD, start_method="spawn")
     facts = [json.loads((tmp_path / f"facts-{rank}.json").read_text()) for rank in range(WORLD)]
     for rank, fact in enumerate(facts):
         assert fact["mesh"] == [WORLD // SHARD, SHARD] and fact["dims"] == ["replicate", "shard"], fact

@@ -330,6 +330,7 @@ def test_the_ranks_agree_when_only_one_has_the_notice(tmp_path):
 
     from raytrain_mgpu.runtime.placement import free_address
 
-    # fork: the ranks start with torch imported (a spawned rank would import it again, seconds)
-    mp.start_processes(_any_rank_worker, args=(2, free_address()[1], str(tmp_path)), nprocs=2, start_method="fork")
+    # spawned, as the suite's other local process groups: a fork of a pytest worker (threads, perhaps a Ray
+    # connection) is not safe
+    mp.start_processes(_any_rank_worker, args=(2, free_address()[1], str(tmp_path)), nprocs=2, start_method="spawn")
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["False,True,False"] * 2
