@@ -36,12 +36,28 @@ TRIAL_CPUS = 0.01
 
 
 class _ReportEpochs(Callback):
-    """Every epoch's numbers to Ray Tune, from the trial's process (where ``fit``'s events arrive)."""
+    """Every epoch's numbers to Ray Tune, from the trial's process (where ``fit``'s events arrive), once the
+    epoch's checkpoint is published: Tune may stop a trial at any report (ASHA at a rung, or at the last
+    epoch), and the epoch it was told of is then in the run folder, not lost with the trial's process."""
+
+    def __init__(self):
+        self._pending: Optional[dict] = None
 
     def on_epoch_end(self, epoch: int, metrics: dict) -> None:
+        self._pending = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def on_checkpoint(self, path: str) -> None:
+        self._report()
+
+    def on_train_end(self, result) -> None:
+        self._report()  # an epoch no checkpoint followed
+
+    def _report(self) -> None:
         from ray import tune
 
-        tune.report({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            tune.report(pending)
 
 
 def trainable(cfg: TrainConfig) -> Callable:
