@@ -9,9 +9,12 @@ seconds on a small machine.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
+import os
 import multiprocessing as mp
 import queue as queue_module
+import signal
 import threading
 import time
 import traceback
@@ -68,8 +71,9 @@ def _without_warm_up(skip: bool):
         stage_worker.warm_up = original
 
 
-def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
-    for index, (run, partition, port) in enumerate(jobs):
+def _rank_main(rank: int, jobs: list, barriers: list, ports: list, results) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's dump when a run hangs
+    for index, (run, partition) in enumerate(jobs):
         if rank >= _world(run.cfg):
             continue
         # The ranks of a run start together (a rank without a part in the runs before would
@@ -80,9 +84,16 @@ def _rank_main(rank: int, jobs: list, barriers: list, results) -> None:
         if run.step_event is not None:
             engine.STEP_EVENTS.append(run.step_event)
         try:
+            # The rendezvous port is picked by rank 0 as its run starts, not by the parent for every run
+            # up front: a port picked minutes before its use may be taken by then (Ray's processes in the
+            # other test lane open many), and then rank 0 fails to listen (EADDRINUSE) while its peers wait
+            # on the other listener without any bound: measured, a peer of a rank 0 refused so still waited
+            # after 120 s with timeout=20 s. The likely cause of 3 CI runs' 300 s hangs of this pool.
+            if rank == 0:
+                ports[index].value = free_address()[1]
             start.wait(timeout=_BARRIER_TIMEOUT_S)
             with _without_warm_up(run.skip_warmup):
-                info = worker.setup("127.0.0.1", port, partition, None, 0)
+                info = worker.setup("127.0.0.1", ports[index].value, partition, None, 0)
             remaining, epoch = run.num_steps, 0
             while remaining > 0:
                 worker.start_epoch(epoch)
@@ -114,7 +125,8 @@ def _to_bytes(state: dict) -> bytes:
 
 
 def _next_result(results, processes, timeout_s: float):
-    """The next rank report; fails fast if a rank process died without one."""
+    """The next rank report; fails fast if a rank process died without one, and on a timeout leaves
+    every live rank's Python stacks on stderr (pytest shows them with the failure)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -124,6 +136,10 @@ def _next_result(results, processes, timeout_s: float):
             if dead:
                 raise RuntimeError(f"local pipeline rank process(es) {dead} died (exit codes "
                                    f"{[processes[i].exitcode for i in dead]})") from None
+    for process in processes:  # one at a time, or their lines interleave
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+            time.sleep(1)
     raise TimeoutError(f"local pipeline ranks sent nothing for {timeout_s:.0f} s")
 
 
@@ -156,12 +172,13 @@ def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors:
     rank's report) and the other runs go on in the same processes.
     """
     runs = list(runs)
-    jobs = [(run, choose_partition(run.cfg, lambda cfg=run.cfg: StageWorker(cfg, 0).profile_blocks()),
-             free_address()[1]) for run in runs]
+    jobs = [(run, choose_partition(run.cfg, lambda cfg=run.cfg: StageWorker(cfg, 0).profile_blocks()))
+            for run in runs]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     barriers = [(ctx.Barrier(_world(run.cfg)), ctx.Barrier(_world(run.cfg))) for run in runs]
-    processes = [ctx.Process(target=_rank_main, args=(rank, jobs, barriers, results), daemon=True)
+    ports = [ctx.Value("i", 0) for _ in runs]
+    processes = [ctx.Process(target=_rank_main, args=(rank, jobs, barriers, ports, results), daemon=True)
                  for rank in range(max(_world(run.cfg) for run in runs))]
     for process in processes:
         process.start()
@@ -176,7 +193,7 @@ def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors:
                 errors.setdefault(index, {})[rank] = error
             collected.setdefault(index, []).append((rank, state, stats))
         out = []
-        for index, (run, partition, _) in enumerate(jobs):
+        for index, (run, partition) in enumerate(jobs):
             if index in errors:
                 out.append(LocalResult({}, [], partition, _describe(run, index, errors[index])))
                 continue
