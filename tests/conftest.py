@@ -33,6 +33,15 @@ from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 
+# The test command installs with `pip install --no-compile` (README): pip's byte-compiling of every
+# installed module (torch's CUDA build, ray, transformers, ...) was 64 of its 139 s on the 2-core VM,
+# and the suite imports a small part of them (first imports compiling it: 6 s). That only pays where
+# Python may write the compiled files: a machine that sets PYTHONDONTWRITEBYTECODE (this VM does)
+# would compile torch in every one of the suite's several hundred processes. So the suite, its Ray
+# nodes and its subprocesses write them (into the venv and the clone's __pycache__ folders).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # CI stops the whole job at 90 minutes, and a job killed from outside prints no summary, no
 # durations and no failure. So the suite keeps its own budget: after SUITE_BUDGET_S it stops
 # starting tests and reports what it has (RAYTRAIN_MGPU_SUITE_BUDGET_S=0 turns it off).
