@@ -24,6 +24,7 @@ from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
+from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies.elastic import describe_range
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
@@ -89,6 +90,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     ``cfg.loggers`` and ``cfg.callbacks`` see the run's events (``runtime/callbacks.py``).
     """
     called = time.time()  # the start-up's clock (rank 0 reports its own times on this clock: time.time())
+    cfg = take_ray_datasets(cfg)  # Ray Datasets from Python: counted and peeked here, streamed by Ray Train
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     check_objects_ship(cfg)  # a class or function from Python that cannot be pickled, named before Ray

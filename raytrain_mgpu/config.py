@@ -40,7 +40,9 @@ class TrainConfig:
     model_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments for the model factory, e.g. ``{"widths": [256, 256]}`` for ``mlp``."""
     dataset: str = "digits"
-    """Registry name (``digits``, ``fashion_mnist``, ``cifar10``, ``synthetic``, ``parquet``, ...), ``pkg.module:function`` taking the ``DataConfig`` and returning ``raytrain_mgpu.data.Datasets``, or from Python that function itself."""
+    """Registry name (``digits``, ``fashion_mnist``, ``cifar10``, ``synthetic``, ``parquet``, ...), ``pkg.module:function`` taking the ``DataConfig`` and returning ``raytrain_mgpu.data.Datasets``, or from Python that function itself, or Ray Datasets: ``{"train": ds, "test": ds}`` (and ``"val"``), with ``collate`` (docs/data.md: Your own Ray Datasets)."""
+    collate: Optional[str] = None
+    """Ray Datasets only: ``function(batch)`` turning a batch, a dict of NumPy arrays (one per column), into ``(inputs, targets)`` tensors (``inputs`` a tensor or a dict of them); the function from Python, or ``pkg.module:function``."""
     data_root: Optional[str] = None
     """Folder (or, for ``parquet``, a file, folder or ``s3://``/``gs://`` URI) holding the dataset files."""
     download: bool = False
@@ -281,13 +283,13 @@ class TrainConfig:
             entries.update({f"{name}[{i}]": m for i, m in enumerate(listed)} if isinstance(listed, list) else {})
         for name in ("train_transform", "test_transform"):  # their code parts ("resize:96" is a recipe)
             entries.update({f"{name}[{i}]": m for i, m in enumerate(factory_parts(values.get(name)))})
-        check_file_factories({**values, **entries}, ("model", "dataset", "optimizer", "loss", *entries), str(path),
+        check_file_factories({**values, **entries}, ("model", "dataset", "optimizer", "loss", "collate", *entries), str(path),
                              allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
     def code_specs(self) -> list:
         """Every field value that may name user code (``pkg.module:function``): the workers get those modules."""
-        return [self.model, self.dataset, self.optimizer, self.loss, *(self.metrics or []),
+        return [self.model, self.dataset, self.optimizer, self.loss, self.collate, *(self.metrics or []),
                 *factory_parts(self.train_transform), *factory_parts(self.test_transform)]
 
     def to_dict(self) -> dict:
@@ -299,7 +301,7 @@ class TrainConfig:
         for key, value in values.items():
             if isinstance(value, tuple):
                 values[key] = list(value)
-        for key in ("model", "dataset", "optimizer", "loss", "train_transform", "test_transform"):
+        for key in ("model", "dataset", "optimizer", "loss", "collate", "train_transform", "test_transform"):
             values[key] = code_record(values[key])
         for key in ("metrics", "callbacks"):
             if isinstance(values[key], list):

@@ -47,6 +47,7 @@ def validate(cfg) -> Dict[str, Any]:
     check_fields(cfg)
     if cfg.name is None:
         model, dataset = (function_name(v) if is_object(v) else v for v in (cfg.model, cfg.dataset))
+        dataset = "raydata" if isinstance(cfg.dataset, dict) else dataset  # Ray Datasets (data/ray_datasets.py)
         cfg.name = f"{model}-{dataset.replace(':', '.')}-{cfg.strategy}"
     # The registries import torch: imported here, not at module top, so the config imports light.
     from raytrain_mgpu.data import check_data_fields
@@ -243,10 +244,13 @@ def _check_shapes(cfg) -> None:
 
 def monitor_keys(cfg) -> tuple:
     """The history keys ``monitor`` may name: ``train_``/``val_``/``test_`` + ``loss`` or a metric the run
-    records; ``val_`` where there may be a validation split (``val_fraction``, or a dataset factory's own)."""
+    records; ``val_`` where there may be a validation split (``val_fraction``, a dataset factory's own, or a
+    ``"val"`` Ray Dataset)."""
     metrics = getattr(cfg, "metrics", None)  # user metrics, where the config has them
     names = ["accuracy"] if metrics is None else [function_name(m) for m in metrics]
-    val = getattr(cfg, "val_fraction", None) is not None or is_factory(getattr(cfg, "dataset", ""))
+    dataset = getattr(cfg, "dataset", "")
+    val = (getattr(cfg, "val_fraction", None) is not None or is_factory(dataset)
+           or (isinstance(dataset, dict) and "val" in dataset))  # Ray Datasets with a "val" split
     return tuple(f"{split}_{name}" for split in ("train", *(("val",) if val else ()), "test")
                  for name in ["loss", *names])
 

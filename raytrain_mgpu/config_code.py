@@ -94,12 +94,19 @@ def check_metrics(cfg) -> None:
 def check_model_and_dataset(cfg) -> None:
     """``model`` and ``dataset``: a registry name, a ``package.module:function``, or (from Python) the class
     or function itself; the registries' names are checked by ``models.check_model_name`` and ``data``."""
+    from raytrain_mgpu.data.ray_datasets import is_ray_datasets
+
     for name, example in (("model", "'lenet'"), ("dataset", "'digits'")):
         value = getattr(cfg, name)
+        if name == "dataset" and is_ray_datasets(value):  # {"train": ds, ...}: data/ray_datasets.check_fields
+            continue
         if not is_code(name, value) and (not isinstance(value, str) or not value.strip()):
             fail(name, value, "must be a registry name, a 'package.module:function' or (from Python) a class or "
                               "function", f"Set {name} to e.g. {example}, 'my_code:build' for build() in "
-                                          f"my_code.py, or pass build itself.")
+                                          f"my_code.py, pass build itself, or (from Python) a dict of Ray Datasets.")
+    if cfg.collate is not None and not is_code("collate", cfg.collate):
+        fail("collate", cfg.collate, "must be a function of a batch or a 'package.module:function'",
+             "Pass the function itself, e.g. collate=to_tensors, or name it as 'my_code:to_tensors'.")
 
 
 def check_callbacks(callbacks: Any) -> None:

@@ -50,6 +50,7 @@ class DataConfig:
     test_transform: Optional[str] = None
     val_fraction: Optional[float] = None  # a held-out part of the training split (data/base.split_validation)
     ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (runtime/ray_ingest.py)
+    collate: Optional[object] = None  # Ray Datasets' batch -> (inputs, targets) (data/ray_datasets.py)
 
 
 @dataclass(frozen=True)

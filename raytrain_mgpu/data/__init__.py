@@ -99,7 +99,7 @@ def dataset_names() -> list[str]:
 def check_dataset_name(name) -> None:
     """Raise ``ValueError`` for an unknown registry name; ``pkg.module:function`` passes
     without being imported (it may only be importable on the workers), as does a function from Python."""
-    if is_factory(name) or name in DATASETS:
+    if is_factory(name) or _is_ray_datasets(name) or name in DATASETS:
         return
     raise ValueError(f"TrainConfig.dataset={name!r}: unknown dataset. Valid names: "
                      f"{', '.join(dataset_names())}; or write 'package.module:function' for your "
@@ -111,7 +111,14 @@ def check_data_fields(cfg) -> None:
     the dataset name, the loader workers (``runtime/loaders.py``) and the transform specs (parsed, not built)."""
     from raytrain_mgpu.data.transforms import check_transform_spec
 
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits, check_fields, is_ray_datasets
+
     check_dataset_name(cfg.dataset)
+    check_fields(cfg)  # a dict of Ray Datasets: its splits, collate, what does not apply to it
+    if cfg.collate is not None and not (is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits)):
+        raise ValueError(f"TrainConfig.collate={code_name(cfg.collate)!r} is read with Ray Datasets only "
+                         f"(dataset={{'train': ds, 'test': ds}}); the other datasets give (inputs, targets) samples "
+                         f"that the DataLoader batches. Leave collate unset.")
     workers, factor = cfg.loader_workers, cfg.prefetch_factor
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"TrainConfig.loader_workers={workers!r}: must be an integer >= 0. Set 0 to load in "
@@ -127,6 +134,12 @@ def check_data_fields(cfg) -> None:
                          f"Write persistent_workers: true or false (YAML booleans, not quoted strings).")
     for name in ("train_transform", "test_transform"):
         check_transform_spec(name, getattr(cfg, name))
+
+
+def _is_ray_datasets(value) -> bool:
+    from raytrain_mgpu.data.ray_datasets import is_ray_datasets
+
+    return is_ray_datasets(value)
 
 
 def _import_factory(spec) -> Callable:
@@ -185,9 +198,13 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     missing files first when ``download=True``). User factories are called once here, so
     a broken factory fails on the driver rather than on every worker.
     """
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits
+
     check_dataset_name(cfg.dataset)
     check = _CHECKS.get(cfg.dataset) if isinstance(cfg.dataset, str) else None  # a function: built below
-    if check is not None:
+    if isinstance(cfg.dataset, RayDataSplits):  # fit peeked at the Ray Datasets (data/ray_datasets.take)
+        input_shape, num_classes = cfg.dataset.input_shape, cfg.dataset.num_classes
+    elif check is not None:
         input_shape, num_classes = check(cfg)
     else:
         built = _build_untransformed(cfg)

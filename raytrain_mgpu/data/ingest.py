@@ -20,7 +20,9 @@ RAY_DATA_DATASETS = ("parquet",)
 def check_ingest(cfg) -> None:
     """``cfg.ingest`` against the dataset and the transforms (both runners stream: Ray Train workers and
     the pipeline's first stages)."""
-    if cfg.ingest != "ray_data":
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits
+
+    if cfg.ingest != "ray_data" or isinstance(cfg.dataset, RayDataSplits):  # the user's own Ray Datasets
         return
     if cfg.dataset not in RAY_DATA_DATASETS:
         name = code_name(cfg.dataset)

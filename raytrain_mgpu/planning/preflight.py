@@ -253,7 +253,10 @@ def train_split_size(data) -> Optional[int]:
 
 def _whole_train_split_size(data) -> Optional[int]:
     from raytrain_mgpu.data import digits, parquet, synthetic, text
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits
 
+    if isinstance(data.dataset, RayDataSplits):
+        return data.dataset.num_train  # counted by fit (data/ray_datasets.take)
     if data.dataset == "digits":
         return len(digits.load_split()[1])  # 1797 images, 80% train; a fraction of a second
     if data.dataset == "synthetic":

@@ -41,7 +41,7 @@ import contextlib
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -77,6 +77,14 @@ def trainer_datasets(cfg: "TrainConfig") -> dict:
         return {}
     from ray.train import DataConfig
 
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits
+
+    if isinstance(cfg.dataset, RayDataSplits):  # the user's own: the evaluated splits go to every worker whole
+        datasets = cfg.dataset.datasets
+        if datasets is None:
+            raise ValueError(f"TrainConfig.dataset={cfg.dataset!r} arrived without its Ray Datasets (they stay in "
+                             f"the driver that read them). Pass the dict of Ray Datasets to fit in this process.")
+        return {"datasets": dict(datasets), "dataset_config": DataConfig(datasets_to_split=["train"])}
     return {"datasets": {"train": train_dataset(cfg.data)}, "dataset_config": DataConfig(datasets_to_split=["train"])}
 
 
@@ -199,8 +207,10 @@ class ShardLoader:
     (``max_steps``, a partial last step) leaves the rest, which the next ``iter()`` reads off first.
     """
 
-    def __init__(self, shard, micro_batch: int, num_batches: int, seed: int, rank: int):
+    def __init__(self, shard, micro_batch: int, num_batches: int, seed: int, rank: int,
+                 collate: Optional[Callable] = None):
         self.shard, self.micro_batch, self.num_batches = shard, micro_batch, num_batches
+        self.collate = collate  # the user's, for their own Ray Datasets (data/ray_datasets.py): NumPy batch -> (x, y)
         self.seed, self.rank, self.epoch = seed, rank, 0
         self._open: Optional[Iterator] = None
         self.sampler = _EpochOnly(self)
@@ -213,10 +223,14 @@ class ShardLoader:
 
     def __iter__(self) -> Iterator:
         self._drain()  # the previous epoch's stream, where the loop stopped early
-        batches = self.shard.iter_torch_batches(
-            batch_size=self.micro_batch, drop_last=True, device="cpu",
-            local_shuffle_buffer_size=SHUFFLE_BUFFER_BATCHES * self.micro_batch,
-            local_shuffle_seed=(self.seed * 1_000_003 + self.epoch) * 1009 + self.rank)
+        shuffle = dict(local_shuffle_buffer_size=SHUFFLE_BUFFER_BATCHES * self.micro_batch,
+                       local_shuffle_seed=(self.seed * 1_000_003 + self.epoch) * 1009 + self.rank)
+        if self.collate is None:  # the parquet dataset's stream: {"x", "y"} tensors
+            batches = self.shard.iter_torch_batches(batch_size=self.micro_batch, drop_last=True, device="cpu",
+                                                    **shuffle)
+        else:
+            batches = map(self.collate, self.shard.iter_batches(batch_size=self.micro_batch, drop_last=True,
+                                                                batch_format="numpy", **shuffle))
         self._open = iter(batches)
         return self._batches(self._open)
 
@@ -229,7 +243,7 @@ class ShardLoader:
                                    f"split should give every rank the same rows. Use ingest='loader'.")
             if count == self.num_batches - 1:  # the rest is under one micro-batch (drop_last): end the stream now
                 self._drain()
-            yield batch["x"], batch["y"]
+            yield (batch["x"], batch["y"]) if self.collate is None else batch
 
     def _drain(self) -> None:
         if self._open is not None:
@@ -257,7 +271,10 @@ def shard_loader(cfg: "TrainConfig", micro_batch: int, num_train: int) -> ShardL
     ``num_train // world_size`` rows), in micro-batches of ``micro_batch``."""
     import ray.train
 
+    from raytrain_mgpu._factory import load_factory
+
     ctx = ray.train.get_context()
     num_batches = num_train // ctx.get_world_size() // micro_batch
+    collate = None if cfg.collate is None else load_factory(cfg.collate, "collate")
     return ShardLoader(ray.train.get_dataset_shard("train"), micro_batch, num_batches, cfg.seed,
-                       ctx.get_world_rank())
+                       ctx.get_world_rank(), collate)
