@@ -155,7 +155,11 @@ def test_summary_skips_the_warm_up_epochs():
     assert summary["samples_per_s"] == pytest.approx(450.0)
     assert summary["step_time_s"] == pytest.approx(2.0 / 15)
     assert summary["peak_memory_bytes"] == [7, 8]
-    assert (summary["train_loss"], summary["test_loss"]) == (1.2, 1.1)
+    assert (summary["train_loss"], summary["final_loss"], summary["final_split"]) == (1.2, 1.1, "test")
+    # with a validation split the runs are compared on it, and the report says so
+    history[-1]["val_loss"] = 1.3
+    assert (summarize_history(history, warmup_steps=10)["final_loss"], summarize_history(history, 10)["final_split"]) \
+        == (1.3, "val")
     assert (summary["first_loss"], summary["first_steps"]) == (2.0, 10)
 
 
@@ -167,7 +171,7 @@ def fake_report(first_losses=(2.1, 2.1, 2.1), budget=None) -> CompareReport:
                    estimated_peak_bytes=5 << 20, estimated_min_bytes=2 << 20, max_batch=256),
             RunRow("ddp_mp", "ddp_mp", status="skipped", reason="needs 4 devices")]
     for row, loss, final in zip(rows, first_losses, (0.90, 0.93, 0.91)):
-        row.first_loss, row.first_steps, row.train_loss, row.test_loss, row.step_time_s = loss, 11, 1.0, final, 0.01
+        row.first_loss, row.first_steps, row.train_loss, row.final_loss, row.step_time_s = loss, 11, 1.0, final, 0.01
         row.speedup = row.samples_per_s / 1000
     check = check_losses(rows, True, "")
     return CompareReport("lenet on digits", rows, check, recommend(rows, 128, budget), budget)

@@ -46,7 +46,8 @@ class RunRow:
     first_loss: Optional[float] = None          # mean train loss over the first epoch's steps (checked)
     first_steps: Optional[int] = None           # how many steps that is
     train_loss: Optional[float] = None          # mean over the last epoch's steps
-    test_loss: Optional[float] = None           # whole test split, after the last step
+    final_loss: Optional[float] = None          # after the last step: the whole validation split if there is one,
+    final_split: str = "test"                   # else the test split (the split it is, named in the report)
     loss_agrees: Optional[bool] = None          # first_loss vs the reference's; None: not compared
     max_batch: Optional[int] = None             # largest global batch within the budget
     max_batch_method: str = ""                  # estimate | tried | "" (no budget)
@@ -131,7 +132,10 @@ def summarize_history(history: List[dict], warmup_steps: int) -> dict:
             "step_time_s": seconds / sum(s for _, s, _ in measured),
             "peak_memory_bytes": [int(p) for p in peaks],
             "first_loss": history[0]["train_loss"], "first_steps": history[0]["step"],
-            "train_loss": history[-1]["train_loss"], "test_loss": history[-1].get("test_loss")}
+            "train_loss": history[-1]["train_loss"],
+            # the validation split where there is one: comparing runs is choosing, which the test split is not for
+            "final_loss": history[-1].get("val_loss", history[-1].get("test_loss")),
+            "final_split": "val" if "val_loss" in history[-1] else "test"}
 
 
 def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float = LOSS_RTOL,
@@ -143,7 +147,7 @@ def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float
     gradients shows there at once. Later losses drift apart by rounding alone: fp32 sums
     a batch cut into other pieces in another order, and AdamW's normalised step turns
     those last bits into different updates (in fp64 the same runs agree to 1e-14). The
-    spread of the final test losses is reported, not checked.
+    spread of the final validation (else test) losses is reported, not checked.
     """
     measured = [r for r in rows if r.status == "ok" and r.first_loss is not None]
     if not comparable or len(measured) < 2:
@@ -159,11 +163,11 @@ def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float
     if bad:
         return (f"LOSSES DISAGREE over {steps} (> {rtol:g} relative to {reference.label}): {'; '.join(bad)}. "
                 f"These strategies compute the same function from the same samples: one of them has a bug.")
-    finals = [r.test_loss for r in measured if r.test_loss is not None]
+    finals = [r.final_loss for r in measured if r.final_loss is not None]
     drift = ""
     if len(finals) > 1 and min(finals) > 0:
         cause = "fp32 rounding, compounded by AdamW" if optimizer == "adamw" else "fp32 rounding"
-        drift = f"; the final test losses spread by {max(finals) / min(finals) - 1:.1e} ({cause})"
+        drift = f"; the final {_final_split(measured)} losses spread by {max(finals) / min(finals) - 1:.1e} ({cause})"
     return f"losses agree: {len(measured)} runs within {spread:.1e} over {steps} (tolerance {rtol:g}){drift}"
 
 
@@ -228,6 +232,11 @@ def _num(fmt: str) -> Callable:
     return lambda v: "-" if v is None else format(v, fmt)
 
 
+def _final_split(rows: List[RunRow]) -> str:
+    """The split of the final losses (every run of a compare has the same data): ``val`` or ``test``."""
+    return next((r.final_split for r in rows if r.final_loss is not None), "test")
+
+
 def _columns(report: CompareReport) -> List[Tuple[str, Callable[[RunRow], str]]]:
     columns = [
         ("strategy", lambda r: r.label),
@@ -240,7 +249,7 @@ def _columns(report: CompareReport) -> List[Tuple[str, Callable[[RunRow], str]]]
         ("max/min", lambda r: _num(".2f")(r.imbalance)),
         ("est. peak", lambda r: format_bytes(r.estimated_peak_bytes)),
         ("loss ep. 1", lambda r: _num(".5f")(r.first_loss) + (" !" if r.loss_agrees is False else "")),
-        ("test loss", lambda r: _num(".5f")(r.test_loss)),
+        (f"{_final_split(report.rows)} loss", lambda r: _num(".5f")(r.final_loss)),
     ]
     if report.memory_budget_bytes is not None:
         columns.append((f"max batch @{format_bytes(report.memory_budget_bytes)}",
