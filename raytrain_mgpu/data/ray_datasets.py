@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["SPLITS", "RayDataSplits", "is_ray_datasets", "check_fields", "take"]
 
 SPLITS = ("train", "val", "test")
-PIPELINE_STRATEGIES = ("pipeline", "ddp_pipeline")
 
 
 def is_ray_datasets(value) -> bool:
@@ -70,11 +69,6 @@ def check_fields(cfg) -> None:
         raise ValueError(f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with Ray Datasets: a "
                          f"step checkpoint would have to keep the stream's position, which Ray Data does not give. "
                          f"Leave it unset (checkpoints at epoch ends), or hand the data over as a dataset factory.")
-    if cfg.strategy in PIPELINE_STRATEGIES:
-        raise ValueError(f"TrainConfig.dataset: Ray Datasets from Python train on Ray Train's workers; "
-                         f"strategy={cfg.strategy!r} runs its own stage actors, which do not read them yet. Use "
-                         f"a dataset factory ('module:function' or the function) returning Datasets, or another "
-                         f"strategy.")
 
 
 def take(cfg) -> Any:

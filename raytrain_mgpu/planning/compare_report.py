@@ -46,8 +46,8 @@ class RunRow:
     first_loss: Optional[float] = None          # mean train loss over the first epoch's steps (checked)
     first_steps: Optional[int] = None           # how many steps that is
     train_loss: Optional[float] = None          # mean over the last epoch's steps
-    final_loss: Optional[float] = None          # after the last step: the whole validation split if there is one,
-    final_split: str = "test"                   # else the test split (the split it is, named in the report)
+    final_loss: Optional[float] = None          # after the last step, on final_split: "val" if there is one, else
+    final_split: str = "test"                   # "test" (named in the report)
     loss_agrees: Optional[bool] = None          # first_loss vs the reference's; None: not compared
     max_batch: Optional[int] = None             # largest global batch within the budget
     max_batch_method: str = ""                  # estimate | tried | "" (no budget)
@@ -69,10 +69,8 @@ class RunRow:
         return self.memory_max / max(1, self.memory_min) if self.peak_memory_bytes else None
 
     def record(self) -> dict:
-        row = {k: v for k, v in asdict(self).items() if k != "config"}
-        row.update(memory_max_bytes=self.memory_max, memory_min_bytes=self.memory_min,
-                   memory_imbalance=self.imbalance)
-        return row
+        return {**{k: v for k, v in asdict(self).items() if k != "config"}, "memory_max_bytes": self.memory_max,
+                "memory_min_bytes": self.memory_min, "memory_imbalance": self.imbalance}
 
 
 @dataclass
@@ -111,11 +109,8 @@ class CompareReport:
 
 
 def summarize_history(history: List[dict], warmup_steps: int) -> dict:
-    """Throughput, step time, peaks and losses of the epochs after the warm-up.
-
-    Each epoch's time is its mean step time x its steps; throughput is weighted by time,
-    so a short last epoch counts for what it is.
-    """
+    """Throughput, step time, peaks and losses of the epochs after the warm-up. Each epoch's time is its mean
+    step time x its steps; throughput is weighted by time, so a short last epoch counts for what it is."""
     if not history:
         raise ValueError("the run reported no epoch")
     measured, previous = [], 0
@@ -123,19 +118,16 @@ def summarize_history(history: List[dict], warmup_steps: int) -> dict:
         steps, previous = entry["step"] - previous, entry["step"]
         if entry["step"] > warmup_steps and steps > 0:
             measured.append((entry, steps, entry["step_time_s"] * steps))
-    if not measured:  # everything was warm-up: report the last epoch rather than nothing
-        last = history[-1]
-        measured = [(last, 1, last["step_time_s"])]
+    last = history[-1]  # its final loss on the validation split where there is one: comparing is choosing
+    measured = measured or [(last, 1, last["step_time_s"])]  # everything was warm-up: the last epoch, not nothing
     seconds = sum(t for _, _, t in measured)
     peaks = [max(values) for values in zip(*(e["peak_memory_bytes"] for e, _, _ in measured))]
     return {"samples_per_s": sum(e["samples_per_s"] * t for e, _, t in measured) / max(seconds, 1e-12),
             "step_time_s": seconds / sum(s for _, s, _ in measured),
             "peak_memory_bytes": [int(p) for p in peaks],
             "first_loss": history[0]["train_loss"], "first_steps": history[0]["step"],
-            "train_loss": history[-1]["train_loss"],
-            # the validation split where there is one: comparing runs is choosing, which the test split is not for
-            "final_loss": history[-1].get("val_loss", history[-1].get("test_loss")),
-            "final_split": "val" if "val_loss" in history[-1] else "test"}
+            "train_loss": last["train_loss"], "final_loss": last.get("val_loss", last.get("test_loss")),
+            "final_split": "val" if "val_loss" in last else "test"}
 
 
 def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float = LOSS_RTOL,
@@ -232,8 +224,7 @@ def _num(fmt: str) -> Callable:
     return lambda v: "-" if v is None else format(v, fmt)
 
 
-def _final_split(rows: List[RunRow]) -> str:
-    """The split of the final losses (every run of a compare has the same data): ``val`` or ``test``."""
+def _final_split(rows: List[RunRow]) -> str:  # of the final losses (the runs share their data): val or test
     return next((r.final_split for r in rows if r.final_loss is not None), "test")
 
 
