@@ -37,20 +37,28 @@ TRIAL_CPUS = 0.01
 
 class _ReportEpochs(Callback):
     """Every epoch's numbers to Ray Tune, from the trial's process (where ``fit``'s events arrive), once the
-    epoch's checkpoint is published: Tune may stop a trial at any report (ASHA at a rung, or at the last
-    epoch), and the epoch it was told of is then in the run folder, not lost with the trial's process."""
+    epoch's checkpoint is published: Tune may stop a trial at any report (ASHA at a rung), and the epoch it
+    was told of is then in the run folder, not lost with the trial's process.
 
-    def __init__(self):
+    The last epoch (``epochs``) is reported once ``fit`` has returned: at that report ASHA stops the trial
+    (``max_t``), killing its process, and a kill before Ray Train has shut its workers down leaves their
+    placement group held. Ray Train's cleaner is to remove it, but it asks the state API, which fails where
+    two Ray instances run on the machine ("Found multiple active Ray instances", a CI run): the next trial
+    then waited for the CPUs for ever (tests/test_tune.py)."""
+
+    def __init__(self, epochs: int):
+        self.epochs = epochs
         self._pending: Optional[dict] = None
 
     def on_epoch_end(self, epoch: int, metrics: dict) -> None:
         self._pending = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def on_checkpoint(self, path: str) -> None:
-        self._report()
+        if self._pending is not None and self._pending.get("epoch", 0) < self.epochs:
+            self._report()
 
     def on_train_end(self, result) -> None:
-        self._report()  # an epoch no checkpoint followed
+        self._report()  # the last epoch, or one no checkpoint followed
 
     def _report(self) -> None:
         from ray import tune
@@ -68,7 +76,8 @@ def trainable(cfg: TrainConfig) -> Callable:
         from raytrain_mgpu.api import fit
 
         trial = tune.get_context().get_trial_id()
-        fit(cfg.replace(**values, name=f"{cfg.name}-{trial}", callbacks=[*cfg.callbacks, _ReportEpochs()]))
+        trial_cfg = cfg.replace(**values, name=f"{cfg.name}-{trial}")
+        fit(trial_cfg.replace(callbacks=[*cfg.callbacks, _ReportEpochs(trial_cfg.epochs)]))
 
     run_trial.__name__ = f"raytrain_mgpu-{cfg.name}"  # Tune names the experiment's trials after it
     return tune.with_resources(run_trial, {"CPU": TRIAL_CPUS})

@@ -42,6 +42,27 @@ def test_concurrent_trials_are_the_runs_the_cluster_holds_at_once():
     assert max_concurrent_trials(rtm.TrainConfig(strategy="auto"), {"CPU": 64.0}) == 1  # each trial takes the cluster
 
 
+def test_epochs_reach_tune_once_checkpointed_and_the_last_one_once_fit_has_returned(monkeypatch):
+    """ASHA stops a trial at its last report (max_t), killing its process: were that report sent before fit
+    returned, Ray Train's workers could be killed holding their placement group, and the next trial waited
+    for the CPUs for ever (a CI run, where Ray Train's cleaner could not reach the state API)."""
+    from ray import tune
+
+    from raytrain_mgpu.tune import _ReportEpochs
+
+    told = []
+    monkeypatch.setattr(tune, "report", lambda metrics: told.append(metrics["epoch"]))
+    reporter = _ReportEpochs(epochs=2)
+    reporter.on_epoch_end(1, {"epoch": 1, "val_accuracy": 0.5})
+    assert told == []  # not before its checkpoint is in the run folder
+    reporter.on_checkpoint("/run/checkpoint_1")
+    reporter.on_epoch_end(2, {"epoch": 2, "val_accuracy": 0.9})
+    reporter.on_checkpoint("/run/checkpoint_2")
+    assert told == [1]  # the last epoch waits for fit to return
+    reporter.on_train_end(None)
+    assert told == [1, 2]
+
+
 def test_the_cli_refuses_a_metric_the_run_does_not_record_before_ray(capsys, monkeypatch):
     import raytrain_mgpu.runtime.cluster as cluster
 
