@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from raytrain_mgpu._factory import code_name, is_factory
+from raytrain_mgpu.data.ray_datasets import RayDataSplits, check_fields, is_ray_datasets  # no torch, no Ray
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
@@ -99,7 +100,7 @@ def dataset_names() -> list[str]:
 def check_dataset_name(name) -> None:
     """Raise ``ValueError`` for an unknown registry name; ``pkg.module:function`` passes
     without being imported (it may only be importable on the workers), as does a function from Python."""
-    if is_factory(name) or _is_ray_datasets(name) or name in DATASETS:
+    if is_factory(name) or is_ray_datasets(name) or name in DATASETS:
         return
     raise ValueError(f"TrainConfig.dataset={name!r}: unknown dataset. Valid names: "
                      f"{', '.join(dataset_names())}; or write 'package.module:function' for your "
@@ -110,8 +111,6 @@ def check_data_fields(cfg) -> None:
     """The ``TrainConfig`` fields this package reads, checked before Ray starts (``config_checks.validate``):
     the dataset name, the loader workers (``runtime/loaders.py``) and the transform specs (parsed, not built)."""
     from raytrain_mgpu.data.transforms import check_transform_spec
-
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits, check_fields, is_ray_datasets
 
     check_dataset_name(cfg.dataset)
     check_fields(cfg)  # a dict of Ray Datasets: its splits, collate, what does not apply to it
@@ -134,12 +133,6 @@ def check_data_fields(cfg) -> None:
                          f"Write persistent_workers: true or false (YAML booleans, not quoted strings).")
     for name in ("train_transform", "test_transform"):
         check_transform_spec(name, getattr(cfg, name))
-
-
-def _is_ray_datasets(value) -> bool:
-    from raytrain_mgpu.data.ray_datasets import is_ray_datasets
-
-    return is_ray_datasets(value)
 
 
 def _import_factory(spec) -> Callable:
@@ -198,8 +191,6 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     missing files first when ``download=True``). User factories are called once here, so
     a broken factory fails on the driver rather than on every worker.
     """
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits
-
     check_dataset_name(cfg.dataset)
     check = _CHECKS.get(cfg.dataset) if isinstance(cfg.dataset, str) else None  # a function: built below
     if isinstance(cfg.dataset, RayDataSplits):  # fit peeked at the Ray Datasets (data/ray_datasets.take)

@@ -1,5 +1,7 @@
 """``ingest="ray_data"``: the training split streamed by Ray Data into the Ray Train workers,
 or into the first stage of each pipeline replica (:func:`replica_shards`, the same equal split).
+The user's own Ray Datasets (``data/ray_datasets.py``) take the same path on Ray Train workers, with
+their ``collate`` in :class:`ShardLoader`.
 
 Driver (:func:`trainer_datasets`): the ``parquet`` dataset's training split as a Ray Dataset,
 handed to ``TorchTrainer(datasets={"train": ds}, dataset_config=DataConfig(...))``. Ray Train
