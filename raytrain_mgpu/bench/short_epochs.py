@@ -92,7 +92,7 @@ def _hand_written_loop(config: dict) -> None:
     world = ray.train.get_context().get_world_size()
     loader = ray.train.torch.prepare_data_loader(
         DataLoader(data.train, batch_size=cfg.batch_size // world, shuffle=True, drop_last=True))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # fit's sgd: the same steps
     rank = ray.train.get_context().get_world_rank()
     for epoch in range(cfg.epochs):
         if ray.train.get_context().get_world_size() > 1:
