@@ -159,6 +159,8 @@ class TrainConfig:
     """Use the channels-last memory format for 4-D inputs and the model."""
     shard_group_size: Optional[int] = None
     """``fsdp``: the workers that shard the model among themselves (HSDP): groups of this many consecutive ranks each hold one sharded copy, and the groups average gradients as DDP replicas do. Set it to the workers of one node so that the all-gathers stay inside nodes and only the gradient all-reduce crosses them. None: one group of all workers (plain FSDP)."""
+    cpu_offload: bool = False
+    """``fsdp``: keep the parameter shards, their gradients and the optimizer state in host memory (FSDP2's ``CPUOffloadPolicy``): each block is copied to the device for its forward and backward and the optimizer steps on the CPU. The device then holds about two blocks whole, for a slower step (host-device copies, a CPU optimizer)."""
     activation_checkpointing: int = 0
     """Recompute every k-th block's activations in the backward pass instead of keeping them (k=1: every block; 0: off): less activation memory for one more forward of those blocks, the same gradients. Blocks as ``mp`` and the pipeline split them (an ``nn.Sequential``'s children, or ``blocks()``); every strategy."""
     collective_timeout_s: float = 1800.0

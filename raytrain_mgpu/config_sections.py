@@ -109,5 +109,6 @@ class ParallelConfig:
     compile: bool
     channels_last: bool
     shard_group_size: Optional[int]
+    cpu_offload: bool
     activation_checkpointing: int
     collective_timeout_s: float

@@ -220,11 +220,13 @@ def _fit_and_check(cfg):
 def test_a_model_zoo_class_by_dotted_name_trains_sharded_over_two_workers_through_fit(ray_session, storage):
     """The whole path once: an installed package's model, named by its dotted path (not shipped:
     the workers import it), built on meta by rank 1, sharded over 2 ranks (``class_token`` is
-    1 x 1 x 32: rank 1's shard of it is empty), gathered into the checkpoint, loaded back. The
+    1 x 1 x 32: rank 1's shard of it is empty), with ``cpu_offload`` (shards, gradients and optimizer state
+    in host memory: the same steps, tests/test_strategies.py), gathered into the checkpoint, loaded back. The
     strategies' handling of each zoo model is checked in one process below."""
     vit = dict(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
     cfg = rtm.TrainConfig(**IMAGES, model="torchvision.models:VisionTransformer", model_kwargs=vit, strategy="fsdp",
-                          num_workers=2, optimizer="sgd", lr=0.01, name="vit-fsdp", storage_path=storage)
+                          num_workers=2, optimizer="sgd", lr=0.01, name="vit-fsdp", storage_path=storage,
+                          cpu_offload=True)
     _fit_and_check(cfg)
 
 

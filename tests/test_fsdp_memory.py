@@ -133,3 +133,15 @@ def test_estimate_counts_shards_not_the_full_model():
         fsdp = device_memory("fsdp", cfg.replace(num_workers=workers), profile)
         assert len(fsdp) == workers and fsdp[0].fixed < ddp
         assert fsdp[0].fixed >= profile.state_bytes() / workers + max(profile.block_param_bytes)
+
+
+def test_with_cpu_offload_the_estimate_is_two_blocks_whatever_the_workers():
+    """``cpu_offload``: shards, gradients and optimizer state live on the host, so a device holds one block
+    gathered whole with its gradients (the estimate ``auto`` and the memory check use)."""
+    cfg = TrainConfig(**CFG)
+    with torch.device("meta"):
+        profile = profile_model(_full_model(), INPUT_SHAPE, cfg.optimizer, cfg.momentum)
+    for workers in (2, 4):
+        sharded = device_memory("fsdp", cfg.replace(num_workers=workers), profile)[0].fixed
+        offloaded = device_memory("fsdp", cfg.replace(num_workers=workers, cpu_offload=True), profile)[0].fixed
+        assert offloaded == 2 * max(profile.block_param_bytes) < sharded

@@ -149,6 +149,7 @@ def test_gpus_per_worker_larger_than_a_node_is_refused_by_the_cluster_check(stra
     (dict(strategy="fsdp", balance=[2, 2]), r"balance=\(2, 2\)", "ddp_mp, ddp_pipeline, mp, pipeline"),
     (dict(strategy="mp", num_workers=1, sync_batchnorm=True), "sync_batchnorm=True", "ddp, ddp_mp, fsdp"),
     (dict(strategy="ddp", num_stages=3), "num_stages=3", "ddp_pipeline, pipeline"),
+    (dict(strategy="ddp", cpu_offload=True), "cpu_offload=True", "fsdp"),
     (dict(strategy="pipeline", batch_size=128, bucket_cap_mb=50), "bucket_cap_mb=50", "ddp, ddp2, ddp_mp"),
     (dict(strategy="ddp_pipeline", num_workers=2, batch_size=128, sync_batchnorm=True), "sync_batchnorm=True",
      "ddp, ddp_mp, fsdp"),
@@ -284,6 +285,35 @@ def test_fsdp_on_cpu_with_gloo_matches_plain_and_saves_full_state(gloo_group):
     assert all(torch.equal(a, b) for a, b in zip(strategy.state_dict(fresh).values(), state.values()))
     reloaded = strategy.optimizer_state_dict(fresh, fresh_optimizer)["state"]
     assert all(torch.equal(reloaded[k]["momentum_buffer"], v["momentum_buffer"]) for k, v in optim_state["state"].items())
+
+
+def test_fsdp_cpu_offload_takes_the_same_steps_with_every_shard_under_the_offload_policy(gloo_group):
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from raytrain_mgpu.parallel.replication import offload_devices, offload_policy
+
+    x, y = _batch("lenet", 8)
+    runs = {}
+    for offload in (False, True):
+        strategy = _strategy("fsdp", cpu_offload=offload)
+        model = strategy.setup_model(_model("lenet"))
+        groups = [unit._get_fsdp_state()._fsdp_param_group for unit in model.modules() if isinstance(unit, FSDPModule)]
+        policies = {type(group.offload_policy) for group in groups if group is not None}  # torch keeps it private
+        assert (policies == {CPUOffloadPolicy}) if offload else (CPUOffloadPolicy not in policies), policies
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):  # the second step uses the momentum the first left (on the host when offloaded)
+            strategy.compute_loss(model, x, y)[0].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs[offload] = strategy.state_dict(model), strategy.optimizer_state_dict(model, optimizer)["state"]
+    assert runs[True][0].keys() == runs[False][0].keys()
+    assert all(torch.equal(runs[True][0][k], v) for k, v in runs[False][0].items())
+    assert all(torch.equal(runs[True][1][k]["momentum_buffer"], v["momentum_buffer"]) for k, v in runs[False][1].items())
+    # What a GPU worker would use (decided here without one): pinned host shards, buffers on its device.
+    gpu = torch.device("cuda", 1)
+    assert offload_devices(gpu, True) == (torch.device("cpu"), gpu) and offload_devices(gpu, False) == (gpu, gpu)
+    assert offload_policy(gpu, True).pin_memory is True and offload_policy(CPU, True).pin_memory is False
+    assert not isinstance(offload_policy(gpu, False), CPUOffloadPolicy)
 
 
 @pytest.mark.parametrize("name", MULTI_DEVICE)

@@ -121,6 +121,22 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def offload_devices(device: torch.device, cpu_offload: bool) -> tuple:
+    """``(where the shards live, where the buffers live)`` for fsdp on ``device``: with ``cpu_offload`` the
+    shards on the host and the buffers (which FSDP does not manage or move) on the device, as torchtitan
+    initialises an offloaded model; otherwise both on the device."""
+    return (torch.device("cpu") if cpu_offload else device), device
+
+
+def offload_policy(device: torch.device, cpu_offload: bool):
+    """FSDP2's offload policy for shards computed on ``device``: ``CPUOffloadPolicy`` with ``cpu_offload``
+    (pinned host memory where the device is a GPU, so the copies overlap compute; plain on a CPU-only host),
+    else the no-offload default."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+
+
 def shard_groups_across_nodes(node_ranks: list, shard: int) -> list:
     """The HSDP shard groups (``shard`` consecutive world ranks each) whose ranks are on more than one node,
     as lists of ranks; ``node_ranks[r]``: world rank r's node."""
@@ -154,9 +170,15 @@ class FSDPReplication(Replication):
         extra = _non_persistent_buffers(model) if rank0 else {}
         _to_meta(model)
         model = self._shard(model, worker)
-        model.to_empty(device=worker.device)
+        shards_on, buffers_on = offload_devices(worker.device, worker.cfg.cpu_offload)
+        model.to_empty(device=shards_on)
+        if buffers_on != shards_on:  # FSDP moves parameters only: the buffers stay where the model computes
+            for module in model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(buffers_on)
         set_model_state_dict(model, full, options=_options(broadcast_from_rank0=True))
-        _broadcast_buffers(model, extra, worker.device)
+        _broadcast_buffers(model, extra, buffers_on)
         return model
 
     @staticmethod
@@ -182,11 +204,13 @@ class FSDPReplication(Replication):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             policy = MixedPrecisionPolicy()
+        offload = offload_policy(worker.device, worker.cfg.cpu_offload)
         units = _shard_units(model)
         for index, unit in enumerate(units):
             # The last block's parameters are needed again at once by the backward: keep them.
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(units) - 1)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                        reshard_after_forward=index < len(units) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         return model
 
     def no_sync(self, model: nn.Module) -> ContextManager:

@@ -89,7 +89,7 @@ def data_parallel_node(profile, num_devices: int, share: float, balanced: bool,
     return devices
 
 
-def fsdp_state_bytes(profile, workers: int) -> float:
+def fsdp_state_bytes(profile, workers: int, cpu_offload: bool = False) -> float:
     """fsdp's fixed bytes per device: the larger of its start-up and its steady-state peak.
 
     Start-up (the model built on meta, shards allocated, rank 0's weights sent one tensor at
@@ -98,6 +98,8 @@ def fsdp_state_bytes(profile, workers: int) -> float:
     optimizer state, plus one block gathered whole with its unsharded gradients.
     """
     largest_block = max(profile.block_param_bytes)
+    if cpu_offload:  # shards, gradients and optimizer state on the host: one block gathered with its gradients
+        return 2 * largest_block
     start_up = profile.param_bytes / workers + largest_block
     steady = profile.state_bytes() / workers + 2 * largest_block
     return max(start_up, steady)

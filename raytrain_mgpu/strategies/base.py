@@ -48,7 +48,7 @@ class WorkerContext:
 # a value other than the field's default with a strategy that ignores it gets a warning.
 OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
                    "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
-                   "num_microbatches", "schedule", "shard_group_size")
+                   "num_microbatches", "schedule", "shard_group_size", "cpu_offload")
 DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
 
 # The worker steps a strategy may name, without torch (their code: ``raytrain_mgpu/parallel/``, whose

@@ -39,7 +39,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     placement, replication = "keep", "fully_shard"
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
-    options_used = frozenset({"sync_batchnorm", "shard_group_size"})
+    options_used = frozenset({"sync_batchnorm", "shard_group_size", "cpu_offload"})
     refusals = (Refusal(lambda cfg: cfg.shard_group_size is not None and cfg.num_workers % cfg.shard_group_size != 0,
                         "TrainConfig.shard_group_size={cfg.shard_group_size}: must divide num_workers={cfg.num_workers} "
                         "(every group of that many workers holds one sharded copy of the model). Set it to the "
@@ -67,4 +67,4 @@ class FSDPStrategy(Strategy):
         if cfg.num_workers == 1:
             return replicas  # one worker: nothing to shard over
         shards = cfg.shard_group_size or cfg.num_workers  # HSDP: the state is split over a group, not all workers
-        return [DeviceMemory(fsdp_state_bytes(profile, shards), replicas[0].per_sample)] * cfg.num_workers
+        return [DeviceMemory(fsdp_state_bytes(profile, shards, cfg.cpu_offload), replicas[0].per_sample)] * cfg.num_workers
