@@ -47,7 +47,7 @@ def _no_ray():
 def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0, restored=None,
                      save_step: Optional[Callable] = None) -> tuple:
     """``(weights, optimizer state, rng state, history)`` after epochs ``start``..``epochs`` of ``fields``
-    on one rank; ``restored``: the first three of an earlier call, as a resumed worker loads them;
+    on one rank (on as many CPU devices as its strategy computes on: 2 for dp with ``gpus_per_worker=2``); ``restored``: the first three of an earlier call, as a resumed worker loads them;
     ``save_step``: a stand-in for the step checkpoints' save (``checkpoint_every_n_steps``), called with
     the epoch's meter (no preemption notice is asked for)."""
     cfg = rtm.TrainConfig(**fields)
@@ -55,7 +55,8 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0,
     with _no_ray():
         torch.set_num_threads(cfg.cpus_per_worker)
         data = build_datasets(cfg.data)
-        strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (CPU,)),
+        devices = (CPU,) * get_strategy(cfg.strategy).devices_per_worker(cfg)  # dp, mp: CPU stand-ins for GPUs
+        strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, devices),
                                 Objective.of(cfg, data.num_classes))
         model = strategy.setup_model(loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes))
         accum = cfg.grad_accum_steps
@@ -79,7 +80,8 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0,
             sampler.set_epoch(epoch)
             prefetch(data.train, sampler)
             history.append(loop.train_epoch(epoch, state))
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # what the worker's checkpoint holds: the plain model's state, outside any wrapper (dp's DataParallel)
+        weights = {k: v.detach().clone() for k, v in strategy.state_dict(model).items()}
         return weights, optimizer.state_dict(), torch.get_rng_state(), history
 
 
