@@ -177,19 +177,34 @@ def _code_text(obj) -> str:
     return repr((code.co_code, code.co_names, consts))
 
 
-def check_objects_ship(cfg) -> None:
-    """Every class or function given from Python pickles as Ray will send it to the workers (cloudpickle:
-    ``__main__``'s by value, and those of the user's own modules: :func:`_by_value`); one that does not
-    fails here, before Ray, naming it and the fix."""
-    from ray import cloudpickle
-
+def _objects(cfg) -> list:
+    """``(field, object)`` of every class or function ``cfg`` was given from Python (not by name)."""
     entries = [(name, getattr(cfg, name)) for name in ("model", "dataset", "optimizer", "loss", "collate",
                                                        "train_transform", "test_transform")]
     entries += [("metrics", entry) for entry in cfg.metrics or []]
-    for field, spec in entries:
-        if not is_object(spec):
-            continue
-        _by_value(spec)
+    return [(field, spec) for field, spec in entries if is_object(spec)]
+
+
+def send_objects_by_value(cfg) -> None:
+    """The objects of the user's own modules (those :func:`local_modules_to_ship` would ship) travel by value,
+    as ``__main__``'s do: Ray Train's controller unpickles the run's config before any worker starts,
+    and only the driver script's folder and working directory are on its path (Ray's
+    ``py_driver_sys_path``), not the runtime environment's ``py_modules``. Without this, such a module
+    elsewhere stopped the run at the controller's start: ``No module named ...``
+    (``tests/test_ray_datasets.py``, whose test module is on pytest's path only)."""
+    from ray import cloudpickle
+
+    for _, spec in _objects(cfg):
+        if local_modules_to_ship(spec):
+            cloudpickle.register_pickle_by_value(sys.modules[code_name(spec).split(":", 1)[0].split(".")[0]])
+
+
+def check_objects_ship(cfg) -> None:
+    """Every class or function given from Python pickles as Ray will send it to the workers (cloudpickle,
+    after :func:`send_objects_by_value`); one that does not fails here, before Ray, naming it and the fix."""
+    from ray import cloudpickle
+
+    for field, spec in _objects(cfg):
         try:
             cloudpickle.dumps(spec)
         except Exception as exc:  # whatever the object holds that cannot travel
@@ -211,19 +226,6 @@ def keyword_parameters(func: Callable) -> Tuple[frozenset, bool]:
         return frozenset(), True
     named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     return named, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _by_value(spec) -> None:
-    """An object of the user's own module (one :func:`local_modules_to_ship` would ship) travels by value,
-    as ``__main__``'s does: Ray Train's controller unpickles the run's config before any worker starts,
-    and only the driver script's folder and working directory are on its path (Ray's
-    ``py_driver_sys_path``), not the runtime environment's ``py_modules``. Without this, such a module
-    elsewhere stopped the run at the controller's start: ``No module named ...``
-    (``tests/test_ray_datasets.py``, whose test module is on pytest's path only)."""
-    from ray import cloudpickle
-
-    if local_modules_to_ship(spec):
-        cloudpickle.register_pickle_by_value(sys.modules[code_name(spec).split(":", 1)[0].split(".")[0]])
 
 
 def local_modules_to_ship(*specs: str) -> list:

@@ -19,7 +19,7 @@ from torch import nn
 from raytrain_mgpu.batches import as_shape, shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices, ray_ingest
-from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory
+from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory, send_objects_by_value
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
@@ -93,6 +93,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     cfg = take_ray_datasets(cfg)  # Ray Datasets from Python: counted and peeked here, streamed by Ray Train
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
+    send_objects_by_value(cfg)  # the user's own modules' objects, as __main__'s: the controller cannot import them
     check_objects_ship(cfg)  # a class or function from Python that cannot be pickled, named before Ray
     cfg, watchers = _watchers(cfg)  # a callback that does not import, or a logger not installed, fails before Ray
     input_shape, num_classes = check_data(cfg.data)  # missing/corrupt files fail before Ray

@@ -127,7 +127,7 @@ def test_a_users_ray_datasets_with_dict_batches_train_as_the_same_rows_through_t
                                          override_num_blocks=4)
                 for name, (x, y) in _rows().items()}
     # collate from this module, which Ray Train's controller cannot import (pytest put it on this process's
-    # path only): it travels by value, as a driver script's __main__ objects do (_factory._by_value)
+    # path only): it travels by value, as a driver script's __main__ objects do (_factory.send_objects_by_value)
     result = rtm.fit(rtm.TrainConfig(**_fields(), dataset=datasets, collate=collate, num_workers=2, name="raydata",
                                      storage_path=storage, monitor="val_loss"))
     weights, _, _, loaded = train_one_worker(_fields(dataset=same_rows_for_the_loader, num_workers=1))
