@@ -290,7 +290,7 @@ def test_fsdp_on_cpu_with_gloo_matches_plain_and_saves_full_state(gloo_group):
 def test_fsdp_cpu_offload_takes_the_same_steps_with_every_shard_under_the_offload_policy(gloo_group):
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    from raytrain_mgpu.parallel.replication import offload_devices, offload_policy
+    from raytrain_mgpu.parallel.replication import allocate, offload_devices, offload_policy
 
     x, y = _batch("lenet", 8)
     runs = {}
@@ -314,6 +314,11 @@ def test_fsdp_cpu_offload_takes_the_same_steps_with_every_shard_under_the_offloa
     assert offload_devices(gpu, True) == (torch.device("cpu"), gpu) and offload_devices(gpu, False) == (gpu, gpu)
     assert offload_policy(gpu, True).pin_memory is True and offload_policy(CPU, True).pin_memory is False
     assert not isinstance(offload_policy(gpu, False), CPUOffloadPolicy)
+    # ... and the placement it makes: shards on one device, buffers on another (meta stands in for the GPU)
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to("meta")
+    assert allocate(bn, CPU, torch.device("meta")) == torch.device("meta")
+    assert {p.device.type for p in bn.parameters()} == {"cpu"}
+    assert {b.device.type for b in bn.buffers()} == {"meta"}
 
 
 @pytest.mark.parametrize("name", MULTI_DEVICE)

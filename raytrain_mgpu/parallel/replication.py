@@ -128,6 +128,19 @@ def offload_devices(device: torch.device, cpu_offload: bool) -> tuple:
     return (torch.device("cpu") if cpu_offload else device), device
 
 
+def allocate(model: nn.Module, shards_on: torch.device, buffers_on: torch.device) -> torch.device:
+    """Allocate the sharded meta ``model``'s (uninitialised) shards on ``shards_on`` and its buffers on
+    ``buffers_on`` (FSDP moves parameters only, so an offloaded model's buffers are placed here); returns
+    ``buffers_on``."""
+    model.to_empty(device=shards_on)
+    if buffers_on != shards_on:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(buffers_on)
+    return buffers_on
+
+
 def offload_policy(device: torch.device, cpu_offload: bool):
     """FSDP2's offload policy for shards computed on ``device``: ``CPUOffloadPolicy`` with ``cpu_offload``
     (pinned host memory where the device is a GPU, so the copies overlap compute; plain on a CPU-only host),
@@ -170,13 +183,7 @@ class FSDPReplication(Replication):
         extra = _non_persistent_buffers(model) if rank0 else {}
         _to_meta(model)
         model = self._shard(model, worker)
-        shards_on, buffers_on = offload_devices(worker.device, worker.cfg.cpu_offload)
-        model.to_empty(device=shards_on)
-        if buffers_on != shards_on:  # FSDP moves parameters only: the buffers stay where the model computes
-            for module in model.modules():
-                for name, buf in module._buffers.items():
-                    if buf is not None:
-                        module._buffers[name] = buf.to(buffers_on)
+        buffers_on = allocate(model, *offload_devices(worker.device, worker.cfg.cpu_offload))
         set_model_state_dict(model, full, options=_options(broadcast_from_rank0=True))
         _broadcast_buffers(model, extra, buffers_on)
         return model
