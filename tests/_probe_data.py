@@ -23,7 +23,10 @@ those carrying its ``RTM_TEST_NODE`` marker from ``_ray_nodes.py``: a lost machi
 rank-0 process records them as ``rank0-report-<k>`` files): rank 0's report of a checkpoint
 is queued only once its asynchronous upload is done, so a rank killed before that may lose
 the checkpoint by design (docs/reliability.md), and a test of what happens after both ranks
-reported must order the kill after it. ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
+reported must order the kill after it. A queued report is not yet a registered checkpoint: a
+test that asserts which checkpoint the restart resumes from gives ``"after_registered_step": S``
+with ``"run": <run folder>`` instead, and the fault waits (as long) until Ray Train's snapshot
+in that folder names a checkpoint of step S or later (:func:`registered_step`). ``kill_in_save`` lets ``after_saves`` checkpoint uploads of
 this process through, then writes the next checkpoint's files into storage cut to half
 their bytes (JSON files whole), records the folder in ``done-kill_in_save``, keeps a whole
 copy in ``kill_in_save-whole`` (what the save would have written) and SIGKILLs itself: a kill
@@ -53,6 +56,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raytrain_mgpu.data import Datasets, digits as _digits
+from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT
 
 
 def digits(cfg) -> Datasets:
@@ -159,6 +163,8 @@ class _Recording(Dataset):
             return
         if "after_rank0_reports" in self.plan:
             _wait_for_rank0_reports(self.probe, self.plan["after_rank0_reports"])
+        if "after_registered_step" in self.plan:
+            _wait_for_registered_step(Path(self.plan["run"]), self.plan["after_registered_step"])
         if action == "stall":
             time.sleep(3600)
         elif action == "kill_process":
@@ -187,6 +193,23 @@ def _wait_for_rank0_reports(probe: Path, count: int) -> None:
     deadline = time.monotonic() + WAIT_FOR_REPORTS_S
     while len(list(probe.glob("rank0-report-*"))) < count and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _wait_for_registered_step(run: Path, step: int) -> None:
+    deadline = time.monotonic() + WAIT_FOR_REPORTS_S
+    while (registered_step(run) or -1) < step and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def registered_step(run: Path):
+    """The step of Ray Train's latest registered checkpoint in the run folder ``run`` (what a
+    restart resumes from), or None: its controller rewrites the snapshot when it registers one."""
+    try:
+        snapshot = json.loads((run / RAY_TRAIN_SNAPSHOT).read_text())
+        name = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
+        return json.loads((run / name / "meta.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):  # not written yet, or being replaced
+        return None
 
 
 def _arm_kill_in_save(probe: Path, after_saves: int) -> None:

@@ -61,11 +61,11 @@ def survivor(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("survivor")
     probe = root / "probe"
     probe.mkdir()
-    # The first kill waits for rank 0's report of epoch 1's checkpoint (queued after its asynchronous
-    # upload): a rank lost before that resumes from scratch, by design (docs/reliability.md).
+    # The first kill waits until Ray Train has registered epoch 1's checkpoint (rank 0 reports it after
+    # its asynchronous upload): a rank lost before that resumes from scratch, by design (docs/reliability.md).
     (probe / "plan.json").write_text(json.dumps([
         {"action": "kill_process", "rank": 1, "after_samples": PER_RANK_EPOCH + PER_RANK_EPOCH // 2,
-         "after_rank0_reports": 1},
+         "after_registered_step": STEPS_PER_EPOCH, "run": str(root / "results" / "survivor")},
         {"action": "kill_in_save", "rank": 0, "after_saves": 1, "after": "kill_process"}]))
     cfg = rtm.TrainConfig(**MLP, dataset="_probe_data:digits", data_root=str(probe), max_failures=2,
                           name="survivor", storage_path=str(root / "results"))

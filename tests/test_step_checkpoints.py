@@ -84,13 +84,14 @@ def test_a_worker_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_
 
     probe = tmp_path / "probe"
     probe.mkdir()
-    # The kill waits for rank 0's report of the step-30 checkpoint (its 7th: steps 5, 10, 15, 20, the
-    # epoch's end at 22, then 25, 30), queued only after its asynchronous upload: a rank lost before
-    # that resumes from the checkpoint before, by design (docs/reliability.md).
-    (probe / "plan.json").write_text(json.dumps([
-        {"action": "kill_process", "rank": 1, "after_samples": KILL_AT_SAMPLE, "after_rank0_reports": 7}]))
+    # The kill waits until Ray Train has registered the step-30 checkpoint: rank 0 reports it only after
+    # its asynchronous upload, and a rank lost before the controller registers it resumes from the
+    # checkpoint before, by design (docs/reliability.md).
     common = dict(MLP, dataset="_probe_data:digits", checkpoint_every_n_steps=EVERY,
                   storage_path=str(tmp_path / "results"))
+    (probe / "plan.json").write_text(json.dumps([
+        {"action": "kill_process", "rank": 1, "after_samples": KILL_AT_SAMPLE,
+         "after_registered_step": RESUMED_AT, "run": str(tmp_path / "results" / "killed")}]))
     printed = io.StringIO()
     killed = rtm.fit(rtm.TrainConfig(**common, data_root=str(probe), max_failures=1, name="killed"), stream=printed)
     assert (probe / "done-kill_process").exists()

@@ -169,10 +169,11 @@ def test_storage_path_only_the_head_sees_is_refused_naming_the_node(site):
 
 def test_ddp_on_two_nodes_shards_the_data_survives_losing_the_worker_node_and_equals_one_worker(site, one_worker):
     reference, single = one_worker
-    # The kill waits for rank 0's report of epoch 1's checkpoint (queued after its asynchronous upload):
-    # a node lost before that resumes from scratch, by design (docs/reliability.md).
+    # The kill waits until Ray Train has registered epoch 1's checkpoint (rank 0 reports it after its
+    # asynchronous upload): a node lost before that resumes from scratch, by design (docs/reliability.md).
     probe = _probe(site, "lost", {"action": "kill_node", "node_ip": WORKER_IP,
-                                  "after_samples": PER_RANK_EPOCH + PER_RANK_EPOCH // 2, "after_rank0_reports": 1})
+                                  "after_samples": PER_RANK_EPOCH + PER_RANK_EPOCH // 2,
+                                  "after_registered_step": STEPS_PER_EPOCH, "run": str(site.shared / "lost")})
     (lost,), replaced = _drive(site, "lost", [{"kind": "fit", "weights": str(site.root / "lost.pt"), "config": {
         **MLP, "num_workers": 2, "placement": "STRICT_SPREAD", "max_failures": 1, "data_root": str(probe),
         "name": "lost", "storage_path": str(site.shared)}}])
