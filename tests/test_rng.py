@@ -14,7 +14,7 @@ import torch
 from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _build_model, _State
-from raytrain_mgpu.runtime.worker_checkpoint import gather_rng_states as _gather_rng_states
+from raytrain_mgpu.runtime.worker_checkpoint import rng_state as _rng_state
 from raytrain_mgpu.runtime.worker_checkpoint import restore_rng as _restore_rng
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
@@ -72,7 +72,7 @@ def test_each_rank_restores_its_own_state_when_the_world_size_matches():
     states = []
     for seed in (10, 11):
         torch.manual_seed(seed)
-        states.append(_gather_rng_states()[0])  # no process group: this process's state only
+        states.append(_rng_state())  # what save_and_report gathers from each rank
     want = torch.rand(3)  # the next draw of seed 11's stream: rank 1's
     _restore_rng(states, seed=0, ctx=_ctx(1), step=7)
     assert torch.equal(torch.rand(3), want)
@@ -80,7 +80,7 @@ def test_each_rank_restores_its_own_state_when_the_world_size_matches():
 
 @pytest.mark.parametrize("saved_ranks", [None, 1, 4])
 def test_other_world_sizes_reseed_per_rank_and_step(saved_ranks):
-    states = None if saved_ranks is None else [_gather_rng_states()[0]] * saved_ranks
+    states = None if saved_ranks is None else [_rng_state()] * saved_ranks
     draws = {}
     for rank, step in ((0, 7), (1, 7), (0, 8), (0, 7)):
         torch.manual_seed(999)

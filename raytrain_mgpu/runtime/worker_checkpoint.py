@@ -101,11 +101,6 @@ def rng_state() -> dict:
     return {"cpu": torch.get_rng_state(), "cuda": cuda}
 
 
-def gather_rng_states() -> list:
-    """Every rank's ``rng_state()``, in rank order (collective: every rank calls it)."""
-    return gather_objects(rng_state())
-
-
 def gather_objects(own) -> list:
     """Every rank's ``own``, in rank order (collective: every rank calls it; small objects only)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -144,9 +139,11 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     started = time.perf_counter()
     model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
-    rng_states = gather_rng_states()  # collective: each rank keeps its own stream on resume
-    # A step checkpoint (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's.
-    partials = gather_objects(epoch_partial) if epoch_partial is not None else None
+    # One collective for both: each rank keeps its own random stream on resume, and a step checkpoint
+    # (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's sums.
+    rng_states, partials = (list(values) for values in zip(*gather_objects((rng_state(), epoch_partial))))
+    if epoch_partial is None:
+        partials = None
     if ctx.world_rank != 0:  # no checkpoint: reported at once, then held until the controller took it
         ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
         wait_until_report_collected()
