@@ -112,3 +112,35 @@ def test_the_schedule_and_d2l_sections_fit_valid_configs_and_compute_their_ratio
     # 256 samples in batches of 64: 4 steps of 10 ms an epoch; the plain loop 0.02 s: fit 0.50x its speed
     assert "0.0 s/epoch, 640 images/s; plain PyTorch loop 0.0 s/epoch (fit 0.50x its speed" in text
     assert "1,280 vs 640 images/s: 2.00x" in text and "2.00x one GPU" in text
+
+
+def test_the_scale_section_asks_fsdp_with_and_without_each_option_and_reports_the_ratios(monkeypatch):
+    """Issue 26's rows (``--only scale``) on 4 emulated GPUs: a plain sharded transformer LM, the same with
+    ``cpu_offload`` and with ``activation_checkpointing``, each a config the runners accept, and rows that are
+    the report's arithmetic over known histories (fit faked): the peak and the step time against the plain
+    run's, and the checkpoints' stall of every epoch but the last (uploaded before fit returns)."""
+    monkeypatch.setenv(EMULATE_ENV, "4")
+    asked = []
+
+    def fake_fit(cfg):
+        build_plan(cfg)  # a layout the runners accept
+        asked.append(cfg)
+        peak, step = (1 << 30, 0.02) if cfg.cpu_offload or cfg.activation_checkpointing else (4 << 30, 0.01)
+        rows = [{"step": k, "step_time_s": step, "training_s": 0.5, "checkpoint_s": 0.05,
+                 "peak_memory_bytes": [peak, peak // 2]} for k in (2, 4, 6)]
+        rows[-1]["checkpoint_s"] = 9.0  # the last one: uploaded synchronously, not what an epoch pays
+        return rows
+
+    monkeypatch.setattr(gpu_report, "_fit", fake_fit)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    rows = gpu_report.run_report(sections=("scale",), quick=True)
+    assert [(c.strategy, c.num_workers, c.cpu_offload, c.activation_checkpointing) for c in asked] == [
+        ("fsdp", 4, False, 0), ("fsdp", 4, True, 0), ("fsdp", 4, False, 1)]
+    assert len({c.name for c in asked}) == 3  # each run its own folder
+    assert [r.what.rsplit(": ", 1)[1] for r in rows] == [
+        "cpu_offload=True vs without", "activation_checkpointing=1 vs without",
+        "each epoch's checkpoint (full state gathered to rank 0), the last one left out"]
+    for row in rows[:2]:
+        assert row.figure == "peak memory per device 1.00 vs 4.00 GiB (0.25x); 20.0 vs 10.0 ms a step (2.00x)"
+    assert rows[2].figure == "training stood still 50 ms an epoch (10.0 % of its 0.50 s in steps)"
+    assert all(r.machine.startswith("EMULATED") for r in rows)

@@ -10,7 +10,10 @@ checkout) and measures, each with ``fit`` on the GPUs Ray finds:
   10 classes), batch 256, SGD lr 0.1: seconds per epoch and images/s on 1 and 2 GPUs,
   against a plain PyTorch loop on the same GPU (d2l reports 12.2 s an epoch);
 - fp16 (``16-mixed``) and bf16 (``bf16-mixed``) speed-up over fp32 on that workload;
-- every pipeline schedule finishing (stages on distinct GPUs).
+- every pipeline schedule finishing (stages on distinct GPUs);
+- models bigger than one GPU (issue 26), a transformer LM sharded by ``fsdp`` over up to 4 GPUs: peak
+  memory and time a step with ``cpu_offload=True`` and with ``activation_checkpointing=1``, each
+  against the plain sharded run, and the time each epoch's checkpoint stalls training.
 
 It prints the rows for the results table (docs/performance.md), each with the device named.
 
@@ -58,10 +61,17 @@ class Sizes:
     d2l_batch: int
     strategy_steps: int  # an epoch's; a step's time is the second epoch's (the first holds CUDA's warm-up)
     wide_classes: int
+    lm_layers: int  # the scale section's transformer LM: blocks, hidden size, tokens a sample, samples a GPU
+    lm_hidden: int
+    lm_seq: int
+    lm_batch: int
 
 
-FULL = Sizes(d2l_samples=60_000, d2l_epochs=3, d2l_batch=256, strategy_steps=20, wide_classes=1000)
-QUICK = Sizes(d2l_samples=256, d2l_epochs=1, d2l_batch=64, strategy_steps=2, wide_classes=100)
+# FULL's LM: 12 blocks of hidden 1024 (~150 M parameters, 0.6 GB of fp32 weights, 1.8 GB with AdamW's state).
+FULL = Sizes(d2l_samples=60_000, d2l_epochs=3, d2l_batch=256, strategy_steps=20, wide_classes=1000,
+             lm_layers=12, lm_hidden=1024, lm_seq=512, lm_batch=8)
+QUICK = Sizes(d2l_samples=256, d2l_epochs=1, d2l_batch=64, strategy_steps=2, wide_classes=100,
+              lm_layers=2, lm_hidden=32, lm_seq=16, lm_batch=4)
 
 
 @dataclass
@@ -242,6 +252,54 @@ def d2l_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
     return rows
 
 
+SCALE_VOCAB = 1024
+
+
+def _scale_config(gpus: int, sizes: Sizes, storage: str, **changes) -> TrainConfig:
+    """The scale section's run: a transformer LM sharded by ``fsdp`` over up to 4 GPUs, AdamW (the state
+    that offload moves), ``sizes.strategy_steps`` steps an epoch, a checkpoint after each of its 3 epochs."""
+    workers = min(gpus, 4)
+    batch = sizes.lm_batch * workers
+    variant = "-".join(f"{k}-{v}" for k, v in sorted(changes.items())) or "plain"
+    return TrainConfig(model="transformer_lm", dataset="synthetic_text", input_shape=(sizes.lm_seq,),
+                       num_classes=SCALE_VOCAB, num_samples=batch * sizes.strategy_steps,
+                       model_kwargs={"num_layers": sizes.lm_layers, "hidden": sizes.lm_hidden, "num_heads": 4},
+                       strategy="fsdp", num_workers=workers, use_gpu=True, batch_size=batch, epochs=3,
+                       optimizer="adamw", lr=1e-3, storage_path=storage, eval_every_epochs=100,
+                       name=f"gpu-report-scale-{variant}", **changes)
+
+
+def scale_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
+    """Issue 26's figures: what ``cpu_offload`` and ``activation_checkpointing`` save in peak memory per
+    device and cost in time a step, each against the same sharded run without it, and the time each
+    epoch's checkpoint (today gathered to rank 0) stalls training."""
+    plain_cfg = _scale_config(gpus, sizes, storage)
+    plain = _fit(plain_cfg)
+    what = (f"`fsdp` on {plain_cfg.num_workers} GPU(s): transformer LM, {sizes.lm_layers} blocks of hidden "
+            f"{sizes.lm_hidden}, {sizes.lm_seq} tokens, batch {plain_cfg.batch_size}, AdamW")
+    rows = []
+    for label, changes in (("cpu_offload=True", {"cpu_offload": True}),
+                           ("activation_checkpointing=1", {"activation_checkpointing": 1})):
+        rows.append(versus_row(f"{what}: {label} vs without", plain, _fit(_scale_config(gpus, sizes, storage, **changes)),
+                               where))
+    # The run's last checkpoint is uploaded before fit returns (synchronously): the others are what a run pays.
+    stall = statistics.median(row["checkpoint_s"] for row in plain[:-1])
+    train = statistics.median(row["training_s"] for row in plain[:-1])
+    rows.append(Row(f"{what}: each epoch's checkpoint (full state gathered to rank 0), the last one left out",
+                    f"training stood still {stall * 1000:.0f} ms an epoch ({100 * stall / max(train, 1e-9):.1f} % of "
+                    f"its {train:.2f} s in steps)", where))
+    return rows
+
+
+def versus_row(what: str, without: list, with_it: list, where: str) -> Row:
+    """Peak memory per device (the largest) and time a step of a run with an option against one without."""
+    peak, plain_peak = max(with_it[-1]["peak_memory_bytes"]), max(without[-1]["peak_memory_bytes"])
+    step, plain_step = _steady(with_it, "step_time_s"), _steady(without, "step_time_s")
+    return Row(what, f"peak memory per device {peak / 2**30:.2f} vs {plain_peak / 2**30:.2f} GiB "
+                     f"({peak / max(1, plain_peak):.2f}x); {step * 1000:.1f} vs {plain_step * 1000:.1f} ms a step "
+                     f"({step / plain_step:.2f}x)", where)
+
+
 def gpu_tests_row(where: str, root: Optional[Path]) -> Row:
     """``pytest -m gpu`` from a source checkout; its closing line is the figure."""
     if root is None or not (root / "tests").is_dir():
@@ -257,7 +315,8 @@ def gpu_tests_row(where: str, root: Optional[Path]) -> Row:
 # ---------------------------------------------------------------------------- the command
 
 
-SECTIONS = {"tests": None, "strategies": strategy_rows, "schedules": schedule_rows, "d2l": d2l_rows}
+SECTIONS = {"tests": None, "strategies": strategy_rows, "schedules": schedule_rows, "d2l": d2l_rows,
+            "scale": scale_rows}
 
 
 def run_report(sections=tuple(SECTIONS), quick: Optional[bool] = None, root: Optional[Path] = None,
