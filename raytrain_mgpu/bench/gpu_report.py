@@ -48,6 +48,8 @@ STRATEGIES = tuple(_REGISTRY)  # every registered strategy, in the registry's or
 # The strategy whose schedules the report times: the first registered one that reads ``schedule``.
 SCHEDULED = next(name for name, cls in _REGISTRY.items() if "schedule" in cls.options_used)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# The strategy the scale section shards with: the first registered one that reads ``cpu_offload``.
+SHARDED = next(name for name, cls in _REGISTRY.items() if "cpu_offload" in cls.options_used)
 CHECKOUT = Path(__file__).resolve().parents[2]
 """A source checkout's root (raytrain_mgpu/ and tests/ in it), where the GPU-only tests run from."""
 
@@ -264,7 +266,7 @@ def _scale_config(gpus: int, sizes: Sizes, storage: str, **changes) -> TrainConf
     return TrainConfig(model="transformer_lm", dataset="synthetic_text", input_shape=(sizes.lm_seq,),
                        num_classes=SCALE_VOCAB, num_samples=batch * sizes.strategy_steps,
                        model_kwargs={"num_layers": sizes.lm_layers, "hidden": sizes.lm_hidden, "num_heads": 4},
-                       strategy="fsdp", num_workers=workers, use_gpu=True, batch_size=batch, epochs=3,
+                       strategy=SHARDED, num_workers=workers, use_gpu=True, batch_size=batch, epochs=3,
                        optimizer="adamw", lr=1e-3, storage_path=storage, eval_every_epochs=100,
                        name=f"gpu-report-scale-{variant}", **changes)
 
@@ -275,7 +277,7 @@ def scale_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
     epoch's checkpoint (today gathered to rank 0) stalls training."""
     plain_cfg = _scale_config(gpus, sizes, storage)
     plain = _fit(plain_cfg)
-    what = (f"`fsdp` on {plain_cfg.num_workers} GPU(s): transformer LM, {sizes.lm_layers} blocks of hidden "
+    what = (f"`{SHARDED}` on {plain_cfg.num_workers} GPU(s): transformer LM, {sizes.lm_layers} blocks of hidden "
             f"{sizes.lm_hidden}, {sizes.lm_seq} tokens, batch {plain_cfg.batch_size}, AdamW")
     rows = []
     for label, changes in (("cpu_offload=True", {"cpu_offload": True}),
