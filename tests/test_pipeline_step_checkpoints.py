@@ -320,8 +320,10 @@ def test_the_background_upload_stalls_the_stages_only_for_the_snapshot_on_a_slow
     # The epoch's row counts those pauses as its checkpoint time, apart from the time in steps that its
     # samples/s is of (tests/test_epoch_times.py for the Ray Train runner).
     # (Each pause the driver times around a step checkpoint holds the logged one; the epoch's own is timed
-    # up to handing its history to the writer, just before the logged one ends: a few microseconds less.)
-    assert sum(background) - 0.005 <= row["checkpoint_s"] <= sum(background) + 0.05, (row, background)
+    # up to handing its history to the writer, just before the logged one ends: a little less, microseconds
+    # on an idle machine, 7 ms over 8 checkpoints on a loaded CI run. Without the step checkpoints' pauses
+    # the row would hold the epoch's own alone: 46-78 % of the sum in the runs seen.)
+    assert 0.9 * sum(background) - 0.005 <= row["checkpoint_s"] <= sum(background) + 0.05, (row, background)
     assert row["samples_per_s"] * row["training_s"] == pytest.approx(STEPS_PER_EPOCH * 64)
     assert row["eval_s"] > 0  # the last epoch is evaluated
 
