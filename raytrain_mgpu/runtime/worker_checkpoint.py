@@ -141,9 +141,9 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
     # One collective for both: each rank keeps its own random stream on resume, and a step checkpoint
     # (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's sums.
-    rng_states, partials = (list(values) for values in zip(*gather_objects((rng_state(), epoch_partial))))
-    if epoch_partial is None:
-        partials = None
+    gathered = gather_objects((rng_state(), epoch_partial))
+    rng_states = [rng for rng, _ in gathered]
+    partials = [partial for _, partial in gathered] if epoch_partial is not None else None
     if ctx.world_rank != 0:  # no checkpoint: reported at once, then held until the controller took it
         ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
         wait_until_report_collected()
