@@ -121,7 +121,8 @@ def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    strategy = SimpleNamespace(state_dict=lambda m: m.state_dict(), optimizer_state_dict=lambda m, o: o.state_dict())
+    strategy = SimpleNamespace(state_dict=lambda m: m.state_dict(), optimizer_state_dict=lambda m, o: o.state_dict(),
+                               sharded_checkpoint=False)
     for rank in (0, 1):
         ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
         for epoch in (1, 2):

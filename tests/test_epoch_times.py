@@ -90,7 +90,8 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
                           storage_path=str(tmp_path))
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    strategy = SimpleNamespace(state_dict=slow_state_dict, optimizer_state_dict=lambda m, o: o.state_dict())
+    strategy = SimpleNamespace(state_dict=slow_state_dict, optimizer_state_dict=lambda m, o: o.state_dict(),
+                               sharded_checkpoint=False)
     row = {"epoch": 1, "checkpoint_s": 0.25, "eval_s": 0.0}  # 0.25 s of the epoch's step checkpoints
     state = RunState(epoch=1, step=10, history=[row])
     started = time.perf_counter()

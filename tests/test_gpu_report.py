@@ -139,7 +139,7 @@ def test_the_scale_section_asks_fsdp_with_and_without_each_option_and_reports_th
     assert len({c.name for c in asked}) == 3  # each run its own folder
     assert [r.what.rsplit(": ", 1)[1] for r in rows] == [
         "cpu_offload=True vs without", "activation_checkpointing=1 vs without",
-        "each epoch's checkpoint (full state gathered to rank 0), the last one left out"]
+        "each epoch's checkpoint (sharded, each rank its own shards), the last one left out"]
     for row in rows[:2]:
         assert row.figure == "peak memory per device 1.00 vs 4.00 GiB (0.25x); 20.0 vs 10.0 ms a step (2.00x)"
     assert rows[2].figure == "training stood still 50 ms an epoch (10.0 % of its 0.50 s in steps)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.bench import gpu_report
+from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker
@@ -443,10 +445,21 @@ def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers,
     # batch summed in two slices), mp ~5e-8; the bound is 40x the larger.
     cfg = MLP.replace(strategy=strategy, num_workers=workers, gpus_per_worker=devices, name=strategy,
                       storage_path=storage, use_gpu=strategy != "ddp2")
+    if strategy == "fsdp":  # sharded checkpoints: stopped after epoch 1, resumed, it must still end on the plain weights
+        cfg = cfg.replace(keep_best=True, monitor="test_loss", mode="min")  # and the best copy, from gathered shards
+        first = rtm.fit(cfg.replace(epochs=1))
+        files = sorted(p.name for p in Path(first.checkpoint_path, ckpt_format.SHARDED_DIR).iterdir())
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # every rank's shards, in one folder
+        assert not Path(first.checkpoint_path, "model.pt").exists()
+        after_first = first.load_model().state_dict()  # consolidated on the driver
     result = rtm.fit(cfg)
     plain, history = plain_mlp
     got = result.load_model().state_dict()  # fsdp: gathered from both shards; mp: the split model's pieces
     assert got.keys() == plain.state_dict().keys()  # the checkpoint is the plain model's, whatever the strategy did
+    if strategy == "fsdp":  # keep_best's copy: the best epoch's model, gathered to rank 0 (a plain model.pt)
+        copy = torch.load(Path(result.path, "best_checkpoint", "model.pt"), weights_only=True)
+        want = got if result.history[1]["test_loss"] < result.history[0]["test_loss"] else after_first
+        assert copy.keys() == want.keys() and all(torch.equal(copy[k], want[k]) for k in want)
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
     # The same run, so the same accuracy (>= 0.9: this fit is also the strategy's "it learns" check).

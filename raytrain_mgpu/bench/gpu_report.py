@@ -274,7 +274,7 @@ def _scale_config(gpus: int, sizes: Sizes, storage: str, **changes) -> TrainConf
 def scale_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
     """Issue 26's figures: what ``cpu_offload`` and ``activation_checkpointing`` save in peak memory per
     device and cost in time a step, each against the same sharded run without it, and the time each
-    epoch's checkpoint (today gathered to rank 0) stalls training."""
+    epoch's checkpoint (sharded: each rank writes its own shards) stalls training."""
     plain_cfg = _scale_config(gpus, sizes, storage)
     plain = _fit(plain_cfg)
     what = (f"`{SHARDED}` on {plain_cfg.num_workers} GPU(s): transformer LM, {sizes.lm_layers} blocks of hidden "
@@ -287,7 +287,7 @@ def scale_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
     # The run's last checkpoint is uploaded before fit returns (synchronously): the others are what a run pays.
     stall = statistics.median(row["checkpoint_s"] for row in plain[:-1])
     train = statistics.median(row["training_s"] for row in plain[:-1])
-    rows.append(Row(f"{what}: each epoch's checkpoint (full state gathered to rank 0), the last one left out",
+    rows.append(Row(f"{what}: each epoch's checkpoint (sharded, each rank its own shards), the last one left out",
                     f"training stood still {stall * 1000:.0f} ms an epoch ({100 * stall / max(train, 1e-9):.1f} % of "
                     f"its {train:.2f} s in steps)", where))
     return rows

@@ -15,9 +15,10 @@ model is never on a device: rank 0 builds it on the CPU (with the run's seed, so
 are those of ``ddp`` and of one worker), every other rank on ``meta`` (``build_on_meta``). Every
 rank shards the meta model, allocates only its shards (``to_empty``), and rank 0 sends the
 weights one tensor at a time (``set_model_state_dict(broadcast_from_rank0=True)``): the device
-peak at start-up is the shards plus the largest tensor. Checkpoints hold the full, unsharded
-state (model and optimizer), gathered to rank 0's CPU: the calls are collective, so every rank
-makes them (``runtime/worker_checkpoint.save_and_report`` does).
+peak at start-up is the shards plus the largest tensor. Checkpoints are sharded: every rank
+writes its own shards of the model and optimizer with ``torch.distributed.checkpoint``
+(``save_sharded``), and a resume on any number of workers reads the pieces its shards cover
+(``load_sharded``); the calls are collective (``runtime/worker_checkpoint.save_and_report``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ class Replication:
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
+    sharded_checkpoint = False
+    """Whether every rank writes its own shards (``save_sharded``) instead of rank 0 the full state."""
+
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        raise NotImplementedError(f"replication {self.name!r} saves the full state (sharded_checkpoint=False)")
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        raise NotImplementedError(f"replication {self.name!r} loads the full state (sharded_checkpoint=False)")
+
 
 # ----------------------------------------------------------------------------- DDP
 
@@ -113,8 +123,9 @@ class DDPReplication(Replication):
 # ----------------------------------------------------------------------------- FSDP
 
 def _options(**kwargs):
-    """Full (unsharded) state dicts: saved gathered to rank 0's CPU (``cpu_offload``; the other ranks
-    get an empty dict), loaded from every rank's full copy or sent from rank 0 (``broadcast_from_rank0``).
+    """Full (unsharded) state dicts (start-up, ``keep_best``'s copy; checkpoints are sharded): saved gathered to
+    rank 0's CPU (``cpu_offload``; the other ranks get an empty dict), loaded from every rank's full copy or
+    sent from rank 0 (``broadcast_from_rank0``).
     torch.distributed's checkpoint and FSDP modules load only where fsdp runs (0.7 s of import)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -244,6 +255,33 @@ class FSDPReplication(Replication):
 
         state = {**state, "state": {key: dict(value) for key, value in state["state"].items()}}
         set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+    # Checkpoints: each rank its own shards (DCP), never the full state on one rank (runtime/checkpoint.py).
+    sharded_checkpoint = True
+
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Write this rank's shards of the model and the optimizer into ``path`` (collective: every rank
+        calls it, each with its own folder; rank 0's also gets DCP's ``.metadata``). The state dicts are
+        views of the shards (DTensors): nothing is gathered or copied but what DCP serializes."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Fill this rank's shards from the sharded checkpoint at ``path`` (every rank's files in it),
+        written by any number of ranks: DCP reads the pieces each shard now covers (collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from raytrain_mgpu.runtime.checkpoint import check_sharded_metadata
+
+        check_sharded_metadata(path)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _to_meta(model: nn.Module) -> None:

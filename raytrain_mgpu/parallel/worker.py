@@ -108,6 +108,19 @@ class WorkerStrategy:
         """Load what ``optimizer_state_dict`` returned on rank 0 (every rank calls it)."""
         self.replication.load_optimizer_state_dict(self.unwrap(model), optimizer, state)
 
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """Whether checkpoints are written by every rank, each its own shards (fsdp), not by rank 0 alone."""
+        return self.replication.sharded_checkpoint
+
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """This rank's shards of the model and optimizer into ``path`` (collective; ``sharded_checkpoint``)."""
+        self.replication.save_sharded(self.unwrap(model), optimizer, path)
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """This rank's shards from a sharded checkpoint of any world size (collective)."""
+        self.replication.load_sharded(self.unwrap(model), optimizer, path)
+
     def memory_devices(self) -> List[torch.device]:
         """Devices whose peak memory this worker reports."""
         return list(self.ctx.devices)

@@ -8,11 +8,20 @@ A checkpoint is one folder (a Ray Train checkpoint in the run's storage):
   Data-parallel strategies write one ``model.pt``; pipeline stages write
   ``model-stage{i}.pt``. Loading merges every part, so a pipeline checkpoint loads
   into the plain model and a plain one can be split again;
-- ``train_state*.pt``: optimizer, LR schedule, grad scaler and RNG states.
+- ``train_state*.pt``: optimizer, LR schedule, grad scaler and RNG states;
+- ``sharded/`` instead of ``model.pt`` and the optimizer's state, for a sharded strategy (``fsdp``):
+  a ``torch.distributed.checkpoint`` (DCP) folder, ``{"model": ..., "optimizer": ...}``, each rank's
+  shards in its own file (``__<rank>_0.distcp``), DCP's ``.metadata`` (rank 0) naming where each
+  piece of each tensor is. No rank ever holds the whole state; a resume on another number of
+  workers reshards (DCP plans the reads); :func:`load_model_state` consolidates the model on demand.
+  ``meta.json`` lists every file (``files``), so a folder whose shards are not all there yet is
+  not taken for a complete checkpoint.
 
 Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a pickled file can run
 code while loading, and a run folder is writable by whoever shares the storage, so a
-planted file must be refused, not executed. Only the names above are read (a stray
+planted file must be refused, not executed. DCP reads its ``.metadata`` with a plain
+``pickle.load``: :func:`check_sharded_metadata` unpickles it first with only DCP's own
+metadata classes allowed, and refuses anything else. Only the names above are read (a stray
 ``model_backup.pt`` is ignored, not merged into the weights).
 
 Ray Train registers a checkpoint only after the whole folder is persisted, so a kill
@@ -27,6 +36,7 @@ import logging
 import pickle
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -40,6 +50,10 @@ HISTORY_FILE = "history.json"
 # Our own part names only: "model.pt" (data parallel) and "model-stage{p}.pt" (pipeline).
 _MODEL_PART_RE = re.compile(r"^model(-stage\d+)?\.pt$")
 _TRAIN_STATE_PART_RE = re.compile(r"^(-stage\d+)?$")
+SHARDED_DIR = "sharded"
+"""A sharded strategy's DCP folder inside a checkpoint (model and optimizer, one file per rank)."""
+FILES_KEY = "files"
+"""meta.json's list of a sharded checkpoint's files (relative paths), written by rank 0 after every rank's."""
 
 
 def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: Optional[dict] = None,
@@ -74,8 +88,15 @@ def model_part_files(directory: str) -> list:
     return sorted(p for p in Path(directory).glob("model*.pt") if _MODEL_PART_RE.match(p.name))
 
 
+def is_sharded(directory: str) -> bool:
+    return (Path(directory) / SHARDED_DIR).is_dir()
+
+
 def load_model_state(directory: str) -> dict:
-    """Merge every ``model.pt`` / ``model-stage{p}.pt`` part into one state dict of the unsplit model."""
+    """Merge every ``model.pt`` / ``model-stage{p}.pt`` part into one state dict of the unsplit model
+    (a sharded checkpoint: its model's shards consolidated, the optimizer's left on disk)."""
+    if is_sharded(directory):
+        return consolidate_sharded(directory, "model")
     parts = model_part_files(directory)
     if not parts:
         raise ValueError(f"checkpoint {directory!r} holds no model.pt or model-stage<p>.pt file; it may be "
@@ -84,6 +105,68 @@ def load_model_state(directory: str) -> dict:
     for part in parts:
         state.update(_load_tensors(part))
     return state
+
+
+def consolidate_sharded(directory: str, key: str) -> dict:
+    """The full tensors under ``key`` ("model" or "optimizer") of a sharded checkpoint, in this
+    process (no process group): DCP reads each tensor's pieces from every rank's file."""
+    # DCP's own reading of a checkpoint without the model, as format_utils.dcp_to_torch_save does it (the
+    # public dcp.load fills a copy of an empty state dict), asked for one key: the optimizer's state
+    # (twice the model's, AdamW) stays on disk.
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(directory) / SHARDED_DIR
+    check_sharded_metadata(path)
+    state: dict = {}
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is meant here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _load_state_dict(state, storage_reader=FileSystemReader(str(path)),
+                             planner=_EmptyStateDictLoadPlanner(keys={key}), no_dist=True)
+    except (CheckpointException, Exception) as exc:  # a shard missing or cut short (a BaseException: DCP's own)
+        raise ValueError(f"sharded checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); it may be incomplete. "
+                         f"Delete that checkpoint folder to use the one before.") from None
+    return state[key]
+
+
+# What DCP's .metadata may hold: its own dataclasses and the torch types they carry.
+_METADATA_GLOBALS = {
+    "collections": {"OrderedDict"},
+    "torch": {"Size", "device", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
+              "channels_last", "channels_last_3d", "preserve_format"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # the folder it was saved to
+}
+_METADATA_MODULES = ("torch.distributed.checkpoint.",)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        allowed = (module.startswith(_METADATA_MODULES) or name in _METADATA_GLOBALS.get(module, ())
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+def check_sharded_metadata(path) -> None:
+    """Refuse a DCP ``.metadata`` (read by DCP with a plain ``pickle.load``) that holds anything but
+    DCP's metadata classes and torch's sizes and dtypes, before DCP reads it."""
+    metadata = Path(path) / ".metadata"
+    try:
+        with open(metadata, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ValueError(f"sharded checkpoint {str(path)!r} has no .metadata: it is incomplete. Delete that "
+                         f"checkpoint folder to use the one before.") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
+        raise ValueError(
+            f"checkpoint file {str(metadata)!r} holds objects other than torch.distributed.checkpoint's metadata "
+            f"({exc}); it was refused without running it. A file raytrain-mgpu wrote never does this: delete "
+            f"the folder, or train under another `name`.") from None
 
 
 def load_train_state(directory: str, part: str = "") -> Optional[dict]:

@@ -6,7 +6,8 @@ opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
     {run}/run.json                      the run's identity (planning/preflight.py)
     {run}/history.parquet               one row per epoch (written by fit, atomically)
     {run}/.raytrain-mgpu.lock           the driver's lock (runtime/runlock.py)
-    {run}/checkpoint*/meta.json         one per checkpoint, written last: marks it complete
+    {run}/checkpoint*/meta.json         one per checkpoint, written last: marks it complete (a sharded
+                                        one's: with every rank's files it lists)
     {run}/checkpoint_manager_snapshot.json   Ray Train's own record of its checkpoints
     {run}/best_checkpoint/              the best epoch's model, for a Ray Train run with keep_best
 
@@ -31,7 +32,7 @@ from typing import Iterator, List, NamedTuple, Optional
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.checkpoint import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
-from raytrain_mgpu.runtime.checkpoint import META_FILE, filesystem
+from raytrain_mgpu.runtime.checkpoint import FILES_KEY, META_FILE, filesystem
 from raytrain_mgpu.runtime.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -122,13 +123,20 @@ class RunFolder:
                       key=lambda e: e.base_name)
 
     def checkpoints(self) -> List[CheckpointInfo]:
-        """Every complete checkpoint (``checkpoint*/meta.json`` readable), oldest first by (step, epoch, name)."""
+        """Every complete checkpoint (``checkpoint*/meta.json`` readable, and every file a sharded one
+        lists there present: each rank uploads its own), oldest first by (step, epoch, name)."""
         found = []
         for entry in self._folders("checkpoint"):
             meta = self.read_json(f"{entry.path}/{META_FILE}")
-            if meta is not None:
+            if meta is not None and self._all_there(entry.path, meta.get(FILES_KEY, ())):
                 found.append(CheckpointInfo(entry.base_name, entry.path, self.uri_of(entry.path), meta))
         return sorted(found, key=lambda c: (_number(c.meta.get("step")), _number(c.meta.get("epoch")), c.name))
+
+    def _all_there(self, path: str, files) -> bool:
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info([f"{path}/{name}" for name in files]) if files else []
+        return all(info.type == pafs.FileType.File for info in infos)
 
     def newest_checkpoint(self) -> Optional[CheckpointInfo]:
         """The checkpoint a resume starts from: Ray Train's latest where it keeps a record (a

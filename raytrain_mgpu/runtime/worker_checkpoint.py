@@ -4,6 +4,16 @@
 ``restore`` reads the run's last checkpoint back on a restart or resume. Used by the loop
 (``runtime/loop.py``) at the end of every epoch and every ``checkpoint_every_n_steps``.
 
+Sharded strategies (``fsdp``: ``WorkerStrategy.sharded_checkpoint``). Every rank writes its own
+shards of the model and optimizer (``torch.distributed.checkpoint``) into its own local folder and
+reports it under rank 0's checkpoint name: Ray Train uploads every rank's folder into the one
+checkpoint folder and registers it once every rank's report is in. Rank 0 adds ``meta.json``,
+``history.json`` and the small train state (LR schedule, scaler, every rank's RNG), with the list of
+every rank's files in ``meta.json``. So no rank gathers the full state, each rank's upload is its
+own (one in flight per rank, as rank 0's below), and a restart reads the pieces its shards cover,
+on any number of workers (``load_train_state``). ``keep_best`` gathers the model (not the
+optimizer) to rank 0 for each new best's copy.
+
 Upload. Rank 0 writes the checkpoint to a local folder and reports it with Ray Train's
 ``CheckpointUploadMode.ASYNC``: Ray copies it to ``storage_path`` in a background thread (one
 upload at a time, registered in report order, the local folder deleted after its upload) while
@@ -43,6 +53,7 @@ import tempfile
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
 import ray.train
@@ -77,9 +88,12 @@ def restore(cfg: TrainConfig, strategy: WorkerStrategy, model) -> tuple:
     with checkpoint.as_directory() as directory:
         meta = ckpt_format.read_meta(directory)
         ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
-        if not strategy.build_on_meta():  # a meta model holds no data: rank 0 sends its weights
+        sharded = ckpt_format.is_sharded(directory)
+        if not sharded and not strategy.build_on_meta():  # a meta model holds no data: rank 0 sends its weights
             model.load_state_dict(ckpt_format.load_model_state(directory))
         train_state = ckpt_format.load_train_state(directory)
+        if sharded:  # model and optimizer once sharded and built (load_train_state), from every rank's files
+            train_state["sharded_checkpoint"] = checkpoint
         history = ckpt_format.read_history(directory)
     state = RunState.resumed(meta, history, getattr(checkpoint, "path", None))
     restore_rng(train_state.get("rng_per_rank"), cfg.seed, strategy.ctx, state.step)
@@ -89,8 +103,13 @@ def restore(cfg: TrainConfig, strategy: WorkerStrategy, model) -> tuple:
 
 
 def load_train_state(strategy: WorkerStrategy, model, optimizer, scheduler, scaler, train_state: dict) -> None:
-    """Optimizer, LR schedule and grad scaler (scale, growth tracker) from a checkpoint's train state."""
-    strategy.load_optimizer_state_dict(model, optimizer, train_state["optimizer"])
+    """Optimizer, LR schedule and grad scaler (scale, growth tracker) from a checkpoint's train state;
+    a sharded checkpoint's model and optimizer shards too (every rank reads the pieces its shards cover)."""
+    if "sharded_checkpoint" in train_state:  # written by this strategy (check_resumable)
+        with train_state["sharded_checkpoint"].as_directory() as directory:
+            strategy.load_sharded(model, optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR))
+    else:
+        strategy.load_optimizer_state_dict(model, optimizer, train_state["optimizer"])
     scheduler.load_state_dict(train_state["scheduler"])
     scaler.load_state_dict(train_state["scaler"])
 
@@ -137,14 +156,34 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     upload and report, the model and optimizer writes), then writes the history with it, sends the
     row to the driver and reports it to Ray Train."""
     started = time.perf_counter()
-    model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
-    optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
-    # One collective for both: each rank keeps its own random stream on resume, and a step checkpoint
-    # (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's sums.
-    gathered = gather_objects((rng_state(), epoch_partial))
-    rng_states = [rng for rng, _ in gathered]
-    partials = [partial for _, partial in gathered] if epoch_partial is not None else None
-    if ctx.world_rank != 0:  # no checkpoint: reported at once, then held until the controller took it
+    sharded = strategy.sharded_checkpoint
+    if sharded:  # every rank its own shards, into its own folder: Ray Train uploads each into the one checkpoint
+        directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")
+        try:
+            strategy.save_sharded(model, optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR))  # collective
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        model_state = optimizer_state = None
+        own_files = sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file())
+    else:
+        model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
+        optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
+        own_files = None
+    is_best = (ctx.world_rank == 0 and cfg.keep_best and epoch_partial is None
+               and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
+    name = _checkpoint_dir_name() if ctx.world_rank == 0 else None
+    # One collective for all: each rank keeps its own random stream on resume, a step checkpoint
+    # (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's sums, and a
+    # sharded one lists every rank's files under rank 0's checkpoint name, with rank 0's keep_best verdict.
+    gathered = gather_objects((rng_state(), epoch_partial, own_files, name, is_best))
+    rng_states = [rng for rng, *_ in gathered]
+    partials = [partial for _, partial, *_ in gathered] if epoch_partial is not None else None
+    name, is_best = gathered[0][3], gathered[0][4]
+    best_model = strategy.state_dict(model) if sharded and is_best else None  # collective: the model, to rank 0
+    if state.finished(cfg):
+        upload = CheckpointUploadMode.SYNC
+    if ctx.world_rank != 0 and not sharded:  # no checkpoint: reported at once, then held until the controller took it
         ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
         wait_until_report_collected()
         return
@@ -153,13 +192,25 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     # controller: a failure from here on resumes from it, at worst (up to one poll, 2 s, if it just ended).
     uploads.wait_persisted()
     wait_until_report_collected()
-    if state.finished(cfg):
-        upload = CheckpointUploadMode.SYNC
-    directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after the upload
+    if ctx.world_rank != 0:  # a sharded checkpoint's other ranks: their shards, under rank 0's name
+        try:
+            _report(metrics, directory, name, upload, uploads)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        if upload == CheckpointUploadMode.SYNC:
+            wait_until_report_collected()
+        return
+    if not sharded:
+        directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after the upload
     try:
-        meta = checkpoint_meta(cfg, state, shape_info, **({STEP_IN_EPOCH: state.step_in_epoch} if partials else {}))
-        train_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                       "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
+        extra = {STEP_IN_EPOCH: state.step_in_epoch} if partials else {}
+        if sharded:
+            extra[ckpt_format.FILES_KEY] = sorted(f for _, _, files, *_ in gathered for f in files)
+        meta = checkpoint_meta(cfg, state, shape_info, **extra)
+        train_state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
+        if not sharded:
+            train_state["optimizer"] = optimizer_state
         if partials:
             train_state["epoch_partial_per_rank"] = partials
         ckpt_format.write_checkpoint(directory, meta=meta, history=None, model_state=model_state,
@@ -167,18 +218,14 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
         if send_row:
             metrics["checkpoint_s"] = metrics.get("checkpoint_s", 0.0) + time.perf_counter() - started
         ckpt_format.write_checkpoint(directory, meta=None, history=state.history)  # with this row's checkpoint_s
-        if (cfg.keep_best and not partials
-                and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1]):
+        if is_best:
             # Ray Train prunes by age here (its score order would keep the N best, not the last N):
-            # a new best's model is copied aside, one more model write per improvement.
-            RunFolder.of(cfg).save_best(directory)
+            # a new best's model is copied aside, one more model write per improvement (sharded: the
+            # model gathered to rank 0 for it, never the optimizer's state).
+            _save_best(cfg, directory, meta, state.history, best_model)
         if send_row and reporter is not None:
             reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
-        name = _checkpoint_dir_name()
-        index = uploads.add(name)  # before the report: once Ray names it latest, the ones before are persisted
-        ray.train.report({k: v for k, v in metrics.items() if v is not None},
-                         checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
-                         checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True)
+        index = _report(metrics, directory, name, upload, uploads)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)  # not handed to Ray Train (or its upload failed)
         raise
@@ -193,6 +240,29 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
         persisted = ray.train.get_checkpoint()  # the latest reported: this one, in the storage filesystem
         if persisted is not None:
             reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))
+
+
+def _report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMode, uploads: "_Uploads") -> int:
+    """Report ``directory`` as the checkpoint ``name`` (Ray Train copies every rank's folder into it);
+    its index in ``uploads``, added before the report: once Ray names it latest, the ones before are persisted."""
+    index = uploads.add(name)
+    ray.train.report({k: v for k, v in metrics.items() if v is not None},
+                     checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
+                     checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True)
+    return index
+
+
+def _save_best(cfg: TrainConfig, directory: str, meta: dict, history: list, model_state: Optional[dict]) -> None:
+    """The best copy from the checkpoint folder, or for a sharded one from the gathered model."""
+    if model_state is None:
+        RunFolder.of(cfg).save_best(directory)
+        return
+    staging = tempfile.mkdtemp(prefix="raytrain-mgpu-best-")
+    try:
+        ckpt_format.write_checkpoint(staging, meta=meta, history=history, model_state=model_state)
+        RunFolder.of(cfg).save_best(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _checkpoint_dir_name() -> str:

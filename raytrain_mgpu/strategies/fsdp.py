@@ -20,8 +20,10 @@ so its weights are those of ``ddp`` and of one worker), every other rank builds 
 (``set_model_state_dict(broadcast_from_rank0=True)``): the device peak at start-up is the
 shards plus the largest tensor. Host memory: rank 0 holds one full copy, the others none.
 
-Checkpoints hold the full, unsharded state (model and optimizer), gathered to rank 0:
-the calls are collective, so every rank makes them (``worker_checkpoint.save_and_report`` does).
+Checkpoints are sharded: every rank writes its own shards of the model and optimizer state
+(``torch.distributed.checkpoint``), no rank gathers the full state; a resume on another number
+of workers reshards, and ``TrainResult.load_model()`` consolidates the model on the driver
+(``runtime/checkpoint.py``, ``worker_checkpoint.save_and_report``).
 On the worker: placement ``keep`` (where it was built), then replication ``fully_shard``
 (``raytrain_mgpu/parallel/replication.py``).
 """
