@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import socket
+import time
 
 import pytest
 import torch
@@ -95,10 +96,18 @@ def _save_on_four(rank: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save({"model": full[0]}, os.path.join(out, "full_after_step0.pt"))
         del full
+        # DCP's asynchronous save, as every save but a run's last: back once the shards are in host memory.
+        began = time.perf_counter()
+        writing = strategy.save_sharded(model, optimizer, os.path.join(out, f"async{rank}", ckpt_format.SHARDED_DIR),
+                                        asynchronous=True)
+        returned = time.perf_counter() - began
+        writing.result()
+        written = time.perf_counter() - began
         dist.barrier()
         if rank == 0:  # what Ray Train's upload of every rank's folder into one checkpoint folder makes
             for r in range(4):
                 shutil.copytree(os.path.join(out, f"rank{r}"), os.path.join(out, "merged"), dirs_exist_ok=True)
+                shutil.copytree(os.path.join(out, f"async{r}"), os.path.join(out, "merged-async"), dirs_exist_ok=True)
         dist.barrier()
         saved = _locals(model, optimizer)
         _step(strategy, model, optimizer, seed=1)
@@ -113,7 +122,7 @@ def _save_on_four(rank: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"save_growth": sharded.peak, "gather_growth": gathered.peak,
                        "share": _local_bytes(model, optimizer), "same_shards": same_shards,
-                       "same_next_step": same_next_step,
+                       "same_next_step": same_next_step, "async_returned_s": returned, "async_written_s": written,
                        "files": sorted(os.listdir(os.path.join(own, ckpt_format.SHARDED_DIR)))}, f)
     finally:
         dist.destroy_process_group()
@@ -187,6 +196,39 @@ def test_the_driver_consolidates_the_model_from_every_ranks_files(saved):
     want = torch.load(out / "full_after_step0.pt", weights_only=True)["model"]
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not any(k.startswith("optimizer") for k in got)
+
+
+def test_the_asynchronous_save_writes_the_same_checkpoint(saved):
+    """Every save but a run's last is DCP's async_save (its writing thread coordinates over a gloo group of
+    its own); what it writes consolidates to the synchronous save's model, once the Future is done."""
+    out, ranks = saved
+    got = ckpt_format.load_model_state(str(out / "merged-async"))
+    want = ckpt_format.load_model_state(str(out / "merged"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(r["async_returned_s"] <= r["async_written_s"] for r in ranks)
+    print("async save, per rank: returned after", [round(r["async_returned_s"], 3) for r in ranks],
+          "s, written after", [round(r["async_written_s"], 3) for r in ranks], "s")
+
+
+def _run_with(folder, tmp_path):
+    """A run folder holding ``folder`` as its one checkpoint (sharded, as Ray Train's upload leaves it)."""
+    from raytrain_mgpu.runtime.run_folder import RunFolder
+
+    run = tmp_path / "run"
+    shutil.copytree(folder, run / "checkpoint_2026-11-26_00-00-00.000000")
+    (run / "checkpoint_2026-11-26_00-00-00.000000" / ckpt_format.META_FILE).write_text(
+        json.dumps({"epoch": 1, "step": 1, ckpt_format.SHARDED_KEY: True}))
+    return RunFolder(str(run)), run / "checkpoint_2026-11-26_00-00-00.000000" / ckpt_format.SHARDED_DIR
+
+
+def test_a_sharded_checkpoint_is_complete_only_with_every_file_its_metadata_names(saved, tmp_path):
+    out, _ = saved
+    folder, shards = _run_with(out / "merged", tmp_path)
+    assert [c.meta["step"] for c in folder.checkpoints()] == [1]
+    (shards / "__3_0.distcp").unlink()  # a rank whose upload has not landed yet
+    assert folder.checkpoints() == []
+    (shards / ".metadata").unlink()  # rank 0's meta.json landed before its .metadata
+    assert folder.checkpoints() == []
 
 
 def test_a_missing_rank_file_is_named_not_loaded(saved, tmp_path):

@@ -446,7 +446,9 @@ def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers,
     cfg = MLP.replace(strategy=strategy, num_workers=workers, gpus_per_worker=devices, name=strategy,
                       storage_path=storage, use_gpu=strategy != "ddp2")
     if strategy == "fsdp":  # sharded checkpoints: stopped after epoch 1, resumed, it must still end on the plain weights
-        cfg = cfg.replace(keep_best=True, monitor="test_loss", mode="min")  # and the best copy, from gathered shards
+        # DCP's asynchronous save at steps 10, 20 (30, 40 resumed): the synchronous one ends each fit.
+        cfg = cfg.replace(keep_best=True, monitor="test_loss", mode="min",  # and the best copy, from gathered shards
+                          checkpoint_every_n_steps=10)
         first = rtm.fit(cfg.replace(epochs=1))
         files = sorted(p.name for p in Path(first.checkpoint_path, ckpt_format.SHARDED_DIR).iterdir())
         assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # every rank's shards, in one folder

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, ContextManager, Dict, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, ContextManager, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,8 @@ class Replication:
     sharded_checkpoint = False
     """Whether every rank writes its own shards (``save_sharded``) instead of rank 0 the full state."""
 
-    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                     asynchronous: bool = False) -> Optional[Future]:
         raise NotImplementedError(f"replication {self.name!r} saves the full state (sharded_checkpoint=False)")
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -259,15 +261,24 @@ class FSDPReplication(Replication):
     # Checkpoints: each rank its own shards (DCP), never the full state on one rank (runtime/checkpoint.py).
     sharded_checkpoint = True
 
-    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                     asynchronous: bool = False) -> Optional[Future]:
         """Write this rank's shards of the model and the optimizer into ``path`` (collective: every rank
         calls it, each with its own folder; rank 0's also gets DCP's ``.metadata``). The state dicts are
-        views of the shards (DTensors): nothing is gathered or copied but what DCP serializes."""
+        views of the shards (DTensors): nothing is gathered. ``asynchronous``: DCP's ``async_save``, which
+        returns once the shards are copied to host memory (the only stall) and writes them in a thread;
+        the Future is done once they are written."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if not asynchronous:
+            dcp.save(state, checkpoint_id=path)
+            return None
+        # The writing thread's collectives (the save plan, the metadata) go over a gloo group of their
+        # own: on the default group they could interleave with the training step's.
+        return dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group())
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Fill this rank's shards from the sharded checkpoint at ``path`` (every rank's files in it),
@@ -282,6 +293,18 @@ class FSDPReplication(Replication):
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+_CHECKPOINT_GROUPS: Dict[int, object] = {}
+
+
+def _checkpoint_group():
+    """A gloo group over every rank for asynchronous checkpoints, one per default group (made collectively:
+    every rank's first asynchronous save, which all ranks make together)."""
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUPS[key]
 
 
 def _to_meta(model: nn.Module) -> None:

@@ -113,9 +113,11 @@ class WorkerStrategy:
         """Whether checkpoints are written by every rank, each its own shards (fsdp), not by rank 0 alone."""
         return self.replication.sharded_checkpoint
 
-    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        """This rank's shards of the model and optimizer into ``path`` (collective; ``sharded_checkpoint``)."""
-        self.replication.save_sharded(self.unwrap(model), optimizer, path)
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                     asynchronous: bool = False):
+        """This rank's shards of the model and optimizer into ``path`` (collective; ``sharded_checkpoint``);
+        ``asynchronous``: returns a Future once they are in host memory, done once they are written."""
+        return self.replication.save_sharded(self.unwrap(model), optimizer, path, asynchronous)
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """This rank's shards from a sharded checkpoint of any world size (collective)."""

@@ -14,8 +14,8 @@ A checkpoint is one folder (a Ray Train checkpoint in the run's storage):
   shards in its own file (``__<rank>_0.distcp``), DCP's ``.metadata`` (rank 0) naming where each
   piece of each tensor is. No rank ever holds the whole state; a resume on another number of
   workers reshards (DCP plans the reads); :func:`load_model_state` consolidates the model on demand.
-  ``meta.json`` lists every file (``files``), so a folder whose shards are not all there yet is
-  not taken for a complete checkpoint.
+  Each rank uploads its own files, so a sharded checkpoint (``sharded`` in ``meta.json``) is
+  complete once ``.metadata`` and every file it names are there (:func:`sharded_files`).
 
 Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a pickled file can run
 code while loading, and a run folder is writable by whoever shares the storage, so a
@@ -52,8 +52,8 @@ _MODEL_PART_RE = re.compile(r"^model(-stage\d+)?\.pt$")
 _TRAIN_STATE_PART_RE = re.compile(r"^(-stage\d+)?$")
 SHARDED_DIR = "sharded"
 """A sharded strategy's DCP folder inside a checkpoint (model and optimizer, one file per rank)."""
-FILES_KEY = "files"
-"""meta.json's list of a sharded checkpoint's files (relative paths), written by rank 0 after every rank's."""
+SHARDED_KEY = "sharded"
+"""meta.json's mark of a sharded checkpoint: complete once DCP's ``.metadata`` and every file it names are there."""
 
 
 def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: Optional[dict] = None,
@@ -150,6 +150,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         if not allowed:
             raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
         return super().find_class(module, name)
+
+
+def sharded_files(metadata: bytes) -> Optional[set]:
+    """The files (relative to ``sharded/``) a DCP ``.metadata``'s bytes name, ``.metadata`` itself
+    included; None for bytes that are not DCP's metadata (cut short, or planted)."""
+    import io
+
+    try:
+        loaded = _MetadataUnpickler(io.BytesIO(metadata)).load()
+        return {".metadata", *(info.relative_path for info in loaded.storage_data.values())}
+    except Exception:  # noqa: BLE001 - anything unreadable is an incomplete checkpoint, never an error here
+        return None
 
 
 def check_sharded_metadata(path) -> None:

@@ -7,7 +7,7 @@ opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
     {run}/history.parquet               one row per epoch (written by fit, atomically)
     {run}/.raytrain-mgpu.lock           the driver's lock (runtime/runlock.py)
     {run}/checkpoint*/meta.json         one per checkpoint, written last: marks it complete (a sharded
-                                        one's: with every rank's files it lists)
+                                        one's: with DCP's .metadata and every file it names)
     {run}/checkpoint_manager_snapshot.json   Ray Train's own record of its checkpoints
     {run}/best_checkpoint/              the best epoch's model, for a Ray Train run with keep_best
 
@@ -32,7 +32,7 @@ from typing import Iterator, List, NamedTuple, Optional
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.runtime.checkpoint import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
-from raytrain_mgpu.runtime.checkpoint import FILES_KEY, META_FILE, filesystem
+from raytrain_mgpu.runtime.checkpoint import META_FILE, SHARDED_DIR, SHARDED_KEY, filesystem, sharded_files
 from raytrain_mgpu.runtime.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -128,14 +128,23 @@ class RunFolder:
         found = []
         for entry in self._folders("checkpoint"):
             meta = self.read_json(f"{entry.path}/{META_FILE}")
-            if meta is not None and self._all_there(entry.path, meta.get(FILES_KEY, ())):
+            if meta is not None and (not meta.get(SHARDED_KEY) or self._shards_there(entry.path)):
                 found.append(CheckpointInfo(entry.base_name, entry.path, self.uri_of(entry.path), meta))
         return sorted(found, key=lambda c: (_number(c.meta.get("step")), _number(c.meta.get("epoch")), c.name))
 
-    def _all_there(self, path: str, files) -> bool:
+    def _shards_there(self, path: str) -> bool:
+        """Whether a sharded checkpoint's ``.metadata`` and every file it names are in ``path``."""
         import pyarrow.fs as pafs
 
-        infos = self.fs.get_file_info([f"{path}/{name}" for name in files]) if files else []
+        folder = f"{path}/{SHARDED_DIR}"
+        try:
+            with self.fs.open_input_stream(f"{folder}/.metadata") as stream:
+                files = sharded_files(stream.read())
+        except (FileNotFoundError, OSError):
+            return False
+        if files is None:
+            return False
+        infos = self.fs.get_file_info([f"{folder}/{name}" for name in sorted(files)])
         return all(info.type == pafs.FileType.File for info in infos)
 
     def newest_checkpoint(self) -> Optional[CheckpointInfo]:

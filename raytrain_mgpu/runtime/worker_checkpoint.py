@@ -7,11 +7,13 @@
 Sharded strategies (``fsdp``: ``WorkerStrategy.sharded_checkpoint``). Every rank writes its own
 shards of the model and optimizer (``torch.distributed.checkpoint``) into its own local folder and
 reports it under rank 0's checkpoint name: Ray Train uploads every rank's folder into the one
-checkpoint folder and registers it once every rank's report is in. Rank 0 adds ``meta.json``,
-``history.json`` and the small train state (LR schedule, scaler, every rank's RNG), with the list of
-every rank's files in ``meta.json``. So no rank gathers the full state, each rank's upload is its
-own (one in flight per rank, as rank 0's below), and a restart reads the pieces its shards cover,
-on any number of workers (``load_train_state``). ``keep_best`` gathers the model (not the
+checkpoint folder and registers it once every rank's report is in. The save is DCP's asynchronous
+one: training waits while the shards are copied to host memory, a thread writes them, and Ray
+Train's upload thread waits for that write before it copies the folder (the run's last save,
+synchronous, writes at once). Rank 0 adds ``meta.json`` (``sharded``: true), ``history.json`` and
+the small train state (LR schedule, scaler, every rank's RNG). So no rank gathers the full state,
+each rank's upload is its own (one in flight per rank, as rank 0's below), and a restart reads the
+pieces its shards cover, on any number of workers (``load_train_state``). ``keep_best`` gathers the model (not the
 optimizer) to rank 0 for each new best's copy.
 
 Upload. Rank 0 writes the checkpoint to a local folder and reports it with Ray Train's
@@ -52,8 +54,8 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
 import ray.train
@@ -156,33 +158,32 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     upload and report, the model and optimizer writes), then writes the history with it, sends the
     row to the driver and reports it to Ray Train."""
     started = time.perf_counter()
-    sharded = strategy.sharded_checkpoint
+    if state.finished(cfg):
+        upload = CheckpointUploadMode.SYNC
+    sharded, writing = strategy.sharded_checkpoint, None
     if sharded:  # every rank its own shards, into its own folder: Ray Train uploads each into the one checkpoint
         directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")
-        try:
-            strategy.save_sharded(model, optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR))  # collective
+        try:  # collective; asynchronous with the upload: training waits for the copy to host memory only
+            writing = strategy.save_sharded(model, optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR),
+                                            asynchronous=upload == CheckpointUploadMode.ASYNC)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         model_state = optimizer_state = None
-        own_files = sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file())
     else:
         model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
         optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
-        own_files = None
     is_best = (ctx.world_rank == 0 and cfg.keep_best and epoch_partial is None
                and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
     name = _checkpoint_dir_name() if ctx.world_rank == 0 else None
     # One collective for all: each rank keeps its own random stream on resume, a step checkpoint
     # (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's sums, and a
-    # sharded one lists every rank's files under rank 0's checkpoint name, with rank 0's keep_best verdict.
-    gathered = gather_objects((rng_state(), epoch_partial, own_files, name, is_best))
+    # sharded one is reported under rank 0's checkpoint name, with rank 0's keep_best verdict.
+    gathered = gather_objects((rng_state(), epoch_partial, name, is_best))
     rng_states = [rng for rng, *_ in gathered]
     partials = [partial for _, partial, *_ in gathered] if epoch_partial is not None else None
-    name, is_best = gathered[0][3], gathered[0][4]
+    name, is_best = gathered[0][2], gathered[0][3]
     best_model = strategy.state_dict(model) if sharded and is_best else None  # collective: the model, to rank 0
-    if state.finished(cfg):
-        upload = CheckpointUploadMode.SYNC
     if ctx.world_rank != 0 and not sharded:  # no checkpoint: reported at once, then held until the controller took it
         ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
         wait_until_report_collected()
@@ -194,7 +195,7 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     wait_until_report_collected()
     if ctx.world_rank != 0:  # a sharded checkpoint's other ranks: their shards, under rank 0's name
         try:
-            _report(metrics, directory, name, upload, uploads)
+            _report(metrics, directory, name, upload, uploads, writing)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -206,7 +207,7 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     try:
         extra = {STEP_IN_EPOCH: state.step_in_epoch} if partials else {}
         if sharded:
-            extra[ckpt_format.FILES_KEY] = sorted(f for _, _, files, *_ in gathered for f in files)
+            extra[ckpt_format.SHARDED_KEY] = True
         meta = checkpoint_meta(cfg, state, shape_info, **extra)
         train_state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng_per_rank": rng_states}
         if not sharded:
@@ -225,7 +226,7 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
             _save_best(cfg, directory, meta, state.history, best_model)
         if send_row and reporter is not None:
             reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
-        index = _report(metrics, directory, name, upload, uploads)
+        index = _report(metrics, directory, name, upload, uploads, writing)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)  # not handed to Ray Train (or its upload failed)
         raise
@@ -242,13 +243,25 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
             reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))
 
 
-def _report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMode, uploads: "_Uploads") -> int:
+def _report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMode, uploads: "_Uploads",
+            writing: Optional[Future] = None) -> int:
     """Report ``directory`` as the checkpoint ``name`` (Ray Train copies every rank's folder into it);
-    its index in ``uploads``, added before the report: once Ray names it latest, the ones before are persisted."""
+    its index in ``uploads``, added before the report: once Ray names it latest, the ones before are persisted.
+    ``writing``: DCP's asynchronous save still writing into ``directory``; Ray Train's upload thread
+    waits for it before copying (an error there fails training at once, as a failed upload does)."""
     index = uploads.add(name)
+    extra = {}
+    if writing is not None:
+        storage = ray.train.get_context().get_storage()
+
+        def upload_when_written(checkpoint, checkpoint_dir_name):
+            writing.result()
+            return storage.persist_current_checkpoint(checkpoint, checkpoint_dir_name)
+
+        extra["checkpoint_upload_fn"] = upload_when_written
     ray.train.report({k: v for k, v in metrics.items() if v is not None},
                      checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
-                     checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True)
+                     checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True, **extra)
     return index
 
 
