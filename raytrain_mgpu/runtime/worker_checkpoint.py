@@ -13,8 +13,8 @@ Train's upload thread waits for that write before it copies the folder (the run'
 synchronous, writes at once). Rank 0 adds ``meta.json`` (``sharded``: true), ``history.json`` and
 the small train state (LR schedule, scaler, every rank's RNG). So no rank gathers the full state,
 each rank's upload is its own (one in flight per rank, as rank 0's below), and a restart reads the
-pieces its shards cover, on any number of workers (``load_train_state``). ``keep_best`` gathers the model (not the
-optimizer) to rank 0 for each new best's copy.
+pieces its shards cover, on any number of workers (``load_train_state``). ``keep_best`` gathers the
+model (not the optimizer) to rank 0 for each new best's copy.
 
 Upload. Rank 0 writes the checkpoint to a local folder and reports it with Ray Train's
 ``CheckpointUploadMode.ASYNC``: Ray copies it to ``storage_path`` in a background thread (one
