@@ -11,6 +11,7 @@ the old way (the full state gathered to rank 0) is measured too, so the measure 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -81,11 +82,19 @@ def _locals(model, optimizer) -> list:
              if isinstance(v, torch.Tensor) and v.dim() > 0])
 
 
-def _save_on_four(rank: int, port: int, out: str) -> None:
+@contextlib.contextmanager
+def _process_group(rank: int, world: int, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _save_on_four(rank: int, port: int, out: str) -> None:
+    with _process_group(rank, 4, port):
         strategy, model, optimizer = _setup(rank, 4)
         _step(strategy, model, optimizer, seed=0)
         own = os.path.join(out, f"rank{rank}")  # each Ray Train worker's own local folder
@@ -124,23 +133,16 @@ def _save_on_four(rank: int, port: int, out: str) -> None:
                        "share": _local_bytes(model, optimizer), "same_shards": same_shards,
                        "same_next_step": same_next_step, "async_returned_s": returned, "async_written_s": written,
                        "files": sorted(os.listdir(os.path.join(own, ckpt_format.SHARDED_DIR)))}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def _resume_on_two(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with _process_group(rank, 2, port):
         strategy, model, optimizer = _setup(rank, 2)
         strategy.load_sharded(model, optimizer, os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
         full = strategy.state_dict(model)  # collective: gathered to rank 0
         steps = {s["step"].item() for s in optimizer.state.values()}
         if rank == 0:
             torch.save({"model": full, "adam_steps": sorted(steps)}, os.path.join(out, "resumed_on_two.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,8 @@ def test_train_worker_is_wrapped_by_name_stuck_ranks():
 class _Strategy:
     """What save_and_report asks of a strategy: the plain (unsharded) states."""
 
+    sharded_checkpoint = False
+
     def state_dict(self, model):
         return model.state_dict()
 
