@@ -12,7 +12,8 @@ A checkpoint is one folder (a Ray Train checkpoint in the run's storage):
 - ``sharded/`` instead of ``model.pt`` and the optimizer's state, for a sharded strategy (``fsdp``):
   a ``torch.distributed.checkpoint`` (DCP) folder, ``{"model": ..., "optimizer": ...}``, each rank's
   shards in its own file (``__<rank>_0.distcp``), DCP's ``.metadata`` (rank 0) naming where each
-  piece of each tensor is. No rank ever holds the whole state; a resume on another number of
+  piece of each tensor is. No rank gathers the whole state (``keep_best``'s copy gathers the model
+  alone, to rank 0); a resume on another number of
   workers reshards (DCP plans the reads); :func:`load_model_state` consolidates the model on demand.
   Each rank uploads its own files, so a sharded checkpoint (``sharded`` in ``meta.json``) is
   complete once ``.metadata`` and every file it names are there (:func:`sharded_files`).
