@@ -32,6 +32,12 @@ their bytes (JSON files whole), records the folder in ``done-kill_in_save``, kee
 copy in ``kill_in_save-whole`` (what the save would have written) and SIGKILLs itself: a kill
 in the middle of a save.
 
+``optimizer="_probe_data:mesh_sgd"`` with ``optimizer_kwargs={"probe": dir, "momentum": m}``: SGD over
+the parameters a worker's strategy hands the optimizer; inside a Ray Train worker it first writes
+``mesh-<rank>-<pid>.json`` with its node IP and, where the first parameter is a DTensor (``fsdp``), its
+device mesh as torch built it: shape, dimension names, placements, the local and full shapes, and the
+world ranks of its ``shard`` and ``replicate`` sub-meshes; :func:`check_hsdp_mesh` reads them back.
+
 ``model="_probe_data:mlp_that_dies"`` with ``model_kwargs={"probe": dir, "after_forwards": N}``:
 an MLP for 8x8 digits whose last block (no parameters, so a pipeline puts it in the last
 stage) SIGKILLs its process on its N-th training forward inside a Ray actor, after writing
@@ -281,3 +287,44 @@ def _in_ray_actor() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
     except Exception:
         return False
+
+
+def mesh_sgd(params, lr: float, probe: str, momentum: float = 0.0):
+    """A user's optimizer factory that records the device mesh its parameters were sharded on."""
+    import torch
+
+    params = list(params)
+    info = _worker_info()
+    if info is not None:
+        facts = {"world_rank": info["world_rank"], "node_ip": info["node_ip"]}
+        first = params[0]
+        mesh = getattr(first, "device_mesh", None)  # a DTensor's; a plain tensor has none
+        if mesh is not None:
+            names = list(mesh.mesh_dim_names or ())
+            facts.update(mesh=list(mesh.mesh.shape), dims=names, placements=[str(p) for p in first.placements],
+                         local=list(first.to_local().shape), full=list(first.shape),
+                         **{f"{name}_group": mesh[name].mesh.tolist() for name in names})
+        (Path(probe) / f"mesh-{info['world_rank']}-{info['pid']}.json").write_text(json.dumps(facts))
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def check_hsdp_mesh(probe: Path, workers: int, shard: int) -> dict:
+    """Assert what :func:`mesh_sgd` recorded for an HSDP run (``shard_group_size=shard``): every rank's
+    parameters are DTensors on a (replicas x shard) mesh, replicated over the first dimension and sharded
+    over the second; its shard group is ``shard`` consecutive ranks, its replicate group the ranks at its
+    place in the other groups; it holds 1/shard of the first weight (not 1/workers). Returns the facts by
+    rank (one dict per worker process: a resumed run has several)."""
+    facts = {}
+    for path in Path(probe).glob("mesh-*.json"):
+        fact = json.loads(path.read_text())
+        facts.setdefault(fact["world_rank"], []).append(fact)
+    assert sorted(facts) == list(range(workers)), sorted(facts)
+    for rank, seen in facts.items():
+        for fact in seen:
+            group = rank // shard
+            assert fact["mesh"] == [workers // shard, shard] and fact["dims"] == ["replicate", "shard"], fact
+            assert fact["placements"] == ["R", "S(0)"], fact  # Replicate() over the groups, Shard(0) within
+            assert fact["shard_group"] == [group * shard + i for i in range(shard)], fact
+            assert fact["replicate_group"] == [g * shard + rank % shard for g in range(workers // shard)], fact
+            assert fact["local"] == [fact["full"][0] // shard, *fact["full"][1:]], fact
+    return facts

@@ -149,8 +149,8 @@ def pytest_runtest_protocol(item, nextitem):
 # Modules that start Ray clusters of their own (nodes in network namespaces, a Ray with the
 # machine's real CPUs, a head with token auth for job submission) rather than use the shared
 # instance: one xdist group of their own, beside the shared instance's.
-OWN_CLUSTERS = ("test_two_node.py", "test_two_node_elastic.py", "test_two_node_spot.py", "test_real_cpus.py",
-                "test_jobs.py")
+OWN_CLUSTERS = ("test_two_node.py", "test_two_node_elastic.py", "test_two_node_spot.py", "test_hsdp_two_nodes.py",
+                "test_real_cpus.py", "test_jobs.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and the mark plugin deselects

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _emulation_checks import check_devices
+from _probe_data import check_hsdp_mesh
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -438,28 +439,39 @@ def plain_mlp():
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("strategy,workers,devices", [("mp", 1, 2), ("ddp_mp", 2, 2), ("ddp2", 2, 2), ("fsdp", 2, 1)])
+def _local(uri: str, *parts: str) -> Path:
+    """A ``file://`` URI's (or a path's) local path, joined with ``parts``."""
+    return Path(uri.removeprefix("file://"), *parts)
+
+
+@pytest.mark.parametrize("strategy,workers,devices", [("mp", 1, 2), ("ddp_mp", 2, 2), ("ddp2", 2, 2), ("fsdp", 4, 1)])
 def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers, devices, plain_mlp, ray_session,
-                                                              storage):
+                                                              storage, tmp_path):
     # Measured spread against the plain loop (2-core VM): dp and dp_balanced ~2.5e-6 relative (the
     # batch summed in two slices), mp ~5e-8; the bound is 40x the larger.
     cfg = MLP.replace(strategy=strategy, num_workers=workers, gpus_per_worker=devices, name=strategy,
                       storage_path=storage, use_gpu=strategy != "ddp2")
-    if strategy == "fsdp":  # sharded checkpoints: stopped after epoch 1, resumed, it must still end on the plain weights
-        # DCP's asynchronous save at steps 10, 20 (30, 40 resumed): the synchronous one ends each fit.
-        cfg = cfg.replace(keep_best=True, monitor="test_loss", mode="min",  # and the best copy, from gathered shards
+    if strategy == "fsdp":  # HSDP (2 shard groups of 2), sharded checkpoints: stopped after epoch 1 and resumed,
+        # it must still end on the plain weights. DCP's asynchronous save at steps 10, 20 (30, 40 resumed): the
+        # synchronous one ends each fit. The optimizer is a user's factory that records the mesh it was handed.
+        # Storage as a URI: Ray Train uploads every rank's folder through pyarrow's filesystem, as for s3:// or gs://
+        # (Ray reads a file:// checkpoint in place where it downloads a remote one).
+        cfg = cfg.replace(storage_path=f"file://{storage}", shard_group_size=2, optimizer="_probe_data:mesh_sgd",
+                          optimizer_kwargs={"probe": str(tmp_path), "momentum": MLP.momentum},
+                          keep_best=True, monitor="test_loss", mode="min",  # and the best copy, from gathered shards
                           checkpoint_every_n_steps=10)
         first = rtm.fit(cfg.replace(epochs=1))
-        files = sorted(p.name for p in Path(first.checkpoint_path, ckpt_format.SHARDED_DIR).iterdir())
-        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # every rank's shards, in one folder
-        assert not Path(first.checkpoint_path, "model.pt").exists()
+        assert first.checkpoint_path.startswith(f"file://{storage}/"), first.checkpoint_path
+        files = sorted(p.name for p in _local(first.checkpoint_path, ckpt_format.SHARDED_DIR).iterdir())
+        assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]  # every rank's file, in one folder
+        assert not _local(first.checkpoint_path, "model.pt").exists()
         after_first = first.load_model().state_dict()  # consolidated on the driver
     result = rtm.fit(cfg)
     plain, history = plain_mlp
     got = result.load_model().state_dict()  # fsdp: gathered from both shards; mp: the split model's pieces
     assert got.keys() == plain.state_dict().keys()  # the checkpoint is the plain model's, whatever the strategy did
     if strategy == "fsdp":  # keep_best's copy: the best epoch's model, gathered to rank 0 (a plain model.pt)
-        copy = torch.load(Path(result.path, "best_checkpoint", "model.pt"), weights_only=True)
+        copy = torch.load(_local(result.path, "best_checkpoint", "model.pt"), weights_only=True)
         want = got if result.history[1]["test_loss"] < result.history[0]["test_loss"] else after_first
         assert copy.keys() == want.keys() and all(torch.equal(copy[k], want[k]) for k in want)
     for key, value in plain.state_dict().items():
@@ -472,6 +484,8 @@ def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers,
     if strategy != "ddp2":
         check_devices(result.history[-1], workers=workers, per_worker=devices)
         _check_report_row(result.config, result.history)
+    if strategy == "fsdp":
+        check_hsdp_mesh(tmp_path, workers=4, shard=2)
 
 
 @pytest.mark.parametrize("strategy", ["dp", "dp_balanced"])
