@@ -438,12 +438,12 @@ def plain_mlp():
     return _plain_run(MLP)
 
 
-@pytest.mark.ray
 def _local(uri: str, *parts: str) -> Path:
     """A ``file://`` URI's (or a path's) local path, joined with ``parts``."""
     return Path(uri.removeprefix("file://"), *parts)
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("strategy,workers,devices", [("mp", 1, 2), ("ddp_mp", 2, 2), ("ddp2", 2, 2), ("fsdp", 4, 1)])
 def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers, devices, plain_mlp, ray_session,
                                                               storage, tmp_path):
