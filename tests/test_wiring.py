@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,102 @@ def test_save_and_report_returns_only_after_the_controller_took_the_report(rank,
     controller.thread.join(timeout=30)
     assert events == ["report", "collected", "returned"]
     assert time.monotonic() - start >= COLLECT_AFTER_S
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_written(rank, monkeypatch, tmp_path):
+    """A step checkpoint (background upload) is reported before the gather and the write, so the
+    other ranks' wait for the controller overlaps rank 0's work (issue 24); Ray Train's upload of
+    rank 0's folder waits until it is complete; the other ranks still return only once the
+    controller holds their report (rank 0's is queued after the upload, and waited for before its next save)."""
+    events: list = []
+    controller = _Controller(events)
+    uploaded: list = []
+
+    def report(metrics, checkpoint=None, checkpoint_upload_fn=None, **upload):
+        events.append(("report", sorted(p.name for p in Path(checkpoint.path).iterdir()) if checkpoint else None))
+        if checkpoint is None:
+            controller.results.put((metrics, None))
+            return
+        assert upload["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.ASYNC
+
+        def upload_then_queue():  # Ray Train's upload thread: the upload, then the report is queued
+            uploaded.append(sorted(p.name for p in checkpoint_upload_fn(checkpoint, "ckpt").iterdir()))
+            controller.results.put((metrics, checkpoint))
+
+        threading.Thread(target=upload_then_queue, daemon=True).start()
+
+    def gather(own):
+        events.append("gather")
+        return [own, own]
+
+    storage = SimpleNamespace(persist_current_checkpoint=lambda checkpoint, name: Path(checkpoint.path))
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: storage))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(train_context, "get_train_context", lambda: controller)
+    monkeypatch.setattr(worker_checkpoint, "gather_objects", gather)
+    monkeypatch.setattr(worker_checkpoint.tempfile, "tempdir", str(tmp_path))  # the folder outlives the upload here
+
+    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_workers=2,
+                          checkpoint_every_n_steps=10)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    state = loop._State(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}])
+    worker_checkpoint.save_and_report(
+        cfg, _Strategy(), model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), state,
+        {"epoch": 1, "step": 32}, WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),)),
+        {"input_shape": [3], "num_classes": 2}, epoch_partial={"samples": 320})
+    events.append("returned")
+    controller.thread.join(timeout=30)
+    if rank == 0:
+        assert events[:2] == [("report", []), "gather"], events  # an empty folder, reported before the gather
+        assert uploaded == [["history.json", "meta.json", "model.pt", "train_state.pt"]]  # uploaded complete
+        # Its report reaches the controller after the upload; rank 0 waits for it before its next save.
+        assert events[2:] == ["returned", "collected"], events
+    else:
+        assert events[:2] == [("report", None), "gather"], events
+        assert events[2:] == ["collected", "returned"], events
+
+
+@pytest.mark.timeout(60)
+def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, tmp_path):
+    """Reported before its write, a step checkpoint whose write fails fails its upload too (Ray Train then
+    fails the run, as for any failed upload): nothing half-written is persisted or registered."""
+    uploads: list = []
+
+    def report(metrics, checkpoint=None, checkpoint_upload_fn=None, **upload):
+        def upload_in_thread():
+            try:
+                checkpoint_upload_fn(checkpoint, "ckpt")
+                uploads.append("persisted")
+            except OSError as exc:
+                uploads.append(str(exc))
+
+        thread = threading.Thread(target=upload_in_thread, daemon=True)
+        thread.start()
+        uploads.append(thread)
+
+    def failing_write(directory, **parts):
+        raise OSError("disk full")
+
+    storage = SimpleNamespace(persist_current_checkpoint=lambda checkpoint, name: Path(checkpoint.path))
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: storage))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(worker_checkpoint.ckpt_format, "write_checkpoint", failing_write)
+    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", checkpoint_every_n_steps=10)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(OSError, match="disk full"):
+        worker_checkpoint.save_and_report(
+            cfg, _Strategy(), model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+            torch.amp.GradScaler("cpu", enabled=False), loop._State(epoch=1, step=10, step_in_epoch=10, history=[]),
+            {"epoch": 1, "step": 10}, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)),
+            {"input_shape": [3], "num_classes": 2}, epoch_partial={"samples": 100})
+    thread, *_ = uploads
+    thread.join(timeout=30)
+    assert uploads[1:] == ["disk full"]  # the upload waited for the write and failed with it

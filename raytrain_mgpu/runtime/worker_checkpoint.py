@@ -43,6 +43,18 @@ upload guaranteed still holds:
   announced (an announcement still pending after 300 s is given up with a warning: the
   checkpoint is registered either way);
 - ``keep_best``'s copy (``RunFolder.save_best``) is written before the report, as before.
+
+Step checkpoints report first. Ray Train's report is a barrier across ranks, and the other ranks then
+wait for the controller's next poll (up to ``runtime/faults.FIT_POLL_S``) after it: after rank 0's
+write, that wait was most of what a step checkpoint stalled training. So for a step checkpoint
+(``checkpoint_every_n_steps``, uploaded in the background) every rank reports *before* the gather and
+the write: rank 0 reports an empty folder and a future that Ray Train's upload thread waits for, as
+for the sharded save above, then gathers and writes while the others wait for the poll. Nothing is
+registered before the folder is complete (the upload, and with it the report to the controller, waits
+for the write; a failed write fails the upload); every rank still returns only once the controller
+holds its report. Measured (issue 24, 2 workers, mlp on digits, a save every 10 steps, 3 runs each, a
+0.05 s poll): 46.7-51.1 ms a save against 52.0-78.4 ms reported after the write. An epoch's checkpoint keeps the order above: its
+row's ``checkpoint_s`` counts the write, and the row is reported with it.
 """
 
 from __future__ import annotations
@@ -160,7 +172,9 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     started = time.perf_counter()
     if state.finished(cfg):
         upload = CheckpointUploadMode.SYNC
-    sharded, writing = strategy.sharded_checkpoint, None
+    sharded, writing, directory = strategy.sharded_checkpoint, None, None
+    # A step checkpoint uploaded in the background is reported before it is written (module docstring).
+    report_first = epoch_partial is not None and not sharded and upload == CheckpointUploadMode.ASYNC
     if sharded:  # every rank its own shards, into its own folder: Ray Train uploads each into the one checkpoint
         directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")
         try:  # collective; asynchronous with the upload: training waits for the copy to host memory only
@@ -173,26 +187,32 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
     else:
         model_state = strategy.state_dict(model)  # collective for sharded strategies: all ranks call
         optimizer_state = strategy.optimizer_state_dict(model, optimizer)  # collective too (fsdp)
+    uploads = _Uploads.current()
+    if report_first:
+        directory, writing, index = _report_first(metrics, ctx, uploads)
     is_best = (ctx.world_rank == 0 and cfg.keep_best and epoch_partial is None
                and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
     name = _checkpoint_dir_name() if ctx.world_rank == 0 else None
     # One collective for all: each rank keeps its own random stream on resume, a step checkpoint
     # (``epoch_partial``: this rank's sums of the unfinished epoch) keeps every rank's sums, and a
     # sharded one is reported under rank 0's checkpoint name, with rank 0's keep_best verdict.
-    gathered = gather_objects((rng_state(), epoch_partial, name, is_best))
+    try:
+        gathered = gather_objects((rng_state(), epoch_partial, name, is_best))
+    except BaseException as exc:
+        if writing is not None and report_first:  # the folder will never be written: its upload fails
+            writing.set_exception(exc)
+        raise
     rng_states = [rng for rng, *_ in gathered]
     partials = [partial for _, partial, *_ in gathered] if epoch_partial is not None else None
     name, is_best = gathered[0][2], gathered[0][3]
     best_model = strategy.state_dict(model) if sharded and is_best else None  # collective: the model, to rank 0
     if ctx.world_rank != 0 and not sharded:  # no checkpoint: reported at once, then held until the controller took it
-        ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
+        if not report_first:
+            ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
         wait_until_report_collected()
         return
-    uploads = _Uploads.current()
-    # The previous upload, if still running (one in flight at most), and its report taken by the
-    # controller: a failure from here on resumes from it, at worst (up to one poll, 2 s, if it just ended).
-    uploads.wait_persisted()
-    wait_until_report_collected()
+    if not report_first:
+        _wait_for_previous(uploads)
     if ctx.world_rank != 0:  # a sharded checkpoint's other ranks: their shards, under rank 0's name
         try:
             _report(metrics, directory, name, upload, uploads, writing)
@@ -202,7 +222,7 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
         if upload == CheckpointUploadMode.SYNC:
             wait_until_report_collected()
         return
-    if not sharded:
+    if directory is None:
         directory = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after the upload
     try:
         extra = {STEP_IN_EPOCH: state.step_in_epoch} if partials else {}
@@ -226,8 +246,13 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
             _save_best(cfg, directory, meta, state.history, best_model)
         if send_row and reporter is not None:
             reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
-        index = _report(metrics, directory, name, upload, uploads, writing)
-    except BaseException:
+        if report_first:
+            writing.set_result(None)  # complete: Ray Train's upload thread copies it from here
+        else:
+            index = _report(metrics, directory, name, upload, uploads, writing)
+    except BaseException as exc:
+        if report_first:  # reported already: its upload fails with the write, before it reads the folder
+            writing.set_exception(exc)
         shutil.rmtree(directory, ignore_errors=True)  # not handed to Ray Train (or its upload failed)
         raise
     if upload == CheckpointUploadMode.ASYNC:
@@ -241,6 +266,32 @@ def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer
         persisted = ray.train.get_checkpoint()  # the latest reported: this one, in the storage filesystem
         if persisted is not None:
             reporter.checkpoint(RunFolder.of(cfg).uri_of(persisted.path))
+
+
+def _wait_for_previous(uploads: "_Uploads") -> None:
+    """Rank 0, before it reports: the previous upload, if still running (one in flight at most), and its
+    report taken by the controller. A failure from here on resumes from it, at worst."""
+    uploads.wait_persisted()
+    wait_until_report_collected()
+
+
+def _report_first(metrics: dict, ctx: WorkerContext, uploads: "_Uploads") -> tuple:
+    """A step checkpoint's report before its write, on every rank; rank 0's ``(folder, writing, index)``:
+    the empty folder reported, the future Ray Train's upload waits for (set once the folder is written),
+    its index in ``uploads``. Every rank reports first or none does: Ray Train's report is a barrier
+    across ranks (they agree on the checkpoint's name), so a rank in it and another in the gather that
+    follows would wait for each other for ever."""
+    if ctx.world_rank != 0:
+        ray.train.report({k: v for k, v in metrics.items() if v is not None}, checkpoint=None)
+        return None, None, None
+    _wait_for_previous(uploads)
+    directory, writing = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-"), Future()
+    try:
+        index = _report(metrics, directory, _checkpoint_dir_name(), CheckpointUploadMode.ASYNC, uploads, writing)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory, writing, index
 
 
 def _report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMode, uploads: "_Uploads",
