@@ -69,7 +69,10 @@ def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: 
     if meta is not None:
         (path / META_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=1))
     if history is not None:
-        (path / HISTORY_FILE).write_text(json.dumps(history, indent=1))
+        # One row a line: ``indent`` makes ``json`` fall back to its pure-Python encoder, and every
+        # checkpoint (step ones too) rewrites the whole history: 187 rows took 27.7 ms indented,
+        # 9.3 ms a row a line (issue 24, measured on the 2-core VM).
+        (path / HISTORY_FILE).write_text("[\n" + ",\n".join(json.dumps(row) for row in history) + "\n]\n")
 
 
 def read_meta(directory: str) -> dict:
