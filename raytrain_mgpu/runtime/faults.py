@@ -38,7 +38,7 @@ resumes from the checkpoint before, one more epoch lost (seen in tests/test_faul
 with a worker killed 0.1 s after its report). :func:`wait_until_report_collected` blocks
 each rank after its report until the controller has taken it, so a failure after that
 point always finds the checkpoint registered. Cost: up to one poll interval per report,
-which is why ``fit`` runs Ray Train's controller with a 0.02 s poll (:func:`controller_poll`).
+which is why ``fit`` runs Ray Train's controller with a 0.03 s poll (:func:`controller_poll`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CollectiveTimeoutError", "name_stuck_ranks", "wait_until_report_collected", "controller_poll"]
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-FIT_POLL_S = "0.02"
+FIT_POLL_S = "0.03"
 """The controller poll ``fit`` asks for: each report (one an epoch, or every K steps) waits for a poll.
 Measured on the 2-core VM, ``raytrain-mgpu train`` (88 steps, 8 epochs): 2 s (Ray's default) -> 37-38 s
 and ~1,350 samples/s from epoch 2 on; 0.2 s -> 21-24 s and 9,000-17,000 samples/s, the same losses,
@@ -64,9 +64,12 @@ and the same machine CPU over the run (36 vs 38 CPU-s: a poll is one small task 
 0.2 -> 0.05 s (issue 24, ``raytrain-mgpu bench --short-epochs 10 --rounds 2``): a step checkpoint
 192 -> 48 ms, what an epoch adds outside its steps 0.24 -> 0.13 s; 60 epochs of the same 2-worker
 fit trained at 22,700-24,800 samples/s against 23,000 with 0.2 s (the polls cost the steps nothing
-measurable). 0.05 -> 0.02 s (issue 24, step checkpoints reported first: ``runtime/worker_checkpoint.py``),
-10-epoch 2-worker fits with a save every 10 steps, 2 runs each: 29.4-32.3 ms a save against 55.0-59.3 ms,
-the epochs' time in steps the same within the runs' noise (0.148-0.178 s either way). A poll that takes longer than the interval is only a missed poll: Ray Train declares a
+measurable). 0.05 -> 0.03 s (issue 24, with step checkpoints reported first: ``runtime/worker_checkpoint.py``):
+10-epoch 2-worker fits with a save every 10 steps: 0.05 s 46.7-59.3 ms a save, 0.02 s 29.4-32.3 ms; but in
+40-epoch fits (2 runs each) the epochs' time in steps was 0.131-0.139 s at 0.02 against 0.120-0.125 s at
+0.05 (~8 % slower: on 2 cores the polls take CPU from the workers), so 0.03 in between: the bench
+gave 38.6 ms a save at 0.03 (33.1 ms at 0.02), and the same samples/s within its noise (0.78x vs 0.81x the
+hand-written loop's). A poll that takes longer than the interval is only a missed poll: Ray Train declares a
 worker dead after ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S`` (10 min), not after one interval."""
 
 _WHERE_KEY = "raytrain_mgpu/where/{rank}"
