@@ -21,9 +21,9 @@ from raytrain_mgpu.runtime.checkpoint import load_train_state
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime import worker_checkpoint
 from raytrain_mgpu.runtime.loop import _Loop, _State
-from raytrain_mgpu.runtime.worker_checkpoint import load_train_state as _load_train_state
-from raytrain_mgpu.runtime.worker_checkpoint import restore as _restore
 from raytrain_mgpu.runtime.worker_checkpoint import save_and_report as _save_and_report
+from raytrain_mgpu.runtime.worker_restore import load_train_state as _load_train_state
+from raytrain_mgpu.runtime.worker_restore import restore as _restore
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.parallel import build_worker
@@ -104,7 +104,7 @@ def test_gradients_are_unscaled_before_clipping():
 
 
 def checkpoint_roundtrip(monkeypatch, tmp_path, loop: _Loop, cfg: TrainConfig, state: _State, after_save=None):
-    """Save through ``worker_checkpoint.save_and_report`` and read it back through ``worker_checkpoint.restore`` (no Ray Train)."""
+    """Save through ``worker_checkpoint.save_and_report`` and read it back through ``worker_restore.restore`` (no Ray Train)."""
     saved = tmp_path / "checkpoint"
 
     def report(metrics, checkpoint=None, **upload):

@@ -14,8 +14,8 @@ import torch
 from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _build_model, _State
-from raytrain_mgpu.runtime.worker_checkpoint import rng_state as _rng_state
-from raytrain_mgpu.runtime.worker_checkpoint import restore_rng as _restore_rng
+from raytrain_mgpu.runtime.worker_restore import restore_rng as _restore_rng
+from raytrain_mgpu.runtime.worker_restore import rng_state as _rng_state
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from test_precision import _config, _loop, checkpoint_roundtrip

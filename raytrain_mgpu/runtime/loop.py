@@ -37,8 +37,8 @@ from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH, ResumableSampler
 from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns
 from raytrain_mgpu.runtime.step_scalars import StepWindow
-from raytrain_mgpu.runtime.worker_checkpoint import (load_train_state, restore, save_and_report,
-                                                   seed_rank_stream)
+from raytrain_mgpu.runtime.worker_checkpoint import save_and_report
+from raytrain_mgpu.runtime.worker_restore import load_train_state, restore, seed_rank_stream
 from raytrain_mgpu.parallel import WorkerStrategy, build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import RunPlan

@@ -1,7 +1,7 @@
-"""What a Ray Train worker saves and restores: checkpoints, the optimizer's state, each rank's RNG.
+"""What a Ray Train worker saves: checkpoints, the optimizer's state, each rank's RNG.
 
 ``save_and_report`` writes a checkpoint (rank 0) and reports it to Ray Train on every rank;
-``restore`` reads the run's last checkpoint back on a restart or resume. Used by the loop
+``runtime/worker_restore.py`` reads it back on a restart or resume. Used by the loop
 (``runtime/loop.py``) at the end of every epoch and every ``checkpoint_every_n_steps``.
 
 Sharded strategies (``fsdp``: ``WorkerStrategy.sharded_checkpoint``). Every rank writes its own
@@ -13,7 +13,7 @@ Train's upload thread waits for that write before it copies the folder (the run'
 synchronous, writes at once). Rank 0 adds ``meta.json`` (``sharded``: true), ``history.json`` and
 the small train state (LR schedule, scaler, every rank's RNG). So no rank gathers the full state,
 each rank's upload is its own (one in flight per rank, as rank 0's below), and a restart reads the
-pieces its shards cover, on any number of workers (``load_train_state``). ``keep_best`` gathers the
+pieces its shards cover, on any number of workers (``worker_restore.load_train_state``). ``keep_best`` gathers the
 model (not the optimizer) to rank 0 for each new best's copy.
 
 Upload. Rank 0 writes the checkpoint to a local folder and reports it with Ray Train's
@@ -81,57 +81,13 @@ from raytrain_mgpu.runtime.progress import WorkerReporter
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH
+from raytrain_mgpu.runtime.worker_restore import rng_state
 
 if TYPE_CHECKING:  # the strategies sit above the runtime (tests/test_imports.py LAYERS)
     from raytrain_mgpu.parallel import WorkerStrategy
     from raytrain_mgpu.strategies import WorkerContext
 
 logger = logging.getLogger(__name__)
-
-
-def seed_rank_stream(seed: int, rank: int, step: int = 0) -> None:
-    """Seed this rank's CPU and CUDA generators: distinct per rank, and per step when re-seeding a resume."""
-    torch.manual_seed((seed + 1 + rank) + 1_000_003 * step)
-
-
-def restore(cfg: TrainConfig, strategy: WorkerStrategy, model) -> tuple:
-    """Load the last checkpoint of this run, if Ray Train has one (resume or restart)."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return RunState(), None
-    with checkpoint.as_directory() as directory:
-        meta = ckpt_format.read_meta(directory)
-        ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
-        sharded = ckpt_format.is_sharded(directory)
-        if not sharded and not strategy.build_on_meta():  # a meta model holds no data: rank 0 sends its weights
-            model.load_state_dict(ckpt_format.load_model_state(directory))
-        train_state = ckpt_format.load_train_state(directory)
-        if sharded:  # model and optimizer once sharded and built (load_train_state), from every rank's files
-            train_state["sharded_checkpoint"] = checkpoint
-        history = ckpt_format.read_history(directory)
-    state = RunState.resumed(meta, history, getattr(checkpoint, "path", None))
-    restore_rng(train_state.get("rng_per_rank"), cfg.seed, strategy.ctx, state.step)
-    if strategy.ctx.world_rank == 0:
-        logger.info("resuming %s from epoch %d, step %d", cfg.name, state.epoch, state.step)
-    return state, train_state
-
-
-def load_train_state(strategy: WorkerStrategy, model, optimizer, scheduler, scaler, train_state: dict) -> None:
-    """Optimizer, LR schedule and grad scaler (scale, growth tracker) from a checkpoint's train state;
-    a sharded checkpoint's model and optimizer shards too (every rank reads the pieces its shards cover)."""
-    if "sharded_checkpoint" in train_state:  # written by this strategy (check_resumable)
-        with train_state["sharded_checkpoint"].as_directory() as directory:
-            strategy.load_sharded(model, optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR))
-    else:
-        strategy.load_optimizer_state_dict(model, optimizer, train_state["optimizer"])
-    scheduler.load_state_dict(train_state["scheduler"])
-    scaler.load_state_dict(train_state["scaler"])
-
-
-def rng_state() -> dict:
-    """This rank's generators as ByteTensors (loadable with ``weights_only=True``)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
 
 
 def gather_objects(own) -> list:
@@ -141,20 +97,6 @@ def gather_objects(own) -> list:
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, own)
     return gathered
-
-
-def restore_rng(states: Optional[list], seed: int, ctx: WorkerContext, step: int) -> None:
-    """This rank's saved generators; a different world size (or an old checkpoint) re-seeds per rank and step."""
-    if not states or len(states) != ctx.world_size:
-        if ctx.world_rank == 0:
-            logger.info("RNG states saved for %s ranks, %d now: re-seeding each rank's stream at step %d",
-                        len(states) if states else "no", ctx.world_size, step)
-        seed_rank_stream(seed, ctx.world_rank, step)
-        return
-    own = states[ctx.world_rank]
-    torch.set_rng_state(own["cpu"])
-    if own["cuda"] and torch.cuda.is_available() and len(own["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(own["cuda"])
 
 
 def save_and_report(cfg: TrainConfig, strategy: WorkerStrategy, model, optimizer, scheduler, scaler,
