@@ -6,11 +6,8 @@ in the head's namespace), and compares with the 1-worker run's weights computed 
 process (tests/_reference.py: the same numbers as a fit through Ray, tests/test_loaders.py):
 
 - a storage path only the head can see is refused at start, naming the node;
-- a 2-worker ``ddp`` run with ``STRICT_SPREAD`` (node ranks 0 and 1, gloo over rtm0) loses its
-  worker node (every Ray process on it, SIGKILL) half-way through epoch 2; the test starts a new
-  worker node in its place and the run resumes from the last checkpoint. Each epoch (the first
-  from the first group, the second from the restarted one) read what the 1-worker run reads,
-  split into disjoint shards, and the run ends with the 1-worker run's weights;
+- (a 2-worker ``ddp`` run over both nodes that loses its worker node, its shards and its weights:
+  tests/test_two_node_spot.py, which runs it with step checkpoints;)
 - a 2-stage ``pipeline`` run with one stage actor per node (activations and gradients over
   rtm0), whose worker node the test kills once epoch 1's checkpoint is published and a stage
   actor is parked before its first batch of epoch 2 (tests/_elastic_probe.py: the run cannot end
@@ -32,7 +29,7 @@ from typing import Callable
 import pytest
 import torch
 
-from _netns import HEAD_IP, IFNAME, WORKER_IP
+from _netns import HEAD_IP, WORKER_IP
 from _reference import train_one_worker
 
 pytest_plugins = ["_two_node_site"]  # the ``two_node`` fixture: the cluster the three two-node modules share
@@ -42,7 +39,6 @@ REPO = Path(__file__).resolve().parents[1]
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="_probe_data:digits", batch_size=64,
            optimizer="sgd", lr=0.1, seed=3, epochs=2)
 STEPS_PER_EPOCH = 1438 // 64
-PER_RANK_EPOCH = STEPS_PER_EPOCH * 32
 DRIVER_TIMEOUT_S = 400
 
 
@@ -102,21 +98,6 @@ def _wait(proc: subprocess.Popen, cluster, kill_when, timeout_s: float) -> int:
     return replaced
 
 
-def _attempts(probe: Path) -> list:
-    """Worker processes grouped by attempt (world size each, in start order):
-    [{world rank: (info, indices served)}, ...], from the probe's files."""
-    infos = sorted((json.loads(p.read_text()) for p in probe.glob("worker-*.json")), key=lambda i: i["started"])
-    size = infos[0]["world_size"]
-    attempts = []
-    for first in range(0, len(infos), size):
-        group = {}
-        for info in infos[first:first + size]:
-            text = (probe / f"indices-{info['world_rank']}-{info['pid']}.txt").read_text()
-            group[info["world_rank"]] = (info, [int(i) for i in text.split()])
-        attempts.append(group)
-    return attempts
-
-
 def _probe(site: _Site, name: str, plan: dict = None) -> Path:
     probe = site.root / f"probe-{name}"
     probe.mkdir()
@@ -132,23 +113,12 @@ def _assert_same_weights(path: Path, reference: dict, atol: float) -> None:
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-4, atol=atol, msg=key)
 
 
-def _assert_two_nodes(group: dict) -> None:
-    """Node ranks 0 and 1, the nodes' own IPs, gloo on the namespace's interface."""
-    nodes = sorted((info["node_rank"], info["node_ip"]) for info, _ in group.values())
-    assert [r for r, _ in nodes] == [0, 1] and {ip for _, ip in nodes} == {HEAD_IP, WORKER_IP}, nodes
-    assert all(info["gloo_ifname"] == IFNAME for info, _ in group.values())
-
-
 @pytest.fixture(scope="module")
-def one_worker(site):
-    """The 1-worker reference run, in this process: (weights, indices it read)."""
-    probe = _probe(site, "one")
-    weights, _, _, history = train_one_worker({**MLP, "dataset": "_two_node_site:recorded_digits",
-                                               "num_workers": 1, "data_root": str(probe)})
+def reference():
+    """The 1-worker reference run's weights, in this process."""
+    weights, _, _, history = train_one_worker({**MLP, "dataset": "digits", "num_workers": 1})
     assert history[-1]["step"] == 2 * STEPS_PER_EPOCH
-    single = [int(i) for i in (probe / "indices-in-process.txt").read_text().split()]
-    assert len(single) == 2 * 2 * PER_RANK_EPOCH
-    return weights, single
+    return weights
 
 
 def test_storage_path_only_the_head_sees_is_refused_naming_the_node(site):
@@ -167,41 +137,7 @@ def test_storage_path_only_the_head_sees_is_refused_naming_the_node(site):
     assert refused_fit["seconds"] < 2 * storage_check["seconds"] + 10, (refused_fit, storage_check)
 
 
-def test_ddp_on_two_nodes_shards_the_data_survives_losing_the_worker_node_and_equals_one_worker(site, one_worker):
-    reference, single = one_worker
-    # The kill waits until Ray Train has registered epoch 1's checkpoint (rank 0 reports it after its
-    # asynchronous upload): a node lost before that resumes from scratch, by design (docs/reliability.md).
-    probe = _probe(site, "lost", {"action": "kill_node", "node_ip": WORKER_IP,
-                                  "after_samples": PER_RANK_EPOCH + PER_RANK_EPOCH // 2,
-                                  "after_registered_step": STEPS_PER_EPOCH, "run": str(site.shared / "lost")})
-    (lost,), replaced = _drive(site, "lost", [{"kind": "fit", "weights": str(site.root / "lost.pt"), "config": {
-        **MLP, "num_workers": 2, "placement": "STRICT_SPREAD", "max_failures": 1, "data_root": str(probe),
-        "name": "lost", "storage_path": str(site.shared)}}])
-    assert lost["ok"], lost
-    assert replaced == 1, f"the worker node was lost {replaced} time(s), not once"
-    first, restarted_group = _attempts(probe)
-    for group in (first, restarted_group):
-        _assert_two_nodes(group)
-    # The restarted group trained epoch 2 once, in the same order as the killed one.
-    for rank, (_, indices) in restarted_group.items():
-        assert len(indices) == PER_RANK_EPOCH
-        in_flight = first[rank][1][PER_RANK_EPOCH:]
-        assert indices[:len(in_flight)] == in_flight
-    # Each epoch's shards (epoch 1: the first group's; epoch 2: the restarted group's): disjoint, and
-    # together exactly what the single worker trained on.
-    for epoch, shards in enumerate([{rank: set(indices[:PER_RANK_EPOCH]) for rank, (_, indices) in first.items()},
-                                    {rank: set(indices) for rank, (_, indices) in restarted_group.items()}]):
-        assert not shards[0] & shards[1]
-        assert shards[0] | shards[1] == set(single[epoch * 2 * PER_RANK_EPOCH:(epoch + 1) * 2 * PER_RANK_EPOCH])
-    assert Path(lost["checkpoint_path"]).is_relative_to(site.shared) and Path(lost["checkpoint_path"]).is_dir()
-    # Lost in epoch 2, resumed from epoch 1's checkpoint on the new node, ends like one worker.
-    assert [(h["epoch"], h["attempt"]) for h in lost["history"]] == [(1, 0), (2, 1)]
-    assert lost["history"][-1]["step"] == 2 * STEPS_PER_EPOCH
-    _assert_same_weights(site.root / "lost.pt", reference, atol=1e-5)
-
-
-def test_pipeline_with_a_stage_per_node_survives_losing_the_worker_node(site, one_worker):
-    reference, _ = one_worker
+def test_pipeline_with_a_stage_per_node_survives_losing_the_worker_node(site, reference):
     # Each stage actor of the first group parks before its first batch of epoch 2 (tests/_elastic_probe.py),
     # so the run cannot end before the node is killed; the restarted group reads epoch 2 only (22 batches).
     probe = _probe(site, "pipe")

@@ -4,11 +4,13 @@ this module works in a folder of its own), one driver process per test (tests/_f
 head's namespace). The reference is the undisturbed 1-worker run's weights, computed in the test's
 own process (tests/_reference.py: the same numbers as a fit through Ray, tests/test_loaders.py).
 
-- a 2-worker ``ddp`` run with ``checkpoint_every_n_steps=K`` loses its worker node (every Ray
-  process on it, SIGKILL) part-way through epoch 2, after Ray Train registered the step checkpoint
-  before; a new worker node takes its place and the run resumes mid-epoch from that checkpoint:
-  it trains at most K steps twice and ends
-  with the 1-worker reference run's weights;
+- a 2-worker ``ddp`` run with ``STRICT_SPREAD`` (node ranks 0 and 1, gloo over rtm0) and
+  ``checkpoint_every_n_steps=K`` loses its worker node (every Ray process on it, SIGKILL) part-way
+  through epoch 2, after Ray Train registered the step checkpoint before; a new worker node takes
+  its place and the run resumes mid-epoch from that checkpoint: it trains at most K steps twice,
+  each epoch's reads (epoch 2's from both worker groups) are disjoint shards of what the 1-worker
+  run reads, and it ends with the 1-worker run's weights (this run was two, one with epoch
+  checkpoints only, before issue 22: both lost the worker node the same way);
 - a simulated preemption: ``raytrain-mgpu spot-watch`` on the worker node gets SIGTERM, drains its
   node (reason preemption, a deadline G s away), the workers save a step checkpoint; once the
   driver has printed that save and Ray Train has registered it, the cloud reclaims the machine
@@ -36,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _netns import WORKER_IP
+from _netns import HEAD_IP, IFNAME, WORKER_IP
 from _probe_data import registered_step
 from _ray_nodes import VENV_BIN
 from _reference import train_one_worker
@@ -116,13 +118,26 @@ def _drive(site: _Site, name: str, steps: list, act=None) -> tuple:
     return results, replaced, output
 
 
-def _attempts(probe: Path) -> list:
-    """[{world rank: indices served}, ...] per worker group, in start order (tests/_probe_data.py's files)."""
+def _attempts(probe: Path, with_info: bool = False) -> list:
+    """[{world rank: indices served}, ...] per worker group, in start order (tests/_probe_data.py's files);
+    ``with_info``: {world rank: (the worker's info, indices served)}."""
     infos = sorted((json.loads(p.read_text()) for p in probe.glob("worker-*.json")), key=lambda i: i["started"])
     size = infos[0]["world_size"]
-    return [{info["world_rank"]: [int(i) for i in (probe / f"indices-{info['world_rank']}-{info['pid']}.txt")
-                                  .read_text().split()] for info in infos[first:first + size]}
-            for first in range(0, len(infos), size)]
+    groups = []
+    for first in range(0, len(infos), size):
+        group = {}
+        for info in infos[first:first + size]:
+            served = [int(i) for i in (probe / f"indices-{info['world_rank']}-{info['pid']}.txt").read_text().split()]
+            group[info["world_rank"]] = (info, served) if with_info else served
+        groups.append(group)
+    return groups
+
+
+def _assert_two_nodes(group: dict) -> None:
+    """Node ranks 0 and 1, the nodes' own IPs, gloo on the namespace's interface."""
+    nodes = sorted((info["node_rank"], info["node_ip"]) for info, _ in group.values())
+    assert [r for r, _ in nodes] == [0, 1] and {ip for _, ip in nodes} == {HEAD_IP, WORKER_IP}, nodes
+    assert all(info["gloo_ifname"] == IFNAME for info, _ in group.values())
 
 
 def _assert_same_weights(path: Path, reference: dict) -> None:
@@ -133,14 +148,27 @@ def _assert_same_weights(path: Path, reference: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The undisturbed 1-worker run's weights (the two-worker split trains the same steps: test_two_node.py)."""
-    weights, _, _, history = train_one_worker({**MLP, "num_workers": 1})
+def one_worker(site):
+    """The undisturbed 1-worker run, in this process: (weights, the indices it read, in order)."""
+    probe = site.root / "probe-one"
+    probe.mkdir()
+    weights, _, _, history = train_one_worker({**MLP, "num_workers": 1, "dataset": "_two_node_site:recorded_digits",
+                                               "data_root": str(probe)})
     assert history[-1]["step"] == EPOCHS * STEPS_PER_EPOCH, history[-1]
-    return weights
+    single = [int(i) for i in (probe / "indices-in-process.txt").read_text().split()]
+    assert len(single) == EPOCHS * STEPS_PER_EPOCH * 2 * PER_RANK_STEP
+    return weights, single
 
 
-def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_reference_weights(site, reference):
+@pytest.fixture(scope="module")
+def reference(one_worker):
+    """The undisturbed 1-worker run's weights (the two-worker split trains the same steps)."""
+    return one_worker[0]
+
+
+def test_ddp_over_two_nodes_shards_the_data_loses_the_worker_node_redoes_at_most_k_steps_and_ends_like_one_worker(
+        site, one_worker):
+    reference, single = one_worker
     probe = site.root / "probe-lost"
     probe.mkdir()
     kill_after = STEPS_PER_EPOCH * PER_RANK_STEP + 12 * PER_RANK_STEP  # loading step 13 of epoch 2 (step 35)
@@ -156,7 +184,11 @@ def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_referenc
         "placement": "STRICT_SPREAD", "max_failures": 1, "checkpoint_every_n_steps": K, "name": "lost",
         "storage_path": str(site.shared)}}])
     assert lost["ok"] and replaced == 1, (lost, replaced)
-    first, second = _attempts(probe)
+    groups = _attempts(probe, with_info=True)
+    assert len(groups) == 2, [sorted(g) for g in groups]
+    for group in groups:
+        _assert_two_nodes(group)
+    first, second = ({rank: served for rank, (_, served) in group.items()} for group in groups)
     epoch = STEPS_PER_EPOCH * PER_RANK_STEP  # one rank's samples of an epoch
     for rank in (0, 1):
         epoch2 = first[rank][epoch:]  # the killed group's part of epoch 2
@@ -169,6 +201,15 @@ def test_losing_the_worker_node_costs_at_most_k_steps_and_ends_with_the_referenc
         assert 0 <= served_twice <= K * PER_RANK_STEP, served_twice
         print(f"rank {rank}: resumed after global step {STEPS_PER_EPOCH + resumed_at}; steps read twice "
               f"(trained twice, or in flight at the kill): {served_twice / PER_RANK_STEP:g} (K={K})")
+    # What each rank trained, epoch by epoch (epoch 2: the killed group's steps up to the checkpoint, then
+    # the restarted group's): disjoint shards that together are exactly what the single worker read.
+    trained = {rank: first[rank][:epoch + resumed_at * PER_RANK_STEP] + second[rank] for rank in (0, 1)}
+    for e in range(EPOCHS):
+        shards = [set(trained[rank][e * epoch:(e + 1) * epoch]) for rank in (0, 1)]
+        assert all(len(shard) == epoch for shard in shards), [len(shard) for shard in shards]
+        assert not shards[0] & shards[1]
+        assert shards[0] | shards[1] == set(single[e * 2 * epoch:(e + 1) * 2 * epoch]), e + 1
+    assert Path(lost["checkpoint_path"]).is_relative_to(site.shared) and Path(lost["checkpoint_path"]).is_dir()
     assert [h["attempt"] for h in lost["history"]] == [0] + [1] * (EPOCHS - 1)
     assert lost["history"][-1]["step"] == EPOCHS * STEPS_PER_EPOCH
     assert re.search(rf"resuming at step {STEPS_PER_EPOCH + resumed_at} \(\d+/{STEPS_PER_EPOCH} steps of epoch 2",
