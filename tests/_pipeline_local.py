@@ -2,8 +2,9 @@
 
 The stage code is the same :class:`~raytrain_mgpu.pipeline.worker.StageWorker` the Ray
 actors run. Several runs share one pool of processes (started once, each run using as
-many of them as it has ranks), because starting a process that imports torch costs
-seconds on a small machine.
+many of them as it has ranks), forked from a server that has torch imported
+(tests/_forkserver.py), because starting a process that imports torch costs seconds on a
+small machine.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import faulthandler
 import io
 import os
-import multiprocessing as mp
 import queue as queue_module
 import signal
 import threading
@@ -22,6 +22,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
+import _forkserver
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
@@ -174,11 +175,11 @@ def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors:
     runs = list(runs)
     jobs = [(run, choose_partition(run.cfg, lambda cfg=run.cfg: StageWorker(cfg, 0).profile_blocks()))
             for run in runs]
-    ctx = mp.get_context("spawn")
+    ctx = _forkserver.context()
     results = ctx.Queue()
     barriers = [(ctx.Barrier(_world(run.cfg)), ctx.Barrier(_world(run.cfg))) for run in runs]
     ports = [ctx.Value("i", 0) for _ in runs]
-    processes = [ctx.Process(target=_rank_main, args=(rank, jobs, barriers, ports, results), daemon=True)
+    processes = [_forkserver.process(_rank_main, (rank, jobs, barriers, ports, results), daemon=True)
                  for rank in range(max(_world(run.cfg) for run in runs))]
     for process in processes:
         process.start()

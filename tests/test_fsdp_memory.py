@@ -19,8 +19,8 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import _forkserver
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _build_model
 from raytrain_mgpu.planning.memory import device_memory, profile_model
@@ -93,7 +93,7 @@ def fsdp_start(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out_dir)), nprocs=2, join=True)
+    _forkserver.start_processes(_worker, (port, str(out_dir)), nprocs=2)
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     return ranks, torch.load(out_dir / "fsdp_initial.pt", weights_only=True)
 

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 
+import _forkserver
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer
@@ -69,9 +69,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_hsdp_shards_inside_groups_replicates_across_them_and_trains_like_one_process(tmp_path):
     from raytrain_mgpu.runtime.placement import free_address
 
-    # spawned, as the suite's other local process groups: a fork of a pytest worker (threads, perhaps a Ray
-    # connection) is not safe
-    mp.start_processes(_rank, args=(free_address()[1], str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    # forked from the suite's server with torch imported (tests/_forkserver.py), as its other local process
+    # groups: not a fork of this pytest process (threads, perhaps a Ray connection), which is not safe
+    _forkserver.start_processes(_rank, (free_address()[1], str(tmp_path)), nprocs=WORLD)
     facts = [json.loads((tmp_path / f"facts-{rank}.json").read_text()) for rank in range(WORLD)]
     for rank, fact in enumerate(facts):
         assert fact["mesh"] == [WORLD // SHARD, SHARD] and fact["dims"] == ["replicate", "shard"], fact

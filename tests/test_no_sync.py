@@ -17,11 +17,11 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+import _forkserver
 from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.runtime.loop import _Loop, _State
@@ -85,7 +85,7 @@ def allreduce_counts(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(out_dir)), nprocs=2, join=True)
+    _forkserver.start_processes(_worker, (2, port, str(out_dir)), nprocs=2)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 

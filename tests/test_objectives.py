@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import io
 import math
-import multiprocessing as mp
 import os
 import traceback
 
@@ -36,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import _forkserver
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
@@ -402,10 +402,9 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
 @pytest.fixture(scope="module")
 def two_workers():
     """Rank 0's rows and weights of the ddp (regression) and ddp2 (InfoNCE) runs on 2 processes."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _forkserver.context().Queue()
     port = free_address()[1]
-    processes = [ctx.Process(target=_rank_main, args=(rank, 2, port, queue), daemon=True) for rank in range(2)]
+    processes = [_forkserver.process(_rank_main, (rank, 2, port, queue), daemon=True) for rank in range(2)]
     for process in processes:
         process.start()
     try:

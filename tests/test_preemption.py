@@ -326,11 +326,10 @@ def _any_rank_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_the_ranks_agree_when_only_one_has_the_notice(tmp_path):
     """The watcher's notice reaches the workers one by one: a check where only rank 1 has it is a
     notice on every rank (each then calls Ray's barrier), the checks before and after are not."""
-    import torch.multiprocessing as mp
-
+    import _forkserver
     from raytrain_mgpu.runtime.placement import free_address
 
-    # spawned, as the suite's other local process groups: a fork of a pytest worker (threads, perhaps a Ray
-    # connection) is not safe
-    mp.start_processes(_any_rank_worker, args=(2, free_address()[1], str(tmp_path)), nprocs=2, start_method="spawn")
+    # forked from the suite's server with torch imported (tests/_forkserver.py), as its other local process
+    # groups: not a fork of this pytest process (threads, perhaps a Ray connection), which is not safe
+    _forkserver.start_processes(_any_rank_worker, (2, free_address()[1], str(tmp_path)), nprocs=2)
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["False,True,False"] * 2
