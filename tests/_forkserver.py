@@ -1,7 +1,7 @@
 """Local ranks forked from one server that has torch imported: the suite's process groups without Ray.
 
 A spawned rank imports torch again (3.6 CPU-s on the 2-core VM) and, through DDP's constructor,
-``torch._dynamo`` (3.4 s more). The quick tier starts some thirty such ranks. Here each pytest
+``torch._dynamo`` (3.4 s more). The quick tier starts some two dozen such ranks. Here each pytest
 process starts one :mod:`multiprocessing` forkserver, which imports :data:`PRELOAD` once; every
 rank after that is a fork of it, with those modules already in memory.
 

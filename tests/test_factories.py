@@ -24,7 +24,9 @@ from raytrain_mgpu.models import build_model, factory_arguments
 from raytrain_mgpu.planning.preflight import check_model_builds
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 
-torchvision = pytest.importorskip("torchvision")
+from _extras import skip_unless_installed
+
+skip_unless_installed("torchvision")
 
 IMAGES = dict(dataset="synthetic", input_shape=[3, 32, 32], num_classes=10, num_samples=64, batch_size=32,
               epochs=1, seed=5)  # 2 steps: 64 samples, global batch 32

@@ -14,13 +14,17 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.models import build_model
 
-transformers = pytest.importorskip("transformers")
+from _extras import skip_unless_installed
+
+skip_unless_installed("transformers")
 
 VOCAB, LENGTH = 64, 16
 
 
 def tiny_bert(num_classes):
     """``BertForSequenceClassification`` at test size, no dropout (the steps compare exactly)."""
+    import transformers
+
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=LENGTH, num_labels=num_classes,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -92,6 +96,8 @@ def test_a_transformers_model_trains_sharded_by_fsdp_through_fit(ray_session, st
     assert last["step"] == 3 * (256 // 32) and math.isfinite(last["train_loss"])
     assert last["train_loss"] < first["train_loss"] and last["test_accuracy"] > 0.6  # learnt the first token
     model = result.load_model()  # rebuilt by the factory, the gathered (unsharded) weights loaded
+    import transformers
+
     assert isinstance(model, transformers.BertForSequenceClassification)
     ids = token_classes(cfg.data).test.ids[:4]
     assert model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (4, 2)

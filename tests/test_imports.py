@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Set
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "raytrain_mgpu"
@@ -68,7 +70,10 @@ def _imported_modules(name: str, path: Path) -> Set[str]:
     return found
 
 
-GRAPH: Dict[str, Set[str]] = {name: _imported_modules(name, path) for name, path in MODULES.items()}
+@pytest.fixture(scope="module")
+def graph() -> Dict[str, Set[str]]:
+    """Each package module's imports of the package (read when a test asks, not when pytest collects)."""
+    return {name: _imported_modules(name, path) for name, path in MODULES.items()}
 
 
 def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -205,19 +210,19 @@ def _allowed(importer: str, imported: str) -> bool:
                for a, b in KNOWN_UPWARD_IMPORTS)
 
 
-def test_import_graph_has_no_cycles():
-    cycles = _cycles(GRAPH)  # every edge, the allowed upward ones included
+def test_import_graph_has_no_cycles(graph):
+    cycles = _cycles(graph)  # every edge, the allowed upward ones included
     for cycle in cycles:
         print("cycle:", " -> ".join(cycle))
     assert not cycles, f"{len(cycles)} import cycle(s): " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_layers():
+def test_layers(graph):
     upward = [f"{_short(m)} (layer {_layer(m)}) imports {_short(t)} (layer {_layer(t)})"
-              for m in sorted(GRAPH) for t in sorted(GRAPH[m])
+              for m in sorted(graph) for t in sorted(graph[m])
               if _layer(t) > _layer(m) and not _allowed(m, t)]
     assert not upward, "imports against the layer order (tests/test_imports.py LAYERS):\n" + "\n".join(upward)
-    bench_users = [f"{_short(m)} imports {_short(t)}" for m in sorted(GRAPH) for t in sorted(GRAPH[m])
+    bench_users = [f"{_short(m)} imports {_short(t)}" for m in sorted(graph) for t in sorted(graph[m])
                    if _short(t).startswith("bench") and not _short(m).startswith("bench") and _short(m) != "cli"]
     assert not bench_users, "the benchmarks are outside the training path:\n" + "\n".join(bench_users)
 

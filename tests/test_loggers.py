@@ -13,8 +13,9 @@ import os
 
 import pytest
 
-pytest.importorskip("tensorboard", reason="the [tensorboard] extra is not installed")
-pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
+from _extras import skip_unless_installed
+
+skip_unless_installed("tensorboard", "mlflow", reason="the [tensorboard] and [mlflow] extras are not installed")
 
 import raytrain_mgpu as rtm  # noqa: E402
 from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo  # noqa: E402

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
-from torchvision.transforms import v2
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets, check_data
@@ -34,6 +33,8 @@ def _images(n=32, shape=(3, 10, 10)):
 
 
 def test_recipe_is_torchvisions_v2_transform_seeded_per_sample():
+    from torchvision.transforms import v2  # here, not at the top: every pytest process collects this module
+
     transform, shape = build_transform("random_crop_flip", (3, 10, 10), "train_transform")
     data = TransformedDataset(_images(), transform, seed=7)
     reference = v2.Compose([v2.RandomCrop((10, 10), padding=4), v2.RandomHorizontalFlip()])
