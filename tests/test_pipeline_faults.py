@@ -27,6 +27,7 @@ AFTER_FORWARDS = 3 * NUM_MICROBATCHES + 3
 FAILS_WITHIN_S = 5
 
 
+@pytest.mark.quick  # the quick tier's pipeline run through Ray: one actor group, a stage lost, the run's failure
 @pytest.mark.timeout(300)
 def test_a_stage_killed_mid_step_fails_the_run_within_seconds(ray_session, storage, tmp_path):
     cfg = rtm.TrainConfig(model="_probe_data:mlp_that_dies", dataset="digits", strategy="pipeline",

@@ -81,7 +81,6 @@ def runs(ray_session, tmp_path_factory):
                            root=root, run=root / "results" / "pipe")
 
 
-@pytest.mark.quick  # the quick tier's pipeline run: stage actors, checkpoints, a restart, a resume
 def test_pipeline_trains_checkpoints_and_resumes(runs):
     outcome, reporter = runs.first, runs.reporter
     assert [m["epoch"] for m in outcome.history] == [1, 2] and reporter.epochs == outcome.history
