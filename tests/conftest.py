@@ -28,7 +28,6 @@ import time
 
 import pytest
 
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
 from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
@@ -196,6 +195,8 @@ SHARED_RAY_TRAIN_ENV = {
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     import ray
+
+    from raytrain_mgpu.runtime.devices import EMULATE_ENV  # imports torch: here, not in every pytest process's start
 
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_AUTH_MODE", *SHARED_RAY_TRAIN_ENV, EMULATE_ENV)}
