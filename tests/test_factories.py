@@ -12,6 +12,7 @@ Ray's workers.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -24,9 +25,10 @@ from raytrain_mgpu.models import build_model, factory_arguments
 from raytrain_mgpu.planning.preflight import check_model_builds
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 
-from _extras import skip_unless_installed
-
-skip_unless_installed("torchvision")
+# A test extra, checked without importing it (every pytest process collects this module). Inline, not a
+# tests/ helper: Ray's workers import this module by name, and only its own file is shipped to them.
+if importlib.util.find_spec("torchvision") is None:
+    pytest.skip("not installed: torchvision", allow_module_level=True)
 
 IMAGES = dict(dataset="synthetic", input_shape=[3, 32, 32], num_classes=10, num_samples=64, batch_size=32,
               epochs=1, seed=5)  # 2 steps: 64 samples, global batch 32

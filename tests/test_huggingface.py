@@ -5,6 +5,7 @@ against the plain model, and fsdp through ``fit`` over 2 workers. ``transformers
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -14,9 +15,10 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.models import build_model
 
-from _extras import skip_unless_installed
-
-skip_unless_installed("transformers")
+# A test extra, checked without importing it (every pytest process collects this module). Inline, not a
+# tests/ helper: Ray's workers import this module by name, and only its own file is shipped to them.
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("not installed: transformers", allow_module_level=True)
 
 VOCAB, LENGTH = 64, 16
 

@@ -8,14 +8,15 @@ fit and its resume leave, with :func:`assert_logged`.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import os
 
 import pytest
 
-from _extras import skip_unless_installed
-
-skip_unless_installed("tensorboard", "mlflow", reason="the [tensorboard] and [mlflow] extras are not installed")
+# The extras, checked without importing them (every pytest process collects this module).
+if importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("mlflow") is None:
+    pytest.skip("the [tensorboard] and [mlflow] extras are not installed", allow_module_level=True)
 
 import raytrain_mgpu as rtm  # noqa: E402
 from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo  # noqa: E402

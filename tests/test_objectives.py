@@ -35,7 +35,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import _forkserver
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
@@ -402,6 +401,8 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
 @pytest.fixture(scope="module")
 def two_workers():
     """Rank 0's rows and weights of the ddp (regression) and ddp2 (InfoNCE) runs on 2 processes."""
+    import _forkserver  # here: Ray's workers import this module by name (its factories), without tests/ helpers
+
     queue = _forkserver.context().Queue()
     port = free_address()[1]
     processes = [_forkserver.process(_rank_main, (rank, 2, port, queue), daemon=True) for rank in range(2)]
