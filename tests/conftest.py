@@ -28,6 +28,7 @@ import time
 
 import pytest
 
+from _ray_nodes import QUIET_LOG_MONITOR
 from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
@@ -189,6 +190,8 @@ SHARED_RAY_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Ray Train's Prometheus metrics, which no test reads.
     "RAY_TRAIN_METRICS_ENABLED": "0",
+    # and Ray's log monitor backs off (tests/_ray_nodes.QUIET_LOG_MONITOR).
+    **QUIET_LOG_MONITOR,
 }
 
 
