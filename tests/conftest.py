@@ -28,7 +28,6 @@ import time
 
 import pytest
 
-from _ray_nodes import QUIET_LOG_MONITOR
 from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
@@ -190,22 +189,22 @@ SHARED_RAY_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Ray Train's Prometheus metrics, which no test reads.
     "RAY_TRAIN_METRICS_ENABLED": "0",
-    # and Ray's log monitor backs off (tests/_ray_nodes.QUIET_LOG_MONITOR).
-    **QUIET_LOG_MONITOR,
-}
+}  # and Ray's log monitor backs off (tests/_ray_nodes.QUIET_LOG_MONITOR, set in ray_session)
 
 
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     import ray
+    from _ray_nodes import QUIET_LOG_MONITOR  # here: the suite guards' inner pytests copy this file alone
 
     from raytrain_mgpu.runtime.devices import EMULATE_ENV  # imports torch: here, not in every pytest process's start
 
     home = tmp_path_factory.mktemp("home")
-    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_AUTH_MODE", *SHARED_RAY_TRAIN_ENV, EMULATE_ENV)}
+    env = {**SHARED_RAY_TRAIN_ENV, **QUIET_LOG_MONITOR}
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_AUTH_MODE", *env, EMULATE_ENV)}
     os.environ["HOME"] = str(home)
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.update(SHARED_RAY_TRAIN_ENV)
+    os.environ.update(env)
     os.environ[EMULATE_ENV] = str(EMULATED_GPUS)
     # With its dashboard, although no test reads Ray's state API (tests/test_ray_ingest.py reads the GCS's
     # actor table): Ray Train's PlacementGroupCleaner asks the state API whether the controller lives, and
