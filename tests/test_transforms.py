@@ -120,17 +120,18 @@ def test_seeding_costs_little_per_sample():
     data = TransformedDataset(images, transform, seed=0)
     x = images[0][0]
 
-    def per_sample(fn) -> float:
-        best = float("inf")
-        for _ in range(5):  # the fastest pass: other processes on a shared machine only ever add time
-            start = time.perf_counter()
-            for i in range(256):
-                fn(i)
-            best = min(best, (time.perf_counter() - start) / 256)
-        return best
+    def one_pass(fn) -> float:
+        start = time.perf_counter()
+        for i in range(256):
+            fn(i)
+        return (time.perf_counter() - start) / 256
 
-    bare = per_sample(lambda i: transform(x))
-    seeded = per_sample(lambda i: data[(0, i)])
+    # The fastest of 7 passes each, bare and seeded taking turns: other processes on a shared machine only
+    # ever add time, and a load spike then slows both alike (measured one after the other, a CI run's spike
+    # fell on the seeded passes alone: +359 us against +43-59 us on an idle machine).
+    passes = [(one_pass(lambda i: transform(x)), one_pass(lambda i: data[(0, i)])) for _ in range(7)]
+    bare, seeded = min(p[0] for p in passes), min(p[1] for p in passes)
     print(f"\nrandom_crop_flip on 3x32x32: {bare * 1e6:.0f} us bare, {seeded * 1e6:.0f} us seeded per sample "
           f"(+{(seeded - bare) * 1e6:.0f} us)")
-    assert seeded - bare < 200e-6  # generous on a loaded 2-core machine; about 10-20 us measured alone
+    # relative to the transform measured beside it, so a slower machine moves both: 1.20-1.28x on an idle 2-core VM
+    assert seeded < 1.6 * bare
