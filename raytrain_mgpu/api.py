@@ -36,6 +36,7 @@ from raytrain_mgpu.runtime.runlock import RunLock
 from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
 from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks, stop_main_thread_on_failure
 from raytrain_mgpu.runtime.faults import controller_poll
+from raytrain_mgpu.runtime.preemption import watcher_where_notices_come
 from raytrain_mgpu.strategies import get_strategy
 
 logger = logging.getLogger(__name__)
@@ -241,9 +242,10 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     )
     pump = SinkPump(sink, events)
     try:
-        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py)
-        with stop_main_thread_on_failure(events), pump, controller_poll():  # a callback's failure aborts the run
-            result = trainer.fit()
+        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py);
+        # no preemption watcher on a Ray this process started (runtime/preemption.py)
+        with stop_main_thread_on_failure(events), pump, controller_poll(), watcher_where_notices_come():
+            result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
     except BaseException as exc:
         if pump.failure is not None:  # the run was stopped for it: the callback's error, named
             raise pump.failure

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
+from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV, WATCHER_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 
@@ -184,9 +184,12 @@ SHARED_RAY_TRAIN_ENV = {
     # each state change waits for a controller poll, every 2 s by default: fit's own poll
     # (runtime/faults.controller_poll), set here because the tests' drivers set it as a user would;
     POLL_ENV: FIT_POLL_S,
-    # the preemption watcher, one more actor per fit (1.4 CPU-s): the spot tests, on nodes of
-    # their own (tests/test_two_node_spot.py), keep it, as a user's cluster does;
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # the preemption watcher, one more actor per run (1.4 CPU-s): fit leaves it out on a Ray its process
+    # started (runtime/preemption.py), this instance included; set for the tests' hand-written Ray Train
+    # loops. In the driver's environment only, not the raylet's, which every process inherits: the
+    # README job's test (tests/test_fit.py) removes it and sees fit's own decision. The spot tests, on
+    # nodes of their own (tests/test_two_node_spot.py), keep the watcher, as a user's cluster does;
+    WATCHER_ENV: "0",
     # Ray Train's Prometheus metrics, which no test reads.
     "RAY_TRAIN_METRICS_ENABLED": "0",
 }  # and Ray's log monitor backs off (tests/_ray_nodes.QUIET_LOG_MONITOR, set in ray_session)
@@ -204,13 +207,14 @@ def ray_session(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_AUTH_MODE", *env, EMULATE_ENV)}
     os.environ["HOME"] = str(home)
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.update(env)
+    os.environ.update({k: v for k, v in env.items() if k != WATCHER_ENV})
     os.environ[EMULATE_ENV] = str(EMULATED_GPUS)
     # With its dashboard, although no test reads Ray's state API (tests/test_ray_ingest.py reads the GCS's
     # actor table): Ray Train's PlacementGroupCleaner asks the state API whether the controller lives, and
     # on a Ray without a dashboard that question goes to 127.0.0.1:8265, where another test's Ray may
     # answer "no such actor": the cleaner then removed a live run's placement group (a CI run, 2026-11-25).
     ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, include_dashboard=True, log_to_driver=False)
+    os.environ[WATCHER_ENV] = env[WATCHER_ENV]  # after the raylet started: the driver's alone (see above)
     try:
         yield ray
     finally:

@@ -107,6 +107,10 @@ def test_short_epochs_report_takes_an_epochs_overhead_from_two_run_lengths_and_t
     fit_line = next(line for line in text.splitlines() if line.startswith("fit "))
     assert fit_line.split()[1:4] == ["12.0", "0.30x", "0.100"]  # wall, its ratio, per epoch outside the steps
     assert fit_line.split()[-1] == "1.00x"  # the same samples/s: 14,080
+    # and each round's ratio (one round here; fit, K=10 at 1,408 samples / 0.2 s against 0.1 s)
+    slower = pair(13.0, 11.0, training=0.2, checkpoint=0.02)
+    assert "samples/s vs ray train, each round: fit 1.00x 1.00x; fit, K=10 1.00x 0.50x" in report(
+        {VARIANTS[0]: [hand, hand], VARIANTS[1]: [ours, ours], VARIANTS[2]: [steps, slower]})
     # K=10: 10 x 0.01 s more checkpoint time over 10 x 0.1 s in steps
     assert "step checkpoints every 10 steps: 10.0 % of the steps' time" in text
     # per save: 0.1 s over 2 saves an epoch that are not its last step (steps 10 and 20 of 22) x 10 epochs

@@ -146,13 +146,10 @@ def test_stalled_rank_is_named_within_the_collective_timeout(ray_session, storag
     assert "py-spy dump" in str(failure.value)
 
 
-def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_value(monkeypatch, storage):
-    """Every report waits for the controller's next poll (wait_until_report_collected): with Ray's
-    default 2 s, the README's job ran 37 s instead of 21 s. Ray Train reads the poll from the
-    driver's environment when TorchTrainer.fit() starts its controller: checked there."""
+def _env_when_the_controller_starts(monkeypatch, storage, names, runs=1) -> list:
+    """``os.environ``'s ``names`` at the moment ``TorchTrainer.fit()`` starts Ray Train's controller (which
+    reads its settings from the driver's environment then), for each of ``runs`` calls of fit's runner."""
     import ray.train.torch
-
-    from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
 
     seen = []
 
@@ -161,7 +158,7 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
             pass
 
         def fit(self):
-            seen.append(os.environ.get(POLL_ENV))
+            seen.append(tuple(os.environ.get(name) for name in names))
             raise KeyboardInterrupt  # nothing to train here
 
     class Pump:
@@ -179,16 +176,46 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
     monkeypatch.setattr(api, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
     monkeypatch.setattr(api, "SinkPump", Pump)
-    monkeypatch.delenv(POLL_ENV, raising=False)
     cfg = rtm.TrainConfig(**MLP, storage_path=storage)
-    plan = build_plan(cfg)
+    with pytest.raises(KeyboardInterrupt):
+        api._run_train_workers(cfg, build_plan(cfg), SimpleNamespace())
+    return seen
+
+
+def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_value(monkeypatch, storage):
+    """Every report waits for the controller's next poll (wait_until_report_collected): with Ray's
+    default 2 s, the README's job ran 37 s instead of 21 s. Ray Train reads the poll from the
+    driver's environment when TorchTrainer.fit() starts its controller: checked there."""
+    from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
+
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    seen = []
     for user_value in (None, "1.5"):
         if user_value is not None:
             monkeypatch.setenv(POLL_ENV, user_value)
-        with pytest.raises(KeyboardInterrupt):
-            api._run_train_workers(cfg, plan, SimpleNamespace())
+        seen += _env_when_the_controller_starts(monkeypatch, storage, [POLL_ENV])
         assert os.environ.get(POLL_ENV) == user_value  # restored after the run
-    assert seen == [FIT_POLL_S, "1.5"]
+    assert seen == [(FIT_POLL_S,), ("1.5",)]
+
+
+@pytest.mark.parametrize("started_here, user_value, at_start", [
+    (True, None, "0"),  # a Ray this process's ray.init() started: no preemption watcher
+    (False, None, None),  # a cluster joined by address: Ray Train's default (the watcher runs)
+    (True, "1", "1"),  # the user's setting wins
+])
+def test_fit_turns_the_preemption_watcher_off_only_on_a_ray_this_process_started(
+        monkeypatch, storage, started_here, user_value, at_start):
+    """Ray Train's preemption watcher is one more actor process starting beside the first steps
+    (runtime/preemption.py); on a Ray this process started no node is drained for preemption."""
+    from raytrain_mgpu.runtime import preemption
+
+    monkeypatch.setattr(preemption, "ray_started_here", lambda: started_here)
+    if user_value is None:
+        monkeypatch.delenv(preemption.WATCHER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(preemption.WATCHER_ENV, user_value)
+    assert _env_when_the_controller_starts(monkeypatch, storage, [preemption.WATCHER_ENV]) == [(at_start,)]
+    assert os.environ.get(preemption.WATCHER_ENV) == user_value  # restored after the run
 
 
 @pytest.mark.slow  # Ray Train's default 2 s polls: each restart waits for one

@@ -139,10 +139,23 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
         ray_session, storage, monkeypatch, capsys):
     import time
 
-    # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers.
+    from ray._private import state
+
+    from raytrain_mgpu.runtime.preemption import WATCHER_ENV
+
+    def watchers_started() -> int:  # alive or dead, from the GCS's actor table (as tests/test_ray_ingest.py)
+        return sum(actor["ActorClassName"].endswith("PreemptionWatcher") for actor in state.actors().values())
+
+    # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers; Ray Train's
+    # preemption watcher left to fit, as a user has it (the shared instance turns it off for every test).
+    monkeypatch.delenv(WATCHER_ENV, raising=False)
+    watchers = watchers_started()
     start = time.perf_counter()
     assert main(["train", "--storage-path", storage]) == 0
     run_s = time.perf_counter() - start
+    # On a Ray this process started, no node is drained for preemption: the watcher, an actor process
+    # starting beside the first steps, never ran (runtime/preemption.py).
+    assert watchers_started() == watchers
     out = capsys.readouterr().out
     assert "global batch 128 = 2 replica(s) x 64 x 1 accumulation step(s)" in out
     epoch_lines = [line for line in out.splitlines() if line.startswith("epoch")]

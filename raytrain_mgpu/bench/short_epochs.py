@@ -182,6 +182,10 @@ def report(measured: Dict[str, List[tuple]]) -> str:
         lines.append(f"{label:<14} {statistics.median(r.wall_s for r in longs):>7.1f} {wall_ratio:>11.2f}x "
                      f"{statistics.median(per_epoch_outside_steps(*pair) for pair in runs):>26.3f} "
                      f"{statistics.median(r.samples_per_s for r in longs):>10,.0f} {rate_ratio:>11.2f}x")
+    # each round's ratio, not only their median: rounds differ by more than a few percent on a shared machine
+    lines.append("samples/s vs ray train, each round: " + "; ".join(
+        f"{label} " + " ".join(f"{long.samples_per_s / b.samples_per_s:.2f}x" for (long, _), b in zip(runs, base))
+        for label, runs in measured.items() if label != VARIANTS[0]))
     with_steps = [long for long, _ in measured[VARIANTS[2]]]
     without = [long for long, _ in measured[VARIANTS[1]]]
     shares = [(sum(k.checkpoint_s) - sum(f.checkpoint_s)) / sum(k.training_s) for k, f in zip(with_steps, without)]

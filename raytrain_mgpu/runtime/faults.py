@@ -72,6 +72,10 @@ gave 38.6 ms a save at 0.03 (33.1 ms at 0.02), and the same samples/s within its
 hand-written loop's). A poll that takes longer than the interval is only a missed poll: Ray Train declares a
 worker dead after ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S`` (10 min), not after one interval."""
 
+WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's switch for its preemption watcher, read from the driver's environment when ``fit()``
+starts the controller, as the poll is; fit sets it where no notice can come (``runtime/preemption.py``)."""
+
 _WHERE_KEY = "raytrain_mgpu/where/{rank}"
 _CHECKIN_KEY = "raytrain_mgpu/timed_out/{rank}"
 
