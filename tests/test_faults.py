@@ -146,9 +146,9 @@ def test_stalled_rank_is_named_within_the_collective_timeout(ray_session, storag
     assert "py-spy dump" in str(failure.value)
 
 
-def _env_when_the_controller_starts(monkeypatch, storage, names, runs=1) -> list:
+def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
     """``os.environ``'s ``names`` at the moment ``TorchTrainer.fit()`` starts Ray Train's controller (which
-    reads its settings from the driver's environment then), for each of ``runs`` calls of fit's runner."""
+    reads its settings from the driver's environment then), in one call of fit's runner: ``[(value, ...)]``."""
     import ray.train.torch
 
     seen = []
