@@ -133,5 +133,8 @@ def test_seeding_costs_little_per_sample():
     bare, seeded = min(p[0] for p in passes), min(p[1] for p in passes)
     print(f"\nrandom_crop_flip on 3x32x32: {bare * 1e6:.0f} us bare, {seeded * 1e6:.0f} us seeded per sample "
           f"(+{(seeded - bare) * 1e6:.0f} us)")
-    # relative to the transform measured beside it, so a slower machine moves both: 1.17-1.27x on an idle 2-core VM
-    assert seeded < 1.6 * bare
+    # relative to the transform measured beside it, so a slower machine moves both: 1.17-1.37x on an idle 2-core VM,
+    # 1.61x in a clean-clone CI run (load average 6 on 2 cores: 170 us bare, 274 us seeded). torch.manual_seed in its
+    # place (it seeds the CUDA devices too; ~93 us a call even without a GPU, 2 us for the CPU generator's alone):
+    # 561-573 us seeded against 67-70 us bare, 8x (swapped in, 2 runs)
+    assert seeded < 2.0 * bare
