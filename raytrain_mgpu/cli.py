@@ -31,7 +31,7 @@ from raytrain_mgpu.config import TrainConfig
 def _field_docs() -> Dict[str, str]:
     """The string literal under each field of TrainConfig (attribute docstrings). Read once: parsing
     config.py's source for each of train, compare and tune was ~66 of the 88 ms a ``main`` call took
-    (22 ms with it read once, measured on the 2-core VM)."""
+    (22 ms with it read once, measured on a 2-core machine)."""
     body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):

@@ -7,7 +7,7 @@ One Ray Train worker trains an MLP large enough that its checkpoint upload matte
 ``--steps-between`` steps, saves through the runner's own ``save_and_report``
 (``runtime/worker_checkpoint.py``) to ``--storage-path``, with:
 
-- ``sync``: ``CheckpointUploadMode.SYNC``, the upload inside ``ray.train.report`` (before issue 17);
+- ``sync``: ``CheckpointUploadMode.SYNC``, the upload inside ``ray.train.report`` (what the runner did before);
 - ``async``: ``CheckpointUploadMode.ASYNC``, what the runner does now (the upload in Ray's thread);
 - ``none``: the same steps without a save, the baseline of a checkpoint interval.
 

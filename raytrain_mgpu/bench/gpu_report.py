@@ -11,7 +11,7 @@ checkout) and measures, each with ``fit`` on the GPUs Ray finds:
   against a plain PyTorch loop on the same GPU (d2l reports 12.2 s an epoch);
 - fp16 (``16-mixed``) and bf16 (``bf16-mixed``) speed-up over fp32 on that workload;
 - every pipeline schedule finishing (stages on distinct GPUs);
-- models bigger than one GPU (issue 26), a transformer LM sharded by ``fsdp`` over up to 4 GPUs: peak
+- models bigger than one GPU, a transformer LM sharded by ``fsdp`` over up to 4 GPUs: peak
   memory and time a step with ``cpu_offload=True`` and with ``activation_checkpointing=1``, each
   against the plain sharded run, and the time each epoch's checkpoint stalls training.
 
@@ -272,7 +272,7 @@ def _scale_config(gpus: int, sizes: Sizes, storage: str, **changes) -> TrainConf
 
 
 def scale_rows(gpus: int, sizes: Sizes, storage: str, where: str) -> List[Row]:
-    """Issue 26's figures: what ``cpu_offload`` and ``activation_checkpointing`` save in peak memory per
+    """Models bigger than one GPU: what ``cpu_offload`` and ``activation_checkpointing`` save in peak memory per
     device and cost in time a step, each against the same sharded run without it, and the time each
     epoch's checkpoint (sharded: each rank writes its own shards) stalls training."""
     plain_cfg = _scale_config(gpus, sizes, storage)

@@ -16,10 +16,10 @@ round, in an order rotated from round to round, on one Ray instance:
 
 Each variant runs ``--short-epochs`` epochs and 1 epoch. Per variant (medians over rounds): the wall
 time of the call (``trainer.fit()``, ``fit()``) of the long run, the time an epoch adds outside its
-steps ((wall(E) - wall(1)) / (E - 1) less an epoch's time in steps: the issue's own method, free of
+steps ((wall(E) - wall(1)) / (E - 1) less an epoch's time in steps: a method free of
 start-up), and the steady samples/s (the epochs after the first, samples over the time in steps).
 For ``fit, K=10``: the step checkpoints' time (the rows' ``checkpoint_s`` less the plain fit's, whose
-epochs checkpoint too) as a share of the steps' time. Issue 24's targets: ``fit``'s wall
+epochs checkpoint too) as a share of the steps' time. Targets: ``fit``'s wall
 <= 0.80x the hand-written loop's, its samples/s >= 0.90x, step checkpoints <= 10 % of the steps.
 """
 
@@ -38,7 +38,7 @@ from raytrain_mgpu.config import TrainConfig
 CONFIG = dict(model="mlp", model_kwargs={"widths": [64]}, dataset="digits", batch_size=64, optimizer="sgd",
               lr=0.1, seed=0, num_workers=2, cpus_per_worker=1, epochs=10)
 STEP_CHECKPOINT_EVERY = 10
-EXAMPLE_STEP_S = 0.05  # issue 24: "at 50 ms a step and K=10 that is a 5x slowdown"
+EXAMPLE_STEP_S = 0.05  # the step a save is judged against: 50 ms a step, a save every 10 steps
 VARIANTS = ("ray train", "fit", f"fit, K={STEP_CHECKPOINT_EVERY}")
 
 

@@ -8,7 +8,7 @@ the default N, and off (N larger than the run's steps: rank 0 only adds the micr
 losses on the device). Throughput is the steady state (median of the epochs after the
 first); the ratio to "off" is the median over rounds of the within-round ratio (the
 machine drifts more between rounds than the differences measured here). Target: the
-default N within 1 % of off (issue 15).
+default N within 1 % of off.
 """
 
 from __future__ import annotations

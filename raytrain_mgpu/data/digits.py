@@ -41,7 +41,7 @@ def normaliser() -> PixelNormaliser:
 def bundled_csv() -> Path:
     """scikit-learn's own copy of the digits (``sklearn/datasets/data/digits.csv.gz``: 64 pixels
     and the label per row), found without importing scikit-learn: its import costs every
-    training process about 0.7 s of CPU (measured on the 2-core VM), for a 1797-row file."""
+    training process about 0.7 s of CPU (measured on a 2-core machine), for a 1797-row file."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("dataset 'digits' ships inside scikit-learn, which is not installed here: "

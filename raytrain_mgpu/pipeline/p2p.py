@@ -6,8 +6,8 @@ that creation blocks until every member makes its own first call on the same gro
 (gloo connects every group inside ``new_group``, so a CPU run never shows it). The
 executor posts receives ahead of need, so a stage's first call on one channel can come
 while its peer waits on another: walking our schedules, that deadlocks every ``gpipe``
-run, ``1f1b`` with 3+ stages and ``interleaved_1f1b`` with 4 stages and 4 micro-batches
-(issue 10). :func:`warm_up` makes one exchange on every group a rank belongs to, every
+run, ``1f1b`` with 3+ stages and ``interleaved_1f1b`` with 4 stages and 4 micro-batches.
+:func:`warm_up` makes one exchange on every group a rank belongs to, every
 rank walking the groups in the one order they were created in. That cannot deadlock: in
 any cycle of waiting ranks, the one waiting at the earliest group is waiting for members
 that have finished every earlier group, so they reach it. On real NCCL,

@@ -58,13 +58,13 @@ __all__ = ["CollectiveTimeoutError", "name_stuck_ranks", "wait_until_report_coll
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 FIT_POLL_S = "0.03"
 """The controller poll ``fit`` asks for: each report (one an epoch, or every K steps) waits for a poll.
-Measured on the 2-core VM, ``raytrain-mgpu train`` (88 steps, 8 epochs): 2 s (Ray's default) -> 37-38 s
+Measured on a 2-core machine, ``raytrain-mgpu train`` (88 steps, 8 epochs): 2 s (Ray's default) -> 37-38 s
 and ~1,350 samples/s from epoch 2 on; 0.2 s -> 21-24 s and 9,000-17,000 samples/s, the same losses,
 and the same machine CPU over the run (36 vs 38 CPU-s: a poll is one small task per worker).
-0.2 -> 0.05 s (issue 24, ``raytrain-mgpu bench --short-epochs 10 --rounds 2``): a step checkpoint
+0.2 -> 0.05 s (``raytrain-mgpu bench --short-epochs 10 --rounds 2``): a step checkpoint
 192 -> 48 ms, what an epoch adds outside its steps 0.24 -> 0.13 s; 60 epochs of the same 2-worker
 fit trained at 22,700-24,800 samples/s against 23,000 with 0.2 s (the polls cost the steps nothing
-measurable). 0.05 -> 0.03 s (issue 24, with step checkpoints reported first: ``runtime/worker_checkpoint.py``):
+measurable). 0.05 -> 0.03 s (with step checkpoints reported first: ``runtime/worker_checkpoint.py``):
 10-epoch 2-worker fits with a save every 10 steps: 0.05 s 46.7-59.3 ms a save, 0.02 s 29.4-32.3 ms; but in
 40-epoch fits (2 runs each) the epochs' time in steps was 0.131-0.139 s at 0.02 against 0.120-0.125 s at
 0.05 (~8 % slower: on 2 cores the polls take CPU from the workers), so 0.03 in between: the bench
@@ -202,7 +202,7 @@ def wait_until_report_collected(timeout_s: float = 300.0) -> None:
     # The controller calls task_done() when it takes a report, so unfinished_tasks drops
     # to 0 exactly when every report this rank made has been collected; task_done() notifies
     # all_tasks_done, so this wakes at once (Queue.join with a deadline). A 20 ms sleep loop here
-    # added 10 ms on average to every step checkpoint (issue 24: ~50 ms a save).
+    # added 10 ms on average to every step checkpoint (~50 ms a save).
     with pending.all_tasks_done:
         while pending.unfinished_tasks:
             left = deadline - time.monotonic()

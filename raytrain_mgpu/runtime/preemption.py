@@ -18,7 +18,7 @@ Returning instead would end the run as finished.
 Why not ``get_preemption_info()`` at every check, as Ray's docs show: measured with
 ``raytrain-mgpu bench-preemption`` (2 CPU workers of a ``TorchTrainer``, 2-core machine), one call
 takes ~2 ms (Ray's synchronization actor), 0.2 ms a step at a check every 10 steps: 8 % of the
-README's 2.4 ms steps, most of what ``fit`` trailed a hand-written loop by (issue 24). The
+README's 2.4 ms steps, most of what ``fit`` trailed a hand-written loop by. The
 all-reduce of a flag takes a tenth of that (the bench prints both). A notice is acted on at most
 10 steps after Ray's watcher has handed it to a worker.
 
@@ -27,7 +27,7 @@ watcher, one more actor process, when the worker group has started, so its start
 Train: ~2.5 CPU-s) runs beside the workers' set-up and first steps. On a Ray instance that this
 process started with ``ray.init()`` (``fit``'s own, or a driver's ``ray.init()`` without an address)
 nothing drains a node for preemption: the cloud's reclaim is seen by ``spot-watch`` on cluster nodes,
-which a driver joins by address. Measured (issue 24; 2 workers x 1 CPU on the 2-core VM, mlp 64 on
+which a driver joins by address. Measured (2 workers x 1 CPU on a 2-core machine, mlp 64 on
 digits, 10 epochs, 2 runs each, /proc per process): with the watcher its process used 0.9-1.0 CPU-s
 during the 1.7-1.9 s of training and was still starting when the run ended; the time in steps was
 0.93 s against 0.68-0.73 s without it, the median samples/s 15,100-16,600 against 20,000-20,500, and

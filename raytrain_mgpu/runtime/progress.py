@@ -96,7 +96,7 @@ class ProgressSink:
     The mailbox is a zero-CPU actor on the driver's node. A driver's first run starts it and its later
     runs on the same Ray reuse it, each with a channel of its own, closed at its end (events a killed
     worker sends later are dropped): an actor is a Ray worker process, about 1.3 CPU-s to start and run
-    on the 2-core VM, which a driver running ``fit`` in a loop (a notebook, a sweep, this project's
+    on a 2-core machine, which a driver running ``fit`` in a loop (a notebook, a sweep, this project's
     test suite with ~60 runs) paid for every run.
 
     On the driver's node because anywhere else it would die with that node: a lost spot node took every

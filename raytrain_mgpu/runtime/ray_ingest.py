@@ -157,7 +157,7 @@ def footer_readers(num_files: int) -> Iterator[None]:
 
     Ray Data 2.60 starts :data:`FOOTER_ACTORS_DEFAULT` of them per execution (each epoch), and a Ray
     worker process is started for each one it places: most sit idle and are killed when the listing
-    ends. Measured on the 2-core VM, a 2-epoch, 2-worker fit streaming 3 Parquet files: 33.4 s and
+    ends. Measured on a 2-core machine, a 2-epoch, 2-worker fit streaming 3 Parquet files: 33.4 s and
     55 CPU-s with the 32, 26.8 s and 40 CPU-s with 1 (its second epoch at 880 samples/s instead of
     253). The count is fixed when ``read_parquet`` builds its file indexer, here on the driver, from
     :data:`FOOTER_ACTORS_ENV`; a value the user set is kept, and a file set of more than 310
