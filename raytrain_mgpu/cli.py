@@ -188,6 +188,21 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--live", action="store_true", help="redraw while the runs train, until they finish or Ctrl-C")
     plot.add_argument("--every", type=float, default=5.0, help="seconds between --live redraws (default: 5)")
 
+    export = commands.add_parser("export", help="write a run's newest (or best) checkpoint as model.safetensors "
+                                                "and config.json, or as a Hugging Face save_pretrained folder")
+    export.add_argument("run", metavar="RUN", help="run folder ({storage_path}/{name}): path or URI")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: any model's state dict and the run's config; hf: a transformers model's "
+                             "save_pretrained folder, the model built again from the run's recorded config "
+                             "(default: safetensors)")
+    export.add_argument("--best", action="store_true", help="the best epoch's checkpoint (runs with keep_best and "
+                                                            "monitor) instead of the newest")
+    export.add_argument("--out", help="folder or URI (default: <RUN>/export, <RUN>/export-best with --best)")
+    export.add_argument("--allow-code", action="store_true",
+                        help="--format hf: build a model the run names as 'module:function' (the run folder names "
+                             "code to run; without it such a run is refused unless the module is listed in "
+                             "RAYTRAIN_MGPU_TRUSTED_MODULES)")
+
     data = commands.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     convert = data.add_parser("convert", help="write a dataset as Parquet shards (local path or s3://, gs:// URI)")
     convert.add_argument("--dataset", required=True, help="registry name, e.g. fashion_mnist, cifar10, digits")
@@ -289,6 +304,17 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from raytrain_mgpu._redact import redact
+    from raytrain_mgpu.runtime.export import export_run  # torch loads here, not for --help
+
+    paths = export_run(args.run, out=args.out, fmt=args.format, best=args.best, allow_code=args.allow_code)
+    print(f"wrote {len(paths)} file(s):")
+    for path in paths:
+        print(f"  {redact(path)}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.short_epochs:
         from raytrain_mgpu.bench import short_epochs
@@ -324,6 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _plot(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "export":
+            return _export(args)
         return _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         from raytrain_mgpu._redact import redact
