@@ -38,6 +38,7 @@ from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks, 
 from raytrain_mgpu.runtime.faults import controller_poll
 from raytrain_mgpu.runtime.preemption import watcher_where_notices_come
 from raytrain_mgpu.strategies import get_strategy
+from raytrain_mgpu.transports.local import runner_for
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     data_info = {"input_shape": shape_record(input_shape), "num_classes": num_classes,
                  "train_split_size": check_data_fits(cfg, num_classes)}  # >= 2 classes, batch <= split
     lock = RunLock.acquire(_run_path(cfg))  # a second driver on this run folder is refused
-    started, events = False, None
+    events = None
     try:
         auto_record = {}
         if cfg.strategy == "auto":
@@ -119,7 +120,13 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             if stored is not None:
                 return stored
         checked = time.time()
-        started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
+        runner = "ray"
+        if cfg.strategy != "auto":
+            plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
+            runner = runner_for(cfg, plan)  # TrainConfig.runner: in this process where nothing needs Ray
+        if runner == "ray":
+            started = connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
+            keep_ray_started(started)  # the next fit in this process finds it up
         connected = time.time()
         if cfg.strategy == "auto":
             from raytrain_mgpu.planning.auto import resolve_auto
@@ -128,22 +135,30 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             # (this module's: planning never imports the api)
             cfg, auto_record = resolve_auto(cfg, compare=compare)
             check_run_folder(cfg, data_info)
-        plan = build_plan(cfg, data_info["train_split_size"])  # derived once, handed down
-        if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
-            check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
-        ray_ingest.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
-        check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
-        events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what both runners report to
+            plan = build_plan(cfg, data_info["train_split_size"])
+            runner = runner_for(cfg, plan)  # Ray is up already; the run itself may still need none of it
+        if runner == "ray":
+            if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
+                check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}")
+            ray_ingest.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
+            check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
+        events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what every runner reports to
         if auto_record:
             events.banner(f"strategy=auto chose {auto_record['auto_reason']}")
-        events.banner(_banner(cfg, plan, input_shape, num_classes))
+        events.banner(_banner(cfg, plan, input_shape, num_classes, runner))
         events.train_start(_run_info(cfg))
         startup: dict = {}
-        if plan.runner == "actor_group":
+        if runner == "local":
+            from raytrain_mgpu.transports.local import run_in_process
+
+            history, checkpoint_path, first = run_in_process(cfg, plan, events)
+            startup = _startup(called, checked, connected, first)
+        elif plan.runner == "actor_group":
             from raytrain_mgpu.pipeline.runner import run_pipeline
 
             outcome = run_pipeline(cfg, events, plan)
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
+            startup = _startup(called, checked, connected, outcome.startup)
         else:
             history, checkpoint_path, rank0 = _run_train_workers(cfg, plan, events)
             startup = _startup(called, checked, connected, rank0)
@@ -156,8 +171,6 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     finally:
         if events is not None:
             events.close()  # the loggers' files and MLflow run, also after a failure
-        if started:
-            ray.shutdown()
         lock.release()
 
 
@@ -178,15 +191,31 @@ def _run_info(cfg: TrainConfig) -> RunInfo:
                    start_epoch=state.epoch, start_step=state.step)
 
 
-def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes) -> str:
+def keep_ray_started(started: bool) -> None:
+    """A local Ray that ``fit`` started stays up for the next ``fit`` in this process (a notebook's loop, a
+    sweep, ``compare``: Ray's start is paid once) and is shut down when the process exits."""
+    global _RAY_AT_EXIT
+    if started and not _RAY_AT_EXIT:
+        import atexit
+
+        atexit.register(ray.shutdown)
+        _RAY_AT_EXIT = True
+
+
+_RAY_AT_EXIT = False
+
+
+def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes, runner: str = "ray") -> str:
     device = f"{plan.devices_per_worker} GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} CPU"
     if cfg.use_gpu and devices.is_emulated():
         device += f" (emulated by {devices.EMULATE_ENV}: computed on CPU with gloo)"
     elif not cfg.use_gpu and plan.devices_per_worker > 1:  # dp, dp_balanced, mp, ddp2, ddp_mp on CPU
         device += f" ({plan.devices_per_worker} CPU stand-in devices)"
     outputs = f"{num_classes} classes" if num_classes is not None else "outputs (no classes)"
+    where = "in this process" if runner == "local" else (
+        "Ray actor group" if plan.runner == "actor_group" else "Ray Train workers")
     return (f"raytrain-mgpu: {code_name(cfg.model)} on {code_name(cfg.dataset)} {as_shape(input_shape)} -> {outputs} | "
-            f"strategy {cfg.strategy}, {describe_range(cfg)} worker(s) x {device} | {plan.describe()} | "
+            f"strategy {cfg.strategy}, {describe_range(cfg)} worker(s) x {device}, {where} | {plan.describe()} | "
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
@@ -221,7 +250,7 @@ def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from raytrain_mgpu.runtime.loop import train_worker
+    from raytrain_mgpu.transports.ray_train import train_worker
 
     RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
     sink = ProgressSink.open()

@@ -123,3 +123,8 @@ def shape_record(shape: Any) -> Any:
     if isinstance(shape, dict):
         return {key: list(value) for key, value in shape.items()}
     return [list(part) for part in shape] if shape and isinstance(shape[0], tuple) else list(shape)
+
+
+def move_batch(x, y, device: torch.device, channels_last: bool = False) -> tuple:
+    """Inputs and targets (tensors, or tuples/dicts of them) on ``device``; 4-D inputs channels-last if asked."""
+    return to_device(x, device, channels_last), to_device(y, device)

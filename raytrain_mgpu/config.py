@@ -24,7 +24,7 @@ from typing import Any, Optional, Tuple, Union
 from raytrain_mgpu.config_checks import validate, warn_unused
 from raytrain_mgpu.config_sections import (Balance, DataConfig, Ingest, Logger, Loss, LrScaling, LrSchedule,
                                            MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
-                                           Precision, Schedule)
+                                           Precision, Runner, Schedule)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
 
 # ----------------------------------------------------------------------------- user config
@@ -187,6 +187,8 @@ class TrainConfig:
     """With a validation split: evaluate the test split on every evaluated epoch too, not only after the last (its scores are for reading, never for choosing)."""
     address: Optional[str] = None
     """Ray cluster to use; default ``RAY_ADDRESS`` or a new local instance."""
+    runner: Runner = "auto"
+    """Where the run trains: ``local`` in the driver's own process (one worker, no Ray: starts in seconds), ``ray`` on Ray Train's workers (or the pipeline's actor group), ``auto`` in-process where the run needs nothing only Ray provides (one worker of a strategy that trains in one process, no cluster address, no Ray Data, not elastic), else on Ray (docs/reliability.md: Where a run trains)."""
     verbose: bool = False
     """Show Ray's own per-worker logs on the driver."""
     max_preemption_failures: int = -1

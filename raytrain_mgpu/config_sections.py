@@ -23,6 +23,7 @@ Metric = Literal["accuracy", "top5", "mae", "mse"]  # TrainConfig.metrics lists 
 Logger = Literal["tensorboard", "mlflow", "csv"]  # TrainConfig.loggers is a list of these
 MonitorMode = Literal["min", "max"]
 Ingest = Literal["loader", "ray_data"]  # how the training split reaches the workers
+Runner = Literal["auto", "local", "ray"]  # where a run trains: the driver's process, or Ray
 
 
 # ----------------------------------------------------------------------------- sections

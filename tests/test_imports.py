@@ -165,8 +165,9 @@ LAYERS = [
     ("strategies",),
     # The run plan: derived once from the strategy class on the driver, handed to both runners.
     ("planning.plan",),
-    # The two runners: the Ray Train worker loop and the pipeline's actor group.
-    ("runtime.loop", "pipeline"),
+    # The transports that carry the engine: Ray Train's workers, the driver's own process, the pipeline's
+    # actor group.
+    ("transports", "pipeline"),
     # Choosing and comparing layouts: memory estimates, strategy="auto", compare. Above the
     # runners (it reads their plans), below the api: compare and auto_measure train through
     # the api's fit, which the api passes in.

@@ -6,10 +6,10 @@ Layout:
 - ``plan.py``      which blocks go to which stage (built on ``meta``; see ``models/partition.py``);
 - ``executor.py``  runs one rank's order: forwards, backwards, point-to-point messages;
 - ``p2p.py``       the point-to-point channels (NCCL semantics, bounded waits);
-- ``worker.py``    one stage process: model part, data, optimizer, checkpoints;
+- ``steps.py``     a stage's step runner: what one rank gives the engine (``runtime/engine.py``);
+- ``worker.py``    one stage process: process group, data, the engine's run, its transport;
 - ``group.py``     the actor group's lifecycle (placement group, actors, teardown);
-- ``driver.py``    epochs, metrics and checkpoints of one attempt;
-- ``runner.py``    :func:`run_pipeline`: attempts and retries (called by ``fit``).
+- ``runner.py``    :func:`run_pipeline`: attempts of one actor group each, retries (called by ``fit``).
 
 The tests run the same stages as local processes, without Ray (``tests/_pipeline_local.py``).
 

@@ -28,8 +28,6 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 """How long to wait for the cluster to grant every stage's bundle."""
 CLOSE_TIMEOUT_S = 10.0
-UPLOAD_GROUP = "upload"
-"""The actors' concurrency group of ``wait_upload`` (its own thread beside the training one)."""
 
 
 def wait_all(refs: list) -> list:
@@ -67,8 +65,7 @@ class StageGroup:
                 f"{ray.cluster_resources()} of which {ray.available_resources()} are free. Wait for other runs "
                 f"to finish, lower num_stages/num_workers/cpus_per_worker, or use placement='PACK' or "
                 f"'SPREAD' instead of a STRICT_ one.") from None
-        # "upload": wait_upload answers while the default thread trains (pipeline/checkpoints.py)
-        actor_class = ray.remote(concurrency_groups={UPLOAD_GROUP: 1})(StageWorker)
+        actor_class = ray.remote(StageWorker)
         runtime_env = worker_runtime_env(*cfg.code_specs())  # the user's modules, the GPU-emulation switch
         self.actors = [
             actor_class.options(
@@ -84,11 +81,10 @@ class StageGroup:
         """Per-block forward+backward seconds, measured by actor 0 on its device."""
         return ray.get(self.actors[0].profile_blocks.remote())
 
-    def setup(self, partition: Partition, resume_dir: Optional[str], start_step: int,
-              step_in_epoch: int = 0, partials: Optional[list] = None) -> List[dict]:
+    def setup(self, partition: Partition) -> List[dict]:
         address, port = ray.get(self.actors[0].address.remote())
         self._give_data_shards()
-        return self.call("setup", address, port, partition, resume_dir, start_step, step_in_epoch, partials)
+        return self.call("setup", address, port, partition)
 
     def _give_data_shards(self) -> None:
         """``ingest="ray_data"``: each replica's actors get its share of a fresh equal split (the
@@ -104,10 +100,6 @@ class StageGroup:
     def call(self, method: str, *args) -> list:
         """``method(*args)`` on every actor at once (SPMD); results in rank order."""
         return wait_all([getattr(actor, method).remote(*args) for actor in self.actors])
-
-    def wait_uploads(self) -> None:
-        """Until every stage's checkpoint upload in flight is written (raises a stage's failure)."""
-        wait_all([actor.wait_upload.options(concurrency_group=UPLOAD_GROUP).remote() for actor in self.actors])
 
     def shutdown(self, graceful: bool = False) -> None:
         """Kill the actors and release their resources; safe to call more than once."""

@@ -1,12 +1,19 @@
-"""The pipeline runner: retries of whole attempts, each one actor group (see ``driver.py``).
+"""The pipeline's transport on the driver: attempts of one actor group each, retried from the last checkpoint.
 
-:func:`run_pipeline` is called by :func:`raytrain_mgpu.api.fit` for strategies with
-``runner == "actor_group"``, with Ray connected and the config validated.
+:func:`run_pipeline` is called by :func:`raytrain_mgpu.api.fit` for strategies with ``runner == "actor_group"``,
+with Ray connected and the config validated. An attempt places the stage actors (``group.py``), forms their
+process group, and has every actor run the engine (``worker.StageWorker.run``: the same loop, checkpoints and
+restore as a Ray Train worker's); the driver only carries their events to ``fit``'s ``RunEvents`` (the
+progress channel of ``runtime/progress.py``) and tears the group down. A failed attempt (an actor that died,
+a stage that lost its peer) restarts from the last checkpoint while ``max_failures`` allows
+(``transports/attempts.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from typing import NamedTuple, Optional
 
 import ray
@@ -20,17 +27,17 @@ __all__ = ["RunOutcome", "run_pipeline"]
 
 
 class RunOutcome(NamedTuple):
-    checkpoint_path: str
+    checkpoint_path: Optional[str]
     """The newest checkpoint folder (the whole model loads from it)."""
     history: list
     """Per-epoch metrics, resumed attempts included."""
+    startup: Optional[dict] = None
+    """Rank 0's start-up times (``WorkerReporter.startup``)."""
 
 
 def _retryable(exc: BaseException) -> bool:
     # An actor that died, or a stage that lost its peer: restart from the last checkpoint.
-    # A ValueError (raised on the driver or in an actor) is a configuration error: retrying
-    # would fail the same way.
-    return isinstance(exc, ray.exceptions.RayError) and not isinstance(exc, ValueError)
+    return isinstance(exc, ray.exceptions.RayError)
 
 
 def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
@@ -55,16 +62,61 @@ def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
                 + (" or cpus_per_worker" if key == "CPU" else "") + f", or add {key}s to the cluster.")
 
 
-def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> RunOutcome:
-    """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of
-    ``{storage_path}/{name}`` if there is one, restart after failures (``max_failures``).
+def _partition(cfg: TrainConfig, group=None):
+    """The checkpoint's partition on a resume (its optimizer state is per stage), else the configured one;
+    ``balance="time"`` is measured by the first actor (``group``), after a cheap check without it."""
+    from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
+    from raytrain_mgpu.runtime.run_folder import RunFolder
 
-    ``reporter.epoch(metrics)`` is called once per epoch, then ``reporter.checkpoint(path)``
-    (where the reporter has it: ``fit``'s ``RunEvents``), ``reporter.step(step, total)``
-    every few steps.
-    """
+    state = RunFolder.of(cfg).state()
+    if state.checkpoint is not None and state.partition is not None:
+        return partition_from_checkpoint(cfg, state.partition, state.checkpoint)
+    if cfg.balance != "time":
+        return choose_partition(cfg)
+    if group is None:
+        check_splittable(cfg)
+        return None
+    return choose_partition(cfg, profile=group.profile)
+
+
+def train_attempt(cfg: TrainConfig, plan: RunPlan, events) -> Optional[dict]:
+    """One actor group: start it, run the engine on every actor, always tear down; rank 0's start-up times."""
+    from raytrain_mgpu.pipeline.group import StageGroup
+    from raytrain_mgpu.runtime.progress import ProgressSink, SinkPump
+    from raytrain_mgpu.runtime.run_folder import RunFolder
+
+    RunFolder.of(cfg).remove_temporaries()  # a failed attempt's (or killed driver's) half-written checkpoints
+    partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
+    group, sink = StageGroup(cfg, plan), ProgressSink.open()
+    # replica 0's first and last stage send the per-step scalars (one stage: it sends both)
+    pump = SinkPump(sink, events, scalar_sources=1 if cfg.num_stages == 1 else 2)
+    try:
+        started = time.perf_counter()
+        group.start()
+        partition = partition or _partition(cfg, group)
+        infos = group.setup(partition)
+        logger.info("%s: %d replica(s) x %d stages (%s, partition %s); %s; %d steps per epoch; rank: node %s "
+                    "(set up in %.1f s)", cfg.strategy, plan.replicas, cfg.num_stages, cfg.schedule,
+                    list(partition.counts), plan.describe(), infos[0]["steps_per_epoch"],
+                    ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos), time.perf_counter() - started)
+        with pump:
+            group.call("run", uuid.uuid4().hex[:12], sink)
+        group.shutdown(graceful=True)
+        if pump.failure is not None:
+            raise pump.failure
+        return pump.startup
+    finally:
+        group.shutdown()
+        sink.close()
+
+
+def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> RunOutcome:
+    """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of ``{storage_path}/{name}``
+    if there is one, restart after failures (``max_failures``). ``events``: ``fit``'s ``RunEvents``."""
     from raytrain_mgpu.runtime.cluster import check_placeable
-    from raytrain_mgpu.pipeline.driver import load_state, train_attempt
+    from raytrain_mgpu.runtime.run_folder import RunFolder
+    from raytrain_mgpu.transports.attempts import run_attempts
+
     plan = plan if plan is not None else build_plan(cfg)  # fit hands its plan down; direct callers get the same
     if plan.runner != "actor_group":
         raise ValueError(f"TrainConfig.strategy={cfg.strategy!r} is not a pipeline strategy; fit() runs it "
@@ -73,21 +125,12 @@ def run_pipeline(cfg: TrainConfig, reporter, plan: Optional[RunPlan] = None) -> 
     _check_resources(cfg, list(plan.bundles), plan.replicas)
     check_placeable(list(plan.bundles), cfg.use_gpu,
                     f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}")
-    failures = 0
-    while True:
-        state = load_state(cfg)
-        state.attempt = max(state.attempt, failures)  # a restart before the first checkpoint counts too
-        if state.finished(cfg) and state.checkpoint is not None:
-            logger.info("%s is already trained (epoch %d, step %d%s): nothing to do", cfg.name, state.epoch,
-                        state.step, ", stopped early" if state.meta.get("stopped_early") else "")
-            return RunOutcome(state.checkpoint, state.history)
-        try:
-            path, history = train_attempt(cfg, plan, reporter, state)
-            return RunOutcome(path, history)
-        except Exception as exc:
-            if not _retryable(exc) or (cfg.max_failures != -1 and failures >= cfg.max_failures):
-                raise
-            failures += 1
-            logger.warning("pipeline attempt failed (%s: %s); restart %d of %s from the last checkpoint",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                           failures, "unlimited" if cfg.max_failures == -1 else cfg.max_failures)
+    first: list = []
+
+    def attempt(_failures: int) -> None:
+        startup = train_attempt(cfg, plan, events)
+        first.append(startup)
+
+    run_attempts(cfg, attempt, _retryable, what="pipeline attempt")
+    state = RunFolder.of(cfg).state()
+    return RunOutcome(state.checkpoint, state.history, next((s for s in first if s), None))

@@ -75,6 +75,18 @@ def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: 
         (path / HISTORY_FILE).write_text("[\n" + ",\n".join(json.dumps(row) for row in history) + "\n]\n")
 
 
+def write_files(directory: str, files: dict) -> None:
+    """``{file name: object}`` into ``directory``, each with ``torch.save`` (a model part's tensors detached, on CPU)."""
+    if not files:
+        return
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        if _MODEL_PART_RE.match(name):
+            value = {k: v.detach().cpu() for k, v in value.items()}
+        torch.save(value, path / name)
+
+
 def read_meta(directory: str) -> dict:
     path = Path(directory) / META_FILE
     if not path.is_file():

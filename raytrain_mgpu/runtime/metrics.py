@@ -135,6 +135,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_gather_objects(own) -> list:
+    """Every rank's ``own``, in rank order (collective: every rank calls it; small objects only)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [own]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, own)
+    return gathered
+
+
 def all_gather_list(values: List[int]) -> List[int]:
     """Concatenate every rank's list, in rank order (small metadata only)."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -140,11 +140,13 @@ class PreemptionCheck:
     """
 
     def __init__(self, cfg, reporter=None, every: int = CHECK_EVERY_N_STEPS, get_info: Optional[Callable] = None,
-                 local_notice: Optional[Callable] = None, any_rank: Optional[Callable[[bool], bool]] = None):
+                 local_notice: Optional[Callable] = None, any_rank: Optional[Callable[[bool], bool]] = None,
+                 enabled: bool = True):
         self.cfg, self.reporter, self.every = cfg, reporter, every
         # A Ray Data stream restarts its epoch on resume (config_checks refuses checkpoint_every_n_steps
-        # with it): a step checkpoint could not continue mid-epoch, so such a run does not ask.
-        self.enabled = getattr(cfg, "ingest", None) != "ray_data"
+        # with it): a step checkpoint could not continue mid-epoch, so such a run does not ask. Nor does a
+        # transport where no notice can come (``enabled=False``: the in-process runner).
+        self.enabled = enabled and getattr(cfg, "ingest", None) != "ray_data"
         self.get_info = get_info or _ray_preemption_info
         self.local_notice = local_notice or _ray_local_notice
         self.any_rank = any_rank or AnyRank()

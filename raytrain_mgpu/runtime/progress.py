@@ -230,8 +230,12 @@ class SinkPump:
     ``RunEvents``), or None; the events after it are dropped and the runner re-raises it.
     """
 
-    def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25):
+    def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25, scalar_sources: int = 1):
         self.sink, self.printer, self.interval_s = sink, printer, interval_s
+        # ranks whose per-step scalars make one step's set (a pipeline's first stage sends the data wait, its
+        # last the loss): a step's set goes on once all have sent theirs, or at the end
+        self.scalar_sources = scalar_sources
+        self._partial: dict = {}  # step -> [values, sources so far]
         self.failure: Optional[BaseException] = None
         self.startup: Optional[dict] = None  # rank 0's first ``WorkerReporter.startup``
         self._stop = threading.Event()
@@ -245,6 +249,9 @@ class SinkPump:
         self._stop.set()
         self._thread.join(timeout=5)
         self._pump()  # the last epoch's line
+        for step in sorted(self._partial):  # a set a rank never completed (it failed): what arrived
+            if self.failure is None:
+                self._call(self.printer.scalars, step, self._partial.pop(step)[0])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -262,7 +269,7 @@ class SinkPump:
                 if kind == "epoch":
                     self.printer.epoch(payload)
                 elif kind == "scalars":
-                    self.printer.scalars(*payload)
+                    self._scalars(*payload)
                 elif kind == "checkpoint":
                     self.printer.checkpoint(payload)
                 elif kind == "notice":
@@ -274,3 +281,20 @@ class SinkPump:
             except Exception as exc:  # a callback or logger raised: the run fails with it, never silently
                 self.failure = exc
                 return
+
+    def _scalars(self, step: int, values: dict) -> None:
+        if self.scalar_sources == 1:
+            self.printer.scalars(step, values)
+            return
+        entry = self._partial.setdefault(step, [{}, 0])
+        entry[0].update(values)
+        entry[1] += 1
+        if entry[1] >= self.scalar_sources:
+            del self._partial[step]
+            self.printer.scalars(step, entry[0])
+
+    def _call(self, method, *args) -> None:
+        try:
+            method(*args)
+        except Exception as exc:
+            self.failure = exc

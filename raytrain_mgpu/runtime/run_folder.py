@@ -130,7 +130,7 @@ class RunFolder:
             meta = self.read_json(f"{entry.path}/{META_FILE}")
             if meta is not None and (not meta.get(SHARDED_KEY) or self._shards_there(entry.path)):
                 found.append(CheckpointInfo(entry.base_name, entry.path, self.uri_of(entry.path), meta))
-        return sorted(found, key=lambda c: (_number(c.meta.get("step")), _number(c.meta.get("epoch")), c.name))
+        return sorted(found, key=_order)
 
     def _shards_there(self, path: str) -> bool:
         """Whether a sharded checkpoint's ``.metadata`` and every file it names are in ``path``."""
@@ -148,14 +148,29 @@ class RunFolder:
         return all(info.type == pafs.FileType.File for info in infos)
 
     def newest_checkpoint(self) -> Optional[CheckpointInfo]:
-        """The checkpoint a resume starts from: Ray Train's latest where it keeps a record (a
-        folder uploaded by a save that was killed before Ray Train took it is not one), else
-        the furthest one."""
+        """The checkpoint a resume starts from: the furthest of Ray Train's latest, where it keeps a record (a
+        folder uploaded by a save that was killed before Ray Train took it is not one), and the checkpoints
+        published in the folder by the other transports (``published`` in ``meta.json``: renamed into place
+        once complete); without either, the furthest complete one."""
         found = self.checkpoints()
         snapshot = self.read_json(self.join(RAY_TRAIN_SNAPSHOT)) or {}
         latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
-        registered = [c for c in found if c.name == latest]
-        return registered[0] if registered else (found[-1] if found else None)
+        candidates = [c for c in found if c.name == latest or c.meta.get(PUBLISHED_KEY)]
+        return candidates[-1] if candidates else (found[-1] if found else None)
+
+    def newest_published(self, after: Optional[str] = None) -> Optional[CheckpointInfo]:
+        """The furthest checkpoint published in the folder (``published``), if it is further than the checkpoint
+        at ``after`` (a path in :attr:`fs`, or a URI: a Ray Train checkpoint's), or ``after`` is None."""
+        found = self.checkpoints()
+        published = [c for c in found if c.meta.get(PUBLISHED_KEY)]
+        if not published:
+            return None
+        if after is not None:
+            name = after.rstrip("/").rsplit("/", 1)[-1]
+            other = next((c for c in found if c.name == name), None)
+            if other is not None and _order(other) >= _order(published[-1]):
+                return None
+        return published[-1]
 
     def state(self) -> RunState:
         """Where the run stands: a fresh :class:`RunState`, or the one after the newest checkpoint."""
@@ -346,6 +361,16 @@ class RunFolder:
 
 TMP_PREFIX = ".tmp-"
 """Temporary checkpoint folders: ``.tmp-{name}-{unique}`` (never matched as a checkpoint)."""
+
+
+PUBLISHED_KEY = "published"
+"""``meta.json``'s mark of a checkpoint published in the run folder by rank 0 of the pipeline's actor group or
+of the in-process runner (``runtime/transport.FolderTransport``): complete, and a resume point of its own."""
+
+
+def _order(checkpoint: CheckpointInfo) -> tuple:
+    """How far a checkpoint got: (step, epoch, name)."""
+    return _number(checkpoint.meta.get("step")), _number(checkpoint.meta.get("epoch")), checkpoint.name
 
 
 def _number(value) -> float:

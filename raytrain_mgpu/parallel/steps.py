@@ -1,0 +1,102 @@
+"""The data-parallel family's step runner: what a :class:`WorkerStrategy` gives the engine (``runtime/engine.py``).
+
+One optimizer step is ``accum`` micro-batches, each forward (under the run's autocast), loss, backward
+(scaled by fp16's grad scaler, divided by ``accum``); gradients are all-reduced only on the last
+micro-batch (the strategy's ``no_sync`` around the others). The whole model's state is rank 0's to
+write (``model.pt`` and its optimizer in ``train_state.pt``), or every rank's shards (fsdp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional
+
+import torch
+
+from raytrain_mgpu.parallel.worker import WorkerStrategy
+from raytrain_mgpu.runtime.engine import Steps
+
+__all__ = ["DataParallelSteps"]
+
+
+class DataParallelSteps(Steps):
+    """``strategy`` on this rank (its placement, then its replication) as the engine's step runner."""
+
+    def __init__(self, strategy: WorkerStrategy, compile_model: bool = False):
+        self.strategy, self.compile_model = strategy, compile_model
+        self.ctx, self.objective = strategy.ctx, strategy.objective
+        self.device = strategy.device
+        self.shard = strategy.data_shard()
+        self.sharded = strategy.sharded_checkpoint
+        self.model: Optional[torch.nn.Module] = None
+
+    def accum_at(self, plan, num_shards: int) -> int:
+        return plan.micro_batches_at(num_shards)  # ValueError for a count the plan does not have
+
+    def loader_batch(self, plan) -> int:
+        return plan.micro_batch
+
+    def build_on_meta(self) -> bool:
+        return self.strategy.build_on_meta()
+
+    def setup(self, model: torch.nn.Module, model_state: Optional[dict]) -> None:
+        if model_state is not None:
+            model.load_state_dict(model_state)
+        model = self.strategy.setup_model(model)
+        self.model = torch.compile(model) if self.compile_model else model
+
+    def parameters(self) -> list:
+        return list(self.model.parameters())
+
+    def load_optimizer(self, optimizer, train_state: dict) -> None:
+        self.strategy.load_optimizer_state_dict(self.model, optimizer, train_state["optimizer"])
+
+    def load_sharded(self, optimizer, path: str) -> None:
+        self.strategy.load_sharded(self.model, optimizer, path)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def train_step(self, next_batch: Callable[[], tuple], meter, window, scaler, accum: int) -> None:
+        model, strategy = self.model, self.strategy
+        for micro in range(accum):
+            x, y = next_batch()
+            # Gradients are all-reduced only on the last micro-step of a step.
+            sync = contextlib.nullcontext() if micro == accum - 1 else strategy.no_sync(model)
+            with sync:
+                with self.autocast():
+                    loss, outputs = strategy.compute_loss(model, x, y)
+                scaler.scale(loss / accum if accum > 1 else loss).backward()
+            counted = meter.samples
+            meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
+            del outputs  # not held through the next forward: one micro-batch of outputs less per device
+            if window is not None:
+                window.add_loss(loss, meter.samples - counted)  # the samples (targets) the meter counted
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip this worker's model's gradients to ``max_norm``; their total norm (on the device, unread)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def evaluate(self, loader, meter) -> None:
+        from raytrain_mgpu.batches import move_batch
+
+        for x, y in loader:
+            x, y = move_batch(x, y, self.device, self.channels_last)
+            with self.autocast():
+                loss, outputs = self.strategy.compute_loss(self.model, x, y)
+            meter.add(loss.float(), outputs, y)
+
+    def memory_devices(self) -> List[torch.device]:
+        return self.strategy.memory_devices()
+
+    def checkpoint_files(self, optimizer) -> dict:
+        if self.ctx.world_rank != 0:
+            return {}
+        return {"model.pt": self.strategy.state_dict(self.model),
+                "train_state.pt": {"optimizer": self.strategy.optimizer_state_dict(self.model, optimizer)}}
+
+    def write_sharded(self, optimizer, path: str, asynchronous: bool):
+        return self.strategy.save_sharded(self.model, optimizer, path, asynchronous=asynchronous)
+
+    def model_state(self) -> dict:
+        return self.strategy.state_dict(self.model)

@@ -1,0 +1,94 @@
+"""The engine's data feed: the training split's sampler and loader, the evaluation loaders, the batches of
+one epoch and the time a rank waits for them. One home for both runners' loaders (``runtime/loaders.py``
+builds them) and for Ray Data (``runtime/ray_ingest.py``: a worker's share of the stream).
+
+Batch arithmetic (nanoGPT style): the global batch B is split over R data-parallel replicas and A
+accumulation micro-steps, so each micro-batch holds B / (R * A) samples (a pipeline replica's first stage
+reads B / R and splits it into its micro-batches itself). The ``DistributedSampler`` (``drop_last=True``)
+gives replica r the positions r, r+R, ... of one seeded permutation per epoch, so optimizer step s always
+sees positions [s*B, (s+1)*B) of that permutation: the samples of a step do not depend on R, and a step
+checkpoint's resume leaves out the first ``step_in_epoch * B / R`` positions of the replica's share
+(``runtime/step_checkpoints.ResumableSampler``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
+from raytrain_mgpu.runtime.prefetch import Prefetcher
+from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
+
+__all__ = ["Feed"]
+
+
+class Feed:
+    """This rank's data: ``steps_per_epoch`` and ``accum`` (micro-steps per step), the same on every rank."""
+
+    def __init__(self, cfg, plan, steps, data, transport):
+        self.cfg, self.steps, self.data = cfg, steps, data
+        shard, num_shards = steps.shard
+        # Micro-steps per optimizer step for this world size: an elastic run's micro-batch is fixed by its max
+        # count, so W workers accumulate max x grad_accum_steps / W (the global batch and steps per epoch stay).
+        self.accum = steps.accum_at(plan, num_shards)
+        self.batch = steps.loader_batch(plan)
+        self.sampler = ResumableSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
+                                        seed=cfg.seed, drop_last=True)
+        self.steps_per_epoch = len(data.train) // num_shards // self.batch // self.accum
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
+                             f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
+        self.loader = None
+        if steps.reads_data:
+            self.loader = train_loader(cfg.data, data.train, self.sampler, self.batch, steps.device)
+            if cfg.ingest == "ray_data":  # Ray Data streams each replica an equal share instead
+                from raytrain_mgpu.runtime.ray_ingest import ShardLoader
+                from raytrain_mgpu._factory import load_factory
+
+                collate = None if cfg.collate is None else load_factory(cfg.collate, "collate")
+                self.loader = ShardLoader(transport.data_shard(), self.batch, self.steps_per_epoch * self.accum,
+                                          cfg.seed, shard, collate)
+                self.sampler = self.loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
+        self.eval_loaders = {split: test_loader(cfg.data, dataset, shard, num_shards, plan.replica_batch, steps.device)
+                             for split, dataset in (("test", data.test), ("val", data.val)) if dataset is not None}
+        self._open: Optional[Prefetcher] = None
+
+    def resume_at(self, epoch: int, step_in_epoch: int) -> None:
+        """A step checkpoint's epoch goes on after the positions it had trained."""
+        self.sampler.resume_at(epoch, step_in_epoch * self.accum * self.batch)
+
+    def epoch(self, epoch: int):
+        """The iterator of epoch ``epoch``'s batches on a reading rank (None elsewhere)."""
+        self.sampler.set_epoch(epoch)  # the loader hands the epoch to transforms with the indices
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+        if self.loader is None:
+            return None
+        prefetch(self.data.train, self.sampler)  # Parquet: load exactly this rank's rows once, before the loader forks
+        batches = iter(self.loader)
+        if self.steps.read_ahead:  # a pipeline's first stage: loading runs in its bubble, not before its step
+            batches = self._open = Prefetcher(batches)
+        return batches
+
+    def batches(self, batches, meter, window) -> Callable[[], tuple]:
+        """``next_batch()``: the next batch on the step runner's device, its wait counted as data wait."""
+        device, channels_last = self.steps.device, self.cfg.channels_last
+        from raytrain_mgpu.batches import move_batch
+
+        def next_batch() -> tuple:
+            started = time.perf_counter()
+            x, y = next(batches)
+            waited = time.perf_counter() - started
+            meter.data_wait_s += waited
+            if window is not None:
+                window.add_data_wait(waited)
+            return move_batch(x, y, device, channels_last)
+
+        return next_batch
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
