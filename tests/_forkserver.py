@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 # What the ranks import anyway: torch, its process groups, DDP's torch._dynamo, FSDP, the pipeline.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
-           "torch.nn.parallel", "raytrain_mgpu.runtime.loop", "raytrain_mgpu.pipeline.worker"]
+           "torch.nn.parallel", "raytrain_mgpu.runtime.engine", "raytrain_mgpu.parallel.steps", "raytrain_mgpu.pipeline.worker"]
 
 
 def context() -> multiprocessing.context.BaseContext:

@@ -15,6 +15,7 @@ import io
 import os
 import queue as queue_module
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -45,7 +46,8 @@ class LocalRun(NamedTuple):
 
 class LocalResult(NamedTuple):
     model_state: dict          # the whole model, merged from replica 0's stages
-    stats: List[dict]          # finish_epoch() of every rank, for the last epoch run, with its setup()'s under "setup"
+    stats: List[dict]          # every rank's sums of its last epoch (steps, busy_s, bytes_sent, ...), its devices, its
+                               # setup()'s answer under "setup", the run's history under "history"
     partition: Partition
     error: Optional[str] = None  # with return_errors: every failed rank's traceback
 
@@ -72,7 +74,7 @@ def _without_warm_up(skip: bool):
         stage_worker.warm_up = original
 
 
-def _rank_main(rank: int, jobs: list, barriers: list, ports: list, results) -> None:
+def _rank_main(rank: int, jobs: list, barriers: list, ports: list, storages: list, results) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's dump when a run hangs
     for index, (run, partition) in enumerate(jobs):
         if rank >= _world(run.cfg):
@@ -94,16 +96,20 @@ def _rank_main(rank: int, jobs: list, barriers: list, ports: list, results) -> N
                 ports[index].value = free_address()[1]
             start.wait(timeout=_BARRIER_TIMEOUT_S)
             with _without_warm_up(run.skip_warmup):
-                info = worker.setup("127.0.0.1", ports[index].value, partition, None, 0)
-            remaining, epoch = run.num_steps, 0
-            while remaining > 0:
-                worker.start_epoch(epoch)
-                steps = min(remaining, info["steps_per_epoch"])
-                worker.train_steps(steps)
-                remaining -= steps
-                epoch += 1
+                info = worker.setup("127.0.0.1", ports[index].value, partition)
+            # The engine trains run.num_steps steps (max_steps), over as many epochs as they take; its checkpoints
+            # go to a folder of this run's own (every rank names the same one).
+            epochs = max(run.cfg.epochs, -(-run.num_steps // info["steps_per_epoch"]))
+            worker.cfg = run.cfg.replace(max_steps=run.num_steps, epochs=epochs,
+                                         storage_path=storages[index], name="local")
+            worker.run(f"local{index}")
+            history = worker.history
             state = worker.model_state() if worker.replica == 0 else {}
-            results.put((index, rank, None, _to_bytes(state), {**worker.finish_epoch(), "setup": info}))
+            stats = {**worker.steps.last_stats, **worker.assignment.record(), "rank": worker.rank,
+                     "prank": worker.prank, "replica": worker.replica, "is_last": worker.is_last,
+                     "nccl_semantics": worker.emulate_nccl, "history": history,
+                     "setup": {**info, "checkpointed_blocks": worker.steps.checkpointed_blocks}}
+            results.put((index, rank, None, _to_bytes(state), stats))
         except Exception:  # reported to the parent, which raises it
             results.put((index, rank, traceback.format_exc(), None, None))
         finally:
@@ -179,7 +185,8 @@ def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors:
     results = ctx.Queue()
     barriers = [(ctx.Barrier(_world(run.cfg)), ctx.Barrier(_world(run.cfg))) for run in runs]
     ports = [ctx.Value("i", 0) for _ in runs]
-    processes = [_forkserver.process(_rank_main, (rank, jobs, barriers, ports, results), daemon=True)
+    storages = [tempfile.mkdtemp(prefix="pipeline-local-") for _ in runs]
+    processes = [_forkserver.process(_rank_main, (rank, jobs, barriers, ports, storages, results), daemon=True)
                  for rank in range(max(_world(run.cfg) for run in runs))]
     for process in processes:
         process.start()

@@ -1,17 +1,17 @@
 """What a 1-worker ``fit`` trains, computed in the test's own process, without Ray.
 
 Tests whose point is the numbers ("a run through faults, on two nodes, or an elastic group ends with
-the undisturbed run's weights") compare with this instead of a second run through Ray: the parts of
-``runtime/loop.py``'s ``train_worker`` on one rank (the model built on the seed, the resumable
-sampler, the loader, ``_Loop`` and its accumulation), no worker group to start. A fit through Ray
-ends with exactly these weights: tests/test_loaders.py checks it.
+the undisturbed run's weights") compare with this instead of a second run through Ray: the in-process
+runner (``runner="local"``), which runs the engine every Ray Train worker runs, with world size 1; a fit
+through Ray ends with exactly these weights (tests/test_local_runner.py). ``train_replicas`` emulates 2
+``ddp`` replicas by hand in this process (bit for bit a 2-worker fit's weights).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from typing import Callable, Optional
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -19,11 +19,9 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.runtime import loop as loop_module
-from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
+from raytrain_mgpu.runtime.loaders import test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter
-from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.run_state import RunState, eval_columns, metric_columns
+from raytrain_mgpu.runtime.run_state import eval_columns, metric_columns
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
@@ -32,57 +30,35 @@ CPU = torch.device("cpu")
 _CACHE: dict = {}
 
 
-@contextlib.contextmanager
-def _no_ray():
-    """The loop's per-epoch device record asks Ray for GPU ids and the node: nothing to ask here."""
-    saved, loop_module._device_record = loop_module._device_record, lambda ctx: {}
+def train_one_worker(fields: dict, epochs: Optional[int] = None, storage: Optional[str] = None) -> tuple:
+    """``(weights, optimizer state, rng state, history)`` after ``epochs`` (default ``fields``') of ``fields`` on one
+    worker: the in-process runner (``runner="local"``: the engine a Ray Train worker runs, in this process, with
+    world size 1), its run folder under ``storage`` (a temporary folder by default; a second call with the same
+    ``storage`` and more ``epochs`` resumes). A strategy that shards (``fsdp``) is its ``ddp`` twin here: one
+    worker holds the whole model either way, and the arithmetic is the plain model's."""
+    import io
+    import tempfile
+
+    from raytrain_mgpu.runtime.checkpoint import load_train_state, local_checkpoint
+    from raytrain_mgpu.strategies import get_strategy
+
+    fields = {**fields, "num_workers": 1, "runner": "local"}
+    if epochs is not None:
+        fields["epochs"] = epochs
+    if get_strategy(fields.get("strategy", "ddp")).replication == "fully_shard":
+        fields = {key: value for key, value in fields.items() if key not in ("shard_group_size", "cpu_offload")}
+        fields["strategy"] = "ddp"
+    storage = storage or tempfile.mkdtemp(prefix="reference-")
     threads = torch.get_num_threads()
     try:
-        yield
+        result = rtm.fit(rtm.TrainConfig(**{**fields, "storage_path": storage, "name": "reference"}),
+                         stream=io.StringIO())
     finally:
-        loop_module._device_record = saved
         torch.set_num_threads(threads)
-
-
-def train_one_worker(fields: dict, epochs: Optional[int] = None, start: int = 0, restored=None,
-                     save_step: Optional[Callable] = None) -> tuple:
-    """``(weights, optimizer state, rng state, history)`` after epochs ``start``..``epochs`` of ``fields``
-    on one rank (on as many CPU devices as its strategy computes on: 2 for dp with ``gpus_per_worker=2``); ``restored``: the first three of an earlier call, as a resumed worker loads them;
-    ``save_step``: a stand-in for the step checkpoints' save (``checkpoint_every_n_steps``), called with
-    the epoch's meter (no preemption notice is asked for)."""
-    cfg = rtm.TrainConfig(**fields)
-    epochs = cfg.epochs if epochs is None else epochs
-    with _no_ray():
-        torch.set_num_threads(cfg.cpus_per_worker)
-        data = build_datasets(cfg.data)
-        devices = (CPU,) * get_strategy(cfg.strategy).devices_per_worker(cfg)  # dp, mp: CPU stand-ins for GPUs
-        strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, devices),
-                                Objective.of(cfg, data.num_classes))
-        model = strategy.setup_model(loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes))
-        accum = cfg.grad_accum_steps
-        sampler = ResumableSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
-        loader = train_loader(cfg.data, data.train, sampler, cfg.batch_size // accum, CPU)
-        steps_per_epoch = len(loader) // accum
-        optimizer = build_optimizer(model.parameters(), cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
-        if restored is not None:  # as a resumed worker: weights, optimizer and its random stream
-            model.load_state_dict(restored[0])
-            optimizer.load_state_dict(restored[1])
-            torch.set_rng_state(restored[2])
-        loop = loop_module._Loop(cfg, strategy, model, optimizer, scheduler,
-                                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(None),
-                                 steps_per_epoch)
-        loop.accum_steps = accum
-        if save_step is not None:
-            loop.save_step, loop.preemption.local_notice = save_step, lambda: None  # no notice, no Ray
-        state, history = RunState(), []
-        for epoch in range(start, epochs):
-            sampler.set_epoch(epoch)
-            prefetch(data.train, sampler)
-            history.append(loop.train_epoch(epoch, state))
-        # what the worker's checkpoint holds: the plain model's state, outside any wrapper (dp's DataParallel)
-        weights = {k: v.detach().clone() for k, v in strategy.state_dict(model).items()}
-        return weights, optimizer.state_dict(), torch.get_rng_state(), history
+    with local_checkpoint(result.checkpoint_path) as directory:
+        train_state = load_train_state(directory)
+    weights = {k: v.detach().clone() for k, v in result.load_model().state_dict().items()}
+    return weights, train_state["optimizer"], train_state["rng_per_rank"][0]["cpu"], result.history
 
 
 def one_worker_weights(**fields) -> dict:
@@ -93,11 +69,25 @@ def one_worker_weights(**fields) -> dict:
     return {k: v.clone() for k, v in _CACHE[key].items()}
 
 
+def _build_model(cfg, strategy, input_shape, num_classes):
+    """The engine's initial model (``runtime/engine_checkpoint.build_model``) for ``strategy``'s rank."""
+    from raytrain_mgpu.runtime.engine_checkpoint import build_model
+
+    class _Rank:
+        ctx = strategy.ctx
+
+        @staticmethod
+        def build_on_meta():
+            return strategy.build_on_meta()
+
+    return build_model(cfg, _Rank(), SimpleNamespace(input_shape=input_shape, num_classes=num_classes))
+
+
 def _replica(cfg, data, rank: int, world: int, micro_batch: int):
     """Rank ``rank``'s strategy, plain model (the same initial weights on every rank), sampler and loader."""
     strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel,
                             WorkerContext(rank, world, rank, world, 0, (CPU,)), Objective.of(cfg, data.num_classes))
-    model = loop_module._build_model(cfg, strategy, data.input_shape, data.num_classes).to(CPU)
+    model = _build_model(cfg, strategy, data.input_shape, data.num_classes).to(CPU)
     sampler = ResumableSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
     return strategy, model, sampler, train_loader(cfg.data, data.train, sampler, micro_batch, CPU)
 
@@ -139,7 +129,8 @@ def train_replicas(fields: dict, world: int = 2) -> tuple:
     if cfg.strategy != "ddp" or cfg.grad_clip_norm is not None or cfg.precision != "32":
         raise ValueError("train_replicas emulates plain ddp in fp32 without clipping")
     accum = cfg.grad_accum_steps
-    with _no_ray():
+    threads = torch.get_num_threads()
+    try:
         torch.set_num_threads(cfg.cpus_per_worker)
         data = build_datasets(cfg.data)
         ranks = [_replica(cfg, data, rank, world, cfg.batch_size // (world * accum)) for rank in range(world)]
@@ -180,13 +171,14 @@ def train_replicas(fields: dict, world: int = 2) -> tuple:
                 row.update(_evaluate(cfg, data, strategies, models, cfg.batch_size // world))
             history.append(row)
         return {k: v.detach().clone() for k, v in models[0].state_dict().items()}, history
+    finally:
+        torch.set_num_threads(threads)
 
 
 def evaluate(fields: dict, weights: dict) -> dict:
     """``test_loss`` and ``test_<metric>`` of ``weights`` as a 1-worker ``fit`` of ``fields`` evaluates them."""
     cfg = rtm.TrainConfig(**fields)
-    with _no_ray():
-        data = build_datasets(cfg.data)
-        strategy, model, _, _ = _replica(cfg, data, 0, 1, cfg.batch_size)
-        model.load_state_dict(weights)
-        return _evaluate(cfg, data, [strategy], [model], cfg.batch_size)
+    data = build_datasets(cfg.data)
+    strategy, model, _, _ = _replica(cfg, data, 0, 1, cfg.batch_size)
+    model.load_state_dict(weights)
+    return _evaluate(cfg, data, [strategy], [model], cfg.batch_size)

@@ -229,12 +229,12 @@ def ray_session(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_checkpoint_uploads():
     """Each test starts with no checkpoint-upload tracker. A worker's tracker lives as long as its Ray
-    Train context (``worker_checkpoint._Uploads.current``); the unit tests that call
-    ``save_and_report`` run outside one, so they would share a tracker and one would wait for ever
-    for another's checkpoint to be persisted (it did, once a test order put test_wiring first)."""
-    module = sys.modules.get("raytrain_mgpu.runtime.worker_checkpoint")
+    Train context (``transports/ray_uploads.Uploads.current``); the unit tests that drive the Ray Train
+    transport run outside one, so they would share a tracker and one would wait for ever for another's
+    checkpoint to be persisted (it did, once a test order put test_wiring first)."""
+    module = sys.modules.get("raytrain_mgpu.transports.ray_uploads")
     if module is not None:
-        module._Uploads._current = None
+        module.Uploads._current = None
     yield
 
 

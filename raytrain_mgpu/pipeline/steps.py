@@ -51,6 +51,7 @@ class PipelineSteps(Steps):
         self._eval_orders: Dict[int, Order] = {}
         self._targets_spec = None  # the last rank's: how the targets' tensors rebuild a batch's targets
         self._totals = dict.fromkeys(("steps", "busy_s", "schedule_s", "step_s", "bytes_sent"), 0.0)
+        self.last_stats: dict = {}  # the last epoch's (the tests' local harness reads them)
 
     def loader_batch(self, plan) -> int:
         return plan.replica_batch  # split into micro-batches by the schedule
@@ -171,6 +172,7 @@ class PipelineSteps(Steps):
     def epoch_stats(self) -> dict:
         """This rank's sums of the epoch (then reset): steps, busy and schedule time, bytes sent."""
         stats, self._totals = {**self._totals, "prank": self.stage.prank}, dict.fromkeys(self._totals, 0.0)
+        self.last_stats = stats
         return stats
 
     def epoch_columns(self, stats: list) -> dict:

@@ -151,7 +151,11 @@ class StageWorker:
 
         self.steps = PipelineSteps(self, self.partition)
         transport = StageTransport(self.cfg, self, attempt, sink)
-        return Engine(self.cfg, self.plan, self.steps, transport, self.data).run()
+        engine = Engine(self.cfg, self.plan, self.steps, transport, self.data)
+        try:
+            return engine.run()
+        finally:
+            self.history = getattr(engine, "state", None) and engine.state.history
 
     def model_state(self) -> dict:
         """This rank's weights under the unsplit model's names (after ``run``)."""

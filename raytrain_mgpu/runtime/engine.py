@@ -229,6 +229,18 @@ class Engine:
 
     def run(self, entered: Optional[float] = None) -> dict:
         """Train the run's remaining epochs; ``entered``: when the transport's entry point started (``time.time()``)."""
+        self.setup(entered)
+        try:
+            run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate,
+                       lambda row: self.saver.save(row, send_row=True), has_val=self.data.val is not None)
+            self.transport.finish()
+        finally:
+            self.feed.close()
+        return {"epochs": self.state.epoch, "steps": self.state.step}
+
+    def setup(self, entered: Optional[float] = None) -> None:
+        """Everything before the first step: the model (the run's seed, then the resume point's weights), the step
+        runner's placement, the data feed, optimizer, LR schedule, grad scaler, their states and every RNG."""
         from raytrain_mgpu.runtime import engine_checkpoint as checkpoints
         from raytrain_mgpu.runtime.engine_data import Feed
 
@@ -257,13 +269,6 @@ class Engine:
         self.saver = checkpoints.Saver(self)
         if self.reporter is not None:
             self.reporter.startup(entered, time.time())
-        try:
-            run_epochs(cfg, self.state, self.train_epoch, self.evaluate,
-                       lambda row: self.saver.save(row, send_row=True), has_val=self.data.val is not None)
-            self.transport.finish()
-        finally:
-            self.feed.close()
-        return {"epochs": self.state.epoch, "steps": self.state.step}
 
     # ------------------------------------------------------------------ one epoch
 
