@@ -238,6 +238,9 @@ def add_arguments(parser) -> None:
 def run_and_print(args) -> int:
     sizes = TINY if args.tiny else FULL
     device, epochs = _device(args.device), args.epochs or sizes.epochs
+    if epochs < 1 or (args.samples is not None and args.samples < 1):
+        raise ValueError(f"bench-gpu --epochs {epochs} --samples {args.samples}: both must be positive (the first "
+                         f"epoch is warm-up: 2 or more epochs give a steady figure).")
     all_works = workloads(sizes, args.samples)
     works = [all_works[name] for name in _choices(args.models, MODELS, "--models")]
     precisions = _choices(args.precisions, flops.PRECISIONS, "--precisions")
