@@ -191,22 +191,26 @@ def _trace(step: Callable, loader, out_dir: str, device: torch.device) -> Option
     return profiler.trace_path
 
 
-def run_fit(work: Workload, precision: str, device: torch.device, epochs: int, options: Options,
-            storage: str) -> Measured:
-    """``fit`` with one worker (strategy ddp) on ``device``; its history rows give samples and seconds in steps."""
+def run_fit(work: Workload, precision: str, device: torch.device, epochs: int, options: Options, storage: str,
+            runner: str = "auto") -> Measured:
+    """``fit`` with one worker (strategy ddp) on ``device``; its history rows give samples and seconds in steps.
+
+    ``runner`` is ``TrainConfig.runner``: ``"auto"`` trains one worker in this process (no Ray), ``"ray"`` on a
+    Ray Train worker; the row's runner is ``fit`` or ``fit-ray``."""
     from raytrain_mgpu.api import fit
     from raytrain_mgpu.config import TrainConfig
 
+    label = "fit" if runner == "auto" else f"fit-{runner}"
     cfg = TrainConfig(model=work.model, model_kwargs=work.model_kwargs, dataset=bench_data,
                       input_shape=work.input_shape, num_classes=work.num_classes, num_samples=work.samples,
                       batch_size=work.batch, epochs=epochs, optimizer=work.optimizer, lr=work.lr, momentum=0.9,
                       precision=precision, compile=options.compile, channels_last=options.channels_last,
-                      loader_workers=options.loader_workers, strategy="ddp", num_workers=1,
+                      loader_workers=options.loader_workers, strategy="ddp", num_workers=1, runner=runner,
                       use_gpu=device.type == "cuda", cpus_per_worker=options.threads, eval_every_epochs=100,
-                      storage_path=storage, name=f"bench-gpu-{work.name}-{precision}", seed=0)
+                      storage_path=storage, name=f"bench-gpu-{work.name}-{precision}-{label}", seed=0)
     with open(os.devnull, "w") as quiet:
         rows = fit(cfg, stream=quiet).history
-    return Measured(work.name, precision, "fit", [round(r["samples_per_s"] * r["training_s"]) for r in rows],
+    return Measured(work.name, precision, label, [round(r["samples_per_s"] * r["training_s"]) for r in rows],
                     [r["training_s"] for r in rows])
 
 

@@ -1,14 +1,17 @@
 """``raytrain-mgpu bench-gpu``: samples/s and MFU of ``fit``, Lightning and a plain PyTorch loop on one GPU.
 
     raytrain-mgpu bench-gpu [--models resnet18,transformer_lm] [--precisions 32,bf16-mixed]
-                            [--runners plain,fit,lightning] [--epochs 3] [--out rows.json] [--profile DIR]
+                            [--runners plain,fit,fit-ray,lightning] [--epochs 3] [--out rows.json]
+                            [--profile DIR]
 
 Side by side in one invocation, on the same device, model (same initial weights), data, batch and
 optimizer, each model in each precision:
 
 - ``plain``: what a user writes: a ``DataLoader`` over the data in memory, forward under autocast,
   cross-entropy, backward, step;
-- ``fit``: ``raytrain_mgpu.fit``, one GPU worker, strategy ``ddp`` (Ray is started once, here);
+- ``fit``: ``raytrain_mgpu.fit``, one GPU worker, strategy ``ddp``, ``runner="auto"`` (one worker: in this
+  process, no Ray);
+- ``fit-ray``: the same with ``runner="ray"``, on a Ray Train worker (Ray is started once, here);
 - ``lightning``: Lightning's ``Trainer`` on one device, where ``lightning`` or ``pytorch_lightning`` imports.
 
 The models: torchvision's ResNet-18 at CIFAR size (3x32x32, 10 classes, batch 256, SGD), and the
@@ -42,7 +45,7 @@ __all__ = ["Sizes", "FULL", "TINY", "workloads", "flops_per_sample", "measure", 
 
 COMMAND = "raytrain-mgpu bench-gpu"
 MODELS = ("resnet18", "transformer_lm")
-RUNNERS = ("plain", "fit", "lightning")
+RUNNERS = ("plain", "fit", "fit-ray", "lightning")
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,8 @@ def _run(runner: str, work: Workload, precision: str, device: torch.device, epoc
          storage: str, profile_dir: Optional[str]) -> Measured:
     if runner == "plain":
         return run_plain(work, precision, device, epochs, options, profile_dir)
-    if runner == "fit":
-        return run_fit(work, precision, device, epochs, options, storage)
+    if runner in ("fit", "fit-ray"):
+        return run_fit(work, precision, device, epochs, options, storage, "auto" if runner == "fit" else "ray")
     if lightning_module() is None:
         return Measured(work.name, precision, runner, [], [], note="not run: neither lightning nor "
                                                                    "pytorch_lightning is installed")
@@ -110,13 +113,13 @@ def _run(runner: str, work: Workload, precision: str, device: torch.device, epoc
 def measure(works: List[Workload], precisions: List[str], runners: List[str], device: torch.device, epochs: int,
             options: Options, profile_dir: Optional[str] = None,
             on_run: Callable[[Measured], None] = lambda m: None) -> List[Measured]:
-    """Every (model, precision, runner), the runners in turn for each; Ray is started here for ``fit``. A run
+    """Every (model, precision, runner), the runners in turn for each; Ray is started here for ``fit-ray``. A run
     that fails is a row that says so (its traceback on stderr): the others still run."""
     import itertools
     import traceback
 
     measured: List[Measured] = []
-    ray_started = "fit" in runners and _start_ray()
+    ray_started = "fit-ray" in runners and _start_ray()
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-bench-gpu-") as storage:
             for work, precision, runner in itertools.product(works, precisions, runners):
@@ -138,7 +141,7 @@ def measure(works: List[Workload], precisions: List[str], runners: List[str], de
 
 
 def _start_ray() -> bool:
-    """Start a local Ray for ``fit`` unless one is connected; True if started here."""
+    """Start a local Ray for ``fit-ray`` unless one is connected; True if started here."""
     import ray
 
     from raytrain_mgpu.runtime import devices
