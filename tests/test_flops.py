@@ -221,3 +221,17 @@ def test_mfu_is_achieved_flops_over_the_devices_peak():
     assert mfu(1e12, 100, 2.0, 100e12, 2) == pytest.approx(0.25)
     assert mfu(1e12, 100, 2.0, None, 2) is None
     assert mfu(1e12, 100, 0.0, 100e12, 1) is None
+
+
+def test_the_device_count_of_a_model_with_syncbatchnorm_in_a_process_group_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    def no_meta(*args):
+        raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+
+    monkeypatch.setattr(flops, "_count_on_meta", no_meta)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # as on a rank of two
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match="SyncBatchNorm layers would all-reduce on this rank alone"):
+        step_flops(model, torch.randn(2, 3, 5, 5), torch.randn(2, 4, 3, 3), F.mse_loss)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from raytrain_mgpu.batches import call_model
 from raytrain_mgpu.runtime import devices
@@ -59,7 +60,8 @@ def step_flops(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[A
 
     ``DataParallel``, ``DistributedDataParallel`` and ``torch.compile`` wrappers are unwrapped (the
     count runs no collective and compiles nothing). A sharded model (DTensor parameters, FSDP2's
-    ``fully_shard``) raises ``ValueError``: count the model before it is sharded.
+    ``fully_shard``) raises ``ValueError``: count the model before it is sharded; so does the device
+    count of a model with ``SyncBatchNorm`` in a process group (its forward would all-reduce on one rank).
     """
     model = _unwrapped(model)
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
@@ -68,7 +70,7 @@ def step_flops(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[A
                          "copy of it built on the meta device.")
     try:
         return _count_on_meta(model, inputs, targets, loss_fn)
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # meta cannot run every forward
+    except Exception as exc:  # meta cannot run every forward; an error of the model's own recurs on its device
         logger.info("step_flops: %s does not run on the meta device (%s: %s); counting one forward and backward "
                     "on its own device", type(model).__name__, type(exc).__name__, str(exc).splitlines()[0][:200])
     return _count_on_device(model, inputs, targets, loss_fn)
@@ -97,7 +99,7 @@ def _on_meta(obj: Any) -> Any:
     def meta(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
 
-    return torch.utils._pytree.tree_map(lambda v: meta(v) if isinstance(v, torch.Tensor) else v, obj)
+    return pytree.tree_map(lambda v: meta(v) if isinstance(v, torch.Tensor) else v, obj)
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -117,6 +119,13 @@ def _count_on_meta(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callabl
 
 
 def _count_on_device(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> int:
+    import torch.distributed as dist
+
+    if (model.training and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+            and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        raise ValueError("step_flops: the model does not run on the meta device, and on its own device its "
+                         "SyncBatchNorm layers would all-reduce on this rank alone (the others wait forever). "
+                         "Count the model before convert_sync_batchnorm, or in eval mode.")
     params = list(model.parameters())
     buffers = list(model.buffers())
     grads = [p.grad for p in params]
