@@ -267,9 +267,9 @@ def run_and_print(args) -> int:
         print(format_row(table[-1]), flush=True)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"command": COMMAND, "machine": machine(device, options.threads), "epochs": epochs,
-                           "sizes": asdict(sizes), "peaks": peaks, "flops_per_sample": per_sample, "rows": table},
-                          f, indent=1)
+                json.dump({"command": COMMAND, "args": vars(args), "machine": machine(device, options.threads),
+                           "epochs": epochs, "sizes": asdict(sizes), "peaks": peaks, "flops_per_sample": per_sample,
+                           "rows": table}, f, indent=1, default=str)
 
     measured = measure(works, precisions, runners, device, epochs, options, args.profile, on_run)
     print("\n" + report(rows(measured, all_works, peaks, per_sample)), flush=True)
