@@ -69,7 +69,7 @@ def one_worker_weights(**fields) -> dict:
     return {k: v.clone() for k, v in _CACHE[key].items()}
 
 
-def _build_model(cfg, strategy, input_shape, num_classes):
+def build_rank_model(cfg, strategy, input_shape, num_classes):
     """The engine's initial model (``runtime/engine_checkpoint.build_model``) for ``strategy``'s rank."""
     from raytrain_mgpu.runtime.engine_checkpoint import build_model
 
@@ -87,7 +87,7 @@ def _replica(cfg, data, rank: int, world: int, micro_batch: int):
     """Rank ``rank``'s strategy, plain model (the same initial weights on every rank), sampler and loader."""
     strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel,
                             WorkerContext(rank, world, rank, world, 0, (CPU,)), Objective.of(cfg, data.num_classes))
-    model = _build_model(cfg, strategy, data.input_shape, data.num_classes).to(CPU)
+    model = build_rank_model(cfg, strategy, data.input_shape, data.num_classes).to(CPU)
     sampler = ResumableSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
     return strategy, model, sampler, train_loader(cfg.data, data.train, sampler, micro_batch, CPU)
 

@@ -1,8 +1,10 @@
-"""The loop both runners share (``runtime/engine.py``): the epochs (``run_epochs``, with stand-in epochs)
-and the end of every step (``OptimizerStep``, whose ``STEP_EVENTS`` an event added here reaches in both).
+"""The engine every transport runs (``runtime/engine.py``): the epochs (``run_epochs``, with stand-in epochs),
+and features of the step loop that reach every runner with no runner code: an event in ``STEP_EVENTS``, the
+gradient norm's epoch column, time-based step checkpoints, evaluation every N steps; a resumed pipeline restores
+every random generator it saved, through the same functions as every runner.
 
-Both runners run ``run_epochs``: the Ray Train workers (tests/test_fit.py, tests/test_best_checkpoint.py) and
-the pipeline's driver (tests/test_pipeline_ray.py, the pipeline half of tests/test_best_checkpoint.py).
+The in-process runner and the pipeline's stages (local processes: tests/_pipeline_local.py) run the same engine
+as the Ray Train workers and the pipeline's actors do (tests/test_local_runner.py: the same weights).
 """
 
 from __future__ import annotations
@@ -105,10 +107,9 @@ def _steps_by_process(path) -> dict:
 
 
 def test_an_event_added_to_the_engine_runs_in_both_runners(tmp_path):
-    """Issue 23's check of one engine: a new feature of the loop (here an event in ``engine.STEP_EVENTS``) runs in
-    a Ray Train worker's loop and in every pipeline stage, with no code of either runner: both end each step
-    with ``engine.OptimizerStep``. (The Ray Train loop runs here in the test's process, the stages in local
-    processes: the same ``_Loop`` and ``StageWorker`` the workers and actors run.)"""
+    """A new feature of the loop (here an event in ``engine.STEP_EVENTS``) runs in a data-parallel run and in every
+    pipeline stage with no code of either: both end each step with ``engine.OptimizerStep``. (The data-parallel
+    run is the in-process runner, the stages local processes: the same engine the workers and actors run.)"""
     from _pipeline_local import LocalRun, run_local
     from _reference import train_one_worker
 

@@ -1,7 +1,7 @@
 """fsdp never holds the full model on a rank other than 0, and starts from the 1-worker weights.
 
 Two local processes (gloo, ``torch.multiprocessing``, no Ray) build the model as the loop
-does (``loop._build_model``: the seed, then ``meta`` where the strategy asks for it) and
+does (the engine's ``build_model``: the seed, then ``meta`` where the strategy asks for it) and
 shard it (``FSDPStrategy.setup_model``). On CPU the compute device is the process's own
 memory, so the peak resident set size growth over build + setup is the device peak: rank
 1 must stay well below the unsharded model, while rank 0 (which builds the full model on
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import _forkserver
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.loop import _build_model
+from _reference import build_rank_model as _build_model
 from raytrain_mgpu.planning.memory import device_memory, profile_model
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker

@@ -28,7 +28,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.optim import build_optimizer
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime.loop import _build_model
+from _reference import build_rank_model as _build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 from test_fsdp_memory import _PeakGrowth

@@ -1,7 +1,7 @@
 """HSDP: ``fsdp`` with ``shard_group_size`` shards inside groups of that many workers and replicates across the
 groups (FSDP2 on a 2-D device mesh, replicate x shard), as the workers of one node form one group.
 
-Four local processes (gloo, spawned: no Ray) shard an MLP as a Ray Train worker does (``loop._build_model``,
+Four local processes (gloo, spawned: no Ray) shard an MLP as a Ray Train worker does (the engine's ``build_model``,
 then the strategy's ``setup_model``) with ``shard_group_size=2``: every parameter is a DTensor on a 2 x 2 mesh,
 replicated over its first dimension and sharded over the second, each rank holding half of it; three steps on
 each rank's quarter of the global batch end with the weights one process trains on the whole batch.
@@ -36,7 +36,7 @@ def _batches() -> list:
 
 def _rank(rank: int, port: int, out: str) -> None:
     from raytrain_mgpu.parallel import build_worker
-    from raytrain_mgpu.runtime.loop import _build_model
+    from _reference import build_rank_model as _build_model
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
     torch.set_num_threads(1)

@@ -1,16 +1,17 @@
 """Loader workers (``loader_workers``): the same samples in the same order, so the same weights as 0 workers.
 
-The worker loop (``runtime/loop.py``'s ``_Loop`` with ``runtime/loaders.py``'s loader) runs here
-without Ray, in this process, on the digits with a small CNN that has dropout (so a DataLoader that
+The engine (``runtime/engine.py`` with ``runtime/loaders.py``'s loader) runs here without Ray, in this
+process (the in-process runner: tests/_reference.train_one_worker), on the digits with a small CNN that has dropout (so a DataLoader that
 drew from the training process's random stream would show) and a seeded augmentation. Then:
 
 - 0, 2 (persistent) and 2 (restarted each epoch) loader workers give bit-identical weights;
 - a dataset with ``prefetch`` (as ``parquet``) serves each epoch's rows to its loader workers
   (``test_loaders:strict_prefetch_data`` raises on a row it was not told about);
-- a run stopped after epoch 1 and resumed (weights, optimizer, random stream restored; the loader
-  and its workers new) equals an uninterrupted one;
-- one Ray ``fit`` with ``loader_workers=1`` ends with the local run's weights (its model built for
-  the resized inputs); it also carries the Ray Train runner's per-step scalars' check.
+- a run stopped after epoch 1 and resumed from its checkpoint (weights, optimizer, random stream
+  restored; the loader and its workers new) equals an uninterrupted one;
+- one Ray ``fit`` (``runner="ray"``, one Ray Train worker) with ``loader_workers=1`` ends with the
+  in-process run's weights, bit for bit (its model built for the resized inputs); it also carries the
+  Ray Train runner's per-step scalars' check.
 
 A 2-stage pipeline on Ray whose first stage reads with a loader worker and a seeded user transform,
 ending with the weights of one process reading without workers, is ``tests/test_pipeline_ray.py``'s
@@ -28,7 +29,6 @@ from torch.utils.data import DistributedSampler
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.runtime.loaders import train_loader
 
 CPU = torch.device("cpu")
@@ -69,11 +69,12 @@ BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", 
             train_transform="resize:12+random_crop_flip", test_transform="resize:12")
 
 
-def _train_locally(fields: dict, epochs: int = 2, start: int = 0, restored=None):
-    """The data part of ``train_worker`` and its epochs, without Ray: ``(weights, optimizer state, rng state)``."""
+def _train_locally(fields: dict, epochs: int = 2, storage=None):
+    """``fields``' epochs in this process (the in-process runner): ``(weights, optimizer state, rng state)``; with
+    ``storage``, a run folder there (a later call with more epochs resumes from its checkpoint)."""
     from _reference import train_one_worker  # here: the Ray workers import this module for its model, not _reference
 
-    return train_one_worker(fields, epochs, start, restored)[:3]
+    return train_one_worker(fields, epochs, storage)[:3]
 
 
 def _assert_equal(a: dict, b: dict, what: str) -> None:
@@ -106,13 +107,6 @@ def test_loader_workers_load_in_their_own_processes(persistent):
         assert set(loaded[:, 1].tolist()) == {0, 1} and len(set(loaded[:, 0].tolist())) == 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_ray_device_record():
-    saved, loop_module._device_record = loop_module._device_record, lambda ctx: {}  # it asks Ray for GPU ids
-    yield
-    loop_module._device_record = saved
-
-
 @pytest.fixture(scope="module")
 def no_workers():
     return _train_locally(BASE)[0]
@@ -136,10 +130,10 @@ def test_loader_workers_see_each_epochs_prefetched_rows():
     _assert_equal(_train_locally({**fields, "loader_workers": 2})[0], reference, "prefetching dataset, 2 workers")
 
 
-def test_a_resumed_run_with_loader_workers_equals_an_uninterrupted_one(no_workers):
+def test_a_resumed_run_with_loader_workers_equals_an_uninterrupted_one(no_workers, tmp_path):
     fields = {**BASE, "loader_workers": 2}
-    first = _train_locally(fields, epochs=1)
-    resumed = _train_locally(fields, epochs=2, start=1, restored=first)[0]
+    _train_locally(fields, epochs=1, storage=str(tmp_path))
+    resumed = _train_locally(fields, epochs=2, storage=str(tmp_path))[0]
     _assert_equal(resumed, no_workers, "stopped after epoch 1 and resumed vs uninterrupted")
 
 
@@ -153,10 +147,9 @@ def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, stora
     received: list = []
     monkeypatch.setattr(ProgressPrinter, "scalars", lambda self, step, values: received.append((step, values)))
     result = rtm.fit(rtm.TrainConfig(**BASE, loader_workers=1, name="loader-workers", storage_path=storage,
-                                     log_every_n_steps=1438 // 64))
+                                     log_every_n_steps=1438 // 64, runner="ray"))
+    assert result.startup["ray_s"] > 0 and result.history[0]["node_id_per_rank"]  # through Ray Train
     check_train_scalars(received, result.history, every=1438 // 64)
     model = result.load_model()
     assert model[4].in_features == 4 * 12 * 12  # built for the resized inputs
-    weights = model.state_dict()
-    for key in no_workers:
-        torch.testing.assert_close(weights[key], no_workers[key], rtol=0, atol=1e-6)
+    _assert_equal(model.state_dict(), no_workers, "one Ray Train worker vs the in-process runner")

@@ -1,7 +1,7 @@
 """Gradient accumulation skips DDP's all-reduce on non-final micro-steps, compiled or not.
 
-Two local processes (gloo, ``torch.multiprocessing``, no Ray) run ``_Loop.train_epoch``
-with ``grad_accum_steps=2`` over 2 steps. A DDP communication hook counts the bucket
+Two local processes (gloo, forked from tests/_forkserver.py, no Ray) run one epoch of the engine
+(tests/_engine.py) with ``grad_accum_steps=2`` over 2 steps. A DDP communication hook counts the bucket
 all-reduces: with ``no_sync`` they happen once per optimizer step, without it once per
 micro-step. ``torch.compile``'s wrapper (``backend="eager"``: the wrapper type is what
 matters, not the kernels) must not change that.
@@ -22,25 +22,22 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 import _forkserver
-from raytrain_mgpu.runtime import loop as loop_module
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.loop import _Loop, _State
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.parallel import build_worker
-from raytrain_mgpu.strategies import WorkerContext, get_strategy
+from _engine import make_engine
 
 STEPS, ACCUM = 2, 2
 
 
+def small_mlp(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, num_classes))
+
+
 def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) -> int:
     """Bucket all-reduces during one epoch of STEPS steps x ACCUM micro-steps."""
-    cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=world, batch_size=8 * ACCUM * world,
-                      grad_accum_steps=ACCUM, optimizer="sgd", epochs=1)
-    ctx = WorkerContext(rank, world, rank, world, 0, (torch.device("cpu"),))
-    strategy = build_worker(get_strategy("ddp"), cfg.parallel, ctx)
-    torch.manual_seed(0)
-    model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
+    engine = make_engine(dict(model=small_mlp, dataset="synthetic", input_shape=[1, 4, 4], num_classes=3,
+                              num_samples=8 * ACCUM * world * STEPS, strategy="ddp", batch_size=8 * ACCUM * world,
+                              grad_accum_steps=ACCUM, optimizer="sgd", epochs=1), rank=rank, world=world)
+    steps = engine.steps
+    model, strategy = steps.model, steps.strategy
     assert isinstance(model, DistributedDataParallel)
     calls = [0]
 
@@ -50,25 +47,18 @@ def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) 
 
     model.register_comm_hook(None, counting_hook)
     if compiled:
-        model = torch.compile(model, backend="eager")
+        steps.model = torch.compile(model, backend="eager")
     if no_sync_mode == "off":  # what the loop would do with no no_sync at all
         strategy.no_sync = lambda m: contextlib.nullcontext()
-    elif no_sync_mode == "wrapper_check":  # the check before issue 10: the compiled wrapper is no DDP
+    elif no_sync_mode == "wrapper_check":  # an earlier check: the compiled wrapper is no DDP
         strategy.no_sync = lambda m: m.no_sync() if isinstance(m, DistributedDataParallel) else contextlib.nullcontext()
-    gen = torch.Generator().manual_seed(rank)
-    loader = [(torch.randn(8, 1, 4, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen))
-              for _ in range(STEPS * ACCUM)]
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    loop = _Loop(cfg, strategy, model, optimizer, build_scheduler(optimizer, cfg.optim, STEPS, 1),
-                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(None), STEPS)
-    loop.train_epoch(0, _State())
+    engine.train_epoch(0)
     return calls[0]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    loop_module._device_record = lambda ctx: {}  # asks Ray for GPU ids and the node: no Ray here
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         counts = {f"{'compiled' if compiled else 'eager'}-{mode}": _count_allreduces(rank, world, compiled, mode)

@@ -1,8 +1,7 @@
-"""Preemption notices (issue 17): the check cadence, the save on the first notice only, the config checks.
+"""Preemption notices: the check cadence, the save on the first notice only, the config checks.
 
-``get_preemption_info`` is faked; the loop test drives ``_Loop.train_epoch`` without Ray (as
-tests/test_step_scalars.py does). The real notice, from a drained node, is
-tests/test_two_node_spot.py's business.
+``get_preemption_info`` is faked; the loop tests drive one rank's engine (``train_epoch``) in this process
+(tests/_engine.py). The real notice, from a drained node, is tests/test_two_node_spot.py's business.
 """
 
 from __future__ import annotations
@@ -14,30 +13,15 @@ import pytest
 import torch
 from torch import nn
 
+from _engine import RecordingSink, make_engine
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.runtime import loop as loop_module
-from raytrain_mgpu.runtime.loop import _Loop, _State
 from raytrain_mgpu.runtime.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
-from raytrain_mgpu.runtime.progress import ProgressPrinter, WorkerReporter
-from raytrain_mgpu.parallel import build_worker
-from raytrain_mgpu.strategies import WorkerContext, get_strategy
+from raytrain_mgpu.runtime.progress import ProgressPrinter
 
 from ray.train.v2.api.preemption import PreemptionInfo
 
 STEPS_PER_EPOCH = 25
 NODE = "a1b2c3d4e5f6" + "0" * 44
-
-
-class RecordingSink:
-    """Stands in for the ``ProgressSink`` actor: ``put.remote(kind, payload)`` is recorded."""
-
-    def __init__(self):
-        self.events: list = []
-        self.put = self
-
-    def remote(self, kind, payload):
-        self.events.append((kind, payload))
 
 
 class FakeInfo:
@@ -56,38 +40,37 @@ class FakeInfo:
         self.agreed += 1
         return self.info
 
-    def check(self, cfg, every: int) -> PreemptionCheck:
+    def check(self, cfg, every: int, enabled: bool = True) -> PreemptionCheck:
         """One rank's check reading this notice (no other rank: ``any_rank`` is this rank's answer)."""
-        return PreemptionCheck(cfg, every=every, get_info=self, local_notice=self.local, any_rank=lambda seen: seen)
+        return PreemptionCheck(cfg, every=every, get_info=self, local_notice=self.local, any_rank=lambda seen: seen,
+                               enabled=enabled)
 
 
-def _loop(monkeypatch, sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, **overrides) -> tuple:
-    """Rank 0's loop of ``steps_per_epoch`` steps an epoch; ``saves``: the (global step, step in epoch) of each save_step."""
-    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})  # it asks Ray for GPU ids
-    cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=4,
-                      optimizer="sgd", lr=0.1, epochs=3, **overrides)
-    strategy = build_worker(get_strategy("ddp"), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
-    torch.manual_seed(0)
-    model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)))
-    loader = [(torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))) for _ in range(steps_per_epoch)]
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    loop = _Loop(cfg, strategy, model, optimizer, build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs),
-                 torch.amp.GradScaler("cpu", enabled=False), loader, WorkerReporter(sink), steps_per_epoch)
-    loop.preemption = get_info.check(cfg, CHECK_EVERY_N_STEPS)
+def linear(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, num_classes))
+
+
+def _loop(sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, enabled=True, **overrides) -> tuple:
+    """Rank 0's engine of ``steps_per_epoch`` steps an epoch, its preemption check reading ``get_info``; ``saves``:
+    the (global step, step in epoch) of each step checkpoint it would write (``_save_step``, recorded instead)."""
+    loop = make_engine(dict(model=linear, dataset="synthetic", input_shape=[1, 4, 4], num_classes=3,
+                            num_samples=4 * steps_per_epoch, strategy="ddp", batch_size=4, optimizer="sgd", lr=0.1,
+                            epochs=3, **overrides), sink=sink)
+    loop.preemption = get_info.check(loop.cfg, CHECK_EVERY_N_STEPS, enabled)
     loop.preemption.reporter = loop.reporter
     saves: list = []
-    state = _State()
-    loop.save_step = lambda meter: saves.append((state.step, state.step_in_epoch))
+    state = loop.state
+    loop._save_step = lambda meter: saves.append((state.step, state.step_in_epoch))
     return loop, state, saves
 
 
-def test_checks_every_n_global_steps_and_saves_once_on_the_first_notice(monkeypatch):
+def test_checks_every_n_global_steps_and_saves_once_on_the_first_notice():
     """Checks at steps 10, 20, 30, ... across epochs; the notice on the 3rd check (step 30, mid-epoch
     2) saves there, once, and the checks stop for the rest of the attempt."""
     sink, fake = RecordingSink(), FakeInfo(notice_at=3)
-    loop, state, saves = _loop(monkeypatch, sink, fake)
+    loop, state, saves = _loop(sink, fake)
     for epoch in range(3):
-        loop.train_epoch(epoch, state)
+        loop.train_epoch(epoch)
         state.epoch = epoch + 1
     assert CHECK_EVERY_N_STEPS == 10 and state.step == 75
     assert fake.calls == 3 and loop.preemption.checks == 3  # steps 10, 20, 30; none after the notice
@@ -97,34 +80,34 @@ def test_checks_every_n_global_steps_and_saves_once_on_the_first_notice(monkeypa
     assert notices == [f"preempted (node {NODE[:12]}): saved step 30"]
 
 
-def test_step_checkpoints_are_kept_and_the_notice_does_not_save_twice(monkeypatch):
+def test_step_checkpoints_are_kept_and_the_notice_does_not_save_twice():
     """checkpoint_every_n_steps=5: saves at 5, 10, 15, 20 as before; the notice at check 2 (step 20)
     falls on a due step and saves once; after it the K-step checkpoints go on."""
     sink, fake = RecordingSink(), FakeInfo(notice_at=2)
-    loop, state, saves = _loop(monkeypatch, sink, fake, checkpoint_every_n_steps=5)
-    loop.train_epoch(0, state)
+    loop, state, saves = _loop(sink, fake, checkpoint_every_n_steps=5)
+    loop.train_epoch(0)
     assert [step for step, _ in saves] == [5, 10, 15, 20]  # 25 is the epoch's end: the epoch checkpoint
     assert fake.calls == 2
 
 
-def test_a_notice_at_the_epochs_last_step_leaves_the_save_to_the_epoch_checkpoint(monkeypatch):
+def test_a_notice_at_the_epochs_last_step_leaves_the_save_to_the_epoch_checkpoint():
     """Epochs of 20 steps: the notice at step 20 is the epoch's end, where the epoch checkpoint is
     written next; a step checkpoint there (step_in_epoch == steps per epoch) would resume past the epoch."""
     sink, fake = RecordingSink(), FakeInfo(notice_at=2)
-    loop, state, saves = _loop(monkeypatch, sink, fake, steps_per_epoch=20)
-    loop.train_epoch(0, state)
+    loop, state, saves = _loop(sink, fake, steps_per_epoch=20)
+    loop.train_epoch(0)
     assert saves == [] and fake.calls == 2
     assert [payload for kind, payload in sink.events if kind == "notice"] == [
         f"preempted (node {NODE[:12]}): saved step 20"]
 
 
-def test_no_check_without_save_step_and_the_resume_line_once(monkeypatch):
-    """Without Ray Train (no save_step) nothing is asked; a resumed attempt says where it starts, once."""
+def test_no_check_where_no_notice_can_come_and_the_resume_line_once():
+    """A transport without notices (the in-process runner: ``enabled=False``) asks nothing; a resumed attempt says
+    where it starts, once."""
     sink, fake = RecordingSink(), FakeInfo(notice_at=1)
-    loop, state, saves = _loop(monkeypatch, sink, fake)
-    loop.save_step = None
+    loop, state, saves = _loop(sink, fake, enabled=False)
     state.step, state.epoch, state.step_in_epoch = 30, 1, 5
-    loop.train_epoch(1, state)
+    loop.train_epoch(1)
     assert fake.calls == 0 and state.step == 50
     assert [payload for kind, payload in sink.events if kind == "notice"] == [
         "resuming at step 30 (5/25 steps of epoch 2 done)"]

@@ -1,9 +1,9 @@
 """Random streams: identical initial weights on every rank, then each rank its own stream.
 
 With one seed everywhere every rank drew the same dropout masks: the global batch then
-behaves like R copies of one mask. ``loop._build_model`` seeds, builds, then gives rank r
-the stream ``seed + 1 + r``; checkpoints keep every rank's CPU (and CUDA) generator state,
-and a resume with the same world size continues each rank's stream. No Ray.
+behaves like R copies of one mask. The engine's ``build_model`` (``runtime/engine_checkpoint.py``) seeds,
+builds, then gives rank r the stream ``seed + 1 + r``; checkpoints keep every rank's CPU (and CUDA) generator
+state, and a resume with the same world size continues each rank's stream. No Ray.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_mgpu.runtime import loop as loop_module
+from types import SimpleNamespace
+
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.loop import _build_model, _State
-from raytrain_mgpu.runtime.worker_restore import restore_rng as _restore_rng
-from raytrain_mgpu.runtime.worker_restore import rng_state as _rng_state
 from raytrain_mgpu.parallel import build_worker
+from raytrain_mgpu.parallel.steps import DataParallelSteps
+from raytrain_mgpu.runtime.engine_checkpoint import Restored, build_model, restore_rng, rng_state
+from raytrain_mgpu.runtime.run_state import RunState
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
-from test_precision import _config, _loop, checkpoint_roundtrip
+from test_precision import _emulated_gpu, _engine  # noqa: F401 (the fixture, for the engine under use_gpu)
 
 CFG = dict(model="transformer_lm", dataset="synthetic_text", strategy="ddp", num_workers=2, batch_size=8, seed=5,
            model_kwargs={"num_layers": 1, "hidden": 16, "num_heads": 2, "dropout": 0.5})
@@ -30,7 +31,16 @@ def _ctx(rank: int, world: int = 2) -> WorkerContext:
 
 def _rank_model(rank: int):
     cfg = TrainConfig(**CFG)
-    return _build_model(cfg, build_worker(get_strategy("ddp"), cfg.parallel, _ctx(rank)), (12,), 50)
+    steps = DataParallelSteps(build_worker(get_strategy("ddp"), cfg.parallel, _ctx(rank)))
+    return build_model(cfg, steps, SimpleNamespace(input_shape=(12,), num_classes=50))
+
+
+def _restore_rng(states, seed: int, ctx, step: int) -> None:
+    """What a resumed rank does with the checkpoint's generators (``rng_per_rank``)."""
+    restore_rng(Restored(RunState(), train_state={"rng_per_rank": states}), seed, ctx, step)
+
+
+_rng_state = rng_state
 
 
 def _dropout_output(model) -> torch.Tensor:
@@ -50,20 +60,17 @@ def test_ranks_start_equal_and_draw_different_dropout_masks():
     assert torch.equal(outputs[0], outputs[2])  # and each rank's stream is reproducible
 
 
-def test_resume_continues_each_ranks_stream(monkeypatch, tmp_path):
-    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})
-    cfg = _config()
-    loop = _loop(cfg)
+def test_resume_continues_each_ranks_stream(tmp_path):
+    storage = str(tmp_path / "runs")
+    loop = _engine(storage)
     torch.manual_seed(123)  # somewhere in the run's stream
-
-    def continuing_run():
-        continuing_run.draws = torch.rand(5)  # what the run would have drawn next
-        torch.manual_seed(999)  # a restart starts from anywhere
-
-    saved, (state, train_state) = checkpoint_roundtrip(monkeypatch, tmp_path, loop, cfg, _State(epoch=1, step=2),
-                                                       after_save=continuing_run)
-    assert torch.equal(torch.rand(5), continuing_run.draws)
-    states = torch.load(saved / "train_state.pt", weights_only=True)["rng_per_rank"]
+    loop.state = RunState(epoch=1, step=2)
+    loop.saver.save({"epoch": 1})
+    draws = torch.rand(5)  # what the run would have drawn next
+    torch.manual_seed(999)  # a restart starts from anywhere
+    fresh = _engine(storage)  # its set-up builds the model on the run's seed, then restores the stream
+    assert torch.equal(torch.rand(5), draws)
+    states = torch.load(f"{fresh.state.checkpoint}/train_state.pt", weights_only=True)["rng_per_rank"]
     assert len(states) == 1 and states[0]["cpu"].dtype == torch.uint8
     assert len(states[0]["cuda"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
 

@@ -60,6 +60,24 @@ def test_ray_trains_own_record_names_the_checkpoint_it_resumes_from(tmp_path):
     assert RunFolder(str(tmp_path)).state().step == 22
 
 
+def test_a_checkpoint_published_in_the_folder_resumes_past_ray_trains_record(tmp_path):
+    """A run trained on Ray Train, then in the driver's process (runner='local'): the in-process runner publishes
+    its checkpoints in the folder (``published``), and the furthest of those and Ray Train's record is the resume
+    point; a Ray-written folder Ray Train never registered still is not."""
+    _checkpoint(tmp_path, "checkpoint_epoch000001", 1, 22)
+    _checkpoint(tmp_path, "checkpoint_epoch000002", 2, 44)  # uploaded, never registered
+    (tmp_path / RAY_TRAIN_SNAPSHOT).write_text(json.dumps(
+        {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_epoch000001"}}))
+    folder = RunFolder(str(tmp_path))
+    assert folder.state().step == 22 and folder.newest_published() is None
+    published = _checkpoint(tmp_path, "checkpoint_epoch000003", 3, 66)
+    meta = json.loads((published / "meta.json").read_text())
+    (published / "meta.json").write_text(json.dumps({**meta, "published": True}))
+    assert folder.state().step == 66
+    assert folder.newest_published(after=str(tmp_path / "checkpoint_epoch000001")).name == "checkpoint_epoch000003"
+    assert folder.newest_published(after=str(published)) is None  # Ray Train's own is as far: it stays
+
+
 def test_history_is_written_by_rename_with_every_rows_keys(tmp_path):
     folder = RunFolder(str(tmp_path / "r"))
     assert folder.read_history() is None
