@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint upload (``runtime/worker_checkpoint.py``): training goes on while Ray
+"""Asynchronous checkpoint upload (``transports/ray_uploads.py``): training goes on while Ray
 Train uploads, and every guarantee of the synchronous upload still holds.
 
 One Ray run, the same run as test_step_checkpoints (step checkpoints every 5 steps) with rank
@@ -25,7 +25,7 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime import worker_checkpoint
+from raytrain_mgpu.transports import ray_uploads
 from raytrain_mgpu.runtime.callbacks import Callback
 from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
 
@@ -58,8 +58,8 @@ def fake_ray(monkeypatch):
     latest = {"path": None}
     monkeypatch.setattr(ray.train, "get_checkpoint",
                         lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
-    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
-    return latest, worker_checkpoint._Uploads(owner=None), _Reporter(), RunFolder("/storage/run")
+    monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
+    return latest, ray_uploads.Uploads(owner=None), _Reporter(), RunFolder("/storage/run")
 
 
 def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_at_once(fake_ray):
@@ -92,43 +92,39 @@ def test_an_upload_the_announcer_never_saw_as_latest_is_announced_once_a_later_s
 
 def test_a_stuck_announcement_delays_the_end_of_a_run_by_the_flush_timeout_only(monkeypatch):
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)  # never persisted
-    uploads = worker_checkpoint._Uploads(owner=None)
+    uploads = ray_uploads.Uploads(owner=None)
     uploads.announce_when_persisted(uploads.add("checkpoint_a"), RunFolder("/storage/run"), _Reporter())
     started = time.monotonic()
     assert not uploads.flush(timeout_s=0.3)
     assert time.monotonic() - started < 5
 
 
-def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, tmp_path):
+def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo_group):
     """Nothing is left to overlap with: the train function must not return with an upload
-    unannounced. Any other save is asynchronous."""
+    unannounced. Any other save is asynchronous. The engine's saves of epochs 1 and 2 of 2 on ranks 0 and 1,
+    through the Ray Train transport (Ray Train's calls faked, tests/test_wiring.py)."""
+    from test_wiring import ray_train_engine
+
+    from raytrain_mgpu.runtime.run_state import RunState
+    from raytrain_mgpu.transports import ray_train
+
     modes, latest = [], {}
 
     def report(metrics, checkpoint=None, **upload):  # Ray Train, its uploads done at once
         modes.append(None if checkpoint is None else upload["checkpoint_upload_mode"])
         if checkpoint is not None:
-            latest["checkpoint"] = SimpleNamespace(path=f"{tmp_path}/run/{upload['checkpoint_dir_name']}")
+            latest["checkpoint"] = SimpleNamespace(path=f"{storage}/run/{upload['checkpoint_dir_name']}")
 
     monkeypatch.setattr(ray.train, "report", report)
-    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: latest.get("checkpoint"))
-    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
-    from raytrain_mgpu.runtime.run_state import RunState
-    from raytrain_mgpu.strategies import WorkerContext
-
-    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", epochs=2,
-                          storage_path=str(tmp_path))
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    strategy = SimpleNamespace(state_dict=lambda m: m.state_dict(), optimizer_state_dict=lambda m, o: o.state_dict(),
-                               sharded_checkpoint=False)
+    monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
     for rank in (0, 1):
-        ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
         for epoch in (1, 2):
             state = RunState(epoch=epoch, step=10 * epoch, history=[{"epoch": e} for e in range(1, epoch + 1)])
-            worker_checkpoint.save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state,
-                                              {"epoch": epoch}, ctx, {"input_shape": [3], "num_classes": 2})
+            monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)  # set up as a new run's
+            engine = ray_train_engine(dict(epochs=2), rank, 2, state, storage)
+            monkeypatch.setattr(ray.train, "get_checkpoint", lambda: latest.get("checkpoint"))
+            engine.saver.save({"epoch": epoch})
     assert modes == [ray.train.CheckpointUploadMode.ASYNC, ray.train.CheckpointUploadMode.SYNC, None, None]
 
 

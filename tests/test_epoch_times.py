@@ -1,8 +1,9 @@
 """Where an epoch's time goes (issue 24): ``samples_per_s`` is training throughput, the samples over
 ``training_s`` (the time in steps); ``checkpoint_s`` and ``eval_s`` are the epoch's time in checkpoints
 and in evaluation, apart from it, so that the three add up to the epoch's wall time. Without Ray:
-the real loop (``_Loop``) with a slow stand-in for the step checkpoints' save, and ``save_and_report``
-with Ray Train's report stood in for. Through Ray: tests/test_fit.py's 2-worker run (every row's
+the engine's ``train_epoch`` (one rank's, in this process: tests/_engine.py) with a slow stand-in for the
+step checkpoints' save, and the engine's save through the Ray Train transport with Ray Train's report
+stood in for (tests/test_wiring.py). Through Ray: tests/test_fit.py's 2-worker run (every row's
 parts, within the run's wall time); the pipeline runner's rows in
 tests/test_pipeline_step_checkpoints.py (its checkpoint_s is the stages' logged pauses).
 """
@@ -17,16 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 import ray.train
-import torch
-from _reference import train_one_worker
 
-import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime import loop as loop_module
-from raytrain_mgpu.runtime import worker_checkpoint
+from _engine import make_engine
+from raytrain_mgpu.runtime import engine as engine_module
 from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.progress import ProgressPrinter
 from raytrain_mgpu.runtime.run_state import RunState
-from raytrain_mgpu.strategies import WorkerContext
+from raytrain_mgpu.transports import ray_train, ray_uploads
 
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1,
            seed=3, num_workers=1, epochs=1, checkpoint_every_n_steps=5)
@@ -35,15 +33,16 @@ SAVE_S = 0.1
 
 def test_step_checkpoints_and_the_wait_for_the_last_reports_are_checkpoint_time_not_training_time(monkeypatch):
     """On 2+ workers every rank but 0 holds its epoch's report until the controller takes it; rank 0
-    would wait for it in its next epoch's first all-reduce. The loop waits for them in a barrier
+    would wait for it in its next epoch's first all-reduce. The engine waits for them in a barrier
     before the steps (``barrier_s``, stood in for here): checkpoint time, not training."""
     saves, walls = [], []
 
-    def slow_save(meter):  # a step checkpoint that holds training up for SAVE_S
-        saves.append(meter.samples)
+    def slow_save(metrics, partial=None, send_row=False):  # a step checkpoint that holds training up for SAVE_S
+        assert partial is not None  # a step checkpoint's, with the epoch's sums so far
+        saves.append(metrics["step"])
         time.sleep(SAVE_S)
 
-    def elapsed(meter):  # the epoch's wall time, as the loop reads it
+    def elapsed(meter):  # the epoch's wall time, as the engine reads it
         walls.append(time.perf_counter() - meter.start)
         return walls[-1]
 
@@ -52,23 +51,28 @@ def test_step_checkpoints_and_the_wait_for_the_last_reports_are_checkpoint_time_
         return SAVE_S
 
     monkeypatch.setattr(EpochMeter, "elapsed", elapsed)
-    monkeypatch.setattr(loop_module, "barrier_s", barrier_s)
-    (row,) = train_one_worker(MLP, save_step=slow_save)[3]
+    monkeypatch.setattr(engine_module, "barrier_s", barrier_s)
+    engine = make_engine(MLP)
+    monkeypatch.setattr(engine.saver, "save", slow_save)
+    row = engine.train_epoch(0)
     steps = 1438 // 64
-    assert len(saves) == (steps - 1) // 5  # steps 5, 10, 15, 20 (the epoch's end is the epoch's checkpoint)
+    assert saves == [5, 10, 15, 20]  # (the epoch's end is the epoch's checkpoint)
     # each save and the wait after it for the other ranks' reports, and the epoch's wait for the last ones
     assert row["checkpoint_s"] >= (2 * len(saves) + 1) * SAVE_S
     # The epoch's wall time is the time in steps plus the time in step checkpoints, each once; training
     # throughput is the epoch's samples over the time in steps alone.
-    (wall,) = walls
+    wall = walls[-1]  # the epoch row's read (each step checkpoint's partial sums read it too, before)
+    assert len(walls) == len(saves) + 1
     assert 0 < row["training_s"] and row["training_s"] + row["checkpoint_s"] == pytest.approx(wall)
     assert row["samples_per_s"] * row["training_s"] == pytest.approx(steps * 64)
     assert row["step_time_s"] == pytest.approx(row["training_s"] / steps)
-    assert row["eval_s"] == 0.0  # the loop's row; train_worker times the evaluation
+    assert row["eval_s"] == 0.0  # train_epoch's row; run_epochs times the evaluation
 
 
 def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_driver_before_the_report(
-        monkeypatch, tmp_path):
+        monkeypatch, storage):
+    from test_wiring import ray_train_engine
+
     order, reported = [], []
 
     def report(metrics, checkpoint=None, **upload):
@@ -78,27 +82,22 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
 
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
-    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
-    reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])),
-                               checkpoint=lambda path: order.append("checkpoint"))
+    monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
+    row = {"epoch": 1, "checkpoint_s": 0.25, "eval_s": 0.0}  # 0.25 s of the epoch's step checkpoints
+    engine = ray_train_engine(dict(epochs=3), 0, 1, RunState(epoch=1, step=10, history=[row]), storage)
+    engine.reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])))
+    engine.transport.reporter = None  # no announcement of the upload (it would wait for Ray Train's registration)
+    strategy = engine.steps.strategy
+    state_dict = strategy.state_dict
 
     def slow_state_dict(model):  # the model's serialisation, slow: training stands still for it
         time.sleep(SAVE_S)
-        return model.state_dict()
+        return state_dict(model)
 
-    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", epochs=3,
-                          storage_path=str(tmp_path))
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    strategy = SimpleNamespace(state_dict=slow_state_dict, optimizer_state_dict=lambda m, o: o.state_dict(),
-                               sharded_checkpoint=False)
-    row = {"epoch": 1, "checkpoint_s": 0.25, "eval_s": 0.0}  # 0.25 s of the epoch's step checkpoints
-    state = RunState(epoch=1, step=10, history=[row])
+    monkeypatch.setattr(strategy, "state_dict", slow_state_dict)
     started = time.perf_counter()
-    worker_checkpoint.save_and_report(
-        cfg, strategy, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        torch.amp.GradScaler("cpu", enabled=False), state, row, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)),
-        {"input_shape": [3], "num_classes": 2}, reporter, send_row=True)
+    engine.saver.save(row, send_row=True)
     stall = time.perf_counter() - started
     (metrics, history), = reported
     assert 0.25 + SAVE_S <= metrics["checkpoint_s"] <= 0.25 + stall

@@ -1,9 +1,9 @@
 """Per-step scalars every ``log_every_n_steps`` (issue 15): the values, the steps, both runners.
 
-The loop test drives ``_Loop.train_epoch`` without Ray (as tests/test_host_sync.py does) and
-checks every scalar against the values recorded by hand; fits check that the scalars reach the
-driver's printer from the pipeline's stages (here) and from Ray Train's rank 0 (tests/test_loaders.py's
-fit, with :func:`check_train_scalars`).
+The engine test drives one rank's ``Engine.train_epoch`` without Ray (tests/_engine.py, as
+tests/test_host_sync.py does) and checks every scalar against the values recorded by hand; fits check
+that the scalars reach the driver's printer from the pipeline's stages (here) and from Ray Train's rank 0
+(tests/test_loaders.py's fit, with :func:`check_train_scalars`).
 How often the device is read is tests/test_host_sync.py's business.
 """
 
@@ -18,42 +18,27 @@ import torch
 from torch import nn
 
 import raytrain_mgpu as rtm
+from _engine import RecordingSink, make_engine
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.runtime import loop as loop_module
 from raytrain_mgpu.runtime import step_scalars
-from raytrain_mgpu.runtime.loop import _Loop, _State
-from raytrain_mgpu.runtime.progress import ProgressPrinter, WorkerReporter
+from raytrain_mgpu.runtime.progress import ProgressPrinter
 from raytrain_mgpu.runtime.step_scalars import StepWindow, stage_scalars
-from raytrain_mgpu.parallel import build_worker
-from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
 STEPS_PER_EPOCH, ACCUM = 4, 2
 
 
-class RecordingSink:
-    """Stands in for the ``ProgressSink`` actor: ``put.remote(kind, payload)`` is recorded."""
-
-    def __init__(self):
-        self.events: list = []
-        self.put = self
-
-    def remote(self, kind, payload):
-        self.events.append((kind, payload))
+def small_mlp(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, num_classes))
 
 
-def _loop(monkeypatch, log_every_n_steps: int, sink) -> tuple:
-    """Rank 0's loop with a cosine schedule and clipping; ``seen``: what each micro-batch and step used."""
-    monkeypatch.setattr(loop_module, "_device_record", lambda ctx: {})  # it asks Ray for GPU ids
-    cfg = TrainConfig(model="mlp", dataset="synthetic", strategy="ddp", num_workers=1, batch_size=8 * ACCUM,
-                      grad_accum_steps=ACCUM, optimizer="sgd", lr=0.5, lr_schedule="cosine", grad_clip_norm=0.5,
-                      epochs=2, log_every_n_steps=log_every_n_steps)
-    strategy = build_worker(get_strategy("ddp"), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)))
-    torch.manual_seed(0)
-    model = strategy.setup_model(nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)))
-    loader = [(torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,))) for _ in range(STEPS_PER_EPOCH * ACCUM)]
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, STEPS_PER_EPOCH, cfg.epochs)
+def _engine(monkeypatch, log_every_n_steps: int, sink) -> tuple:
+    """Rank 0's engine with a cosine schedule and clipping; ``seen``: what each micro-batch and step used."""
+    engine = make_engine(dict(model=small_mlp, dataset="synthetic", input_shape=[1, 4, 4], num_classes=3,
+                              num_samples=STEPS_PER_EPOCH * ACCUM * 8, strategy="ddp", batch_size=8 * ACCUM,
+                              grad_accum_steps=ACCUM, optimizer="sgd", lr=0.5, lr_schedule="cosine",
+                              grad_clip_norm=0.5, epochs=2, log_every_n_steps=log_every_n_steps), sink=sink)
+    assert engine.feed.steps_per_epoch == STEPS_PER_EPOCH and engine.feed.accum == ACCUM
+    strategy, optimizer = engine.steps.strategy, engine.optimizer
     seen = {"losses": [], "lrs": [], "norms": []}
     compute_loss, clip = strategy.compute_loss, torch.nn.utils.clip_grad_norm_
 
@@ -70,19 +55,16 @@ def _loop(monkeypatch, log_every_n_steps: int, sink) -> tuple:
 
     monkeypatch.setattr(strategy, "compute_loss", recorded_loss)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded_clip)
-    loop = _Loop(cfg, strategy, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), loader,
-                 WorkerReporter(sink), STEPS_PER_EPOCH)
-    return loop, seen
+    return engine, seen
 
 
-def test_loop_sends_the_mean_of_the_last_n_steps_at_n_2n(monkeypatch):
+def test_engine_sends_the_mean_of_the_last_n_steps_at_n_2n(monkeypatch):
     """N=3 over 2 epochs of 4 steps: scalars at steps 3 and 6 (the second window spans the epochs)."""
     sink = RecordingSink()
-    loop, seen = _loop(monkeypatch, 3, sink)
-    state = _State()
+    engine, seen = _engine(monkeypatch, 3, sink)
     for epoch in range(2):
-        loop.train_epoch(epoch, state)
-    scalars = [payload for kind, payload in sink.events if kind == "scalars"]
+        engine.train_epoch(epoch)
+    scalars = sink.of("scalars")
     assert [step for step, _ in scalars] == [3, 6]
     assert len(seen["losses"]) == 8 * ACCUM and len(seen["lrs"]) == 8 and len(set(seen["lrs"])) > 4  # cosine moves
     for step, values in scalars:

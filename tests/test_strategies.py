@@ -28,8 +28,10 @@ from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
 from raytrain_mgpu.objectives import Predictions
+from raytrain_mgpu.parallel.steps import DataParallelSteps
 from raytrain_mgpu.parallel.placement import SplitModel, autocast_state, call_with_autocast
-from raytrain_mgpu.runtime.loop import _Loop
+from raytrain_mgpu.runtime.engine import Engine
+from raytrain_mgpu.runtime.transport import Transport
 
 CPU = torch.device("cpu")
 MULTI_DEVICE = ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2", "fsdp")
@@ -326,20 +328,21 @@ def test_fsdp_cpu_offload_takes_the_same_steps_with_every_shard_under_the_offloa
 
 @pytest.mark.parametrize("name", MULTI_DEVICE)
 def test_bf16_mixed_trains_on_cpu(name, gloo_group):
-    # One optimizer step under the loop's bf16 autocast; gradients stay fp32 and point where fp32's do.
+    # One optimizer step under the engine's bf16 autocast; gradients stay fp32 and point where fp32's do.
     x, y = _batch("lenet", 8)
     want = _plain_step(_model("lenet"), x, y)[2]
     strategy = _strategy(name, devices=2 if name in ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2") else 1,
                          precision="bf16-mixed")
     model = strategy.setup_model(_model("lenet"))
     before = copy.deepcopy(strategy.state_dict(model))
-    # bf16 really in use: the loop's own autocast, and every Linear/Conv output in bf16.
+    # bf16 really in use: the engine's own autocast (set on its step runner), and every Linear/Conv output in bf16.
     seen = []
     for module in strategy.unwrap(model).modules():
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             module.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    loop = _Loop(strategy.cfg, strategy, model, None, None, None, None, None, 1)
-    with loop.autocast():
+    steps = DataParallelSteps(strategy)
+    Engine(rtm.TrainConfig(precision="bf16-mixed"), None, steps, Transport(), None)
+    with steps.autocast():
         loss, _ = strategy.compute_loss(model, x, y)
     assert seen and set(seen) == {torch.bfloat16}, seen
     if name == "fsdp":  # FSDP2 also all-gathers and computes with bf16 parameters
@@ -449,8 +452,10 @@ def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers,
                                                               storage, tmp_path):
     # Measured spread against the plain loop (2-core VM): dp and dp_balanced ~2.5e-6 relative (the
     # batch summed in two slices), mp ~5e-8; the bound is 40x the larger.
+    # runner="ray": a 1-worker mp run would otherwise train in this process; through Ray is the point here
+    # (Ray's GPU ids and CUDA_VISIBLE_DEVICES of 2 emulated GPUs, the cuda:k recorded)
     cfg = MLP.replace(strategy=strategy, num_workers=workers, gpus_per_worker=devices, name=strategy,
-                      storage_path=storage, use_gpu=strategy != "ddp2")
+                      storage_path=storage, use_gpu=strategy != "ddp2", runner="ray")
     if strategy == "fsdp":  # HSDP (2 shard groups of 2), sharded checkpoints: stopped after epoch 1 and resumed,
         # it must still end on the plain weights. DCP's asynchronous save at steps 10, 20 (30, 40 resumed): the
         # synchronous one ends each fit. The optimizer is a user's factory that records the mesh it was handed.
@@ -492,8 +497,8 @@ def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers,
 def test_dp_and_dp_balanced_loops_end_with_the_plain_loops_weights(strategy, plain_mlp):
     """dp and dp_balanced split one worker's batch over its devices; through Ray they differ from ``mp``'s fit
     above (1 worker x 2 emulated GPUs: Ray's ids, CUDA_VISIBLE_DEVICES, the cuda:k recorded, the checkpoint
-    loaded back) only inside the worker. So their run is the worker's own loop (``_Loop``, ``train_worker``'s
-    parts, tests/_reference.py) in this process over 2 CPU stand-in devices, as each would train under
+    loaded back) only inside the worker. So their run is the in-process runner (the engine every Ray Train worker
+    runs, tests/_reference.py) in this process over 2 CPU stand-in devices, as each would train under
     emulation: the same checks on the weights (what its checkpoint holds), steps, accuracy and report row."""
     from _reference import evaluate, train_one_worker
 

@@ -1,8 +1,9 @@
 """The fault hooks of ``raytrain_mgpu.runtime.faults`` are applied by the product itself, not by a test.
 
-``tests/_probe_data`` only observes and injects faults; these tests look at ``loop.py``
-directly, so deleting the stuck-rank decorator or the wait after each report fails here
-(and in the Ray runs of ``test_faults.py`` that rely on them).
+``tests/_probe_data`` only observes and injects faults; these tests look at the Ray Train transport
+(``transports/ray_train.py``) directly, driven by the engine's own save (``engine_checkpoint.Saver``, one
+rank's engine in this process: tests/_engine.py), so deleting the stuck-rank decorator or the wait after
+each report fails here (and in the Ray runs of ``test_faults.py`` that rely on them).
 """
 
 from __future__ import annotations
@@ -15,35 +16,35 @@ from pathlib import Path
 
 import pytest
 import ray.train
-import torch
 from ray.train.v2._internal.execution import context as train_context
 
-import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime import faults
-from raytrain_mgpu.runtime import loop, worker_checkpoint
-from raytrain_mgpu.strategies import WorkerContext
+from _engine import make_engine
+from raytrain_mgpu.runtime import engine_checkpoint, faults
+from raytrain_mgpu.runtime.run_state import RunState
+from raytrain_mgpu.transports import ray_train, ray_uploads
 
 COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long after it was queued
+SMALL = dict(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_samples=64, batch_size=16)
 
 
 def test_train_worker_is_wrapped_by_name_stuck_ranks():
     # The wrapper's code object, whatever function it wraps: only name_stuck_ranks makes one.
     wrapper_code = faults.name_stuck_ranks(lambda payload: None).__code__
-    assert loop.train_worker.__code__ is wrapper_code
-    assert loop.train_worker.__wrapped__.__module__ == "raytrain_mgpu.runtime.loop"
-    assert loop.train_worker.__wrapped__.__name__ == "train_worker"
+    assert ray_train.train_worker.__code__ is wrapper_code
+    assert ray_train.train_worker.__wrapped__.__module__ == "raytrain_mgpu.transports.ray_train"
+    assert ray_train.train_worker.__wrapped__.__name__ == "train_worker"
 
 
-class _Strategy:
-    """What save_and_report asks of a strategy: the plain (unsharded) states."""
-
-    sharded_checkpoint = False
-
-    def state_dict(self, model):
-        return model.state_dict()
-
-    def optimizer_state_dict(self, model, optimizer):
-        return optimizer.state_dict()
+def ray_train_engine(fields: dict, rank: int, world: int, state: RunState, storage: str):
+    """Rank ``rank`` of ``world``'s engine, set up in this process with the Ray Train transport (Ray Train's
+    calls are the test's fakes; with ``world`` > 1 a one-rank gloo group stands in for the workers' group),
+    at ``state`` (a save's point)."""
+    engine = make_engine({**SMALL, **fields}, rank=rank, world=world, storage=storage, setup=False)
+    engine.transport = ray_train.RayTrainTransport(engine.cfg, engine.ctx, None)
+    engine.reporter = engine.transport.reporter if rank == 0 else None
+    engine.setup()
+    engine.state = state
+    return engine
 
 
 class _Controller:
@@ -68,7 +69,7 @@ class _Controller:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("rank", [0, 1])  # rank 0 carries the checkpoint, rank 1 reports metrics only
-def test_save_and_report_returns_only_after_the_controller_took_the_report(rank, monkeypatch):
+def test_the_last_save_returns_only_after_the_controller_took_the_report(rank, monkeypatch, storage, gloo_group):
     events: list = []
     controller = _Controller(events)
 
@@ -80,21 +81,13 @@ def test_save_and_report_returns_only_after_the_controller_took_the_report(rank,
         controller.results.put((metrics, checkpoint))
 
     monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     monkeypatch.setattr(train_context, "get_train_context", lambda: controller)
-
-    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_workers=2)
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    state = loop._State(epoch=1, step=22, history=[{"epoch": 1}])
-    ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
-    shape_info = {"input_shape": [1, 8, 8], "num_classes": 10}
+    # The run's last save (epoch 1 of 1): rank 0's upload is synchronous; an asynchronous one returns at
+    # once and is announced after the controller took it (tests/test_async_upload.py).
+    engine = ray_train_engine(dict(epochs=1), rank, 2, RunState(epoch=1, step=2, history=[{"epoch": 1}]), storage)
     start = time.monotonic()
-    # Rank 0's synchronous upload (the run's last save, or upload=SYNC); its asynchronous one returns
-    # at once and is announced after the controller took it (tests/test_async_upload.py).
-    worker_checkpoint.save_and_report(cfg, _Strategy(), model, optimizer, scheduler, scaler, state, {"train_loss": 1.0},
-                          ctx, shape_info, upload=ray.train.CheckpointUploadMode.SYNC)
+    engine.saver.save({"train_loss": 1.0})
     events.append("returned")
     controller.thread.join(timeout=30)
     assert events == ["report", "collected", "returned"]
@@ -103,7 +96,8 @@ def test_save_and_report_returns_only_after_the_controller_took_the_report(rank,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_written(rank, monkeypatch, tmp_path):
+def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_written(rank, monkeypatch, tmp_path,
+                                                                                      storage, gloo_group):
     """A step checkpoint (background upload) is reported before the gather and the write, so the
     other ranks' wait for the controller overlaps rank 0's work (issue 24); Ray Train's upload of
     rank 0's folder waits until it is complete; the other ranks still return only once the
@@ -129,24 +123,19 @@ def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_w
         events.append("gather")
         return [own, own]
 
-    storage = SimpleNamespace(persist_current_checkpoint=lambda checkpoint, name: Path(checkpoint.path))
+    ray_storage = SimpleNamespace(persist_current_checkpoint=lambda checkpoint, name: Path(checkpoint.path))
     monkeypatch.setattr(ray.train, "report", report)
-    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: storage))
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: ray_storage))
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     monkeypatch.setattr(train_context, "get_train_context", lambda: controller)
-    monkeypatch.setattr(worker_checkpoint, "gather_objects", gather)
-    monkeypatch.setattr(worker_checkpoint.tempfile, "tempdir", str(tmp_path))  # the folder outlives the upload here
+    monkeypatch.setattr(engine_checkpoint, "all_gather_objects", gather)
+    monkeypatch.setattr(ray_train.tempfile, "tempdir", str(tmp_path))  # the folder outlives the upload here
 
-    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_workers=2,
-                          checkpoint_every_n_steps=10)
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    state = loop._State(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}])
-    worker_checkpoint.save_and_report(
-        cfg, _Strategy(), model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), state,
-        {"epoch": 1, "step": 32}, WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),)),
-        {"input_shape": [3], "num_classes": 2}, epoch_partial={"samples": 320})
+    # 10 steps into epoch 2 of 2: a step checkpoint, uploaded in the background
+    engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), rank, 2,
+                              RunState(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}]), storage)
+    engine.transport.reporter = None  # no announcement of the upload (it would wait for Ray Train's registration)
+    engine.saver.save({"epoch": 1, "step": 32, "step_in_epoch": 10}, partial={"samples": 320})
     events.append("returned")
     controller.thread.join(timeout=30)
     if rank == 0:
@@ -160,7 +149,7 @@ def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_w
 
 
 @pytest.mark.timeout(60)
-def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, tmp_path):
+def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, storage):
     """Reported before its write, a step checkpoint whose write fails fails its upload too (Ray Train then
     fails the run, as for any failed upload): nothing half-written is persisted or registered."""
     uploads: list = []
@@ -180,21 +169,17 @@ def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, tmp_
     def failing_write(directory, **parts):
         raise OSError("disk full")
 
-    storage = SimpleNamespace(persist_current_checkpoint=lambda checkpoint, name: Path(checkpoint.path))
+    ray_storage = SimpleNamespace(persist_current_checkpoint=lambda checkpoint, name: Path(checkpoint.path))
     monkeypatch.setattr(ray.train, "report", report)
-    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: storage))
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: ray_storage))
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
-    monkeypatch.setattr(worker_checkpoint, "wait_until_report_collected", lambda: None)
-    monkeypatch.setattr(worker_checkpoint.ckpt_format, "write_checkpoint", failing_write)
-    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", checkpoint_every_n_steps=10)
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
+    engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), 0, 1,
+                              RunState(epoch=1, step=10, step_in_epoch=10, history=[]), storage)
+    monkeypatch.setattr(engine_checkpoint.ckpt_format, "write_checkpoint", failing_write)
     with pytest.raises(OSError, match="disk full"):
-        worker_checkpoint.save_and_report(
-            cfg, _Strategy(), model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-            torch.amp.GradScaler("cpu", enabled=False), loop._State(epoch=1, step=10, step_in_epoch=10, history=[]),
-            {"epoch": 1, "step": 10}, WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),)),
-            {"input_shape": [3], "num_classes": 2}, epoch_partial={"samples": 100})
+        engine.saver.save({"epoch": 1, "step": 10}, partial={"samples": 100})
     thread, *_ = uploads
     thread.join(timeout=30)
     assert uploads[1:] == ["disk full"]  # the upload waited for the write and failed with it
