@@ -48,21 +48,30 @@ def test_checkpointed_blocks_give_exactly_the_gradients_and_keep_their_names(eve
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "mp"])
 def test_the_ray_train_workers_loop_trains_the_same_weights_with_it(strategy, gloo_group):
-    """The loop a Ray Train worker runs (here in this process, one rank): an epoch with every second block
-    checkpointed ends with the weights of the epoch without, for a replicated (ddp), a sharded (fsdp, FSDP2's
-    hooks around the checkpointed blocks) and a split model (mp, over 2 CPU stand-in devices)."""
-    from _reference import train_one_worker
+    """The engine a Ray Train worker runs (here in this process, one rank: tests/_engine.py): an epoch with every
+    second block checkpointed ends with the weights of the epoch without, for a replicated (ddp), a sharded (fsdp,
+    FSDP2's hooks around the checkpointed blocks, over the one-rank gloo group) and a split model (mp, over 2 CPU
+    stand-in devices)."""
+    from _engine import make_engine
 
     fields = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[16], num_classes=32,
                   num_samples=96, model_kwargs={"num_layers": 3, "hidden": 16, "num_heads": 2},
                   batch_size=16, epochs=1, optimizer="sgd", lr=0.1, strategy=strategy)
     if strategy == "mp":
-        fields.update(num_workers=1, gpus_per_worker=2)  # 2 stand-in devices on a CPU worker
-    plain, _, _, plain_history = train_one_worker(fields)
-    checkpointed, _, _, history = train_one_worker({**fields, "activation_checkpointing": 2})
+        fields.update(gpus_per_worker=2)  # 2 stand-in devices on a CPU worker
+
+    def one_epoch(every: int) -> tuple:
+        engine = make_engine({**fields, "activation_checkpointing": every})
+        assert engine.steps.checkpointed_blocks == (2 if every else 0)  # blocks 2 of 3 layers (and none)
+        row = engine.train_epoch(0)
+        return engine.steps.model_state(), row
+
+    plain, plain_row = one_epoch(0)
+    checkpointed, row = one_epoch(2)
+    assert checkpointed.keys() == plain.keys()
     for key, value in plain.items():
         assert torch.equal(checkpointed[key], value), key
-    assert history[-1]["train_loss"] == plain_history[-1]["train_loss"]
+    assert row["train_loss"] == plain_row["train_loss"] and row["step"] == plain_row["step"] == 6
 
 
 def test_it_holds_less_through_the_backward_as_the_estimate_says():

@@ -1,8 +1,9 @@
-"""Callbacks (``TrainConfig.callbacks``): the protocol, its checks, and a raising callback that
-stops a real run. The events of real runs on both runners are checked with
-:func:`assert_events_in_order` where those runs already are: the Ray Train workers' across a resume
-in tests/test_fit.py (test_two_workers_equal_one_and_resume_continues_exactly), the pipeline's actor
-group in tests/test_step_scalars.py."""
+"""Callbacks (``TrainConfig.callbacks``): the protocol, its checks, a real run and its resume in this
+process (the in-process runner: the engine's events, no Ray), and a raising callback that stops a real run
+on each runner. The events of the Ray runners are checked with :func:`assert_events_in_order` where those
+runs already are: the Ray Train workers' across a resume in tests/test_fit.py
+(test_two_workers_equal_one_and_resume_continues_exactly), the pipeline's actor group in
+tests/test_step_scalars.py."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def assert_events_in_order(recorder: Recorder, result, epochs: list) -> None:
     assert [row for _, row in rows] == [{k: v for k, v in row.items() if not k.startswith("auto_")}
                                         for row in result.history[-len(epochs):]]
     # one checkpoint per epoch, each after its epoch's row (uploaded in the background, it may come
-    # after the next epoch's steps: runtime/worker_checkpoint.py); the last one is TrainResult's
+    # after the next epoch's steps: transports/ray_uploads.py); the last one is TrainResult's
     checkpoints = [what for kind, what in recorder.events if kind == "checkpoint"]
     assert len(checkpoints) == len(epochs) and checkpoints[-1] == result.checkpoint_path
     assert len(set(checkpoints)) == len(checkpoints)
@@ -178,7 +179,49 @@ def test_cli_takes_loggers_and_callbacks_as_lists():
 # ---------------------------------------------------------------------------- real runs
 
 
-@pytest.mark.slow
+def _no_ray(monkeypatch):
+    from raytrain_mgpu import api
+
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a one-worker run started Ray"))
+
+
+def test_a_run_and_its_resume_call_every_hook_in_order_in_process(storage, monkeypatch):
+    """One worker trains in this process (no Ray): the first fit from scratch, the resume from its last
+    step, each in order, with the rows, step scalars and checkpoints the engine made."""
+    _no_ray(monkeypatch)
+    first_events, resumed_events = Recorder(), Recorder()
+    cfg = rtm.TrainConfig(**SMALL, num_workers=1, epochs=2, name="events", storage_path=storage)
+    first = rtm.fit(cfg.replace(callbacks=[first_events]), stream=io.StringIO())
+    resumed = rtm.fit(cfg.replace(epochs=3, callbacks=[resumed_events]), stream=io.StringIO())
+    start = first_events.events[0][1]
+    assert start.resumed is False and (start.start_epoch, start.start_step) == (0, 0)
+    assert start.config["name"] == "events" and start.path == first.path
+    assert_events_in_order(first_events, first, [1, 2])
+    scalars = [what for kind, what in first_events.events if kind == "step"]
+    assert [step for step, _ in scalars] == list(range(2, first.metrics["step"] + 1, 2))  # every 2 steps
+    assert {"train/loss", "train/lr"} <= set(scalars[0][1])
+    assert first.config.callbacks == []  # objects are not part of the recorded config
+    start = resumed_events.events[0][1]
+    assert start.resumed is True and (start.start_epoch, start.start_step) == (2, first.metrics["step"])
+    assert_events_in_order(resumed_events, resumed, [3])  # only the third epoch
+    assert all(what[0] > first.metrics["step"] for kind, what in resumed_events.events if kind == "step")
+
+
+def test_a_raising_callback_stops_an_in_process_run_at_once_and_fails_fit_naming_it(storage, monkeypatch):
+    """In the driver's process the callback raises inside the engine's epoch: the run stops there, and
+    ``max_failures`` does not retry it (the callback would raise again)."""
+    _no_ray(monkeypatch)
+    recorder = Recorder()
+    cfg = rtm.TrainConfig(**SMALL, num_workers=1, epochs=30, max_failures=3, name="failing-here",
+                          storage_path=storage, callbacks=[recorder, FailsAtEpoch()])
+    with pytest.raises(CallbackError, match=r"callbacks entry 'test_callbacks:FailsAtEpoch' raised in "
+                                            r"on_epoch_end: RuntimeError: disk full at epoch 1"):
+        rtm.fit(cfg, stream=io.StringIO())
+    assert [what[0] for kind, what in recorder.events if kind == "epoch"] == [1]  # no second epoch, no retry
+    assert recorder.kinds().count("start") == 1 and RunFolder.of(cfg).state().epoch <= 1
+
+
+@pytest.mark.slow  # Ray's own stop: the driver's pump stops Ray Train's controller (stop_main_thread_on_failure)
 def test_a_raising_callback_stops_a_ray_train_run_early_and_fails_fit_naming_it(ray_session, storage):
     cfg = rtm.TrainConfig(**SMALL, num_workers=2, epochs=30, name="failing", storage_path=storage,
                           callbacks=[FailsAtEpoch()])

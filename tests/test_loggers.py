@@ -1,8 +1,10 @@
 """The loggers of ``TrainConfig.loggers`` (TensorBoard, MLflow, CSV): files that their own readers
 parse, a resume that continues them without duplicate steps, remote storage through pyarrow.
 
-The events are driven by hand here (no Ray); tests/test_fit.py checks the files a real
-fit and its resume leave, with :func:`assert_logged`.
+The events are driven by hand here, and a real fit and its resume run in this process (the in-process
+runner: the engine's events, no Ray), checked with :func:`assert_logged`; tests/test_fit.py checks the
+CSV logger's file after a fit and its resume through Ray Train's workers (:func:`assert_csv_logged`,
+which needs no extra: that test runs whatever is installed).
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import os
 
 import pytest
 
-# The extras, checked without importing them (every pytest process collects this module).
-if importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("mlflow") is None:
-    pytest.skip("the [tensorboard] and [mlflow] extras are not installed", allow_module_level=True)
-
-import raytrain_mgpu as rtm  # noqa: E402
-from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo  # noqa: E402
-from raytrain_mgpu.runtime.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RUN_FILE, TENSORBOARD_DIR,  # noqa: E402
+import raytrain_mgpu as rtm
+from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo
+from raytrain_mgpu.runtime.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RUN_FILE, TENSORBOARD_DIR,
                                            CsvLogger, MlflowLogger, TensorBoardLogger)
-from raytrain_mgpu.runtime.progress import ProgressPrinter  # noqa: E402
-from raytrain_mgpu.runtime.run_folder import RunFolder  # noqa: E402
+from raytrain_mgpu.runtime.progress import ProgressPrinter
+from raytrain_mgpu.runtime.run_folder import RunFolder
+
+# The extras, checked without importing them (every pytest process collects this module): the tests that
+# read TensorBoard's or MLflow's files skip without them, the CSV logger's checks (importable from here)
+# never do.
+needs_extras = pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("mlflow") is None,
+    reason="the [tensorboard] and [mlflow] extras are not installed")
 
 
 def tensorboard_scalars(run_path: str) -> dict:
@@ -54,6 +59,16 @@ def history(client, run_id: str, key: str) -> list:
     return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
+def assert_csv_logged(run_path: str, rows: list, steps_per_log: int) -> None:
+    """What a fit (and its resume) with the CSV logger leaves: every epoch row and the step scalars every
+    ``steps_per_log`` steps, each step once."""
+    logged_steps = list(range(steps_per_log, rows[-1]["step"] + 1, steps_per_log))
+    table = csv_rows(run_path)
+    assert [int(r["step"]) for r in table if r["name"] == "train/loss"] == logged_steps  # none twice after a resume
+    assert [(int(r["epoch"]), float(r["value"])) for r in table if r["name"] == "epoch/train_loss"] == \
+        [(row["epoch"], pytest.approx(row["train_loss"])) for row in rows]
+
+
 def assert_logged(run_path: str, rows: list, steps_per_log: int, first_epochs: int) -> None:
     """What a fit (and its resume) with loggers=[tensorboard, mlflow, csv] leaves: every epoch row
     and the step scalars every ``steps_per_log`` steps, each step once, in one MLflow run whose
@@ -64,10 +79,7 @@ def assert_logged(run_path: str, rows: list, steps_per_log: int, first_epochs: i
     assert [step for step, _ in tb["train/loss"]] == logged_steps  # no duplicates after the resume
     assert [(step, value) for step, value in tb["epoch/train_loss"]] == \
         [(row["step"], pytest.approx(row["train_loss"])) for row in rows]
-    table = csv_rows(run_path)
-    assert [int(r["step"]) for r in table if r["name"] == "train/loss"] == logged_steps
-    assert [(int(r["epoch"]), float(r["value"])) for r in table if r["name"] == "epoch/train_loss"] == \
-        [(row["epoch"], pytest.approx(row["train_loss"])) for row in rows]
+    assert_csv_logged(run_path, rows, steps_per_log)
     client, runs = mlflow_runs(run_path)
     assert len(runs) == 1  # the resume logged to the same MLflow run
     run = runs[0]
@@ -100,6 +112,7 @@ def _train(folder, start_epoch, start_step, steps, config=None, tracking_uri=Non
     events.close()
 
 
+@needs_extras
 def test_a_resume_continues_every_logger_without_duplicate_steps(tmp_path):
     folder = RunFolder(str(tmp_path / "run"))
     # Epoch 1 ends at step 4 (checkpointed); the run is killed after logging steps 6 and 8.
@@ -122,6 +135,7 @@ def test_a_resume_continues_every_logger_without_duplicate_steps(tmp_path):
     assert [step for step, _ in history(client, runs[0].info.run_id, "epoch/train_loss")] == [4, 8, 12]
 
 
+@needs_extras
 def test_a_restart_inside_one_fit_hides_the_redone_steps(tmp_path):
     folder = RunFolder(str(tmp_path / "run"))
     # Ray Train restarts from the checkpoint at step 4: steps 6, 8 come again in the same fit (8 right
@@ -143,6 +157,7 @@ def test_a_restart_inside_one_fit_hides_the_redone_steps(tmp_path):
     assert [r["step"] for r in rows if r["name"] == "stage0/bubble"] == ["4"]
 
 
+@needs_extras
 def test_remote_storage_is_written_locally_and_uploaded(tmp_path):
     import pyarrow.fs as pafs
 
@@ -159,6 +174,22 @@ def test_remote_storage_is_written_locally_and_uploaded(tmp_path):
     with pytest.raises(ValueError, match=r"the default MLflow store \(file:<run>/mlruns\) needs local storage. "
                                          r"Set mlflow_tracking_uri"):
         MlflowLogger(folder, None)
+
+
+@needs_extras
+def test_a_fit_and_its_resume_leave_every_loggers_files_in_process(storage, monkeypatch):
+    """A real run's events (the engine's rows and step scalars, in this process: one worker trains in the
+    driver) reach every logger, and its resume continues them: no step twice, one MLflow run."""
+    from raytrain_mgpu import api
+
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a one-worker run started Ray"))
+    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256,
+                          num_workers=1, batch_size=32, optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2, epochs=2,
+                          name="logged", storage_path=storage, loggers=["tensorboard", "mlflow", "csv"])
+    rtm.fit(cfg, stream=io.StringIO())
+    resumed = rtm.fit(cfg.replace(epochs=3), stream=io.StringIO())
+    assert [row["attempt"] for row in resumed.history] == [0, 0, 1]  # the third epoch by the second fit
+    assert_logged(resumed.path, resumed.history, steps_per_log=2, first_epochs=2)
 
 
 def test_a_missing_package_names_the_extra(monkeypatch, storage):
