@@ -179,8 +179,9 @@ def _code_text(obj) -> str:
 
 def _objects(cfg) -> list:
     """``(field, object)`` of every class or function ``cfg`` was given from Python (not by name)."""
-    entries = [(name, getattr(cfg, name)) for name in ("model", "dataset", "optimizer", "loss", "collate",
-                                                       "train_transform", "test_transform")]
+    from raytrain_mgpu.config import CODE_FIELDS
+
+    entries = [(name, getattr(cfg, name)) for name in (*CODE_FIELDS, "train_transform", "test_transform")]
     entries += [("metrics", entry) for entry in cfg.metrics or []]
     return [(field, spec) for field, spec in entries if is_object(spec)]
 

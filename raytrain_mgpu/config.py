@@ -24,8 +24,11 @@ from typing import Any, Optional, Tuple, Union
 from raytrain_mgpu.config_checks import validate, warn_unused
 from raytrain_mgpu.config_sections import (Balance, DataConfig, Ingest, Logger, Loss, LrScaling, LrSchedule,
                                            MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
-                                           Precision, Runner, Schedule)
+                                           OnNonfinite, Precision, Runner, SaveWhat, Schedule)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
+
+CODE_FIELDS = ("model", "dataset", "optimizer", "loss", "collate", "train_step", "param_groups")
+"""The fields that may name code (a ``module:function``, or from Python the object): the workers get their modules."""
 
 # ----------------------------------------------------------------------------- user config
 
@@ -142,6 +145,17 @@ class TrainConfig:
     metrics: Optional[list] = None
     """A list of names (``accuracy``, ``top5``, ``mae``, ``mse``) or ``pkg.module:function`` entries, each called as ``function(outputs, targets)``, returning ``(sum, count)`` for the batch; reported per epoch as ``train_<name>``/``test_<name>`` (a function's own name), exact over all ranks and devices. None: ``accuracy`` for a classification dataset, none when its ``num_classes`` is None."""
 
+    train_step: Optional[str] = None
+    """Your own training step: ``fn(model, batch, ctx)`` returning the loss, or a dict with ``loss`` and extra scalars (reported per epoch as ``train_<name>``, like built-in metrics); ``batch`` is ``(inputs, targets)`` on the device, ``ctx`` has ``rank``, ``world_size``, ``epoch``, ``step``, ``device``, ``precision``, ``loss`` (the config's loss function) and ``metrics``. The engine keeps autocast, the grad scaler, accumulation and DDP's ``no_sync``, clipping, the optimizer and schedule, checkpoints. From Python the function itself, or ``pkg.module:function``; every data-parallel strategy (docs/your-own-code.md: Your own training step)."""
+    param_groups: Optional[str] = None
+    """Parameter groups for the optimizer: ``no_decay_norm_bias`` (no weight decay on biases and normalisation weights), or ``fn(model) -> list[dict]`` (each dict's ``params`` a list of parameters or of their names, with per-group options such as ``lr``); None: one group. Frozen parameters (``requires_grad=False``) are always left out."""
+    init_from: Optional[str] = None
+    """Weights to start from: a ``.pt``/``.safetensors`` file, another run's folder (its newest checkpoint) or a checkpoint folder of any strategy; a resume of this run wins over it (docs/your-own-code.md: Fine-tuning)."""
+    init_strict: bool = True
+    """``init_from``: every key must match the model; False loads the keys whose name and shape match (a new head) and reports the rest."""
+    save: SaveWhat = "full"
+    """What a checkpoint's model part holds: ``full``, or ``trainable`` (the parameters with ``requires_grad`` and the buffers, for adapter-style fine-tuning; the frozen weights come back from ``init_from`` or the model's builder on a resume)."""
+
     # --- DDP and model options
     find_unused_parameters: bool = False
     """DDP: allow parameters that get no gradient in a step."""
@@ -179,6 +193,16 @@ class TrainConfig:
     """Older checkpoints are deleted."""
     checkpoint_every_n_steps: Optional[int] = None
     """Also checkpoint every this many optimizer steps inside an epoch; a resume continues mid-epoch (spot nodes)."""
+    checkpoint_every_n_minutes: Optional[float] = None
+    """Also checkpoint inside an epoch once this many minutes have passed since the last checkpoint (every rank agrees at the same step: the clock is compared every 10 steps)."""
+    on_nonfinite: OnNonfinite = "stop"
+    """A NaN or infinite loss: ``stop`` ends the run at the end of that epoch (or the next checkpoint) with an error naming the first such step, before any checkpoint of those weights; ``skip`` skips optimizer steps whose gradients are not finite on any rank (one host read a step, as fp16's scaler does) and stops after ``max_skipped_steps`` in a row; ``ignore`` trains on. No checkpoint with non-finite weights is ever written."""
+    max_skipped_steps: int = 10
+    """``on_nonfinite="skip"``: this many non-finite steps in a row end the run."""
+    eval_every_n_steps: Optional[int] = None
+    """Also evaluate every this many optimizer steps (the validation split if there is one, else the test split), reported as per-step scalars ``val/loss`` (``test/loss``) and ``val/<metric>``."""
+    profile_steps: Optional[Tuple[int, int]] = None
+    """``(first, last)`` global steps to record with ``torch.profiler``: one trace per rank in ``<run>/profile`` (TensorBoard's profiler plugin and Perfetto open it)."""
     eval_every_epochs: int = 1
     """Evaluate every this many epochs (and always after the last): the validation split when there is one, else the test split."""
     val_fraction: Optional[float] = None
@@ -287,13 +311,13 @@ class TrainConfig:
             entries.update({f"{name}[{i}]": m for i, m in enumerate(listed)} if isinstance(listed, list) else {})
         for name in ("train_transform", "test_transform"):  # their code parts ("resize:96" is a recipe)
             entries.update({f"{name}[{i}]": m for i, m in enumerate(factory_parts(values.get(name)))})
-        check_file_factories({**values, **entries}, ("model", "dataset", "optimizer", "loss", "collate", *entries), str(path),
+        check_file_factories({**values, **entries}, (*CODE_FIELDS, *entries), str(path),
                              allow_code)
         return cls.from_dict({**values, **overrides}, source=str(path))
 
     def code_specs(self) -> list:
         """Every field value that may name user code (``pkg.module:function``): the workers get those modules."""
-        return [self.model, self.dataset, self.optimizer, self.loss, self.collate, *(self.metrics or []),
+        return [*(getattr(self, name) for name in CODE_FIELDS), *(self.metrics or []),
                 *factory_parts(self.train_transform), *factory_parts(self.test_transform)]
 
     def to_dict(self) -> dict:
@@ -305,7 +329,7 @@ class TrainConfig:
         for key, value in values.items():
             if isinstance(value, tuple):
                 values[key] = list(value)
-        for key in ("model", "dataset", "optimizer", "loss", "collate", "train_transform", "test_transform"):
+        for key in (*CODE_FIELDS, "train_transform", "test_transform"):
             values[key] = code_record(values[key])
         for key in ("metrics", "callbacks"):
             if isinstance(values[key], list):

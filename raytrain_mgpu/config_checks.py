@@ -19,21 +19,22 @@ from typing import Any, Dict, Literal
 
 from raytrain_mgpu._checks import check_number, fail, is_int
 from raytrain_mgpu._factory import function_name, is_factory, is_object
-from raytrain_mgpu.config_code import check_callbacks, check_code_choices, check_metrics, check_model_and_dataset
+from raytrain_mgpu.config_code import (check_callbacks, check_code_choices, check_metrics, check_model_and_dataset,
+                                       is_code)
 from raytrain_mgpu._units import parse_bytes
 
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "compile", "channels_last", "verbose",
-          "keep_best", "test_every_epoch")
+          "keep_best", "test_every_epoch", "init_strict")
 _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
-                  "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps")
+                  "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps", "max_skipped_steps")
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience",
-                           "checkpoint_every_n_steps", "shard_group_size")
+                           "checkpoint_every_n_steps", "shard_group_size", "eval_every_n_steps")
 _NON_EMPTY_STRINGS = ("strategy", "image_column", "label_column")  # model, dataset: _check_code
-_OPTIONAL_STRINGS = ("data_root", "address")
+_OPTIONAL_STRINGS = ("data_root", "address", "init_from")
 SEED_LIMIT = 2**63
 
 
@@ -153,6 +154,32 @@ def check_fields(cfg) -> None:
     _check_validation(cfg)
     _check_monitor(cfg)
     _check_watching(cfg)
+    _check_step_features(cfg)
+
+
+def _check_step_features(cfg) -> None:
+    """Time-based checkpoints, the profiler's window, and the fields that name a step or parameter groups."""
+    minutes = cfg.checkpoint_every_n_minutes
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
+                                or not minutes > 0 or minutes == float("inf")):
+        fail("checkpoint_every_n_minutes", minutes, "must be a positive number of minutes or None",
+             "Set it to e.g. 30, or leave it unset.")
+    window = cfg.profile_steps
+    if window is not None:
+        if isinstance(window, list):
+            window = cfg.profile_steps = tuple(window)
+        if not (isinstance(window, tuple) and len(window) == 2 and all(is_int(w) and w >= 1 for w in window)
+                and window[0] <= window[1]):
+            fail("profile_steps", cfg.profile_steps, "must be (first, last) global steps with 1 <= first <= last",
+                 "Set it to e.g. (10, 15): six steps after the first nine (warm-up) ones.")
+    for name, what in (("train_step", "fn(model, batch, ctx)"), ("param_groups", "fn(model) -> list of dicts")):
+        value = getattr(cfg, name)
+        if value is None or (name == "param_groups" and value == "no_decay_norm_bias"):
+            continue
+        if not is_code(name, value):
+            fail(name, value, f"must be {what}, a 'package.module:function'"
+                              + (" or 'no_decay_norm_bias'" if name == "param_groups" else ""),
+                 "Pass the function itself from Python, or name it as 'my_code:function'.")
 
 
 def check_sync_batchnorm(cfg, strategy_cls) -> None:

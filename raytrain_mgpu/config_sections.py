@@ -24,6 +24,8 @@ Logger = Literal["tensorboard", "mlflow", "csv"]  # TrainConfig.loggers is a lis
 MonitorMode = Literal["min", "max"]
 Ingest = Literal["loader", "ray_data"]  # how the training split reaches the workers
 Runner = Literal["auto", "local", "ray"]  # where a run trains: the driver's process, or Ray
+OnNonfinite = Literal["stop", "skip", "ignore"]  # what a non-finite loss does to a run
+SaveWhat = Literal["full", "trainable"]  # what a checkpoint's model part holds
 
 
 # ----------------------------------------------------------------------------- sections

@@ -59,7 +59,7 @@ def test_checkpoint_report_measures_the_stall_against_the_run_without_saves():
     text = report({"sync": run(5.0, 7.0), "async": run(1.0, 2.5), "none": run(0.0, 1.0)})
     lines = text.splitlines()
     assert lines[2].split()[-1] == "6.00s" and lines[3].split()[-1] == "1.50s"  # cycle minus the no-save cycle
-    assert "time in save_and_report 5.0x shorter; stall per checkpoint 4.0x shorter" in text
+    assert "time in the save 5.0x shorter; stall per checkpoint 4.0x shorter" in text
 
 
 def test_bench_checkpoint_runs_ray_trains_controller_with_fits_poll(monkeypatch, tmp_path):

@@ -300,7 +300,7 @@ def _any_rank_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     any_rank = AnyRank()
     # rank 1 alone has a notice at the second check; nobody at the first and the third
-    answers = [any_rank(seen) for seen in (False, rank == 1, False)]
+    answers = [any_rank([seen])[0] for seen in (False, rank == 1, False)]
     with open(f"{out}/{rank}", "w") as f:
         f.write(",".join(str(a) for a in answers))
     dist.destroy_process_group()

@@ -4,21 +4,21 @@
 
 One Ray Train worker trains an MLP large enough that its checkpoint upload matters (the default:
 784-4096x6-10, 87 M parameters, a 350 MB checkpoint) on random batches and, every
-``--steps-between`` steps, saves through the runner's own ``save_and_report``
-(``runtime/worker_checkpoint.py``) to ``--storage-path``, with:
+``--steps-between`` steps, saves through the engine's own save (``runtime/engine_checkpoint.Saver`` over the
+Ray Train transport, ``transports/ray_train.py``) to ``--storage-path``, with:
 
 - ``sync``: ``CheckpointUploadMode.SYNC``, the upload inside ``ray.train.report`` (what the runner did before);
 - ``async``: ``CheckpointUploadMode.ASYNC``, what the runner does now (the upload in Ray's thread);
 - ``none``: the same steps without a save, the baseline of a checkpoint interval.
 
 Per save (the first of each run is a warm-up and left out): the time rank 0 spends inside
-``save_and_report`` (the stall the loop sees) and the cycle, the steps of an interval plus its
+the save (the stall the loop sees) and the cycle, the steps of an interval plus its
 save. The stall per checkpoint is the cycle minus the ``none`` cycle: it includes what a
 background upload takes from the steps it overlaps (CPU, memory bandwidth, the GIL). Each mode
 runs once per round, in an order rotated from round to round; figures are medians.
 ``--upload-mb-per-s`` emulates a remote storage (an upload lasts at least its size at that rate,
 waiting without CPU, as on a network) where no remote one is at hand.
-The strategy is a stand-in for one unsharded worker (what ``ddp`` returns for its states).
+The model is ``mlp`` with the given widths on 28x28 inputs, trained by hand on one random batch between saves.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import os
 import statistics
 import tempfile
 import time
-from types import SimpleNamespace
 from typing import Dict, List
 
 MODES = ("sync", "async", "none")
@@ -37,33 +36,28 @@ DEFAULT_WIDTHS = [4096] * 6
 
 def _train_fn(config: dict) -> None:
     """One Ray Train worker: ``saves`` intervals of ``steps_between`` steps, each ending in a save."""
-    import ray.train
     import torch
 
     from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.runtime.run_state import RunState
-    from raytrain_mgpu.runtime.worker_checkpoint import save_and_report
-    from raytrain_mgpu.strategies import WorkerContext
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.runtime.engine import Engine
+    from raytrain_mgpu.strategies.plan import build_plan
+    from raytrain_mgpu.transports.local import data_parallel_steps
+    from raytrain_mgpu.transports.ray_train import RayTrainTransport, _context
 
     torch.set_num_threads(config["threads"])
     if config["upload_mb_per_s"]:
         _throttle_uploads(config["upload_mb_per_s"])
     cfg = TrainConfig.from_dict(config["cfg"])
-    widths = [28 * 28, *config["widths"], 10]
-    layers: list = [torch.nn.Flatten()]
-    for a, b in zip(widths, widths[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers[:-1])
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    strategy = SimpleNamespace(state_dict=lambda m: m.state_dict(), optimizer_state_dict=lambda m, o: o.state_dict())
-    ctx = WorkerContext(0, 1, 0, 1, 0, (torch.device("cpu"),))
-    x, y = torch.randn(config["batch_size"], 1, 28, 28), torch.randint(0, 10, (config["batch_size"],))
+    ctx = _context(cfg)
+    data = build_datasets(cfg.data)
     mode = config["mode"]
-    upload = ray.train.CheckpointUploadMode.SYNC if mode == "sync" else ray.train.CheckpointUploadMode.ASYNC
+    engine = Engine(cfg, build_plan(cfg, len(data.train)), data_parallel_steps(cfg, ctx, data),
+                    RayTrainTransport(cfg, ctx, None, sync_uploads=mode == "sync"), data)
+    engine.setup()
+    model, optimizer, state = engine.steps.model, engine.optimizer, engine.state
+    x, y = torch.randn(config["batch_size"], 1, 28, 28), torch.randint(0, 10, (config["batch_size"],))
     saves, cycles, steps_s = [], [], []
-    state = RunState()
     for _ in range(config["saves"] + 1):  # the first interval warms up
         cycle_start = time.perf_counter()
         for _ in range(config["steps_between"]):
@@ -77,8 +71,7 @@ def _train_fn(config: dict) -> None:
         if mode != "none":
             state.history.append({"epoch": len(state.history) + 1, "step": state.step})
             state.epoch = len(state.history)
-            save_and_report(cfg, strategy, model, optimizer, scheduler, scaler, state, {"step": state.step}, ctx,
-                            {"input_shape": [1, 28, 28], "num_classes": 10}, upload=upload)
+            engine.saver.save({"step": state.step})
         saves.append(time.perf_counter() - start)
         cycles.append(time.perf_counter() - cycle_start)
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -113,7 +106,9 @@ def _run_one(mode: str, args, storage: str, scratch: str, r: int) -> dict:
 
     name = f"bench-checkpoint-{mode}-r{r}"
     # epochs: never reached, so no save is the run's last (which always uploads synchronously)
-    cfg = TrainConfig(model="mlp", dataset="synthetic", storage_path=storage, name=name, epochs=10**6)
+    cfg = TrainConfig(model="mlp", model_kwargs={"widths": list(args.widths)}, dataset="synthetic",
+                      input_shape=[1, 28, 28], num_classes=10, num_samples=args.batch_size, batch_size=args.batch_size,
+                      optimizer="sgd", lr=1e-4, num_workers=1, storage_path=storage, name=name, epochs=10**6)
     out = os.path.join(scratch, f"{name}.json")
     config = {"cfg": cfg.to_dict(), "widths": args.widths, "batch_size": args.batch_size, "mode": mode,
               "saves": args.saves, "steps_between": args.steps_between, "threads": args.threads, "out": out,
@@ -149,7 +144,7 @@ def report(measured: Dict[str, List[dict]]) -> str:
         return statistics.median(v for run in measured[mode] for v in run[key])
 
     base = median("none", "cycle_s")
-    lines = [f"{'upload':<8} {'in save_and_report':>19} {'step':>8} {'cycle':>8} {'stall per checkpoint':>21}",
+    lines = [f"{'upload':<8} {'in the save':>19} {'step':>8} {'cycle':>8} {'stall per checkpoint':>21}",
              "-" * 68]
     stall = {}
     for mode in ("sync", "async"):
@@ -158,7 +153,7 @@ def report(measured: Dict[str, List[dict]]) -> str:
                      f"{median(mode, 'cycle_s'):>7.2f}s {stall[mode]:>20.2f}s")
     lines.append(f"{'none':<8} {'':>19} {median('none', 'step_s'):>7.3f}s {base:>7.2f}s")
     saves = {m: median(m, "save_s") for m in ("sync", "async")}
-    lines.append(f"async vs sync: time in save_and_report {saves['sync'] / saves['async']:.1f}x shorter; "
+    lines.append(f"async vs sync: time in the save {saves['sync'] / saves['async']:.1f}x shorter; "
                  f"stall per checkpoint {stall['sync'] / max(stall['async'], 1e-3):.1f}x shorter")
     lines.append("medians over every save but each run's first; stall = cycle - the cycle without a save")
     return "\n".join(lines)

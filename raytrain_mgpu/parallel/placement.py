@@ -86,6 +86,28 @@ class Placement:
         return loss.to(worker.device), Predictions(pairs, [outputs], worker.device)
 
 
+    def run_step(self, worker: "WorkerStrategy", model: nn.Module, x, y, step_fn, ctx) -> tuple:
+        """A user's step on the whole micro-batch: ``(loss, outputs or None, extras)`` (``split_step_output``)."""
+        return split_step_output(step_fn(model, (x, y), ctx), worker.device)
+
+
+def split_step_output(out, device: torch.device) -> tuple:
+    """``(loss, outputs or None, {name: scalar})`` of a user step's answer: the loss itself, or a dict with
+    ``loss``, optionally ``outputs`` (the config's metrics are measured on them) and extra scalars."""
+    if isinstance(out, torch.Tensor):
+        return out, None, {}
+    if not isinstance(out, dict) or not isinstance(out.get("loss"), torch.Tensor):
+        raise ValueError(f"TrainConfig.train_step returned {type(out).__name__}: it must return the loss (a scalar "
+                         f"tensor) or a dict with 'loss' (and, optionally, 'outputs' and extra scalars).")
+    extras = {name: value for name, value in out.items() if name not in ("loss", "outputs")}
+    for name, value in extras.items():
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"TrainConfig.train_step's extra {name!r} has shape {tuple(value.shape)}: extras are "
+                             f"scalars (a 0-d tensor or a number), averaged over the epoch like the loss.")
+    loss = out["loss"]
+    return (loss if loss.device == device else loss.to(device)), out.get("outputs"), extras
+
+
 class Keep(Placement):
     """Left where it was built (rank 0's CPU, or ``meta``): the replication step places it."""
 
@@ -185,6 +207,30 @@ class BalancedPlacement(Placement):
         loss = sum(part_loss.to(worker.device) * (n / total) for part_loss, _, n, _ in parts)
         pairs = add_pairs([move_pairs(part_pairs, worker.device) for _, part_pairs, _, _ in parts])
         return loss, Predictions(pairs, [outputs for *_, outputs in parts], worker.device)
+
+    def run_step(self, worker: "WorkerStrategy", model: nn.Module, x, y, step_fn, ctx) -> tuple:
+        """A user's step on every device's slice (the loss where each slice's outputs are), averaged by targets."""
+        devices = list(worker.ctx.devices)
+        state = autocast_state(worker.device.type)
+
+        def one(replica, xs, ys):
+            loss, _, extras = split_step_output(step_fn(replica, (xs, ys), ctx), xs.device if isinstance(
+                xs, torch.Tensor) else first_tensor(xs).device)
+            return loss, extras, target_count(ys)
+
+        if len(devices) == 1:
+            parts = [call_with_autocast(one, state, model, x, y)]
+        else:
+            xs, ys = _dp_ops.scatter(x, devices), _dp_ops.scatter(y, devices)
+            used = devices[: len(xs)]
+            replicas = _dp_ops.replicate(model, used, detach=not torch.is_grad_enabled())
+            calls = [functools.partial(call_with_autocast, one, state, r) for r in replicas]
+            parts = _dp_ops.parallel_apply(calls, list(zip(xs, ys)), devices=used)
+        total = sum(n for *_, n in parts)
+        loss = sum(part_loss.to(worker.device) * (n / total) for part_loss, _, n in parts)
+        extras = {name: sum(torch.as_tensor(e[name]).to(worker.device) * (n / total) for _, e, n in parts)
+                  for name in parts[0][1]}
+        return loss, None, extras
 
     @staticmethod
     def _slice_losses(worker: "WorkerStrategy", model: nn.Module, x, y) -> List[tuple]:

@@ -22,8 +22,9 @@ __all__ = ["DataParallelSteps"]
 class DataParallelSteps(Steps):
     """``strategy`` on this rank (its placement, then its replication) as the engine's step runner."""
 
-    def __init__(self, strategy: WorkerStrategy, compile_model: bool = False):
-        self.strategy, self.compile_model = strategy, compile_model
+    def __init__(self, strategy: WorkerStrategy, compile_model: bool = False, user_step=None):
+        """``user_step``: ``TrainConfig.train_step`` (the function), or None for the config's loss on ``model(x)``."""
+        self.strategy, self.compile_model, self.user_step = strategy, compile_model, user_step
         self.ctx, self.objective = strategy.ctx, strategy.objective
         self.device = strategy.device
         self.shard = strategy.data_shard()
@@ -41,12 +42,25 @@ class DataParallelSteps(Steps):
 
     def setup(self, model: torch.nn.Module, model_state: Optional[dict]) -> None:
         if model_state is not None:
-            model.load_state_dict(model_state)
+            _load(model, model_state, trainable_only=self.save_trainable)
         model = self.strategy.setup_model(model)
         self.model = torch.compile(model) if self.compile_model else model
 
     def parameters(self) -> list:
         return list(self.model.parameters())
+
+    def named_model(self) -> torch.nn.Module:
+        return self.strategy.unwrap(self.model)
+
+    def owned_tensors(self) -> list:
+        model = self.named_model()
+        return [*model.parameters(), *model.buffers()]
+
+    def grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(grads)
 
     def load_optimizer(self, optimizer, train_state: dict) -> None:
         self.strategy.load_optimizer_state_dict(self.model, optimizer, train_state["optimizer"])
@@ -63,13 +77,19 @@ class DataParallelSteps(Steps):
             x, y = next_batch()
             # Gradients are all-reduced only on the last micro-step of a step.
             sync = contextlib.nullcontext() if micro == accum - 1 else strategy.no_sync(model)
+            extras = None
             with sync:
                 with self.autocast():
-                    loss, outputs = strategy.compute_loss(model, x, y)
+                    if self.user_step is None:
+                        loss, outputs = strategy.compute_loss(model, x, y)
+                    else:  # the user's step: its loss, outputs (for the metrics) and extra scalars
+                        loss, outputs, extras = strategy.run_step(model, x, y, self.user_step, self.step_context)
                 scaler.scale(loss / accum if accum > 1 else loss).backward()
             counted = meter.samples
             meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
             del outputs  # not held through the next forward: one micro-batch of outputs less per device
+            if extras:
+                meter.add_extras(extras, meter.samples - counted)
             if window is not None:
                 window.add_loss(loss, meter.samples - counted)  # the samples (targets) the meter counted
 
@@ -92,7 +112,12 @@ class DataParallelSteps(Steps):
     def checkpoint_files(self, optimizer) -> dict:
         if self.ctx.world_rank != 0:
             return {}
-        return {"model.pt": self.strategy.state_dict(self.model),
+        state = self.strategy.state_dict(self.model)
+        if self.save_trainable:  # save="trainable": the frozen weights come back from init_from or the builder
+            from raytrain_mgpu.runtime.weights import trainable_state
+
+            state = trainable_state(state, self.named_model())
+        return {"model.pt": state,
                 "train_state.pt": {"optimizer": self.strategy.optimizer_state_dict(self.model, optimizer)}}
 
     def write_sharded(self, optimizer, path: str, asynchronous: bool):
@@ -100,3 +125,16 @@ class DataParallelSteps(Steps):
 
     def model_state(self) -> dict:
         return self.strategy.state_dict(self.model)
+
+
+def _load(model: torch.nn.Module, state: dict, trainable_only: bool) -> None:
+    """A checkpoint's weights into the model as built; a ``save="trainable"`` one holds only the trainable part."""
+    if not trainable_only:
+        model.load_state_dict(state)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if unexpected or set(missing) - frozen:
+        raise ValueError(f"the checkpoint (save='trainable') does not fit this model: missing trainable "
+                         f"{sorted(set(missing) - frozen)[:5]}, unexpected {sorted(unexpected)[:5]}. Resume with the "
+                         f"model (and frozen parameters) it was trained with, or use another `name`.")

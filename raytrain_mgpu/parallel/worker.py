@@ -86,6 +86,11 @@ class WorkerStrategy:
         """
         return self.placement.compute_loss(self, model, x, y)
 
+    def run_step(self, model: nn.Module, x, y, step_fn, ctx) -> tuple:
+        """A user's own step (``TrainConfig.train_step``) on one micro-batch: ``(mean loss, outputs or None, extra
+        scalars)``, where this placement computes a loss (``dp_balanced``: on every device's slice, averaged)."""
+        return self.placement.run_step(self, model, x, y, step_fn, ctx)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's model inside ``torch.compile``, DDP, DataParallel and our own wrappers."""
         model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule

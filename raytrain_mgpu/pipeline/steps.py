@@ -72,6 +72,9 @@ class PipelineSteps(Steps):
     def parameters(self) -> list:
         return self.params
 
+    def owned_tensors(self) -> list:
+        return [t for module in self.stages.values() for t in (*module.parameters(), *module.buffers())]
+
     def train(self, mode: bool = True) -> None:
         for module in self.stages.values():
             module.train(mode)
@@ -140,14 +143,19 @@ class PipelineSteps(Steps):
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(synced)
 
-    def clip(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm over the whole model: the squared norms of all stages are summed; that norm (unread)."""
+    def grad_norm(self) -> torch.Tensor:
+        """The norm over the whole model: the squared norms of all of a replica's stages summed (unread)."""
         grads = self._grads()
         squared = (torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads
                    else torch.zeros((), device=self.device))
         if self.stage.groups.replica is not None:
             self.stage.comm.all_reduce(squared, self.stage.groups.replica)
-        norm = squared.sqrt()
+        return squared.sqrt()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over the whole model (:meth:`grad_norm`); that norm (unread)."""
+        grads = self._grads()
+        norm = self.grad_norm()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))

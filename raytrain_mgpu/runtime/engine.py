@@ -31,16 +31,16 @@ from typing import Callable, List, Optional
 
 import torch
 
+from raytrain_mgpu.runtime.engine_step import (AUTOCAST, STEP_EVENTS, NonFiniteError, OptimizerStep, StepContext,
+                                               Steps)
 from raytrain_mgpu.runtime.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
                                            peak_memory_bytes, reset_peak_memory)
 from raytrain_mgpu.runtime.preemption import PreemptionCheck
 from raytrain_mgpu.runtime.run_state import RunState, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.runtime.step_scalars import StepWindow
 
-__all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS", "AUTOCAST"]
-
-AUTOCAST = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-"""``TrainConfig.precision`` -> the autocast dtype (``32``: no autocast at all)."""
+__all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS", "AUTOCAST",
+           "NonFiniteError", "StepContext"]
 
 
 def evaluation_due(cfg, state: RunState, row: dict) -> bool:
@@ -71,140 +71,9 @@ def run_epochs(cfg, state: RunState, train_epoch: Callable[[int], dict], evaluat
             last = state.finished(cfg) or stops_early(state.history + [row], cfg)  # an early stop on val_*
             if not has_val or last or cfg.test_every_epoch:
                 row.update(evaluate("test"))
-            row["eval_s"] = time.perf_counter() - started
+            row["eval_s"] = row.get("eval_s", 0.0) + time.perf_counter() - started
         state.history.append(row)
         end_epoch(row)
-
-
-STEP_EVENTS: List[Callable[[int], None]] = []
-"""Called with the global step after every optimizer step, in every process that trains, by
-:class:`OptimizerStep`: the engine's hook for what observes or disturbs training from outside (tests
-register probes here; a run registers none)."""
-
-
-class OptimizerStep:
-    """The end of every training step, once the step's gradients are in place: the rate the step used read,
-    gradients unscaled (fp16's ``scaler``) and clipped to ``grad_clip_norm`` by ``clip`` (the runner's norm:
-    over this model, or over every stage of a pipeline), the optimizer stepped, gradients dropped, the LR
-    schedule moved, the step's scalars added to ``window``, :data:`STEP_EVENTS` called."""
-
-    def __init__(self, cfg, optimizer, scheduler, clip: Callable[[float], object], scaler=None, window=None):
-        self.cfg, self.optimizer, self.scheduler, self.clip = cfg, optimizer, scheduler, clip
-        # fp16's scaler only: a disabled one's step()/update() are calls that do nothing but cost a few us a step
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.window = window
-
-    def __call__(self, step: int) -> Optional[dict]:
-        """Take global step ``step`` (counted from 1 by the caller); the ``train/*`` scalars of the
-        ``log_every_n_steps`` window it closes (one device read), else None."""
-        optimizer = self.optimizer
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
-        grad_norm = None
-        if self.cfg.grad_clip_norm is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
-            grad_norm = self.clip(self.cfg.grad_clip_norm)
-        if self.scaler is not None:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        for event in STEP_EVENTS:
-            event(step)
-        if self.window is None:
-            return None
-        self.window.end_step(lr, grad_norm)
-        return self.window.read() if step % self.cfg.log_every_n_steps == 0 else None
-
-
-class Steps:
-    """What a strategy gives the engine on one rank (the defaults are a data-parallel worker's).
-
-    Set by the runner before the engine starts: ``ctx`` (a ``WorkerContext``), ``device`` (where the step's
-    sums live), ``objective``; ``reads_data``/``sees_loss``: this rank loads batches / computes the loss;
-    ``shard``: ``(replica index, replicas)`` of this rank's data; ``loader_batch``: samples per loader batch;
-    ``part``: the suffix of this rank's checkpoint files (``""``, ``"-stage1"``).
-    """
-
-    reads_data = sees_loss = True
-    read_ahead = False  # load the next batch in a thread while this rank computes (a pipeline's first stage)
-    part = ""
-    sharded = False  # every rank writes its own shards of one checkpoint (fsdp)
-
-    def build_on_meta(self) -> bool:
-        """Whether this rank builds the model on ``meta`` (fsdp's ranks but 0: rank 0's weights reach them)."""
-        return False
-
-    def accum_at(self, plan, num_shards: int) -> int:
-        """Micro-steps per optimizer step at ``num_shards`` data shards."""
-        return 1
-
-    def loader_batch(self, plan) -> int:
-        """Samples per batch of this rank's loader."""
-        raise NotImplementedError
-
-    def setup(self, model: torch.nn.Module, model_state: Optional[dict]) -> None:
-        """Place, wrap or split ``model`` (built on the run's seed), loading ``model_state`` (a resume's)."""
-        raise NotImplementedError
-
-    def parameters(self) -> list:
-        raise NotImplementedError
-
-    def load_optimizer(self, optimizer, train_state: dict) -> None:
-        optimizer.load_state_dict(train_state["optimizer"])
-
-    def train(self, mode: bool = True) -> None:
-        raise NotImplementedError
-
-    def train_step(self, next_batch: Callable[[], tuple], meter: EpochMeter, window: Optional[StepWindow],
-                   scaler, accum: int) -> None:
-        """Forward and backward one optimizer step's micro-batches (``accum`` of them for a data-parallel
-        worker), gradients in place and synced across replicas; every micro-batch's loss into ``meter``."""
-        raise NotImplementedError
-
-    def step_time(self, seconds: float) -> None:
-        """One step's wall time on this rank (a pipeline stage sums them for its row)."""
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        raise NotImplementedError
-
-    def evaluate(self, loader, meter: EpochMeter) -> None:
-        raise NotImplementedError
-
-    def memory_devices(self) -> List[torch.device]:
-        return [self.device]
-
-    def epoch_stats(self) -> dict:
-        """This rank's small per-epoch record (gathered to every rank with the memory peaks)."""
-        return {}
-
-    def epoch_columns(self, stats: list) -> dict:
-        """Extra history columns from every rank's :meth:`epoch_stats`."""
-        return {}
-
-    def epoch_scalars(self, stats: list, row: dict) -> dict:
-        """Per-epoch scalars for the loggers (rank 0), from every rank's :meth:`epoch_stats` and the row."""
-        return {}
-
-    def checkpoint_files(self, optimizer) -> dict:
-        """``{file name: object}`` this rank writes into a checkpoint (``torch.save``d)."""
-        raise NotImplementedError
-
-    def write_sharded(self, optimizer, path: str, asynchronous: bool):
-        raise NotImplementedError
-
-    def load_sharded(self, optimizer, path: str) -> None:
-        raise NotImplementedError
-
-    def meta_extra(self) -> dict:
-        """Keys this runner adds to ``meta.json`` (the pipeline's partition)."""
-        return {}
-
-    def model_state(self) -> dict:
-        """The plain model's whole state (collective where sharded)."""
-        raise NotImplementedError
 
 
 class Engine:
@@ -222,6 +91,7 @@ class Engine:
             contextlib.nullcontext)
         steps.autocast_dtype = dtype
         steps.channels_last = cfg.channels_last
+        steps.save_trainable = cfg.save == "trainable"
         self.window: Optional[StepWindow] = None
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
 
@@ -236,6 +106,7 @@ class Engine:
             self.transport.finish()
         finally:
             self.feed.close()
+            self.observer.close()
         return {"epochs": self.state.epoch, "steps": self.state.step}
 
     def setup(self, entered: Optional[float] = None) -> None:
@@ -245,9 +116,15 @@ class Engine:
         from raytrain_mgpu.runtime.engine_data import Feed
 
         entered = time.time() if entered is None else entered
+        from raytrain_mgpu.runtime.engine_observe import Observer
+
         cfg, steps = self.cfg, self.steps
         model = checkpoints.build_model(cfg, steps, self.data)
-        restored = checkpoints.read(cfg, self.transport.checkpoint(), steps, self.rank)
+        source = self.transport.checkpoint()
+        if cfg.init_from is not None and (source is None or cfg.save == "trainable"):
+            self._init_from(model)  # a resume of this run wins, but a trainable-only checkpoint needs the rest
+        self.observer = Observer(self, model)  # the FLOPs of a step (MFU), counted on the model as built
+        restored = checkpoints.read(cfg, source, steps, self.rank)
         self.state = restored.state
         steps.setup(model, restored.model_state)
         self.feed = Feed(cfg, self.plan, steps, self.data, self.transport)
@@ -264,11 +141,29 @@ class Engine:
         self.window = (StepWindow(steps.device, self.plan.replicas, sees_loss=steps.sees_loss,
                                   reads_data=steps.reads_data)
                        if self.transport.reports_scalars(self.rank, steps) else None)
-        self.end_step = OptimizerStep(cfg, self.optimizer, self.scheduler, steps.clip, self.scaler, self.window)
-        self.preemption = PreemptionCheck(cfg, self.reporter, **self.transport.preemption())
+        self.end_step = OptimizerStep(cfg, self.optimizer, self.scheduler, steps.clip, self.scaler, self.window,
+                                      grad_norm=steps.grad_norm,
+                                      agree=steps.agree_found_inf if steps.agrees_on_overflow else None)
         self.saver = checkpoints.Saver(self)
+        self.preemption = PreemptionCheck(cfg, self.reporter, since_save=self.saver.since_save,
+                                          **self.transport.preemption())
+        steps.step_context = StepContext(self.rank, self.world, steps.device, cfg.precision, steps.objective.loss,
+                                         list(steps.objective.names))
+        self.observer.start(self.state.step)  # the profiler's window, from here
         if self.reporter is not None:
             self.reporter.startup(entered, time.time())
+
+    def _init_from(self, model: torch.nn.Module) -> None:
+        """``init_from``'s weights into the model as built (every rank that holds weights: fsdp's rank 0 sends
+        them on); rank 0 tells the driver what matched."""
+        from raytrain_mgpu.runtime.weights import load_weights, read_weights
+
+        if self.steps.build_on_meta():
+            return
+        state, info = read_weights(self.cfg.init_from)
+        report = load_weights(model, state, self.cfg.init_strict, self.cfg.init_from)
+        if self.reporter is not None:
+            self.reporter.notice(f"init_from {info['path']}: {report.describe()}")
 
     # ------------------------------------------------------------------ one epoch
 
@@ -276,7 +171,7 @@ class Engine:
         cfg, steps, state, feed = self.cfg, self.steps, self.state, self.feed
         steps.train()
         reset_peak_memory(steps.memory_devices())
-        meter = EpochMeter(steps.device, steps.objective)
+        meter = EpochMeter(steps.device, steps.objective, finite_only=cfg.on_nonfinite == "skip")
         # Every rank but 0 of a Ray Train run holds its last report until the controller takes it, and rank 0
         # would wait for it in the first all-reduce, inside its steps: waited for here, it is checkpoint time.
         meter.checkpoint_s += barrier_s()
@@ -288,11 +183,17 @@ class Engine:
         if window is not None:
             window.resume()
         next_batch = feed.batches(batches, meter, window)
+        context, watch = steps.step_context, cfg.on_nonfinite == "stop"
+        context.epoch, self.end_step.epoch = epoch, epoch + 1
+        bad = torch.zeros((), dtype=torch.int64, device=steps.device) if watch else None
         for _ in range(done, spe):
             if cfg.max_steps is not None and state.step >= cfg.max_steps:
                 break
             started = time.perf_counter()
+            context.step = state.step
             steps.train_step(next_batch, meter, window, self.scaler, feed.accum)
+            if watch:  # steps since the epoch's loss sum turned NaN or infinite: on the device, read once an epoch
+                bad += meter.loss_not_finite()
             state.step += 1
             done += 1
             scalars = self.end_step(state.step)
@@ -302,11 +203,12 @@ class Engine:
             if self.reporter is not None:
                 self.reporter.step(done, spe, epoch + 1)
             state.step_in_epoch = done
-            # checkpoint_every_n_steps, or the first preemption notice
+            self.observer.after_step(state.step, meter)  # the profiler's window; evaluation every N steps
+            # checkpoint_every_n_steps (or _minutes), or the first preemption notice
             self.preemption.after_step(state.step, done, spe, lambda: self._save_step(meter))
         state.step_in_epoch = 0
         self.partials = None
-        return self._epoch_row(epoch, meter, done)
+        return self._epoch_row(epoch, meter, done, bad)
 
     def _save_step(self, meter: EpochMeter) -> None:
         """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``training_s``)."""
@@ -316,31 +218,55 @@ class Engine:
         barrier_s()  # the other ranks' wait for their report to be taken (Ray Train) is checkpoint time too
         meter.checkpoint_s += time.perf_counter() - start
 
-    def _epoch_row(self, epoch: int, meter: EpochMeter, steps_done: int) -> dict:
+    def _epoch_row(self, epoch: int, meter: EpochMeter, steps_done: int, bad: Optional[torch.Tensor] = None) -> dict:
         steps = self.steps
         sums = meter.totals
-        training_s = meter.elapsed() - meter.checkpoint_s  # the time in steps: step checkpoints are not training
+        # the time in steps: step checkpoints and evaluations every N steps are not training
+        training_s = meter.elapsed() - meter.checkpoint_s - meter.eval_s
         reading_s = training_s if steps.reads_data else 0.0
-        own = torch.tensor([meter.data_wait_s, training_s, meter.checkpoint_s, reading_s], dtype=torch.float64,
-                           device=sums.device)
-        # one all-reduce of every rank's loss and metric sums and counts and its times
-        *totals, wait_sum, train_sum, checkpoint_sum, reading_sum = all_reduce_sum(torch.cat([sums, own])).tolist()
+        norm_sum, norms = self.end_step.epoch_norm()
+        own = torch.tensor([meter.data_wait_s, training_s, meter.checkpoint_s, reading_s, meter.eval_s,
+                            self.end_step.skipped], dtype=torch.float64, device=sums.device)
+        norm = (norm_sum if norm_sum is not None else torch.zeros((), dtype=torch.float64, device=sums.device))
+        extras = meter.extra_sums()
+        # one all-reduce of every rank's loss, metric and extra sums and counts, its times and its skipped steps
+        reduced = all_reduce_sum(torch.cat([sums, extras, own, norm.reshape(1).to(sums)])).tolist()
+        totals, extras = reduced[:len(sums)], reduced[len(sums):len(sums) + len(extras)]
+        wait_sum, train_sum, checkpoint_sum, reading_sum, eval_sum, skipped, norm_sum = reduced[-7:]
         loss_sum, samples, metric_totals = meter.split(totals)
-        # one small object all-gather per epoch: memory peaks, devices, the runner's own record
-        gathered = all_gather_objects((peak_memory_bytes(steps.memory_devices()), self._where(), steps.epoch_stats()))
-        world, stats = self.world, [stats for _, _, stats in gathered]
+        # one small object all-gather per epoch: memory peaks, devices, the runner's own record, non-finite steps
+        gathered = all_gather_objects((peak_memory_bytes(steps.memory_devices()), self._where(), steps.epoch_stats(),
+                                       int(bad) if bad is not None else 0))
+        world, stats = self.world, [stats for _, _, stats, _ in gathered]
+        self._stop_if_not_finite(epoch, [b for *_, b in gathered])
         # samples count targets (tokens for LMs); throughput is training throughput: samples over the mean
         # rank's time in steps. checkpoint_s gains the epoch's own checkpoint, eval_s the evaluation.
         row = epoch_row(epoch=epoch, state=self.state, lr=self.optimizer.param_groups[0]["lr"], loss_sum=loss_sum,
-                         metric_totals=metric_totals, samples=samples, elapsed_s=train_sum / world,
-                         steps=max(steps_done, 1), data_wait_share=wait_sum / max(reading_sum, 1e-9),
-                         peak_memory_bytes=[b for peaks, _, _ in gathered for b in peaks],
-                         devices=_devices([where for _, where, _ in gathered]), workers=world,
-                         checkpoint_s=checkpoint_sum / world, eval_s=0.0, **steps.epoch_columns(stats))
+                        metric_totals={**metric_totals, **meter.split_extras(extras)}, samples=samples,
+                        elapsed_s=train_sum / world, steps=max(steps_done, 1),
+                        data_wait_share=wait_sum / max(reading_sum, 1e-9),
+                        peak_memory_bytes=[b for peaks, *_ in gathered for b in peaks],
+                        devices=_devices([where for _, where, *_ in gathered]), workers=world,
+                        checkpoint_s=checkpoint_sum / world, eval_s=eval_sum / world,
+                        **self.observer.columns(steps_done, train_sum / world),
+                        **steps.epoch_columns(stats))
+        if norms:
+            row["grad_norm"] = norm_sum / world / norms  # the mean over its steps (every rank has the global norm)
+        if self.cfg.on_nonfinite == "skip":
+            row["skipped_steps"] = int(round(skipped / world))
+            self.end_step.skipped = 0
         scalars = steps.epoch_scalars(stats, row) if self.reporter is not None else None
         if scalars:  # the runner's figures of the epoch (a pipeline's per stage)
             self.reporter.scalars(self.state.step, scalars)
         return row
+
+    def _stop_if_not_finite(self, epoch: int, bad_per_rank: list) -> None:
+        """``on_nonfinite="stop"``: the epoch's loss turned NaN or infinite on some rank: stop before its row is
+        checkpointed, naming the first such step (the loss sum stays non-finite once it is)."""
+        if max(bad_per_rank, default=0) > 0:
+            first = self.state.step - max(bad_per_rank) + 1
+            raise NonFiniteError("the training loss became NaN or infinite", epoch + 1, first,
+                                 [rank for rank, b in enumerate(bad_per_rank) if b])
 
     def _where(self) -> dict:
         return {**self.ctx.assignment.record(), **self.transport.where()}

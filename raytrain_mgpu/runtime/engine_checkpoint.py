@@ -37,6 +37,7 @@ from raytrain_mgpu.batches import shape_record
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime.metrics import all_gather_objects
 from raytrain_mgpu.runtime.run_state import RunState, best_row, checkpoint_meta
+from raytrain_mgpu.runtime.engine_step import NonFiniteError
 from raytrain_mgpu.runtime.step_checkpoints import STEP_IN_EPOCH
 
 logger = logging.getLogger(__name__)
@@ -84,9 +85,13 @@ def build_model(cfg, steps, data) -> torch.nn.Module:
 
 
 def build_optimizer(cfg, steps) -> torch.optim.Optimizer:
+    """Over the trainable parameters (frozen ones left out), in ``param_groups``' groups where it names them."""
     from raytrain_mgpu.optim import build_optimizer as build
+    from raytrain_mgpu.optim import param_groups
 
-    return build(steps.parameters(), cfg.optim)
+    if cfg.param_groups is not None:
+        return build(param_groups(steps.named_model(), cfg.param_groups, cfg.weight_decay), cfg.optim)
+    return build([p for p in steps.parameters() if p.requires_grad], cfg.optim)
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch: int):
@@ -195,6 +200,10 @@ class Saver:
         self.engine = engine
         data = engine.data
         self.shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
+        self.last = time.monotonic()  # this rank's clock of the last checkpoint (checkpoint_every_n_minutes)
+
+    def since_save(self) -> float:
+        return time.monotonic() - self.last
 
     def save(self, metrics: dict, partial: Optional[dict] = None, send_row: bool = False) -> None:
         """``metrics``: the epoch's row (``send_row``: rank 0 adds this save's time to its ``checkpoint_s`` and
@@ -203,6 +212,15 @@ class Saver:
         cfg, state, steps, transport = e.cfg, e.state, e.steps, e.transport
         started = time.perf_counter()
         step, final = partial is not None, state.finished(cfg)
+        is_best = (e.rank == 0 and cfg.keep_best and not step
+                   and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
+        # One collective for all: every rank's random generators and partial sums, rank 0's verdict on keep_best,
+        # and whether every rank's weights are finite (a checkpoint of non-finite weights is never written).
+        gathered = all_gather_objects((rng_state(), partial, is_best, steps.weights_finite()))
+        if not all(finite for *_, finite in gathered):
+            self._not_finite(metrics, [rank for rank, (*_, finite) in enumerate(gathered) if not finite], send_row)
+            return
+        is_best = gathered[0][2]
         name = checkpoint_name(state.epoch, state.step if step else None)
         directory = transport.begin(name, metrics, step=step, final=final, sharded=steps.sharded)
         try:
@@ -212,30 +230,52 @@ class Saver:
                                               asynchronous=transport.asynchronous(step, final))
             else:
                 files = steps.checkpoint_files(e.optimizer)
-            is_best = (e.rank == 0 and cfg.keep_best and not step
-                       and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
-            gathered = all_gather_objects((rng_state(), partial, is_best))  # one collective for all three
-            is_best = gathered[0][2]
             best_model = steps.model_state() if steps.sharded and is_best else None  # collective: to rank 0
             meta = None
             if e.rank == 0:
                 common = {"scheduler": e.scheduler.state_dict(), "scaler": e.scaler.state_dict(),
-                          "rng_per_rank": [rng for rng, _, _ in gathered]}
+                          "rng_per_rank": [rng for rng, *_ in gathered]}
                 if step:
-                    common[PARTIALS] = [part for _, part, _ in gathered]
+                    common[PARTIALS] = [part for _, part, *_ in gathered]
                 files.setdefault("train_state.pt", {}).update(common)
                 extra = {STEP_IN_EPOCH: state.step_in_epoch} if step else {}
                 if steps.sharded:
                     extra[ckpt_format.SHARDED_KEY] = True
                 meta = checkpoint_meta(cfg, state, self.shape_info, **extra, **steps.meta_extra())
-            ckpt_format.write_files(directory, files)
+            _written(directory, name, lambda: ckpt_format.write_files(directory, files))
             if e.rank == 0:
                 if send_row:
                     metrics["checkpoint_s"] = metrics.get("checkpoint_s", 0.0) + time.perf_counter() - started
-                ckpt_format.write_checkpoint(directory, meta=None, history=state.history)  # with this row's time
+                _written(directory, name, lambda: ckpt_format.write_checkpoint(directory, meta=None,
+                                                                               history=state.history))
                 if send_row and e.reporter is not None:
                     e.reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
         except BaseException as exc:
             transport.abort(exc)
             raise
         transport.commit(Commit(name, directory, metrics, meta, is_best, best_model, writing, step, final))
+        self.last = time.monotonic()
+
+    def _not_finite(self, metrics: dict, ranks: list, send_row: bool) -> None:
+        """Weights that are not finite are never checkpointed: ``on_nonfinite="stop"`` (and ``skip``, which should
+        never get here) stops the run; ``ignore`` trains on without this checkpoint, saying so."""
+        e = self.engine
+        if e.cfg.on_nonfinite != "ignore":
+            raise NonFiniteError("the weights are not finite", e.state.epoch + (0 if send_row else 1), e.state.step,
+                                 ranks)
+        if send_row and e.reporter is not None:
+            e.reporter.epoch(metrics)
+        if e.reporter is not None:
+            e.reporter.notice(f"checkpoint at step {e.state.step} not written: the weights are not finite on "
+                              f"rank(s) {', '.join(map(str, ranks))} (on_nonfinite='ignore')")
+
+
+def _written(directory: str, name: str, write) -> None:
+    """``write()`` into ``directory``; a failure (disk full, permission) names the checkpoint, the folder and the
+    cause. Nothing was published yet: the previous checkpoint is untouched and a resume starts from it."""
+    try:
+        write()
+    except OSError as exc:
+        raise OSError(exc.errno, f"writing checkpoint {name} into {directory} failed ({exc.strerror or exc}); the "
+                                 f"previous checkpoint is intact and a run started again resumes from it. Free space "
+                                 f"or fix the folder's permissions.") from exc

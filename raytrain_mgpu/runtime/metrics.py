@@ -44,8 +44,12 @@ class EpochMeter:
     holding the pairs already computed there.
     """
 
-    def __init__(self, device: torch.device, objective: Optional[Objective] = None):
+    def __init__(self, device: torch.device, objective: Optional[Objective] = None, finite_only: bool = False):
         self.objective = objective if objective is not None else Objective()
+        # on_nonfinite="skip": a NaN or infinite micro-batch loss (its step is skipped) adds 0 to the loss sum
+        self.finite_only = finite_only
+        self.device = device
+        self.extras: Dict[str, list] = {}  # a user's train_step's scalars: name -> [sum on the device, count]
         self.names = self.objective.names
         m = len(self.names)
         # One slot per value, in the order of ``totals``: [loss*n, sum_1..sum_m, samples, count_1..count_m].
@@ -61,21 +65,54 @@ class EpochMeter:
         self.samples = 0
         self.data_wait_s = 0.0
         self.checkpoint_s = 0.0  # step checkpoints written inside the epoch (not training: training_s leaves it out)
+        self.eval_s = 0.0  # evaluations every eval_every_n_steps inside the epoch (not training either)
         self.steps = 0
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, outputs, y: torch.Tensor) -> None:
+        """One micro-batch: its mean loss, its outputs (None: a user's step that returned none, no metrics)."""
         n = target_count(y)  # numel of a tensor target (tokens for an LM), the rows of a structured one
-        if isinstance(outputs, Predictions):  # measured where the outputs live
+        if outputs is None:
+            pairs = ()
+        elif isinstance(outputs, Predictions):  # measured where the outputs live
             pairs = outputs.pairs
         else:
             pairs = self.objective.measure(outputs, to_device(y, first_tensor(outputs).device))
-        self._slots[0].add_(loss.detach(), alpha=n)  # float64 += float32 * n, in place
+        loss = loss.detach()
+        if self.finite_only:
+            loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
+        self._slots[0].add_(loss, alpha=n)  # float64 += float32 * n, in place
         m = len(self.names)
         for i, (total, count) in enumerate(pairs):
             self._accumulate(1 + i, total)
             self._accumulate(2 + m + i, count)
         self.samples += n
+
+    def add_extras(self, values: Dict[str, torch.Tensor], n: int) -> None:
+        """A user step's extra scalars of one micro-batch (means over its ``n`` targets), summed on the device."""
+        for name, value in values.items():
+            entry = self.extras.get(name)
+            if entry is None:
+                entry = self.extras[name] = [torch.zeros((), dtype=torch.float64, device=self.device), 0]
+            value = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(float(value))
+            entry[0].add_(value.to(entry[0].device), alpha=n)
+            entry[1] += n
+
+    def extra_sums(self) -> torch.Tensor:
+        """``[sum, count]`` of every extra scalar, by name: one float64 tensor (empty without any)."""
+        if not self.extras:
+            return torch.zeros(0, dtype=torch.float64, device=self._device_sums.device)
+        return torch.stack([part for name in sorted(self.extras) for part in (
+            self.extras[name][0], torch.tensor(float(self.extras[name][1]), dtype=torch.float64,
+                                                device=self.extras[name][0].device))])
+
+    def split_extras(self, values: Sequence[float]) -> Dict[str, Tuple[float, float]]:
+        """``{name: (sum, count)}`` from :meth:`extra_sums`' values (summed over ranks)."""
+        return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(sorted(self.extras))}
+
+    def loss_not_finite(self) -> torch.Tensor:
+        """Whether the loss summed so far is NaN or infinite (a 0-d tensor on the device: no read)."""
+        return ~torch.isfinite(self._slots[0])
 
     def _accumulate(self, slot: int, value) -> None:
         if isinstance(value, torch.Tensor):
@@ -109,7 +146,8 @@ class EpochMeter:
     def partial(self) -> dict:
         """What this epoch has summed so far (a step checkpoint keeps it; ``resume`` adds it back)."""
         return {"totals": self.totals.detach().cpu(), "data_wait_s": self.data_wait_s, "elapsed_s": self.elapsed(),
-                "checkpoint_s": self.checkpoint_s}
+                "checkpoint_s": self.checkpoint_s, "eval_s": self.eval_s,
+                "extras": {name: [float(total), count] for name, (total, count) in self.extras.items()}}
 
     def resume(self, partials: Sequence[dict]) -> None:
         """Start from the sums of ``partials`` (one rank's, or several ranks' when the world size changed)."""
@@ -117,7 +155,10 @@ class EpochMeter:
             self._device_sums += part["totals"].to(self._device_sums.device)
             self.data_wait_s += part["data_wait_s"]
             self.checkpoint_s += part.get("checkpoint_s", 0.0)  # absent from checkpoints before it was kept
+            self.eval_s += part.get("eval_s", 0.0)
             self.start -= part["elapsed_s"]
+            for name, (total, count) in (part.get("extras") or {}).items():
+                self.add_extras({name: torch.tensor(total / max(count, 1))}, count)
 
 
 def barrier_s() -> float:

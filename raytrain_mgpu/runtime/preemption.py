@@ -102,17 +102,18 @@ class AnyRank:
     def __init__(self):
         self._group = None
 
-    def __call__(self, seen: bool) -> bool:
+    def __call__(self, seen: list) -> list:
+        """Every flag of ``seen`` true on some rank (one all-reduce of all of them)."""
         import torch
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return seen
+            return list(seen)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        flag = torch.tensor([1 if seen else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        flags = torch.tensor([1 if flag else 0 for flag in seen], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return [bool(flag) for flag in flags.tolist()]
 
 
 def notice_line(info, step: int, now_s: Optional[float] = None) -> str:
@@ -141,8 +142,13 @@ class PreemptionCheck:
 
     def __init__(self, cfg, reporter=None, every: int = CHECK_EVERY_N_STEPS, get_info: Optional[Callable] = None,
                  local_notice: Optional[Callable] = None, any_rank: Optional[Callable[[bool], bool]] = None,
-                 enabled: bool = True):
+                 enabled: bool = True, since_save: Optional[Callable[[], float]] = None):
         self.cfg, self.reporter, self.every = cfg, reporter, every
+        # checkpoint_every_n_minutes: the seconds since the last checkpoint, on this rank's clock; the ranks agree at
+        # the same check whether any clock says a checkpoint is due (the checks' all-reduce carries it too)
+        minutes = getattr(cfg, "checkpoint_every_n_minutes", None)
+        self.interval_s = None if minutes is None or since_save is None else minutes * 60.0
+        self.since_save = since_save
         # A Ray Data stream restarts its epoch on resume (config_checks refuses checkpoint_every_n_steps
         # with it): a step checkpoint could not continue mid-epoch, so such a run does not ask. Nor does a
         # transport where no notice can come (``enabled=False``: the in-process runner).
@@ -164,27 +170,33 @@ class PreemptionCheck:
 
     def after_step(self, step: int, step_in_epoch: int, steps_per_epoch: int, save: Callable[[], None]) -> bool:
         """After global ``step`` (the ``step_in_epoch``-th of the epoch): save if a step checkpoint is
-        due (``checkpoint_every_n_steps``) or a first notice came; True if it saved."""
+        due (``checkpoint_every_n_steps``, or ``checkpoint_every_n_minutes`` on any rank's clock) or a first notice
+        came; True if it saved."""
         due = step_checkpoint_due(self.cfg, step, step_in_epoch, steps_per_epoch)
-        notice = self._poll(step)
+        notice, time_due = self._poll(step)
         # At the epoch's end (or max_steps) the epoch checkpoint is written next: that one is the save.
         mid_epoch = step_in_epoch < steps_per_epoch and (self.cfg.max_steps is None or step < self.cfg.max_steps)
-        saved = due or (notice is not None and mid_epoch)
+        saved = due or ((notice is not None or time_due) and mid_epoch)
         if saved:
             save()
         if notice is not None and self.reporter is not None:
             self.reporter.notice(notice_line(notice, step))
         return saved
 
-    def _poll(self, step: int):
-        """The notice, the first time a check sees one; None otherwise (and at every step between checks)."""
-        if not self.enabled or self.notice is not None or step % self.every:
-            return None
+    def _poll(self, step: int) -> tuple:
+        """``(the notice, the first time a check sees one, else None; whether a time-based checkpoint is due)``;
+        between checks ``(None, False)``."""
+        asks = self.enabled and self.notice is None
+        if step % self.every or not (asks or self.interval_s is not None):
+            return None, False
         self.checks += 1
+        local = [asks and self.local_notice() is not None,
+                 self.interval_s is not None and self.since_save() >= self.interval_s]
         # Every rank reaches a check at the same global steps: the all-reduce and the barrier meet.
-        if not self.any_rank(self.local_notice() is not None):
-            return None
+        seen, time_due = self.any_rank(local)
+        if not seen:
+            return None, time_due
         # None while the notice has reached another rank but not yet rank 0 (Ray broadcasts rank 0's):
         # the next check asks again.
         self.notice = self.get_info()
-        return self.notice
+        return self.notice, time_due

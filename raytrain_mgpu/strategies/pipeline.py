@@ -75,6 +75,16 @@ class PipelineStrategy(Strategy):
         if cfg.compile:
             raise ValueError(f"TrainConfig.compile=True is not supported by strategy={cls.name!r} yet. "
                              f"Set compile=False.")
+        if cfg.train_step is not None:
+            raise ValueError(
+                f"TrainConfig.train_step is not supported by strategy={cls.name!r}: a pipeline's step is its schedule's "
+                f"forwards and backwards of micro-batches over stages, and the loss exists only on the last stage. Give "
+                f"the loss as TrainConfig.loss (a function of outputs and targets) and metrics as TrainConfig.metrics, "
+                f"or use a data-parallel strategy (ddp, fsdp, ...) for your own step.")
+        if cfg.param_groups is not None:
+            raise ValueError(
+                f"TrainConfig.param_groups={cfg.param_groups!r} is not supported by strategy={cls.name!r}: each stage "
+                f"builds the optimizer over its own blocks. Leave param_groups unset, or use a data-parallel strategy.")
 
     @classmethod
     def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:

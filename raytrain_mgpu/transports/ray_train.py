@@ -65,8 +65,9 @@ def _context(cfg: TrainConfig):
 class RayTrainTransport(Transport):
     """One Ray Train worker's side of the run (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, ctx, sink):
-        self.cfg, self.ctx, self.rank = cfg, ctx, ctx.world_rank
+    def __init__(self, cfg: TrainConfig, ctx, sink, sync_uploads: bool = False):
+        """``sync_uploads``: every save uploads inside its report (``bench-checkpoint`` measures what that costs)."""
+        self.cfg, self.ctx, self.rank, self.sync_uploads = cfg, ctx, ctx.world_rank, sync_uploads
         self.reporter = WorkerReporter(sink if self.rank == 0 else None)
         self.uploads = Uploads.current()
         self._save: Optional[dict] = None  # the save between begin and commit
@@ -98,10 +99,10 @@ class RayTrainTransport(Transport):
         return {}  # Ray Train's watcher and get_preemption_info (runtime/preemption.py)
 
     def asynchronous(self, step: bool, final: bool) -> bool:
-        return not final  # the run's last save uploads synchronously: nothing is left to overlap
+        return not (final or self.sync_uploads)  # the run's last save uploads synchronously: nothing is left to overlap
 
     def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> Optional[str]:
-        upload = CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC
+        upload = CheckpointUploadMode.ASYNC if self.asynchronous(step, final) else CheckpointUploadMode.SYNC
         # A step checkpoint uploaded in the background is reported before it is written (ray_uploads.py).
         first = step and not sharded and upload == CheckpointUploadMode.ASYNC
         save = self._save = {"upload": upload, "first": first, "sharded": sharded, "directory": None,
