@@ -224,6 +224,10 @@ _MODULE_COMMANDS = {
                          "check and ray.train.get_preemption_info() against a small DDP step"),
     "bench-checkpointing": ("raytrain_mgpu.bench.activation_checkpointing", "what activation checkpointing "
                             "saves and costs: a transformer LM's step with and without it"),
+    "bench-startup": ("raytrain_mgpu.bench.startup", "seconds to the first step: fit in-process and through Ray "
+                      "against a hand-written Ray Train loop, each in a fresh process"),
+    "bench-gpu": ("raytrain_mgpu.bench.gpu_bench", "fit against a plain PyTorch loop (and Lightning where installed) "
+                  "on a GPU: ResNet-18 at CIFAR size and a transformer LM, fp32 and bf16, samples/s and MFU"),
     "gpu-report": ("raytrain_mgpu.bench.gpu_report", "run the GPU-only tests and measure every GPU figure of "
                    "docs/performance.md (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)"),
     "spot-watch": ("raytrain_mgpu.runtime.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "

@@ -72,6 +72,8 @@ class TrainConfig:
     """Per-sample augmentation of the training inputs: ``random_crop_flip`` (RandomCrop with padding 4 and RandomHorizontalFlip, the CIFAR recipe), ``resize:<n>`` (to n x n, e.g. ``resize:96`` as d2l does for Fashion-MNIST), several joined with ``+``, or ``pkg.module:function`` returning a callable on one input tensor; from Python, that callable itself. Seeded by (seed, epoch, sample): reproducible, and a resumed run equals an uninterrupted one."""
     test_transform: Optional[str] = None
     """The same for the test split (e.g. ``resize:96`` when training with it; a transform that changes the shape must be given for both)."""
+    data_on_device: Optional[bool] = None
+    """Keep the training split on the training device and take each batch from it by index (no DataLoader, no copy per step), for a dataset of tensors (a ``TensorDataset``) without a per-sample transform. None: on a GPU when the split takes under a quarter of its free memory; True: wherever it can; False: never. The same samples in the same order either way."""
     ingest: Ingest = "loader"
     """How the training split reaches the workers (the pipeline's first stages): ``loader`` (a ``DataLoader`` over the map-style dataset, in ``DistributedSampler`` order) or ``ray_data`` (``parquet`` only: Ray Data reads, decodes and normalises on CPU tasks and streams an equal share to each worker; the order is Ray Data's, so 1 vs N workers no longer give equal weights; docs/data.md: Streaming with Ray Data)."""
 

@@ -16,11 +16,47 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import torch
+from torch.utils.data import TensorDataset
+
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.prefetch import Prefetcher
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
 
-__all__ = ["Feed"]
+__all__ = ["Feed", "ResidentBatches", "resident_split"]
+
+RESIDENT_SHARE = 0.25  # data_on_device=None: a split up to this share of the GPU's free memory stays on it
+
+
+def resident_split(cfg, dataset, device: torch.device) -> Optional[tuple]:
+    """The training split's tensors on ``device`` (``data_on_device``), or None: it stays with the loader."""
+    wanted = cfg.data_on_device
+    if wanted is False or cfg.ingest == "ray_data" or cfg.train_transform is not None:
+        return None
+    if not (isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2):
+        return None
+    size = sum(t.numel() * t.element_size() for t in dataset.tensors)
+    if wanted is None:
+        if device.type != "cuda" or size > RESIDENT_SHARE * torch.cuda.mem_get_info(device)[0]:
+            return None
+    return tuple(t.to(device) for t in dataset.tensors)
+
+
+class ResidentBatches:
+    """Batches of a split kept on the device, taken by index in the sampler's order: the samples the DataLoader
+    would collate, without collating or copying them each step (one copy of the order per epoch)."""
+
+    def __init__(self, tensors: tuple, sampler, batch: int):
+        self.tensors, self.sampler, self.batch = tensors, sampler, batch
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch
+
+    def __iter__(self):
+        order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.tensors[0].device, non_blocking=True)
+        for start in range(0, len(self) * self.batch, self.batch):
+            rows = order[start:start + self.batch]
+            yield tuple(t.index_select(0, rows) for t in self.tensors)
 
 
 class Feed:
@@ -41,7 +77,9 @@ class Feed:
                              f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
         self.loader = None
         if steps.reads_data:
-            self.loader = train_loader(cfg.data, data.train, self.sampler, self.batch, steps.device)
+            resident = resident_split(cfg, data.train, steps.device)
+            self.loader = (ResidentBatches(resident, self.sampler, self.batch) if resident is not None
+                           else train_loader(cfg.data, data.train, self.sampler, self.batch, steps.device))
             if cfg.ingest == "ray_data":  # Ray Data streams each replica an equal share instead
                 from raytrain_mgpu.runtime.ray_ingest import ShardLoader
                 from raytrain_mgpu._factory import load_factory

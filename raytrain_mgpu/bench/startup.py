@@ -1,0 +1,139 @@
+"""Start-up: how long until the first optimizer step, ``fit`` against a hand-written Ray Train loop.
+
+    raytrain-mgpu bench-startup [--workers 1 2] [--use-gpu] [--model lenet] [--rounds 1]
+
+Each variant runs in a fresh Python process (nothing imported, no Ray running), timed from just before Ray
+starts (the process has imported torch and this package, as a user's script has) to rank 0's first step:
+
+- ``fit, in-process``: ``runner="local"``, one worker in the driver's own process (no Ray at all);
+- ``fit, Ray Train``: ``runner="ray"``, ``fit`` starting a local Ray and its worker group;
+- ``ray train``: what Ray Train's documentation shows a user writing (``ray.init()``, ``TorchTrainer`` with
+  ``prepare_model``/``prepare_data_loader``), the same model and data, its first step's time written by rank 0.
+
+Printed: each variant's seconds to the first step (median over ``--rounds``) and its ratio to the hand-written
+loop with the same number of workers. Targets: in-process <= 0.30x the hand-written one-worker loop, ``fit``
+through Ray <= 0.80x the hand-written loop's with two workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+VARIANTS = ("fit, in-process", "fit, Ray Train", "ray train")
+
+
+def _hand_written(config: dict) -> None:
+    """Rank 0 writes when its first step begins (``time.time()``), then the loop trains one epoch."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    from torch.utils.data import DataLoader
+
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.models import build_model
+
+    cfg = TrainConfig.from_dict(config["cfg"])
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = ray.train.torch.prepare_model(build_model(cfg.model, data.input_shape, data.num_classes,
+                                                      cfg.model_kwargs))
+    world = ray.train.get_context().get_world_size()
+    loader = ray.train.torch.prepare_data_loader(
+        DataLoader(data.train, batch_size=cfg.batch_size // world, shuffle=True, drop_last=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    first = None
+    for x, y in loader:
+        if first is None:
+            first = time.time()
+            if ray.train.get_context().get_world_rank() == 0:
+                with open(config["out"], "w") as out:
+                    out.write(json.dumps({"first_step": first}))
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ray.train.report({"loss": loss.item()})
+
+
+def measure(variant: str, cfg_fields: dict, workers: int, storage: str) -> float:
+    """In this (fresh) process: seconds from before Ray starts to rank 0's first step."""
+    import torch  # noqa: F401 (imported before the clock starts, as a user's script has it)
+
+    import raytrain_mgpu as rtm
+
+    cfg = rtm.TrainConfig(**{**cfg_fields, "num_workers": workers, "storage_path": storage,
+                             "name": f"startup-{workers}-{variant.replace(' ', '').replace(',', '-')}"})
+    started = time.time()
+    if variant != "ray train":
+        result = rtm.fit(cfg.replace(runner="local" if variant == "fit, in-process" else "ray"),
+                         stream=open(os.devnull, "w"))
+        return result.startup["first_step_s"]  # from fit's call, a moment after ``started``
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = os.path.join(storage, "first_step.json")
+    ray.init(log_to_driver=False)
+    try:
+        TorchTrainer(_hand_written, train_loop_config={"cfg": cfg.to_dict(), "out": out},
+                     scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.use_gpu),
+                     run_config=RunConfig(name=cfg.name, storage_path=storage)).fit()
+    finally:
+        ray.shutdown()
+    with open(out) as f:
+        return json.load(f)["first_step"] - started
+
+
+def _in_fresh_process(variant: str, cfg_fields: dict, workers: int) -> float:
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as storage:
+        code = ("import json, sys; from raytrain_mgpu.bench.startup import measure; "
+                f"print('RESULT', json.dumps(measure({variant!r}, {cfg_fields!r}, {workers}, {storage!r})))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"{variant} ({workers} worker(s)) failed: {done.stderr[-2000:]}")
+        return float(json.loads(lines[-1][len("RESULT "):]))
+
+
+def run(cfg_fields: dict, workers: List[int], rounds: int = 1) -> Dict[tuple, List[float]]:
+    """``{(variant, workers): [seconds to the first step, per round]}``; the in-process runner for one worker only."""
+    measured: Dict[tuple, List[float]] = {}
+    for _ in range(rounds):
+        for count in workers:
+            for variant in VARIANTS:
+                if variant == "fit, in-process" and count != 1:
+                    continue
+                measured.setdefault((variant, count), []).append(_in_fresh_process(variant, cfg_fields, count))
+    return measured
+
+
+def report(measured: Dict[tuple, List[float]]) -> str:
+    lines = [f"{'variant':<18} {'workers':>7} {'first step':>11} {'vs ray train':>13}"]
+    for (variant, count), seconds in sorted(measured.items(), key=lambda item: (item[0][1], item[0][0])):
+        median = statistics.median(seconds)
+        base = measured.get(("ray train", count))
+        ratio = f"{median / statistics.median(base):.2f}x" if base else "-"
+        lines.append(f"{variant:<18} {count:>7} {median:>9.1f} s {ratio:>13}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default: 1 2)")
+    parser.add_argument("--rounds", type=int, default=1, help="measurements of each variant (median)")
+    parser.add_argument("--model", default="lenet", help="the model (a registry name)")
+    parser.add_argument("--dataset", default="digits", help="the dataset (a registry name)")
+    parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+
+
+def run_and_print(args) -> int:
+    fields = dict(model=args.model, dataset=args.dataset, epochs=1, batch_size=128, use_gpu=args.use_gpu)
+    print(report(run(fields, args.workers, args.rounds)))
+    return 0
