@@ -1,6 +1,7 @@
 """A Hugging Face ``transformers`` model, built from a config (no download), on dict batches, with the
 built-in loss and metric (they read ``.logits`` of its ``ModelOutput``): ddp's steps in one process
-against the plain model, and fsdp through ``fit`` over 2 workers. ``transformers`` is a test extra."""
+against the plain model, and fsdp through ``fit`` over 2 workers against what one worker trains in this
+process. ``transformers`` is a test extra."""
 
 from __future__ import annotations
 
@@ -90,9 +91,11 @@ def test_ddp_takes_the_plain_models_steps_on_a_transformers_model(gloo_group):
 
 @pytest.mark.ray
 def test_a_transformers_model_trains_sharded_by_fsdp_through_fit(ray_session, storage):
-    cfg = rtm.TrainConfig(model="test_huggingface:tiny_bert", dataset="test_huggingface:token_classes",
-                          strategy="fsdp", num_workers=2, batch_size=32, optimizer="adamw", lr=3e-3, epochs=3,
-                          name="bert-fsdp", storage_path=storage)
+    from _reference import train_one_worker
+
+    fields = dict(model="test_huggingface:tiny_bert", dataset="test_huggingface:token_classes", strategy="fsdp",
+                  num_workers=2, batch_size=32, optimizer="adamw", lr=3e-3, epochs=3, name="bert-fsdp")
+    cfg = rtm.TrainConfig(**fields, storage_path=storage)
     result = rtm.fit(cfg)
     first, last = result.history[0], result.history[-1]
     assert last["step"] == 3 * (256 // 32) and math.isfinite(last["train_loss"])
@@ -101,5 +104,15 @@ def test_a_transformers_model_trains_sharded_by_fsdp_through_fit(ray_session, st
     import transformers
 
     assert isinstance(model, transformers.BertForSequenceClassification)
+    # the gathered shards are the weights one worker trains from the same config (in this process: the plain
+    # model's arithmetic, fsdp's ddp twin), not merely a checkpoint that loads. 24 AdamW steps of 2 shards
+    # against one model: at most 6.2e-6 apart (2-core VM), the bound 5x that; the losses to 2e-8 relative
+    want, _, _, history = train_one_worker(fields)
+    state = model.state_dict()
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=3e-5, msg=key)
+    assert [row["train_loss"] for row in result.history] == pytest.approx([row["train_loss"] for row in history],
+                                                                          rel=1e-4)
     ids = token_classes(cfg.data).test.ids[:4]
     assert model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (4, 2)
