@@ -228,8 +228,8 @@ def test_outputs_are_written_and_the_chart_is_a_real_png(tmp_path):
 
 @pytest.mark.ray
 def test_compare_ddp_and_pipeline_on_lenet_digits(ray_session, tmp_path):
-    # One strategy of each runner (Ray Train's ddp, the pipeline's actor group) besides the one-device
-    # reference, itself a Ray Train run: each fit costs ~15 s of start-up here. dp and mp fit through Ray
+    # One strategy of each Ray runner (Ray Train's ddp, the pipeline's actor group) besides the one-device
+    # reference, which trains in this process (the in-process runner): each Ray fit costs ~15 s of start-up here. dp and mp fit through Ray
     # against the plain loop's weights in test_strategies.py
     # (test_each_strategys_fit_ends_with_the_plain_loops_weights), and the report's columns are
     # runner-agnostic (pure tests above).

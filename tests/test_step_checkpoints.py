@@ -1,6 +1,7 @@
 """Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``runtime/step_checkpoints.py``).
 
-The Ray run: rank 1 is SIGKILLed in the middle of epoch 2 (``_probe_data``'s plan); the restart
+The resume logic in this process: a one-worker run (the in-process runner) fails inside epoch 2, its
+restart resumes from the last step checkpoint and ends bit for bit with the undisturbed run. The Ray run: rank 1 is SIGKILLed in the middle of epoch 2 (``_probe_data``'s plan); the restart
 resumes from the last step checkpoint, inside the epoch, and the run ends with the weights and
 the epoch rows of an undisturbed run (the 2 replicas emulated in this process, ``tests/_reference.py``:
 bit for bit what a 2-worker fit trains). What the restarted worker trained on is exactly the rest
@@ -75,6 +76,43 @@ def test_ray_data_refuses_step_checkpoints_with_the_fix():  # the pipeline's: te
         rtm.TrainConfig(dataset="parquet", data_root="/nonexistent", ingest="ray_data", checkpoint_every_n_steps=5)
     with pytest.raises(ValueError, match="checkpoint_every_n_steps=0: must be a positive integer or None"):
         rtm.TrainConfig(checkpoint_every_n_steps=0)
+
+
+def test_an_in_process_run_failing_mid_epoch_resumes_at_its_last_step_checkpoint_and_ends_like_an_undisturbed_run():
+    """The engine's resume without Ray: one worker trains in this process and fails after global step 35
+    (a probe on the engine's step hook); ``max_failures`` restarts it from the step-30 checkpoint, 8 steps into
+    epoch 2: the same weights, optimizer state, RNG and epoch rows as the run that never failed."""
+    from _reference import train_one_worker
+
+    from raytrain_mgpu.runtime import engine
+
+    common = dict(MLP, dataset="digits", num_workers=1, momentum=0.9, checkpoint_every_n_steps=EVERY)
+    want, want_optimizer, want_rng, undisturbed_history = train_one_worker(common)
+    steps, failed = [], []
+
+    def fail_once_after_step_35(step):
+        steps.append(step)
+        if step == 35 and not failed:
+            failed.append(step)
+            raise RuntimeError("a fault after step 35")
+
+    engine.STEP_EVENTS.append(fail_once_after_step_35)
+    try:
+        got, got_optimizer, got_rng, history = train_one_worker({**common, "max_failures": 1})
+    finally:
+        engine.STEP_EVENTS.remove(fail_once_after_step_35)
+    assert failed == [35] and steps == list(range(1, 36)) + list(range(RESUMED_AT + 1, 2 * STEPS_PER_EPOCH + 1))
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert torch.equal(got_rng, want_rng)
+    for index, state in want_optimizer["state"].items():  # SGD's momentum buffers, restored from the checkpoint
+        assert torch.equal(got_optimizer["state"][index]["momentum_buffer"], state["momentum_buffer"]), index
+    assert [(h["epoch"], h["step"], h["attempt"]) for h in history] == [
+        (1, STEPS_PER_EPOCH, 0), (2, 2 * STEPS_PER_EPOCH, 1)]
+    for got_row, want_row in zip(history, undisturbed_history):  # the resumed epoch's sums continued
+        for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+            assert math.isclose(got_row[key], want_row[key], rel_tol=1e-9), key
 
 
 @pytest.mark.slow  # a fit with a restart: 40-80 s on 2 cores
