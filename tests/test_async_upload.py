@@ -167,21 +167,25 @@ def test_a_kill_in_the_middle_of_an_upload_resumes_from_the_last_complete_checkp
         ray_session, tmp_path):
     from _reference import train_replicas
 
-    result, probe, announced = _fit(tmp_path, "killed-in-upload", kill_in_upload=3)
-    half = Path((probe / "killed_in_upload").read_text())
-    assert json.loads((half / "meta.json").read_text())["step"] == SAVED_AT[2]
-    with pytest.raises(Exception):  # cut in half: this folder cannot load
-        torch.load(half / "model.pt", weights_only=True)
-    snapshot = json.loads((Path(result.path) / RAY_TRAIN_SNAPSHOT).read_text())
-    assert half.name not in json.dumps(snapshot)
+    from raytrain_mgpu.runtime.engine_checkpoint import checkpoint_name
 
-    # The restart began after the last complete upload (step 10): rank 0 read steps 11-44 again.
+    result, probe, announced = _fit(tmp_path, "killed-in-upload", kill_in_upload=3)
+    # The third upload (step 15's checkpoint) was cut in half; checkpoint names are the step's, so the save
+    # redone after the restart uploaded into the same folder, whole.
+    half = Path((probe / "killed_in_upload").read_text())
+    assert half.name == checkpoint_name(0, SAVED_AT[2])
+    snapshot = json.loads((Path(result.path) / RAY_TRAIN_SNAPSHOT).read_text())
+
+    # The restart began after the last complete upload (step 10), not from the half-written one: rank 0 read
+    # steps 11-44 again.
     first, second = _batches(probe)
     assert len(second) == 2 * STEPS_PER_EPOCH - SAVED_AT[1]
+    assert json.loads((half / "meta.json").read_text())["step"] == SAVED_AT[2]
+    torch.load(half / "model.pt", weights_only=True)  # whole again: the redone save's
     assert [(h["epoch"], h["attempt"]) for h in result.history] == [(1, 1), (2, 1)]
 
     # Every complete upload, over both processes: steps 5 and 10, then after the restart the rest;
-    # one at a time, in report order (names are times).
+    # one at a time, in report order (names sort by epoch and step).
     uploads = _uploads(probe)
     names = [Path(u["dest"]).name for u in uploads]
     assert len(uploads) == len(SAVED_AT) and names == sorted(names)
