@@ -110,6 +110,22 @@ def test_stage_scalars_per_stage_from_finish_epoch_stats():
         "stage1/step_time_s": 0.7, "stage1/bubble": 0.5, "stage1/peak_memory_bytes": 30})
 
 
+def test_the_drivers_pump_merges_a_steps_window_parts_and_passes_whole_sets_on_at_once():
+    """A pipeline's first stage sends a window's data wait, its last stage the loss: one step's set, merged.
+    Rank 0's stage figures of an epoch come whole at the same step: passed on at once, not held as a part
+    (held, they came after the whole run's scalars, and could complete a step's set in a stage's place)."""
+    from raytrain_mgpu.runtime.progress import SinkPump
+
+    received: list = []
+    pump = SinkPump(None, SimpleNamespace(scalars=lambda step, values: received.append((step, dict(values)))),
+                    scalar_sources=2)
+    pump._scalars(3, {"train/data_wait_share": 0.25})  # the first stage's part of step 3's window
+    pump._scalars(3, {"stage0/bubble": 0.5, "stage1/bubble": 0.125})  # rank 0's stage figures: whole
+    assert received == [(3, {"stage0/bubble": 0.5, "stage1/bubble": 0.125})]
+    pump._scalars(3, {"train/loss": 1.5, "train/lr": 0.1})  # the last stage's part completes the set
+    assert received[1:] == [(3, {"train/data_wait_share": 0.25, "train/loss": 1.5, "train/lr": 0.1})]
+
+
 @pytest.fixture
 def printed_scalars(monkeypatch) -> list:
     """What fit's printer receives through ``scalars`` (on the driver)."""

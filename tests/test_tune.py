@@ -10,7 +10,7 @@ import pytest
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.runtime.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, RunFolder
 from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search
 
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",
@@ -74,8 +74,9 @@ def test_the_cli_refuses_a_metric_the_run_does_not_record_before_ray(capsys, mon
 
 @pytest.mark.ray
 def test_asha_over_a_grid_stops_the_hopeless_trial_and_returns_the_best(ray_session, tmp_path):
-    # One trial at a time (a run holds 3 of the shared Ray's 4 CPUs), in the grid's order: the good rate
-    # reaches every epoch; the hopeless one (lr 1e-6) is behind at the first rung and ASHA stops it there.
+    # One trial at a time (a run is planned at 3 of the shared Ray's 4 CPUs: max_concurrent_trials), in the grid's
+    # order: the good rate reaches every epoch; the hopeless one (lr 1e-6) is behind at the first rung and ASHA
+    # stops it there. Each trial has one worker, so it trains inside its trial actor (the in-process runner).
     cfg = rtm.TrainConfig(**SMALL, cpus_per_worker=3, storage_path=str(tmp_path), name="search")
     out = io.StringIO()
     results = search(cfg, ["lr=grid:0.1,0.000001"], samples=1, metric="val_accuracy", mode="max", stream=out)
@@ -88,8 +89,13 @@ def test_asha_over_a_grid_stops_the_hopeless_trial_and_returns_the_best(ray_sess
     # each trial is a run folder of its own ({name}-{trial id}), with its checkpoints (a stopped trial's workers
     # may have finished an epoch or two more before its process ended)
     for result in results:
-        run = RunFolder(str(Path(tmp_path) / f"search-{result.metrics['trial_id']}"))
+        path = Path(tmp_path) / f"search-{result.metrics['trial_id']}"
+        run = RunFolder(str(path))
         assert run.newest_checkpoint() is not None and run.state().epoch >= result.metrics["epoch"]
+        # trained in the trial's actor: checkpoints published in the folder by the in-process runner, no Ray Train
+        # run (which would leave its snapshot)
+        assert run.newest_checkpoint().meta.get(PUBLISHED_KEY) is True
+        assert not (path / RAY_TRAIN_SNAPSHOT).exists()
     table = out.getvalue()
     assert table.splitlines()[0] == "trial | lr | epochs | val_accuracy" and len(table.splitlines()) == 4
     assert "best: {'lr': 0.1} val_accuracy=" in table

@@ -23,6 +23,7 @@ def _mib(n: float) -> str:
 
 
 _SHORT = {"accuracy": "acc"}  # the line's name for a metric, where it differs
+WINDOW_PREFIX = "train/"  # every scalar of a step window (runtime/step_scalars.StepWindow.read) starts with it
 
 
 def _number(value) -> str:
@@ -283,7 +284,10 @@ class SinkPump:
                 return
 
     def _scalars(self, step: int, values: dict) -> None:
-        if self.scalar_sources == 1:
+        # Only a step window's scalars (``train/*``, runtime/step_scalars.StepWindow) come in parts; rank 0's
+        # others (a pipeline's stage figures at an epoch's end) are whole: counted as a part, they would be held
+        # to the run's end and could complete a step's set in place of the stage it still waits for.
+        if self.scalar_sources == 1 or not all(name.startswith(WINDOW_PREFIX) for name in values):
             self.printer.scalars(step, values)
             return
         entry = self._partial.setdefault(step, [{}, 0])
