@@ -80,8 +80,26 @@ class TrainResult:
             state = ckpt_format.load_model_state(directory)
         model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
                             self.config.model_kwargs)
-        model.load_state_dict(state)
+        if self.config.save == "trainable":  # the frozen weights: from init_from (or the builder), as training had
+            from raytrain_mgpu.runtime.weights import load_weights, read_weights
+
+            if self.config.init_from is not None:
+                load_weights(model, read_weights(self.config.init_from)[0], self.config.init_strict,
+                             self.config.init_from)
+            model.load_state_dict(state, strict=False)
+        else:
+            model.load_state_dict(state)
         return model.eval()
+
+    def export(self, out: Optional[str] = None, format: str = "safetensors", best: bool = False) -> List[str]:
+        """The trained model (the last checkpoint's, or the best's) as ``model.safetensors`` with ``config.json`` beside
+        it (``format="safetensors"``), or a Hugging Face model's ``save_pretrained`` folder (``format="hf"``), in
+        ``out`` (default ``<run>/export``); consolidated on this machine, also from a sharded (fsdp) run. The written
+        paths. The CLI's ``raytrain-mgpu export RUN`` is the same."""
+        from raytrain_mgpu.runtime.export import export_run
+
+        model = self.load_model(best=best) if format == "hf" else None  # this config's model (code from Python too)
+        return export_run(self.path, out=out, fmt=format, best=best, model=model)
 
 
 def fit(cfg: TrainConfig, stream=None) -> TrainResult:

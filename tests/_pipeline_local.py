@@ -42,6 +42,9 @@ class LocalRun(NamedTuple):
     emulate_nccl: Optional[bool] = None  # NCCL's semantics on gloo; None: on when emulating GPUs
     skip_warmup: bool = False            # tests only: reproduces the start-up deadlock on NCCL
     step_event: Optional[Callable[[int], None]] = None  # joins runtime/engine.STEP_EVENTS in each rank's process
+    storage: Optional[str] = None  # the run folder's storage_path (default: a new temporary folder per run)
+    record: bool = False  # replica 0's reporting stages record their events (stats' "events")
+    prepare: Optional[Callable[[int], None]] = None  # called with the rank in its process before the stage is built
 
 
 class LocalResult(NamedTuple):
@@ -83,6 +86,8 @@ def _rank_main(rank: int, jobs: list, barriers: list, ports: list, storages: lis
         # otherwise wait for its peers in the rendezvous, against collective_timeout_s), and
         # close together (rank 0 holds the store: the others' errors must not be lost to it).
         start, end = barriers[index]
+        if run.prepare is not None:
+            run.prepare(rank)
         worker = StageWorker(run.cfg, rank, emulate_nccl=run.emulate_nccl)
         if run.step_event is not None:
             engine.STEP_EVENTS.append(run.step_event)
@@ -102,12 +107,14 @@ def _rank_main(rank: int, jobs: list, barriers: list, ports: list, storages: lis
             epochs = max(run.cfg.epochs, -(-run.num_steps // info["steps_per_epoch"]))
             worker.cfg = run.cfg.replace(max_steps=run.num_steps, epochs=epochs,
                                          storage_path=storages[index], name="local")
-            worker.run(f"local{index}")
+            sink = _Recorder() if run.record else None
+            worker.run(f"local{index}", sink)
             history = worker.history
             state = worker.model_state() if worker.replica == 0 else {}
             stats = {**worker.steps.last_stats, **worker.assignment.record(), "rank": worker.rank,
                      "prank": worker.prank, "replica": worker.replica, "is_last": worker.is_last,
                      "nccl_semantics": worker.emulate_nccl, "history": history,
+                     "events": sink.events if sink is not None else [], "storage": storages[index],
                      "setup": {**info, "checkpointed_blocks": worker.steps.checkpointed_blocks}}
             results.put((index, rank, None, _to_bytes(state), stats))
         except Exception:  # reported to the parent, which raises it
@@ -118,6 +125,17 @@ def _rank_main(rank: int, jobs: list, barriers: list, ports: list, storages: lis
             except threading.BrokenBarrierError:  # a peer died: the parent reports it
                 pass
             worker.close()
+
+
+class _Recorder:
+    """A progress channel that keeps a stage's events (``put.remote(kind, payload)``) for the result."""
+
+    def __init__(self):
+        self.events: list = []
+        self.put = self
+
+    def remote(self, kind, payload):
+        self.events.append((kind, payload))
 
 
 def _to_bytes(state: dict) -> bytes:
@@ -185,7 +203,7 @@ def run_local(runs: Sequence[LocalRun], timeout_s: float = 300.0, return_errors:
     results = ctx.Queue()
     barriers = [(ctx.Barrier(_world(run.cfg)), ctx.Barrier(_world(run.cfg))) for run in runs]
     ports = [ctx.Value("i", 0) for _ in runs]
-    storages = [tempfile.mkdtemp(prefix="pipeline-local-") for _ in runs]
+    storages = [run.storage or tempfile.mkdtemp(prefix="pipeline-local-") for run in runs]
     processes = [_forkserver.process(_rank_main, (rank, jobs, barriers, ports, storages, results), daemon=True)
                  for rank in range(max(_world(run.cfg) for run in runs))]
     for process in processes:

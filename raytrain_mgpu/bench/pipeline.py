@@ -157,16 +157,16 @@ class RayPipeline:
         self.partition = choose_partition(cfg)
         self.group = StageGroup(cfg, build_plan(cfg))
         self.group.start()
-        self.group.setup(self.partition, None, 0)
-        self.group.call("start_epoch", 0)
+        self.group.setup(self.partition)
+        self.group.call("bench_start", "bench")  # the engine set up on every stage, stepped from here
 
     def run(self, steps: int) -> float:
         start = time.perf_counter()
-        self.group.call("train_steps", steps)
+        self.group.call("bench_steps", steps)
         return (time.perf_counter() - start) / steps
 
     def bubble_fraction(self) -> float:
-        stats = self.group.call("finish_epoch")
+        stats = self.group.call("bench_stats")
         return sum(1 - s["busy_s"] / s["schedule_s"] for s in stats) / len(stats)
 
     def close(self) -> None:
@@ -229,7 +229,7 @@ def _time_phase(bench: BenchConfig, single: SingleProcess, phase: dict) -> List[
             variant.ready()
         else:
             variant.run(bench.warmup)
-            variant.group.call("start_epoch", 0)  # restart the busy-time counters after warm-up
+            variant.group.call("bench_stats")  # restart the busy-time counters after warm-up
     rounds = []
     for _ in range(bench.rounds):
         times = {"single": single.run(bench.steps)}

@@ -102,9 +102,16 @@ class DataParallelSteps(Steps):
 
         for x, y in loader:
             x, y = move_batch(x, y, self.device, self.channels_last)
+            extras = None
             with self.autocast():
-                loss, outputs = self.strategy.compute_loss(self.model, x, y)
+                if self.user_step is None:
+                    loss, outputs = self.strategy.compute_loss(self.model, x, y)
+                else:  # your own step's loss (and outputs, extras) is what evaluation measures too
+                    loss, outputs, extras = self.strategy.run_step(self.model, x, y, self.user_step, self.step_context)
+            counted = meter.samples
             meter.add(loss.float(), outputs, y)
+            if extras:
+                meter.add_extras(extras, meter.samples - counted)
 
     def memory_devices(self) -> List[torch.device]:
         return self.strategy.memory_devices()

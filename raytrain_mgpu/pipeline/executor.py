@@ -57,9 +57,10 @@ class PipelineStepError(RuntimeError):
 class StepStats:
     """What one rank measured in one step."""
 
-    busy_s: float = 0.0     # computing forwards and backwards
+    busy_s: float = 0.0     # computing forwards and backwards (host-timed on CPU)
     wall_s: float = 0.0     # from the first action to the last send delivered
     bytes_sent: int = 0     # activations and gradients sent to other ranks
+    busy_spans: list = None  # on CUDA: (start, end) event pairs of the computing, read once an epoch (busy_of)
 
 
 class _Message:
@@ -71,8 +72,16 @@ class _Message:
         self.index, self.kind, self.stage, self.microbatch, self.src = index, kind, stage, microbatch, src
 
 
+def busy_of(spans: list) -> float:
+    """Seconds of CUDA event pairs (waits for the last of them: read once an epoch, not every step)."""
+    if not spans:
+        return 0.0
+    spans[-1][1].synchronize()
+    return sum(a.elapsed_time(b) for a, b in spans) / 1000
+
+
 class _Clock:
-    """Busy time: host timers on CPU, CUDA events (read once per step) on GPU."""
+    """Busy time: host timers on CPU; CUDA events on GPU, handed on unread (a read waits for the device)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -94,13 +103,10 @@ class _Clock:
         else:
             self.total += time.perf_counter() - started
 
-    def read(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()  # one host-device sync per step, for the timings
-            self.total += sum(a.elapsed_time(b) for a, b in self.spans) / 1000
-            self.spans = []
-        total, self.total = self.total, 0.0
-        return total
+    def read(self) -> tuple:
+        """``(host-timed seconds, CUDA event pairs)`` of the step, and a new step."""
+        total, spans, self.total, self.spans = self.total, self.spans, 0.0, []
+        return total, spans
 
 
 class PipelineExecutor:
@@ -175,7 +181,7 @@ class PipelineExecutor:
                 self.comm.wait(work, what)
             except Exception as exc:
                 raise PipelineStepError(self._describe_failure(sender, exc)) from exc
-        stats.busy_s = self._clock.read()
+        stats.busy_s, stats.busy_spans = self._clock.read()
         stats.wall_s = time.perf_counter() - start
         self._sends = []
         return stats

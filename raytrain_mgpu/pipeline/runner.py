@@ -36,8 +36,11 @@ class RunOutcome(NamedTuple):
 
 
 def _retryable(exc: BaseException) -> bool:
-    # An actor that died, or a stage that lost its peer: restart from the last checkpoint.
-    return isinstance(exc, ray.exceptions.RayError)
+    # An actor that died, or a stage that lost its peer: restart from the last checkpoint; a loss that turned NaN
+    # would turn NaN again.
+    from raytrain_mgpu.runtime.engine_step import NonFiniteError
+
+    return isinstance(exc, ray.exceptions.RayError) and not isinstance(exc, NonFiniteError)
 
 
 def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:

@@ -20,7 +20,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from raytrain_mgpu.batches import flatten, split, unflatten
 from raytrain_mgpu.models.partition import Partition, build_stage_modules
-from raytrain_mgpu.pipeline.executor import PipelineExecutor
+from raytrain_mgpu.pipeline.executor import PipelineExecutor, busy_of
 from raytrain_mgpu.pipeline.schedule import Order, build_order, forward_only, ideal_bubble_fraction
 from raytrain_mgpu.runtime.engine import Steps
 from raytrain_mgpu.runtime.step_scalars import WindowedMeter, stage_scalars
@@ -50,8 +50,10 @@ class PipelineSteps(Steps):
         self.train_order = build_order(self.cfg.schedule, stage.num_ranks, self.cfg.num_microbatches)
         self._eval_orders: Dict[int, Order] = {}
         self._targets_spec = None  # the last rank's: how the targets' tensors rebuild a batch's targets
+        self._target_shapes = None  # a training step's targets' (shape, dtype)s, once the first has sent them
         self._totals = dict.fromkeys(("steps", "busy_s", "schedule_s", "step_s", "bytes_sent"), 0.0)
         self.last_stats: dict = {}  # the last epoch's (the tests' local harness reads them)
+        self._spans: list = []
 
     def loader_batch(self, plan) -> int:
         return plan.replica_batch  # split into micro-batches by the schedule
@@ -82,7 +84,7 @@ class PipelineSteps(Steps):
     # ------------------------------------------------------------------ a step
 
     def train_step(self, next_batch: Callable[[], tuple], meter, window, scaler, accum: int) -> None:
-        inputs, targets, sends = self._read_batch(next_batch, self.cfg.num_microbatches)
+        inputs, targets, sends = self._read_batch(next_batch, self.cfg.num_microbatches, fixed=True)
         rows = [self.stage.plan.micro_batch] * self.cfg.num_microbatches
         step_meter = WindowedMeter(meter, window) if window is not None and self.sees_loss else meter
         stats = self.executor.train_step(self.train_order, inputs, targets, rows, step_meter)
@@ -91,28 +93,40 @@ class PipelineSteps(Steps):
         for key, value in (("steps", 1), ("busy_s", stats.busy_s), ("schedule_s", stats.wall_s),
                            ("bytes_sent", stats.bytes_sent)):
             self._totals[key] += value
+        self._spans += stats.busy_spans or []  # CUDA's busy time: read once an epoch (epoch_stats)
 
     def step_time(self, seconds: float) -> None:
         self._totals["step_s"] += seconds
 
-    def _read_batch(self, next_batch: Optional[Callable[[], tuple]], num_chunks: int) -> tuple:
+    def _read_batch(self, next_batch: Optional[Callable[[], tuple]], num_chunks: int, fixed: bool = False) -> tuple:
         """``(input micro-batches, target micro-batches, sends to wait for)`` for this rank: the first rank reads
-        and sends the targets to the last (one small message a step instead of a second rank loading them)."""
+        and sends the targets to the last (one small message a step instead of a second rank loading them).
+        ``fixed``: a training step, whose targets have the same shapes every step: their shapes travel with the
+        first step's only (a header's read is a host-device sync on a GPU)."""
         stage = self.stage
+        known = fixed and self._target_shapes is not None
         if self.reads_data:
             x, y = next_batch()
             sends = []
             if stage.groups.targets is not None:  # a structured target: its tensors one after the other
                 for tensor in flatten(y)[0]:
-                    sends += stage.comm.isend_with_header(tensor.to(self.device), stage.last_peer,
-                                                          stage.groups.targets)
+                    tensor = tensor.to(self.device).contiguous()
+                    sends += ([(stage.comm.isend(tensor, stage.last_peer, stage.groups.targets), tensor)] if known
+                              else stage.comm.isend_with_header(tensor, stage.last_peer, stage.groups.targets))
+                if fixed:
+                    self._target_shapes = True
             return split(x, num_chunks), split(y, num_chunks) if self.sees_loss else None, sends
         if self.sees_loss:
-            spec = self._target_spec()
-            y = unflatten([stage.comm.recv_with_header(stage.first_peer, stage.groups.targets, self.device,
-                                                       f"rank {stage.rank}: the targets from rank {stage.first_peer}")
-                           for _ in range(spec.num_leaves)], spec)
-            return None, split(y, num_chunks), []
+            spec, what = self._target_spec(), f"rank {stage.rank}: the targets from rank {stage.first_peer}"
+            if known:
+                leaves = [stage.comm.recv(torch.empty(shape, dtype=dtype, device=self.device), stage.first_peer,
+                                          stage.groups.targets, what) for shape, dtype in self._target_shapes]
+            else:
+                leaves = [stage.comm.recv_with_header(stage.first_peer, stage.groups.targets, self.device, what)
+                          for _ in range(spec.num_leaves)]
+                if fixed:
+                    self._target_shapes = [(tuple(t.shape), t.dtype) for t in leaves]
+            return None, split(unflatten(leaves, spec), num_chunks), []
         return None, None, []
 
     def _target_spec(self):
@@ -179,6 +193,8 @@ class PipelineSteps(Steps):
 
     def epoch_stats(self) -> dict:
         """This rank's sums of the epoch (then reset): steps, busy and schedule time, bytes sent."""
+        self._totals["busy_s"] += busy_of(self._spans)
+        self._spans = []
         stats, self._totals = {**self._totals, "prank": self.stage.prank}, dict.fromkeys(self._totals, 0.0)
         self.last_stats = stats
         return stats

@@ -75,6 +75,7 @@ class OptimizerStep:
         self.skipped = self.in_a_row = 0  # skipped steps this epoch, and the current run of them
         self.norm_sum: Optional[torch.Tensor] = None  # the epoch's gradient norms, summed on the device
         self.norms = 0
+        self.epoch = 0  # the 1-based epoch being trained (set by the engine), for the error's words
 
     def __call__(self, step: int) -> Optional[dict]:
         """Take global step ``step`` (counted from 1 by the caller); the ``train/*`` scalars of the
@@ -118,7 +119,7 @@ class OptimizerStep:
             self.scaler.update()  # the scale halves, as after an overflow
         if self.in_a_row >= self.cfg.max_skipped_steps:
             raise NonFiniteError(f"{self.in_a_row} optimizer steps in a row had non-finite gradients "
-                                 f"(max_skipped_steps={self.cfg.max_skipped_steps})", -1, step)
+                                 f"(max_skipped_steps={self.cfg.max_skipped_steps})", self.epoch, step)
 
     def epoch_norm(self) -> tuple:
         """``(sum of this epoch's gradient norms on the device, or None; how many)``, and a new epoch."""

@@ -71,7 +71,12 @@ def data_parallel_steps(cfg, ctx, data):
     from raytrain_mgpu.strategies import get_strategy
 
     strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
-    return DataParallelSteps(strategy, cfg.compile)
+    step = None
+    if cfg.train_step is not None:
+        from raytrain_mgpu._factory import load_factory
+
+        step = load_factory(cfg.train_step, "train_step")
+    return DataParallelSteps(strategy, cfg.compile, step)
 
 
 class _DriverReporter:
@@ -115,9 +120,12 @@ class LocalTransport(FolderTransport):
 
 
 def _retryable(exc: BaseException) -> bool:
+    """A restart from the last checkpoint, except where it would fail the same way (a callback's error, a loss that
+    turned NaN: the same steps again give the same NaN)."""
     from raytrain_mgpu.runtime.callbacks import CallbackError
+    from raytrain_mgpu.runtime.engine_step import NonFiniteError
 
-    return not isinstance(exc, (CallbackError, KeyboardInterrupt))
+    return not isinstance(exc, (CallbackError, NonFiniteError, KeyboardInterrupt))
 
 
 def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dict]]:
@@ -132,7 +140,7 @@ def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dic
     reporter = _DriverReporter(events)
     folder = RunFolder.of(cfg)
 
-    def attempt(_failures: int) -> None:
+    def attempt(_failures: int) -> list:
         entered = time.time()
         folder.remove_temporaries()  # a killed attempt's (or driver's) half-written checkpoints
         assignment = resolve_devices(cfg.use_gpu, get_strategy(cfg.strategy).devices_per_worker(cfg))
@@ -140,13 +148,14 @@ def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dic
         if assignment.compute[0].type == "cuda":
             torch.cuda.set_device(assignment.compute[0])
         data = build_datasets(cfg.data)
-        Engine(cfg, plan, data_parallel_steps(cfg, ctx, data), LocalTransport(cfg, reporter), data).run(entered)
+        engine = Engine(cfg, plan, data_parallel_steps(cfg, ctx, data), LocalTransport(cfg, reporter), data)
+        engine.run(entered)
+        return engine.state.history  # every epoch trained (one whose weights were not finite has no checkpoint)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.cpus_per_worker)  # what a worker of cpus_per_worker CPUs gets
     try:
-        run_attempts(cfg, attempt, _retryable, what="in-process attempt")
+        history = run_attempts(cfg, attempt, _retryable, what="in-process attempt")
     finally:
         torch.set_num_threads(threads)
-    state = folder.state()
-    return state.history, state.checkpoint, reporter.first
+    return history, folder.state().checkpoint, reporter.first

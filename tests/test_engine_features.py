@@ -1,0 +1,124 @@
+"""Features of the step loop that live in the engine alone and reach every runner with no runner code: the
+gradient norm's epoch column, time-based step checkpoints, evaluation every N steps; a resumed pipeline run that
+restores every random generator it saved (CUDA's too, through the functions every runner uses) and ends with the
+uninterrupted run's weights.
+
+Each runs in a data-parallel run (the in-process runner: the engine a Ray Train worker runs) and in a 2-stage
+pipeline (the stages as local processes, tests/_pipeline_local.py: the engine a stage actor runs). No Ray.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import raytrain_mgpu as rtm
+from _pipeline_local import LocalRun, run_local
+from raytrain_mgpu.runtime.callbacks import Callback
+
+# 12 steps an epoch of 24 samples, 2 micro-batches: the check of checkpoint_every_n_minutes comes at step 10
+PIPE = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=288,
+            model_kwargs={"widths": [24, 24]}, batch_size=24, num_microbatches=2, strategy="pipeline", num_stages=2,
+            cpus_per_worker=1, epochs=1)
+DP = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1)  # 22 steps
+
+
+class Scalars(Callback):
+    """The per-step scalars the driver received."""
+
+    def __init__(self):
+        self.seen: list = []
+
+    def on_step(self, step, scalars):
+        self.seen.append((step, scalars))
+
+
+def _in_process(storage: str, **fields) -> tuple:
+    scalars = Scalars()
+    cfg = rtm.TrainConfig(**{**DP, **fields, "num_workers": 1, "runner": "local", "storage_path": storage,
+                             "callbacks": [scalars]})
+    return rtm.fit(cfg, stream=io.StringIO()), scalars.seen
+
+
+def _pipeline(num_steps: int = 12, **fields):
+    (result,) = run_local([LocalRun(rtm.TrainConfig(**{**PIPE, **fields}), num_steps, record=True)])
+    return result
+
+
+def test_the_gradient_norms_column_reaches_both_runners(tmp_path):
+    """``grad_norm``: the epoch's mean of the norm clipping computes (the global norm: over every stage)."""
+    result, _ = _in_process(str(tmp_path), grad_clip_norm=1.0)
+    assert result.history[0]["grad_norm"] > 0
+    unclipped, _ = _in_process(str(tmp_path / "plain"))
+    assert "grad_norm" not in unclipped.history[0]  # no norm computed, no column (and no cost)
+    stages = _pipeline(grad_clip_norm=1.0)
+    rows = [stats["history"][-1] for stats in stages.stats]
+    assert rows[0]["grad_norm"] > 0 and rows[0]["grad_norm"] == rows[1]["grad_norm"]  # one norm for the whole model
+
+
+def test_a_time_based_step_checkpoint_reaches_both_runners(tmp_path):
+    """``checkpoint_every_n_minutes``: the ranks compare their clocks at the preemption check's steps (10, 20, ...)
+    and write a step checkpoint there when any says it is due (here at once: a tiny interval)."""
+    _in_process(str(tmp_path), checkpoint_every_n_minutes=1e-9, num_checkpoints_to_keep=10)
+    assert (tmp_path / "mlp-digits-ddp" / "checkpoint_epoch000000_step000000020").is_dir()
+    assert not (tmp_path / "mlp-digits-ddp" / "checkpoint_epoch000000_step000000015").exists()
+    stages = _pipeline(checkpoint_every_n_minutes=1e-9, num_checkpoints_to_keep=10)
+    run = Path(stages.stats[0]["storage"]) / "local"
+    assert (run / "checkpoint_epoch000000_step000000010").is_dir(), sorted(p.name for p in run.iterdir())
+    nothing = _pipeline(num_checkpoints_to_keep=10)
+    assert not list((Path(nothing.stats[0]["storage"]) / "local").glob("*_step*"))
+
+
+def test_evaluation_every_n_steps_reaches_both_runners(tmp_path):
+    """``eval_every_n_steps``: the test split's loss and accuracy as per-step scalars at steps N, 2N, ..."""
+    result, seen = _in_process(str(tmp_path), eval_every_n_steps=5)
+    at = [(step, round(values["test/loss"], 6)) for step, values in seen if "test/loss" in values]
+    assert [step for step, _ in at] == [5, 10, 15, 20] and "test/accuracy" in dict(seen)[20]
+    assert result.history[0]["eval_s"] > 0
+    stages = _pipeline(eval_every_n_steps=5)
+    events = [payload for stats in stages.stats for kind, payload in stats["events"] if kind == "scalars"]
+    assert sorted(step for step, values in events if "test/loss" in values) == [5, 10]
+
+
+def _fake_cuda_generators(rank: int) -> None:
+    """In a stage's process: CUDA 'available' with one generator, whose state is a rank's own bytes; what restore
+    sets is written to ``$RNG_LOG/rank{rank}`` (the functions every runner saves and restores through)."""
+    log = Path(os.environ["RNG_LOG"]) / f"rank{rank}"
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_rng_state_all = lambda: [torch.tensor([rank, 7, 7], dtype=torch.uint8)]
+    torch.cuda.set_rng_state_all = lambda states: log.write_text(",".join(str(v) for v in states[0].tolist()))
+
+
+LM = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24, num_samples=72,
+          model_kwargs={"num_layers": 2, "hidden": 16, "num_heads": 2, "dropout": 0.3}, batch_size=24,
+          num_microbatches=2, strategy="pipeline", num_stages=2, cpus_per_worker=1, epochs=1, optimizer="sgd")
+
+
+def test_a_resumed_pipeline_restores_every_generator_and_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch):
+    """3 steps an epoch; dropout draws from each stage's stream. Stopped after epoch 1 and resumed to epoch 2 equals
+    2 epochs at once, bit for bit; each stage's saved CUDA generator (faked here) came back to that stage."""
+    monkeypatch.setenv("RNG_LOG", str(tmp_path))
+    cfg = rtm.TrainConfig(**LM)
+    storage = str(tmp_path / "runs")
+    run_local([LocalRun(cfg, 3, storage=storage, prepare=_fake_cuda_generators)])
+    assert not list(tmp_path.glob("rank*"))  # a new run restores nothing
+    (resumed,) = run_local([LocalRun(cfg, 6, storage=storage, prepare=_fake_cuda_generators)])
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["0,7,7", "1,7,7"]
+    (straight,) = run_local([LocalRun(cfg, 6)])
+    assert [row["step"] for row in resumed.stats[0]["history"]] == [3, 6]
+    for key, value in straight.model_state.items():
+        assert torch.equal(resumed.model_state[key], value), key
+    (other,) = run_local([LocalRun(cfg.replace(seed=1), 6)])  # the equality above is not trivial
+    assert not all(torch.equal(other.model_state[k], v) for k, v in straight.model_state.items())
+
+
+@pytest.mark.parametrize("fields", [dict(checkpoint_every_n_minutes=0), dict(profile_steps=(3, 2)),
+                                    dict(on_nonfinite="drop"), dict(eval_every_n_steps=0)])
+def test_the_features_fields_are_checked_before_anything_runs(fields):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{next(iter(fields))}="):
+        rtm.TrainConfig(**fields)
