@@ -78,8 +78,12 @@ class TrainResult:
         with ckpt_format.local_checkpoint(path) as directory:
             meta = ckpt_format.read_meta(directory)
             state = ckpt_format.load_model_state(directory)
-        model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
-                            self.config.model_kwargs)
+        import torch
+
+        with torch.random.fork_rng(devices=[]):  # built on the run's seed, as training built it; the caller's stream kept
+            torch.manual_seed(self.config.seed)
+            model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
+                                self.config.model_kwargs)
         if self.config.save == "trainable":  # the frozen weights: from init_from (or the builder), as training had
             from raytrain_mgpu.runtime.weights import load_weights, read_weights
 

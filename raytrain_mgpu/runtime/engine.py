@@ -280,7 +280,11 @@ class Engine:
         meter = EpochMeter(self.steps.device, self.steps.objective)
         self.steps.evaluate(self.feed.eval_loaders[split], meter)
         self.steps.train()
-        return eval_columns(*meter.split(all_reduce_sum(meter.totals).tolist()), split=split)
+        sums, extras = meter.totals, meter.extra_sums()  # extras: a custom step's scalars
+        values = all_reduce_sum(torch.cat([sums, extras])).tolist()
+        loss_sum, samples, metric_totals = meter.split(values[:len(sums)])
+        return eval_columns(loss_sum, samples, {**metric_totals, **meter.split_extras(values[len(sums):])},
+                            split=split)
 
 
 def _devices(records: list) -> dict:
