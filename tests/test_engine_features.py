@@ -122,3 +122,59 @@ def test_a_resumed_pipeline_restores_every_generator_and_ends_with_the_uninterru
 def test_the_features_fields_are_checked_before_anything_runs(fields):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{next(iter(fields))}="):
         rtm.TrainConfig(**fields)
+
+
+# ----------------------------------------------------------------------------- seeing why: traces, FLOPs, MFU
+
+
+def _profiled_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from _engine import make_engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        engine = make_engine({**DP, "profile_steps": (3, 5), "storage_path": out, "name": "profiled"}, rank=rank,
+                             world=world, setup=False)
+        engine.run()
+        torch.save(engine.state.history, f"{out}/history{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_two_rank_run_writes_a_trace_per_rank_and_an_mfu_column(tmp_path):
+    import json
+
+    import _forkserver
+    from raytrain_mgpu.runtime.placement import free_address
+
+    _forkserver.start_processes(_profiled_rank, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    traces = sorted((tmp_path / "profiled" / "profile").glob("*.pt.trace.json"))
+    assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
+    steps = {event["name"] for event in json.loads(traces[0].read_text())["traceEvents"]
+             if event.get("name", "").startswith("ProfilerStep#")}
+    assert {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"} <= steps
+    (row,) = torch.load(tmp_path / "history0.pt", weights_only=False)
+    # the MLP (64 -> 16 -> 10) on the global batch of 64 a step: each layer's forward 2 x in x out a sample, its
+    # backward twice that, less the first layer's input gradient that nothing needs
+    assert row["flops_per_step"] == 64 * (4 * 64 * 16 + 6 * 16 * 10)
+    assert row["mfu"] is None  # a CPU has no peak in the table
+
+
+def test_mfu_is_the_steps_flops_over_the_devices_peak(tmp_path, monkeypatch):
+    monkeypatch.setattr("raytrain_mgpu.runtime.flops.peak_flops_per_s", lambda device, precision: 1e9)
+    result, _ = _in_process(str(tmp_path))
+    row = result.history[0]
+    assert row["mfu"] == pytest.approx(row["flops_per_step"] * row["step"] / row["training_s"] / 1e9)
+
+
+@pytest.mark.slow
+def test_compile_with_inductor_trains_the_curve_eager_does(tmp_path):
+    """``compile=True`` (the default inductor backend, on CPU: a C++ compiler) against eager: the same losses."""
+    eager, _ = _in_process(str(tmp_path / "eager"), epochs=2)
+    compiled, _ = _in_process(str(tmp_path / "compiled"), epochs=2, compile=True)
+    for a, b in zip(eager.history, compiled.history):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4, abs=1e-4)
+        assert b["test_loss"] == pytest.approx(a["test_loss"], rel=1e-4, abs=1e-4)

@@ -104,8 +104,15 @@ def _disarmed(detector: HostSyncDetector, function):
 
 
 def _train_epoch_watched(engine) -> tuple:
-    """The epoch's steps under the detector; the data loader's own host work (the sampler's order, collating CPU
-    tensors in this process) and the per-epoch read are not the step's and are left out."""
+    detector, metrics = watched_epoch(engine, 0, engine.train_epoch)
+    assert metrics["step"] == 4
+    return detector, metrics
+
+
+def watched_epoch(engine, epoch: int, train_epoch) -> tuple:
+    """``train_epoch(epoch)`` (the engine's) under the detector: ``(detector, row)``; the data loader's own host work
+    (the sampler's order, collating CPU tensors in this process) and the per-epoch read are not the steps' and are
+    left out."""
     detector = HostSyncDetector()
     read_epoch = engine._epoch_row
 
@@ -115,12 +122,15 @@ def _train_epoch_watched(engine) -> tuple:
 
     engine._epoch_row = once_per_epoch
     feed = engine.feed
-    feed.epoch = _disarmed(detector, feed.epoch)
-    batches = feed.batches
+    epoch_batches, batches = feed.epoch, feed.batches
+    feed.epoch = _disarmed(detector, epoch_batches)
     feed.batches = lambda *args: _disarmed(detector, batches(*args))
-    with detector:
-        metrics = engine.train_epoch(0)
-    assert metrics["step"] == 4
+    try:
+        with detector:
+            metrics = train_epoch(epoch)
+    finally:
+        del engine._epoch_row
+        feed.epoch, feed.batches = epoch_batches, batches
     return detector, metrics
 
 
@@ -153,3 +163,37 @@ def test_step_scalars_add_nothing_on_other_ranks():
     assert engine.window is None
     detector, _ = _train_epoch_watched(engine)
     assert detector.found == []
+
+
+def _watch_the_second_epoch(rank: int) -> None:
+    """In a pipeline stage's process: its second epoch's steps under the detector, what it found to a file."""
+    import os
+    from pathlib import Path
+
+    from raytrain_mgpu.runtime.engine import Engine
+
+    original = Engine.train_epoch
+
+    def watched(self, epoch):
+        if epoch == 0:  # the first step sends each message's shape once (a header's read): steady state is after
+            return original(self, epoch)
+        detector, row = watched_epoch(self, epoch, lambda e: original(self, e))
+        Path(os.environ["SYNC_LOG"], f"rank{rank}").write_text(",".join(detector.found) or "none")
+        return row
+
+    Engine.train_epoch = watched
+
+
+def test_a_pipeline_stages_steps_make_no_sync_in_steady_state(tmp_path, monkeypatch):
+    """The same count on both stages of a 2-stage pipeline (the engine in local processes): activations, gradients,
+    targets and the optimizer step read nothing back from the device, clipping's norm included. (SGD: torch's
+    single-tensor AdamW on CPU reads its step count, a CPU tensor wherever the parameters are.)"""
+    import raytrain_mgpu as rtm
+    from _pipeline_local import LocalRun, run_local
+
+    monkeypatch.setenv("SYNC_LOG", str(tmp_path))
+    cfg = rtm.TrainConfig(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=96,
+                          model_kwargs={"widths": [24, 24]}, batch_size=24, num_microbatches=2, strategy="pipeline",
+                          num_stages=2, cpus_per_worker=1, epochs=2, grad_clip_norm=1.0, optimizer="sgd")
+    run_local([LocalRun(cfg, 8, prepare=_watch_the_second_epoch)])
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["none", "none"]
