@@ -2,14 +2,14 @@
 
 Tests whose point is that a disturbed run (killed, resumed) ends like an undisturbed one compare with
 this instead of a second run through Ray (each costs ~15 s of start-up on a small machine). It does
-the stage workers' arithmetic in the same order (``pipeline/worker.py`` and ``executor.py``): the
+the stage runners' arithmetic in the same order (``pipeline/steps.py`` and ``executor.py``): the
 model built on the seed and cut by the same partition, each replica's loader on its share of the
 epoch's order, every micro-batch's loss scaled by ``1 / m`` and the gradients accumulated in the
 schedule's backward order, one stage's output passed to the next detached (as a message is), the
 replicas' gradients summed and divided by their count, an optimizer per stage. So the weights are
-bit for bit a run's (``tests/test_pipeline_step_checkpoints.py`` checks it against a Ray run), where
-``tests/test_pipeline_equivalence.py``'s unsplit one-process model only agrees to rounding.
-Scope: fp32, no gradient clipping, the default reader (no Ray Data).
+bit for bit a run's (``tests/test_pipeline_ray.py`` and ``tests/test_pipeline_step_checkpoints.py``
+check it against Ray runs), where ``tests/test_pipeline_equivalence.py``'s unsplit one-process model
+only agrees to rounding. Scope: fp32, no gradient clipping, the default reader (no Ray Data).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.pipeline.plan import choose_partition
 from raytrain_mgpu.pipeline.schedule import BACKWARD, build_order
-from raytrain_mgpu.pipeline.worker import microbatch_rows
+from raytrain_mgpu.pipeline.steps import microbatch_rows
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.metrics import EpochMeter, StageTotals
 from raytrain_mgpu.runtime.run_state import add_metric_totals, eval_columns, metric_columns

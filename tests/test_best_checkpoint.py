@@ -1,6 +1,8 @@
 """The best checkpoint and early stopping (``monitor``, ``mode``, ``keep_best``,
-``early_stopping_patience``): the rule on histories and run folders built by hand, then one
-Ray Train fit and one pipeline fit that stop early and keep the best epoch's weights."""
+``early_stopping_patience``): the rule on histories and run folders built by hand, the run folder's
+transport keeping the last checkpoints and a copy of the best, then one fit through each Ray transport
+(Ray Train's workers, the pipeline's actor group) that stops early and keeps the best epoch's weights.
+(When an epoch is evaluated and when a run stops is the engine's, in-process: tests/test_engine.py.)"""
 
 from __future__ import annotations
 
@@ -107,27 +109,37 @@ def _checkpoint(folder: Path, name: str, cfg: TrainConfig, history: list, weight
     return folder / name
 
 
-def test_pipeline_pruning_keeps_the_last_n_and_the_best(tmp_path):
-    cfg = TrainConfig(monitor="test_loss", keep_best=True, num_checkpoints_to_keep=2)
+def test_a_folder_transport_keeps_the_last_n_and_a_copy_of_the_best(tmp_path):
+    """The pipeline's and the in-process runner's checkpoints (``runtime/transport.FolderTransport``): each
+    published, all but the newest ``num_checkpoints_to_keep`` deleted, a new best's model copied aside."""
+    from raytrain_mgpu.runtime.engine_checkpoint import Commit, checkpoint_name
+    from raytrain_mgpu.runtime.transport import FolderTransport
+
+    cfg = TrainConfig(monitor="test_loss", keep_best=True, num_checkpoints_to_keep=2, storage_path=str(tmp_path),
+                      name="run")
+    transport, folder = FolderTransport(cfg, 0, "attempt0"), RunFolder.of(cfg)
     losses = [0.9, 0.4, 0.6, 0.7, 0.8]
-    folder = RunFolder(str(tmp_path))
     for epoch in range(1, len(losses) + 1):
         history = _rows(*losses[:epoch])
-        _checkpoint(tmp_path, f"checkpoint_epoch{epoch:06d}", cfg, history, weight=epoch)
-        best = best_row(history, "test_loss", "min")
-        folder.prune("checkpoint_epoch", 2, spare=f"checkpoint_epoch{best['epoch']:06d}")
-    assert [c.name for c in folder.checkpoints()] == ["checkpoint_epoch000002", "checkpoint_epoch000004",
-                                                      "checkpoint_epoch000005"]
+        state = RunState(epoch=epoch, step=10 * epoch, history=history)
+        name = checkpoint_name(epoch)
+        directory = transport.begin(name, history[-1], step=False, final=epoch == len(losses), sharded=False)
+        ckpt_format.write_checkpoint(directory, meta=None, history=history,
+                                     model_state={"w": torch.full((2,), float(epoch))})
+        is_best = best_row(history, "test_loss", "min") is history[-1]
+        transport.commit(Commit(name, directory, history[-1], checkpoint_meta(cfg, state, {}), is_best, None, None,
+                                False, epoch == len(losses)))
+    assert [c.name for c in folder.checkpoints()] == ["checkpoint_epoch000004", "checkpoint_epoch000005"]
     best = folder.best_checkpoint()
-    assert best.name == "checkpoint_epoch000002" and best.uri == str(tmp_path / "checkpoint_epoch000002")
+    assert best.name == BEST_CHECKPOINT and best.uri == str(tmp_path / "run" / BEST_CHECKPOINT)
+    assert best.meta["epoch"] == 2 and sorted(p.name for p in Path(best.path).iterdir()) == [
+        "history.json", "meta.json", "model.pt"]
     assert torch.equal(ckpt_format.load_model_state(best.path)["w"], torch.full((2,), 2.0))
     assert folder.newest_checkpoint().name == "checkpoint_epoch000005"  # a resume starts from the last
-    folder.prune("checkpoint_epoch", 1)  # without spare: the last N only
-    assert [c.name for c in folder.checkpoints()] == ["checkpoint_epoch000005"]
-    assert folder.best_checkpoint() is None  # the best epoch's folder is gone, and there is no copy
+    assert not list((tmp_path / "run").glob(".tmp*"))
 
 
-def test_ray_trains_best_is_a_copy_of_the_model_meta_and_history(tmp_path):
+def test_the_best_is_a_copy_of_the_model_meta_and_history(tmp_path):
     cfg = TrainConfig(monitor="test_accuracy", mode="max", keep_best=True)
     history = _rows(0.5, 0.9, key="test_accuracy")
     local = _checkpoint(tmp_path / "local", "ckpt", cfg, history, weight=7.0)
@@ -137,13 +149,13 @@ def test_ray_trains_best_is_a_copy_of_the_model_meta_and_history(tmp_path):
     copied = folder.save_best(str(local))
     assert copied.name == BEST_CHECKPOINT and sorted(p.name for p in Path(copied.path).iterdir()) == [
         "history.json", "meta.json", "model.pt"]
-    # Ray Train's own checkpoint of a later epoch names epoch 2 as the best: the copy is found
-    _checkpoint(tmp_path / "run", "checkpoint_2026-01-01_00-00-03.000000", cfg,
+    # the checkpoint of a later epoch names epoch 2 as the best: the copy is found
+    _checkpoint(tmp_path / "run", "checkpoint_epoch000003", cfg,
                 history + _rows(0.5, 0.9, 0.8, key="test_accuracy")[2:])
     best = folder.best_checkpoint()
     assert best.name == BEST_CHECKPOINT and best.meta["epoch"] == 2
     assert torch.equal(ckpt_format.load_model_state(best.path)["w"], torch.full((2,), 7.0))
-    assert [c.name for c in folder.checkpoints()] == ["checkpoint_2026-01-01_00-00-03.000000"]  # never resumed from
+    assert [c.name for c in folder.checkpoints()] == ["checkpoint_epoch000003"]  # never resumed from
     # a temporary copy left by a killed rank 0 is removed with the checkpoint temporaries
     (tmp_path / "run" / f".tmp-{BEST_CHECKPOINT}-0123456789ab").mkdir()
     assert folder.remove_temporaries() == [f".tmp-{BEST_CHECKPOINT}-0123456789ab"]
@@ -154,7 +166,7 @@ def test_a_copy_of_another_epoch_is_not_the_best(tmp_path):
     cfg = TrainConfig(monitor="test_loss", keep_best=True, num_checkpoints_to_keep=1)
     folder = RunFolder(str(tmp_path / "run"))
     folder.save_best(str(_checkpoint(tmp_path / "local", "ckpt", cfg, _rows(0.9, 0.3))))
-    _checkpoint(tmp_path / "run", "checkpoint_2026-01-01_00-00-03.000000", cfg, _rows(0.9, 0.5, 0.6))
+    _checkpoint(tmp_path / "run", "checkpoint_epoch000003", cfg, _rows(0.9, 0.5, 0.6))
     assert folder.best_checkpoint() is None
 
 
@@ -235,15 +247,18 @@ def test_ray_train_keeps_the_best_besides_the_last_and_stops_early(ray_session, 
 
 
 @pytest.mark.ray
-def test_the_pipeline_stops_early_and_spares_the_best_epochs_folder(ray_session, storage, monkeypatch, capsys):
+def test_the_pipeline_stops_early_and_keeps_a_copy_of_the_best(ray_session, storage, monkeypatch, capsys):
     cfg = rtm.TrainConfig(**DIVERGING, strategy="pipeline", num_stages=2, num_microbatches=4, val_fraction=0.2,
                           monitor="val_loss", keep_best=True, num_checkpoints_to_keep=1, early_stopping_patience=2,
                           storage_path=storage, name="best-pipe")
     result = rtm.fit(cfg)
     best_epoch = _check_stopped_early(result, patience=2, epochs=cfg.epochs)
     names = [c.name for c in RunFolder(result.path).checkpoints()]
-    assert names == [f"checkpoint_epoch{best_epoch:06d}", f"checkpoint_epoch{len(result.history):06d}"]
-    assert result.best_checkpoint_path == str(Path(result.path) / names[0])
+    assert names == [f"checkpoint_epoch{len(result.history):06d}"]  # the last one ...
+    assert result.best_checkpoint_path == str(Path(result.path) / BEST_CHECKPOINT)  # ... and a copy of the best
+    assert ckpt_format.read_meta(result.best_checkpoint_path)["epoch"] == best_epoch
+    assert sorted(p.name for p in Path(result.best_checkpoint_path).iterdir()) == [
+        "history.json", "meta.json", "model-stage0.pt", "model-stage1.pt"]  # every stage's part, no train state
     assert _loss(result.load_model(best=True), cfg, "val") == pytest.approx(result.history[best_epoch - 1]["val_loss"],
                                                                            rel=1e-4)
     assert _loss(result.load_model(), cfg, "test") == pytest.approx(result.history[-1]["test_loss"], rel=1e-4)

@@ -332,12 +332,19 @@ def test_compare_keeps_uri_credentials_out_of_its_report_and_errors(monkeypatch,
     assert "s3://***@bucket" in caplog.text and "SECRET" not in caplog.text
 
 
-def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(tmp_path, caplog):
+class _Started(Exception):
+    """Raised where an attempt would start its processes: what it did before is what the test reads."""
+
+
+def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(tmp_path, caplog, monkeypatch):
     import time
     import socket
 
-    from raytrain_mgpu.pipeline.driver import load_state
+    from raytrain_mgpu.pipeline import group, runner
+    from raytrain_mgpu.runtime import engine
     from raytrain_mgpu.runtime.run_folder import RunFolder
+    from raytrain_mgpu.strategies.plan import build_plan
+    from raytrain_mgpu.transports.local import run_in_process
 
     cfg = TrainConfig(storage_path=str(tmp_path), name="r")
     run = tmp_path / "r"
@@ -361,15 +368,30 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
             assert RunFolder.of(cfg).remove_temporaries() == sorted(f.name for f in leftovers)
         assert "removed 2 temporary checkpoint folder(s) left by a stopped driver" in caplog.text
         assert not any(f.exists() for f in leftovers) and (done / ckpt_format.META_FILE).is_file()
-        leftovers[0].mkdir()
-        assert load_state(cfg).checkpoint == str(done)  # the pipeline's start of every attempt prunes
-        assert not leftovers[0].exists()
+        assert RunFolder.of(cfg).state().checkpoint == str(done)
+
+        def started(*args, **kwargs):
+            raise _Started()
+
+        # The start of every attempt prunes: the pipeline's (before its actor group) and the in-process runner's
+        # (before its engine), so a failed attempt's half-written checkpoint never outlives the restart.
+        monkeypatch.setattr(group, "StageGroup", started)
+        monkeypatch.setattr(engine, "Engine", started)
+        pipe = cfg.replace(strategy="pipeline", num_stages=2)
+        for attempt in (lambda: runner.train_attempt(pipe, build_plan(pipe), None),
+                        lambda: run_in_process(cfg, build_plan(cfg), None)):
+            leftovers[0].mkdir()
+            with pytest.raises(_Started):
+                attempt()
+            assert not leftovers[0].exists()
     finally:
         lock.release()
 
 
-# ----------------------------------------------------------------------------- through fit (Ray)
+# ----------------------------------------------------------------------------- through fit
 
+# One worker: fit trains it in this process (runner="auto"); the run folder's lock and the resume check are
+# fit's own, before it picks a runner, so they hold for a run through Ray alike.
 TINY_FIT = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,
                 optimizer="sgd", lr=0.1, num_workers=1)
 
@@ -382,7 +404,7 @@ def _snapshot(folder) -> dict:
 
 
 @pytest.fixture(scope="module")
-def locked_then_trained(ray_session, tmp_path_factory):
+def locked_then_trained(tmp_path_factory):
     """The module's one fit: refused while another live driver holds the run folder, run once that
     driver is gone. Returns ``(cfg, owner pid, the refusal, checkpoints written while refused, the
     owner's exit code, the result)``; the finished run folder is also what the resume check refuses to mix."""
@@ -424,10 +446,11 @@ def test_fit_refuses_a_changed_resume_before_ray_and_leaves_the_run_folder_alone
         raise AssertionError("fit connected to Ray before refusing the resume")
 
     monkeypatch.setattr(api, "connect", no_ray)
+    # runner="ray": this fit would start Ray, and must refuse before it does
     with pytest.raises(ValueError, match=r"run folder .*/locked' holds checkpoints trained with batch_size=64, but "
                                          r"this run has batch_size=32; trained with optimizer='sgd', but this run has "
                                          r"optimizer='adamw': resuming would mix two runs. Use another `name`"):
-        api.fit(cfg.replace(optimizer="adamw", batch_size=32))
+        api.fit(cfg.replace(optimizer="adamw", batch_size=32, runner="ray"))
     assert _snapshot(run) == before  # same files, same bytes, same mtimes (the lock came and went)
 
 

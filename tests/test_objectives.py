@@ -4,7 +4,7 @@ A regression task defined here (``test_objectives:regression_data``, ``num_class
 unless the config gives one; ``test_objectives:regressor``, a 1-unit head) trains with a
 user loss (``squared_error``) and metrics (``mae`` and the user's ``within_half``):
 
-- 1 vs 2 data-parallel workers (2 local processes, gloo, the real worker loop ``_Loop``):
+- 1 vs 2 data-parallel workers (2 local processes, gloo, the engine every worker runs):
   the same weights after an epoch of SGD, and the same epoch metrics, which equal sum/count
   computed by hand over the test split (11 + 10 samples on the two ranks: a mean of the
   ranks' means would differ);
@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import io
 import math
-import os
 import traceback
 
 import pytest
@@ -39,8 +38,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import LOSSES, METRICS, Objective, Predictions
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.runtime import loaders
+from raytrain_mgpu.optim import build_optimizer
 from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.placement import free_address
 from raytrain_mgpu.runtime.progress import ProgressPrinter
@@ -357,26 +355,18 @@ INFO_NCE = dict(REGRESSION, model="test_objectives:embedder", loss="test_objecti
 
 
 def _run_loop(rank: int, world: int, fields: dict):
-    """One epoch and one evaluation of the Ray Train worker loop (``_Loop``), without Ray: ``(row, weights)``."""
-    from raytrain_mgpu.runtime import loop as loop_module
-    from raytrain_mgpu.runtime.progress import WorkerReporter
+    """One epoch and one evaluation of the engine every Ray Train worker runs (``runtime/engine.py``, with the
+    data-parallel step runner), without Ray (tests/_engine.py): ``(row, weights)``."""
+    from _engine import make_engine
 
-    loop_module._device_record = lambda ctx: {}  # asks Ray for its GPU ids and node
-    cfg = rtm.TrainConfig(**fields, num_workers=world)
-    data = build_datasets(cfg.data)
-    ctx = WorkerContext(rank, world, rank, world, 0, (CPU,) * cfg.gpus_per_worker)
-    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
-    torch.manual_seed(cfg.seed)
-    model = strategy.setup_model(build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs))
-    sampler = DistributedSampler(data.train, world, rank, shuffle=True, seed=cfg.seed, drop_last=True)
-    loader = DataLoader(data.train, batch_size=cfg.batch_size // world, sampler=sampler, drop_last=True)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, len(loader), cfg.epochs)
-    loop = loop_module._Loop(cfg, strategy, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
-                             loader, WorkerReporter(None), len(loader))
-    row = loop.train_epoch(0, RunState())
-    row.update(loop.evaluate(loaders.test_loader(None, data.test, rank, world, cfg.batch_size // world), "test"))
-    return row, strategy.state_dict(model)
+    threads = torch.get_num_threads()  # make_engine sets cpus_per_worker's, as a worker does
+    try:
+        engine = make_engine(fields, rank=rank, world=world)
+        row = engine.train_epoch(0)
+        row.update(engine.evaluate("test"))
+        return row, engine.steps.model_state()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rank_main(rank: int, world: int, port: int, queue) -> None:
@@ -499,10 +489,13 @@ def test_a_two_stage_pipeline_trains_a_user_loss_like_the_unsplit_model():
     result, = run_local([LocalRun(cfg, PIPELINE_STEPS)])
     want, (loss_sum, samples, totals) = _pipeline_reference(cfg, PIPELINE_STEPS)
     _assert_same_weights(result.model_state, want, "pipeline vs unsplit")
-    last = [s for s in result.stats if s["is_last"]]
-    assert len(last) == 1 and last[0]["targets"] == samples == 16
-    assert math.isclose(last[0]["loss_sum"], loss_sum, rel_tol=1e-5)
-    assert set(last[0]["metrics"]) == {"mae", "within_half"}
+    # The last epoch's row: the engine's sums over every rank (the last stage measures them), the user's metrics
+    row = result.stats[0]["history"][-1]
+    assert (row["epoch"], row["step"]) == (2, PIPELINE_STEPS) and samples == 16
+    assert row["samples_per_s"] * row["training_s"] == pytest.approx(samples)
+    assert math.isclose(row["train_loss"], loss_sum / samples, rel_tol=1e-5)
+    assert {k for k in row if k.startswith("train_")} - {"train_loss", "train_accuracy"} == {
+        "train_mae", "train_within_half"} and row["train_accuracy"] is None
     for name, (total, count) in totals.items():
-        assert last[0]["metrics"][name][1] == count == 16
-        assert math.isclose(last[0]["metrics"][name][0], total, rel_tol=1e-5, abs_tol=1e-9), name
+        assert count == 16
+        assert math.isclose(row[f"train_{name}"], total / count, rel_tol=1e-5, abs_tol=1e-9), name
