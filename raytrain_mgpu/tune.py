@@ -11,11 +11,13 @@
 - Every epoch's row (its numbers) goes to ``ray.tune.report``, so a scheduler (ASHA, PBT's
   ``training_iteration`` is the epoch count) stops or compares trials by ``val_*``/``test_*``/``train_*``.
   A stopped trial's process ends, and its Ray Train workers with it.
-- The trial's own process only drives ``fit`` (:data:`TRIAL_CPUS` of a CPU): the training bundles
-  are the run's, requested by ``fit``. Trials beyond what the cluster holds at once would wait for
-  their bundles (a pipeline's for at most its placement timeout, then fail):
-  :func:`max_concurrent_trials` is how many runs of ``cfg`` fit the cluster together, for
-  ``TuneConfig(max_concurrent_trials=...)``, so the others queue in Tune instead.
+- A run of one worker that needs nothing only Ray provides (``runner="auto"``, the in-process runner's
+  rules: ``transports/local.py``) trains inside its trial's own process, which holds the worker's resources
+  (its CPUs and GPU): no Ray Train worker group per trial. Otherwise the trial's process only drives
+  ``fit`` (:data:`TRIAL_CPUS` of a CPU) and the training bundles are the run's, requested by ``fit``.
+  Trials beyond what the cluster holds at once would wait for their bundles (a pipeline's for at most its
+  placement timeout, then fail): :func:`max_concurrent_trials` is how many runs of ``cfg`` fit the
+  cluster together, for ``TuneConfig(max_concurrent_trials=...)``, so the others queue in Tune instead.
 
 ``raytrain-mgpu tune`` (:func:`search`) is the same from the command line.
 """
@@ -68,19 +70,33 @@ class _ReportEpochs(Callback):
             tune.report(pending)
 
 
+def in_trial(cfg: TrainConfig) -> bool:
+    """Whether ``cfg``'s trials train inside their own process (one worker, nothing only Ray provides)."""
+    from raytrain_mgpu.strategies.plan import build_plan
+    from raytrain_mgpu.transports.local import local_refusal
+
+    return cfg.runner != "ray" and cfg.strategy != "auto" and local_refusal(cfg.replace(runner="local"),
+                                                                           build_plan(cfg)) is None
+
+
 def trainable(cfg: TrainConfig) -> Callable:
-    """A Ray Tune trainable whose trials run ``fit(cfg.replace(**trial values))``, one run folder each."""
+    """A Ray Tune trainable whose trials run ``fit(cfg.replace(**trial values))``, one run folder each; in the
+    trial's own process, with the worker's resources, where the run can (:func:`in_trial`)."""
     from ray import tune
+
+    from raytrain_mgpu.strategies.plan import build_plan
+
+    inside = in_trial(cfg)
 
     def run_trial(values: dict) -> None:
         from raytrain_mgpu.api import fit
 
         trial = tune.get_context().get_trial_id()
-        trial_cfg = cfg.replace(**values, name=f"{cfg.name}-{trial}")
+        trial_cfg = cfg.replace(**values, name=f"{cfg.name}-{trial}", **({"runner": "local"} if inside else {}))
         fit(trial_cfg.replace(callbacks=[*cfg.callbacks, _ReportEpochs(trial_cfg.epochs)]))
 
     run_trial.__name__ = f"raytrain_mgpu-{cfg.name}"  # Tune names the experiment's trials after it
-    return tune.with_resources(run_trial, {"CPU": TRIAL_CPUS})
+    return tune.with_resources(run_trial, dict(build_plan(cfg).worker_resources) if inside else {"CPU": TRIAL_CPUS})
 
 
 def max_concurrent_trials(cfg: TrainConfig, resources: Optional[Dict[str, float]] = None) -> int:

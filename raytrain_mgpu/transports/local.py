@@ -41,7 +41,7 @@ def local_refusal(cfg, plan) -> Optional[str]:
         return f"strategy={cfg.strategy!r} runs its stages in an actor group of their own"
     if is_elastic(cfg) or plan.num_processes != 1:
         return f"num_workers={cfg.num_workers!r} asks for more than one worker process"
-    if cfg.address is not None or os.environ.get("RAY_ADDRESS"):
+    if cfg.runner == "auto" and (cfg.address is not None or os.environ.get("RAY_ADDRESS")):
         return "a cluster address is set (address or RAY_ADDRESS): the run belongs on that cluster"
     if cfg.ingest == "ray_data" or isinstance(cfg.dataset, dict):
         return "Ray Data streams the training split (ingest='ray_data' or Ray Datasets)"
