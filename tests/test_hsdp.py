@@ -34,7 +34,7 @@ def _batches() -> list:
             for _ in range(STEPS)]
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, out: str, interleaved: bool = False) -> None:
     from raytrain_mgpu.parallel import build_worker
     from _reference import build_rank_model as _build_model
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
@@ -43,8 +43,13 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         cfg = TrainConfig(**CFG)
-        # two "nodes" of two workers: ranks 0, 1 on node 0 and 2, 3 on node 1
-        ctx = WorkerContext(rank, WORLD, rank % SHARD, SHARD, rank // SHARD, (torch.device("cpu"),))
+        # two "nodes" of two workers: ranks 0, 1 on node 0 and 2, 3 on node 1 (interleaved: 0, 2 and 1, 3)
+        node = rank % SHARD if interleaved else rank // SHARD
+        ctx = WorkerContext(rank, WORLD, rank % SHARD, SHARD, node, (torch.device("cpu"),))
+        import logging
+
+        handler = logging.FileHandler(os.path.join(out, f"log-{rank}.txt"))
+        logging.getLogger("raytrain_mgpu.parallel.replication").addHandler(handler)
         strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
         model = strategy.setup_model(_build_model(cfg, strategy, (8,), 4))
         weight = model[1][0].weight  # the first Linear
@@ -72,6 +77,7 @@ def test_hsdp_shards_inside_groups_replicates_across_them_and_trains_like_one_pr
     # forked from the suite's server with torch imported (tests/_forkserver.py), as its other local process
     # groups: not a fork of this pytest process (threads, perhaps a Ray connection), which is not safe
     _forkserver.start_processes(_rank, (free_address()[1], str(tmp_path)), nprocs=WORLD)
+    assert not any((tmp_path / f"log-{rank}.txt").read_text() for rank in range(WORLD))  # one node a group: no warning
     facts = [json.loads((tmp_path / f"facts-{rank}.json").read_text()) for rank in range(WORLD)]
     for rank, fact in enumerate(facts):
         assert fact["mesh"] == [WORLD // SHARD, SHARD] and fact["dims"] == ["replicate", "shard"], fact
@@ -114,3 +120,15 @@ def test_shard_groups_that_span_nodes_are_named():
     assert shard_groups_across_nodes([0, 0, 1, 1], 2) == []  # each node's pair: one group each
     assert shard_groups_across_nodes([0, 1, 0, 1], 2) == [[0, 1], [2, 3]]  # interleaved: both span
     assert shard_groups_across_nodes([0, 0, 0, 1, 1, 1], 2) == [[2, 3]]  # 3 workers a node, groups of 2
+
+
+def test_shard_groups_that_span_nodes_are_warned_about_naming_the_fix(tmp_path):
+    """Ranks 0, 2 on one node and 1, 3 on the other: both shard groups (0, 1) and (2, 3) span the nodes, so every
+    all-gather crosses the network; rank 0 says so once, with the fix."""
+    from raytrain_mgpu.runtime.placement import free_address
+
+    _forkserver.start_processes(_rank, (free_address()[1], str(tmp_path), True), nprocs=WORLD)
+    logs = [(tmp_path / f"log-{rank}.txt").read_text() for rank in range(WORLD)]
+    assert "shard_group_size=2: the shard groups [[0, 1], [2, 3]] span nodes [[0, 1], [0, 1]]" in logs[0]
+    assert "Set shard_group_size to the workers of one node" in logs[0]
+    assert logs[1:] == ["", "", ""]

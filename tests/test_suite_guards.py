@@ -51,6 +51,7 @@ def test_a_test_hung_past_its_timeout_prints_every_threads_stack_and_ends_the_ru
 
 def test_past_its_budget_the_suite_stops_and_still_prints_the_summary_and_the_machines_load(tmp_path):
     out = _pytest(tmp_path, TWO, RAYTRAIN_MGPU_SUITE_BUDGET_S="0.001")
+    assert out.returncode == 2  # interrupted: a suite that did not run every test fails CI, whatever passed
     assert "past its budget" in out.stdout and "stopped after test_it.py::test_first" in out.stdout
     assert "1 passed" in out.stdout and "test_second" not in out.stdout
     assert "machine: " in out.stdout and "free on" in out.stdout  # the header
