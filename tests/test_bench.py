@@ -114,7 +114,7 @@ def test_short_epochs_report_takes_an_epochs_overhead_from_two_run_lengths_and_t
     # K=10: 10 x 0.01 s more checkpoint time over 10 x 0.1 s in steps
     assert "step checkpoints every 10 steps: 10.0 % of the steps' time" in text
     # per save: 0.1 s over 2 saves an epoch that are not its last step (steps 10 and 20 of 22) x 10 epochs
-    assert "5.0 ms a save against 10 steps of 4.5 ms; against 10 steps of 50 ms (issue 24's example) 1.0 %" in text
+    assert "5.0 ms a save against 10 steps of 4.5 ms; against 10 steps of 50 ms (the example target's) 1.0 %" in text
 
 
 def test_checkpointing_report_puts_the_two_variants_side_by_side():

@@ -27,10 +27,6 @@ TABLE_CELL_MAX_CHARS = 300
 # Words about how the work was organised, not about what a user runs.
 _WORKPLACE = re.compile(r"session \d+|issue \d+|stop \d+|this VM|the VM\b|\blent\b", re.IGNORECASE)
 # Being rewritten by another change; remove this set when it lands.
-_BEING_REWRITTEN = {"raytrain_mgpu/api.py", "raytrain_mgpu/runtime/checkpoint.py",
-                    "raytrain_mgpu/runtime/worker_checkpoint.py"}
-# Printed by the bench and asserted word for word in tests/test_bench.py; remove with that assertion.
-_PRINTED_AND_PINNED = {"raytrain_mgpu/bench/short_epochs.py": ("issue 24's example", "Targets (issue 24)")}
 
 _FENCE = re.compile(r"^(```|~~~)")
 # [text](target) and ![alt](target); the target ends at whitespace (an optional "title") or ")".
@@ -191,16 +187,13 @@ def test_the_results_page_stays_a_page():
 def _package_sources():
     for path in sorted((ROOT / "raytrain_mgpu").rglob("*.py")):
         name = str(path.relative_to(ROOT))
-        if name not in _BEING_REWRITTEN:
-            yield name, path
+        yield name, path
 
 
 def test_docs_and_package_text_speak_to_users_not_of_how_the_work_was_organised():
     found = []
     for name, path in [(_page_id(page), page) for page in PAGES] + list(_package_sources()):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            for pinned in _PRINTED_AND_PINNED.get(name, ()):
-                line = line.replace(pinned, "")
             found += [f"{name}:{number}: {match.group(0)!r} in: {line.strip()[:100]}"
                       for match in _WORKPLACE.finditer(line)]
     assert not found, ("session, issue or stop numbers and words about the machines the work ran on "

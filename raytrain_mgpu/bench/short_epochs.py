@@ -195,8 +195,8 @@ def report(measured: Dict[str, List[tuple]]) -> str:
                  f"the steps' time (the K run's checkpoint_s less the plain fit's, over its time in steps; "
                  f"target <= 10 %): {1000 * per_save:.1f} ms a save against {STEP_CHECKPOINT_EVERY} steps of "
                  f"{1000 * step_s:.1f} ms; against {STEP_CHECKPOINT_EVERY} steps of {1000 * EXAMPLE_STEP_S:.0f} ms "
-                 f"(issue 24's example) {100 * per_save / (STEP_CHECKPOINT_EVERY * EXAMPLE_STEP_S):.1f} %")
-    lines.append("medians over rounds; ratios are within a round. Targets (issue 24): fit's wall <= 0.80x, "
+                 f"(the example target's) {100 * per_save / (STEP_CHECKPOINT_EVERY * EXAMPLE_STEP_S):.1f} %")
+    lines.append("medians over rounds; ratios are within a round. Targets: fit's wall <= 0.80x, "
                  "samples/s >= 0.90x the hand-written Ray Train loop's")
     return "\n".join(lines)
 

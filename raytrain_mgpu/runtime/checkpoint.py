@@ -71,7 +71,7 @@ def write_checkpoint(directory: str, *, meta: dict, history: list, model_state: 
     if history is not None:
         # One row a line: ``indent`` makes ``json`` fall back to its pure-Python encoder, and every
         # checkpoint (step ones too) rewrites the whole history: 187 rows took 27.7 ms indented,
-        # 9.3 ms a row a line (issue 24, measured on the 2-core VM).
+        # 9.3 ms a row a line (measured on a 2-core machine).
         (path / HISTORY_FILE).write_text("[\n" + ",\n".join(json.dumps(row) for row in history) + "\n]\n")
 
 
