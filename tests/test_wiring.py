@@ -98,10 +98,11 @@ def test_the_last_save_returns_only_after_the_controller_took_the_report(rank, m
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_written(rank, monkeypatch, tmp_path,
                                                                                       storage, gloo_group):
-    """A step checkpoint (background upload) is reported before the gather and the write, so the
-    other ranks' wait for the controller overlaps rank 0's work (issue 24); Ray Train's upload of
-    rank 0's folder waits until it is complete; the other ranks still return only once the
-    controller holds their report (rank 0's is queued after the upload, and waited for before its next save)."""
+    """A step checkpoint (background upload) is reported before its write (after the save's one gather, which
+    checks that every rank's weights are finite), so the other ranks' wait for the controller overlaps rank 0's
+    write (issue 24); Ray Train's upload of rank 0's folder waits until it is complete; the other ranks still
+    return only once the controller holds their report (rank 0's is queued after the upload, and waited for
+    before its next save)."""
     events: list = []
     controller = _Controller(events)
     uploaded: list = []
@@ -139,12 +140,12 @@ def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_w
     events.append("returned")
     controller.thread.join(timeout=30)
     if rank == 0:
-        assert events[:2] == [("report", []), "gather"], events  # an empty folder, reported before the gather
+        assert events[:2] == ["gather", ("report", [])], events  # an empty folder: reported before the write
         assert uploaded == [["history.json", "meta.json", "model.pt", "train_state.pt"]]  # uploaded complete
         # Its report reaches the controller after the upload; rank 0 waits for it before its next save.
         assert events[2:] == ["returned", "collected"], events
     else:
-        assert events[:2] == [("report", None), "gather"], events
+        assert events[:2] == ["gather", ("report", None)], events
         assert events[2:] == ["collected", "returned"], events
 
 
@@ -182,4 +183,5 @@ def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, stor
         engine.saver.save({"epoch": 1, "step": 10}, partial={"samples": 100})
     thread, *_ = uploads
     thread.join(timeout=30)
-    assert uploads[1:] == ["disk full"]  # the upload waited for the write and failed with it
+    (failed,) = uploads[1:]  # the upload waited for the write and failed with it (named, the cause in it)
+    assert "disk full" in failed and "checkpoint_epoch000001_step000000010" in failed, failed
