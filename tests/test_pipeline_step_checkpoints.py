@@ -5,8 +5,8 @@ Unit tests: a checkpoint is published only once every rank's part is in, ``meta.
 is no resume point); a failed write raises at the save and publishes nothing; every rank's partial epoch sums
 survive the train state exactly, each rank resuming its own; the names sort by age.
 
-Ray run (the shared instance, its emulated GPUs): a ``ddp_pipeline`` of 2 replicas (GPipe) whose last stages
-die in the middle of epoch 2 resumes at the last step checkpoint, inside the epoch, on the epoch's own sample
+Ray run (the shared instance, its emulated GPUs): a ``ddp_pipeline`` of 2 replicas (GPipe) whose last stage
+dies in the middle of epoch 2 resumes at the last step checkpoint, inside the epoch, on the epoch's own sample
 order, and ends with the weights and epoch rows of an undisturbed run computed in this process
 (``tests/_pipeline_reference.py``), each stage actor on its own GPU. The plain ``pipeline``'s killed run, with
 its step checkpoints, is ``tests/test_pipeline_ray.py``'s.
@@ -205,8 +205,8 @@ def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_l
     probe = tmp_path / "probe"
     probe.mkdir()
     storage = str(tmp_path / "results")
-    # The last stages die after FAIL_AT steps, once the step checkpoint before them is complete
-    # (tests/_pipe_probe.py); in this process (the references) the same model trains undisturbed.
+    # A last stage dies after FAIL_AT steps (one replica's: once per probe dir), once the step checkpoint before
+    # them is complete (tests/_pipe_probe.py); in this process (the references) the same model trains undisturbed.
     dies = dict(model="_pipe_probe:mlp_whose_last_stage_dies", model_kwargs={
         **PIPE["model_kwargs"], "probe": str(probe), "after_steps": FAIL_AT, "microbatches": PIPE["num_microbatches"],
         "run_dir": f"{storage}/killed", "checkpoint_step": FAIL_AT - FAIL_AT % EVERY})
