@@ -86,6 +86,11 @@ def split(obj: Any, chunks: int) -> List[Any]:
     return [pytree.tree_unflatten([part[i] for part in parts], spec) for i in range(chunks)]
 
 
+def head(obj: Any, rows: int) -> Any:
+    """The first ``rows`` rows of every tensor of a batch."""
+    return obj[:rows] if isinstance(obj, torch.Tensor) else _map(lambda t: t[:rows], obj)
+
+
 def detach(obj: Any) -> Any:
     return obj.detach() if isinstance(obj, torch.Tensor) else _map(lambda t: t.detach(), obj)
 

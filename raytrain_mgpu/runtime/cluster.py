@@ -38,6 +38,9 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
                              "on the CPU.")
     # A local instance under emulation gets the N fake GPUs; a cluster brings its own.
     local = devices.local_ray_init_kwargs() if address is None else {}
+    if address is None:  # the raylet starts every worker with what worker_runtime_env would give each run
+        for key, value in worker_env_vars().items():
+            os.environ.setdefault(key, value)
     try:
         # log_to_driver=False: workers' own logs stay in the Ray session folder; errors still
         # reach the driver as exceptions, and progress comes through ProgressSink.
@@ -260,9 +263,25 @@ def worker_runtime_env(*specs: str) -> dict:
     """
     from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
 
-    env: dict = {"env_vars": {"RAY_worker_niceness": "0", **devices.runtime_env_vars()}}
+    # On a Ray this process started, its raylet has these already (connect set them before ray.init), and a
+    # runtime env that sets nothing new lets Ray hand the run its pre-started worker processes (each a Python
+    # that has imported Ray already) instead of starting new ones with that env.
+    wanted = worker_env_vars()
+    missing = {key: value for key, value in wanted.items() if os.environ.get(key) != value or not _started_here()}
+    env: dict = {"env_vars": missing} if missing else {}
     shipped = local_modules_to_ship(*specs)
     if shipped:
         env["py_modules"] = upload_modules(shipped)
     return env
+
+
+def worker_env_vars() -> dict:
+    """Environment every training process needs: normal priority (Ray starts workers at nice 15), GPU emulation."""
+    return {"RAY_worker_niceness": "0", **devices.runtime_env_vars()}
+
+
+def _started_here() -> bool:
+    from raytrain_mgpu.runtime.preemption import ray_started_here
+
+    return ray_started_here()
 

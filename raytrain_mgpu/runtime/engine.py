@@ -182,7 +182,7 @@ class Engine:
             meter.resume(_own_partials(self.partials, self.ctx))
         if window is not None:
             window.resume()
-        next_batch = feed.batches(batches, meter, window)
+        next_batch = feed.batches(batches, meter, window, self.observer.first_batch)
         context, watch = steps.step_context, cfg.on_nonfinite == "stop"
         context.epoch, self.end_step.epoch = epoch, epoch + 1
         bad = torch.zeros((), dtype=torch.int64, device=steps.device) if watch else None

@@ -110,18 +110,23 @@ class Feed:
             batches = self._open = Prefetcher(batches)
         return batches
 
-    def batches(self, batches, meter, window) -> Callable[[], tuple]:
-        """``next_batch()``: the next batch on the step runner's device, its wait counted as data wait."""
+    def batches(self, batches, meter, window, first: Optional[Callable] = None) -> Callable[[], tuple]:
+        """``next_batch()``: the next batch on the step runner's device, its wait counted as data wait; ``first``
+        sees the first one (the FLOPs' shapes)."""
         device, channels_last = self.steps.device, self.cfg.channels_last
         from raytrain_mgpu.batches import move_batch
 
         def next_batch() -> tuple:
+            nonlocal first
             started = time.perf_counter()
             x, y = next(batches)
             waited = time.perf_counter() - started
             meter.data_wait_s += waited
             if window is not None:
                 window.add_data_wait(waited)
+            if first is not None:
+                first, see = None, first
+                see(x, y)
             return move_batch(x, y, device, channels_last)
 
         return next_batch

@@ -2,9 +2,10 @@
 epoch's MFU, the profiler's window (``TrainConfig.profile_steps``), evaluation every N steps
 (``eval_every_n_steps``).
 
-- FLOPs: counted once per attempt on the model as built, before any wrapping or sharding, on a few samples of
-  the training split (``runtime/flops.step_flops``: a ``meta`` copy, no arithmetic), then scaled to the global
-  batch: the whole model's forward and backward over every replica's samples of one optimizer step. The epoch's
+- FLOPs: counted once per attempt by rank 0 on a ``meta`` copy of the model as built (before any wrapping or
+  sharding), with the shapes of a few rows of its first batch (``runtime/flops.step_flops``: no arithmetic, no
+  read of the dataset of its own), then scaled to the global batch: the whole model's forward and backward
+  over every replica's samples of one optimizer step. The epoch's
   ``mfu`` is those FLOPs times its steps over its time in steps and the devices' dense peak
   (``runtime/flops.peak_flops_per_s``: a table of GPUs; None on CPU, under emulation or on an unknown GPU).
 - The profiler: ``torch.profiler`` over the global steps ``profile_steps`` (``runtime/profiling.StepProfiler``),
@@ -40,27 +41,38 @@ class Observer:
 
         self.engine = engine
         cfg, steps = engine.cfg, engine.steps
-        self.flops_per_step = self._count(model)
+        self.flops_per_step: Optional[float] = None
+        self._model = self._meta_copy(model) if engine.rank == 0 else None  # counted on the first batch
         self.peak = peak_flops_per_s(steps.device, cfg.precision)
         self.devices = engine.world * len(steps.memory_devices())
         self.profiler = None
         self._trace_dir: Optional[str] = None
 
-    def _count(self, model: torch.nn.Module) -> Optional[float]:
-        """FLOPs of one optimizer step over every replica, or None where they cannot be counted."""
-        from torch.utils.data._utils.collate import default_collate
+    @staticmethod
+    def _meta_copy(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+        from raytrain_mgpu.runtime.flops import meta_copy
 
+        try:
+            return meta_copy(model)
+        except Exception as exc:  # a model that cannot be copied: no MFU column
+            logger.debug("no meta copy of the model for its FLOPs: %s", exc)
+            return None
+
+    def first_batch(self, x, y) -> None:
+        """Rank 0's first batch of the attempt: the FLOPs of a step, on a few of its rows' shapes (once)."""
+        from raytrain_mgpu.batches import head
         from raytrain_mgpu.runtime.flops import step_flops
 
+        model, self._model = self._model, None
+        if model is None:
+            return
         engine = self.engine
         try:
-            train = engine.data.train
-            rows = min(_FLOP_SAMPLES, engine.plan.micro_batch, len(train))
-            x, y = default_collate([train[i] for i in range(rows)])
-            return step_flops(model, x, y, engine.steps.objective.loss) * engine.plan.global_batch / rows
-        except Exception as exc:  # a model FlopCounterMode cannot run, a dataset without indexing: no MFU column
+            rows = min(_FLOP_SAMPLES, engine.plan.micro_batch)
+            x, y = head(x, rows), head(y, rows)
+            self.flops_per_step = step_flops(model, x, y, engine.steps.objective.loss) * engine.plan.global_batch / rows
+        except Exception as exc:  # a model FlopCounterMode cannot run on meta: no MFU column
             logger.debug("FLOPs of a step not counted: %s", exc)
-            return None
 
     def start(self, step: int) -> None:
         """Just before the first step of an attempt (``step`` steps already taken): the profiler's window."""

@@ -102,7 +102,7 @@ def _on_meta(obj: Any) -> Any:
     return pytree.tree_map(lambda v: meta(v) if isinstance(v, torch.Tensor) else v, obj)
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module) -> nn.Module:
     """``model`` deep-copied with every parameter and buffer replaced by an empty one on ``meta``
     (the memo maps each tensor to its stand-in, so tied weights stay tied and no data is copied)."""
     memo: Dict[int, Any] = {}
@@ -115,7 +115,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
 
 def _count_on_meta(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> int:
     with torch.random.fork_rng(devices=[]):  # a meta op that draws numbers draws none on a device
-        return _count(_meta_copy(model), _on_meta(inputs), _on_meta(targets), loss_fn)
+        return _count(meta_copy(model), _on_meta(inputs), _on_meta(targets), loss_fn)
 
 
 def _count_on_device(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> int:

@@ -11,14 +11,15 @@ opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
     {run}/checkpoint_manager_snapshot.json   Ray Train's own record of its checkpoints
     {run}/best_checkpoint/              the best epoch's model, for a Ray Train run with keep_best
 
-Ray Train names its checkpoints ``checkpoint_<time>``; the pipeline driver
-``checkpoint_epoch<E>``. :meth:`RunFolder.checkpoints` is the one scanner of both.
+Every runner names its checkpoints ``checkpoint_epoch<E>`` (``_step<S>`` inside an epoch:
+``runtime/engine_checkpoint.py``); earlier Ray Train runs' ``checkpoint_<time>`` folders still resume.
+:meth:`RunFolder.checkpoints` is the one scanner of all of them.
 
-``keep_best``: the best checkpoint is kept besides the last ``num_checkpoints_to_keep``.
-The pipeline driver's :meth:`RunFolder.prune` spares the best epoch's folder. Ray Train
-cannot: with ``checkpoint_score_attribute`` its ``num_to_keep`` keeps the N *best* (and
-the latest), not the last N, and a folder deleted behind its back fails its resume. So
-its rank 0 copies a new best's model into ``best_checkpoint/`` (:meth:`RunFolder.save_best`).
+``keep_best``: the best checkpoint is kept besides the last ``num_checkpoints_to_keep``: a new best's
+model is copied into ``best_checkpoint/`` (:meth:`RunFolder.save_best`), by Ray Train's rank 0 before
+its report or by the run folder's publisher (``runtime/transport.FolderTransport``). Ray Train's own
+``num_to_keep`` prunes by age (with ``checkpoint_score_attribute`` it would keep the N *best*, and a
+folder deleted behind its back fails its resume); :meth:`RunFolder.prune` does the same for the others.
 """
 
 from __future__ import annotations
@@ -244,12 +245,10 @@ class RunFolder:
             self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
             self.fs.copy_file(path, target)
 
-    def prune(self, prefix: str, keep: int, spare: Optional[str] = None) -> None:
-        """Delete all but the newest ``keep`` folders named ``{prefix}*`` (names sort by age),
-        and the folder named ``spare`` (the best checkpoint, with ``keep_best``)."""
+    def prune(self, prefix: str, keep: int) -> None:
+        """Delete all but the newest ``keep`` folders named ``{prefix}*`` (names sort by age)."""
         for old in self._folders(prefix)[:-keep]:
-            if old.base_name != spare:
-                self.fs.delete_dir(old.path)
+            self.fs.delete_dir(old.path)
 
     def save_best(self, directory: str) -> CheckpointInfo:
         """Copy the model parts, ``meta.json`` and ``history.json`` of the local checkpoint
