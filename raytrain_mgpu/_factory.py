@@ -177,10 +177,13 @@ def _code_text(obj) -> str:
     return repr((code.co_code, code.co_names, consts))
 
 
+CODE_FIELDS = ("model", "dataset", "optimizer", "loss", "collate", "train_step", "param_groups")
+"""The ``TrainConfig`` fields that may name code (a ``module:function``, or from Python the object): the workers get
+their modules."""
+
+
 def _objects(cfg) -> list:
     """``(field, object)`` of every class or function ``cfg`` was given from Python (not by name)."""
-    from raytrain_mgpu.config import CODE_FIELDS
-
     entries = [(name, getattr(cfg, name)) for name in (*CODE_FIELDS, "train_transform", "test_transform")]
     entries += [("metrics", entry) for entry in cfg.metrics or []]
     return [(field, spec) for field, spec in entries if is_object(spec)]

@@ -21,7 +21,7 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices, ray_ingest
 from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory, send_objects_by_value
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.runtime.cluster import check_placeable, connect, worker_runtime_env
+from raytrain_mgpu.runtime.cluster import check_placeable, connect
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
@@ -33,10 +33,8 @@ from raytrain_mgpu.planning.preflight import (check_data_fits, check_model_build
 from raytrain_mgpu.runtime.run_folder import RunFolder
 from raytrain_mgpu.runtime.run_state import stops_early
 from raytrain_mgpu.runtime.runlock import RunLock
-from raytrain_mgpu.runtime.progress import ProgressPrinter, ProgressSink, SinkPump
-from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks, stop_main_thread_on_failure
-from raytrain_mgpu.runtime.faults import controller_poll
-from raytrain_mgpu.runtime.preemption import watcher_where_notices_come
+from raytrain_mgpu.runtime.progress import ProgressPrinter
+from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks
 from raytrain_mgpu.strategies import get_strategy
 from raytrain_mgpu.transports.local import runner_for
 
@@ -182,7 +180,9 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
             startup = _startup(called, checked, connected, outcome.startup)
         else:
-            history, checkpoint_path, rank0 = _run_train_workers(cfg, plan, events)
+            from raytrain_mgpu.transports.ray_train import run_train_workers
+
+            history, checkpoint_path, rank0 = run_train_workers(cfg, plan, events)
             startup = _startup(called, checked, connected, rank0)
         run_path = _run_path(cfg)
         history = _stamp_auto(history, auto_record, run_path)
@@ -241,78 +241,6 @@ def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes, runner: s
             f"lr {cfg.optim.scaled_lr():g} | precision {cfg.precision} | run {redact(_run_path(cfg))}")
 
 
-def _torch_trainer_class():
-    """Ray Train's ``TorchTrainer``, less the Ray Data actor that a run without ``datasets=`` never uses.
-
-    Ray Train 2.60 starts a ``DatasetManager`` actor for every run (its ``DatasetsCallback``), a
-    process of its own that imports Ray Data, datasets or not; only a worker's
-    ``get_dataset_shard`` asks it for anything, which ``ingest="loader"`` (the default) never calls.
-    Measured on the 2-core VM (a 2-worker MLP fit on digits, 3 fits each way, on one Ray): 13.2-13.4 s
-    and 18.6-18.8 CPU-s per fit with it, 11.0-11.3 s and 15.2-16.1 CPU-s without. With datasets
-    (``ingest="ray_data"``) the callback stays; a Ray whose trainer lacks the hook gets its own trainer.
-    Tested both ways by counting the actors (tests/test_fit.py, tests/test_ray_ingest.py)."""
-    from ray.train.torch import TorchTrainer
-
-    try:
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    except ImportError:  # another Ray Train: its own trainer, unchanged
-        return TorchTrainer
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
-        return TorchTrainer
-
-    class Trainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
-
-    return Trainer
-
-
-def _run_train_workers(cfg: TrainConfig, plan: RunPlan, events: RunEvents):
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig
-
-    from raytrain_mgpu.transports.ray_train import train_worker
-
-    RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
-    sink = ProgressSink.open()
-    trainer = _torch_trainer_class()(
-        train_worker,
-        train_loop_config={"config": cfg, "plan": plan, "sink": sink},
-        # nccl on GPUs; gloo on CPU and under GPU emulation (which records nccl as intended)
-        torch_config=TorchConfig(backend=devices.backend(cfg.use_gpu), timeout_s=int(cfg.collective_timeout_s)),
-        # Elastic (min, max): Ray Train starts with what the cluster has room for and restarts the group from
-        # the latest checkpoint when that changes (checked every elastic_resize_interval_s while it trains).
-        scaling_config=ScalingConfig(num_workers=(plan.min_workers, plan.num_processes) if plan.min_workers
-                                     else plan.num_processes, use_gpu=cfg.use_gpu,
-                                     resources_per_worker=plan.worker_resources, placement_strategy=cfg.placement,
-                                     elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s),
-        run_config=_run_config(cfg),
-        # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
-        **ray_ingest.trainer_datasets(cfg),
-    )
-    pump = SinkPump(sink, events)
-    try:
-        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py);
-        # no preemption watcher on a Ray this process started (runtime/preemption.py)
-        with stop_main_thread_on_failure(events), pump, controller_poll(), watcher_where_notices_come():
-            result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
-    except BaseException as exc:
-        if pump.failure is not None:  # the run was stopped for it: the callback's error, named
-            raise pump.failure
-        if isinstance(exc, ray.train.TrainingFailedError):
-            raise RuntimeError(_failure_message(cfg, exc)) from exc
-        raise
-    finally:
-        sink.close()
-    if pump.failure is not None:  # on the last events, after the run ended
-        raise pump.failure
-    if result.checkpoint is None:
-        return [], None, pump.startup
-    folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
-    return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path), pump.startup
-
-
 def _startup(called: float, checked: float, connected: float, rank0: Optional[dict]) -> dict:
     """``TrainResult.startup`` from the driver's times and rank 0's (``WorkerReporter.startup``: its
     train function's entry and its first step, on its node's clock; none if it never got that far)."""
@@ -321,29 +249,6 @@ def _startup(called: float, checked: float, connected: float, rank0: Optional[di
     parts = {"checks_s": checked - called, "ray_s": connected - checked,
              "worker_group_s": rank0["entered"] - connected, "setup_s": rank0["first_step"] - rank0["entered"]}
     return {**parts, "first_step_s": rank0["first_step"] - called}
-
-
-def _run_config(cfg: TrainConfig):
-    """Ray Train's ``RunConfig`` of ``cfg``: where, how many checkpoints, which failures to retry."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
-
-    return RunConfig(
-        name=cfg.name, storage_path=cfg.storage_path,
-        # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
-        # best (and the latest). keep_best's best is copied aside by the loop (RunFolder.save_best).
-        checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
-        # A preemption (a node drained with reason preemption) counts apart from max_failures.
-        failure_config=FailureConfig(max_failures=cfg.max_failures,
-                                     max_preemption_failures=cfg.max_preemption_failures,
-                                     preemption_grace_s=cfg.preemption_grace_s),
-        worker_runtime_env=worker_runtime_env(*cfg.code_specs()))
-
-
-def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
-    failures = getattr(exc, "worker_failures", None) or {}
-    causes = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(failures.items()))
-    return (f"training run {cfg.name!r} failed ({causes or exc}). Checkpoints written so far are kept in "
-            f"{redact(_run_path(cfg))}; run again with the same name and storage_path to resume.")
 
 
 def _run_path(cfg: TrainConfig) -> str:

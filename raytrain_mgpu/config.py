@@ -26,9 +26,7 @@ from raytrain_mgpu.config_sections import (Balance, DataConfig, Ingest, Logger, 
                                            MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
                                            OnNonfinite, Precision, Runner, SaveWhat, Schedule)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
-
-CODE_FIELDS = ("model", "dataset", "optimizer", "loss", "collate", "train_step", "param_groups")
-"""The fields that may name code (a ``module:function``, or from Python the object): the workers get their modules."""
+from raytrain_mgpu._factory import CODE_FIELDS
 
 # ----------------------------------------------------------------------------- user config
 

@@ -182,11 +182,14 @@ def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
             return False
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
-    monkeypatch.setattr(api, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
-    monkeypatch.setattr(api, "SinkPump", Pump)
+    from raytrain_mgpu.runtime import progress
+    from raytrain_mgpu.transports.ray_train import run_train_workers
+
+    monkeypatch.setattr(progress, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
+    monkeypatch.setattr(progress, "SinkPump", Pump)
     cfg = rtm.TrainConfig(**MLP, storage_path=storage)
     with pytest.raises(KeyboardInterrupt):
-        api._run_train_workers(cfg, build_plan(cfg), SimpleNamespace())
+        run_train_workers(cfg, build_plan(cfg), SimpleNamespace())
     return seen
 
 

@@ -57,7 +57,7 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     started = time.perf_counter()
     resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
     resume_s = time.perf_counter() - started
-    # A loader run starts no Ray Data actor (api._torch_trainer_class; a ray_data run does: test_ray_ingest.py).
+    # A loader run starts no Ray Data actor (transports/ray_train.torch_trainer_class; a ray_data run does: test_ray_ingest.py).
     assert actors_started(ray_session, "DatasetManager") == managers
     # The resumed run's events (resumed_events below) came through the first run's mailbox, on a channel of its own.
     assert actors_started(ray_session, "_Mailbox") == mailboxes

@@ -298,7 +298,8 @@ def test_credentials_in_uris_are_redacted(text, expected):
 
 
 def test_banner_and_failure_message_hold_no_secret():
-    from raytrain_mgpu.api import _banner, _failure_message
+    from raytrain_mgpu.api import _banner
+    from raytrain_mgpu.transports.ray_train import _failure_message
     from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")

@@ -167,10 +167,10 @@ def test_config_defaults_are_rays_and_reach_the_failure_config():
     cfg = TrainConfig(max_preemption_failures=3, preemption_grace_s=2.5)
     assert (TrainConfig().max_preemption_failures, TrainConfig().preemption_grace_s) == (-1, 0.0)
     assert (cfg.max_preemption_failures, cfg.preemption_grace_s) == (3, 2.5)
-    from raytrain_mgpu import api
-    failure = api._run_config(cfg).failure_config  # what _run_train_workers hands TorchTrainer
+    from raytrain_mgpu.transports.ray_train import run_config
+    failure = run_config(cfg).failure_config  # what run_train_workers hands TorchTrainer
     assert (failure.max_preemption_failures, failure.preemption_grace_s) == (3, 2.5)
-    assert (failure.max_failures, api._run_config(cfg).checkpoint_config.num_to_keep) == (
+    assert (failure.max_failures, run_config(cfg).checkpoint_config.num_to_keep) == (
         cfg.max_failures, cfg.num_checkpoints_to_keep)
 
 

@@ -81,7 +81,7 @@ def ray_data_samples(data_cfg) -> tuple:
 def actors_started(ray, name: str) -> int:
     """Actors of class ``name`` started on this Ray so far (alive or dead), from the GCS's actor table
     (no dashboard needed). Ray Train's ``DatasetManager``: one per run with ``datasets=``, none for a
-    loader run (``api._torch_trainer_class``). Ray Data's ``FooterReader``: one per execution of a read
+    loader run (``transports/ray_train.torch_trainer_class``). Ray Data's ``FooterReader``: one per execution of a read
     of a few files (``ray_ingest.footer_readers``), 32 without it."""
     from ray._private import state
 

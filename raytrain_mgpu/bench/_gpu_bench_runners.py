@@ -205,7 +205,7 @@ def run_fit(work: Workload, precision: str, device: torch.device, epochs: int, o
                       input_shape=work.input_shape, num_classes=work.num_classes, num_samples=work.samples,
                       batch_size=work.batch, epochs=epochs, optimizer=work.optimizer, lr=work.lr, momentum=0.9,
                       precision=precision, compile=options.compile, channels_last=options.channels_last,
-                      loader_workers=options.loader_workers, strategy="ddp", num_workers=1, runner=runner,
+                      loader_workers=options.loader_workers, num_workers=1, runner=runner,
                       use_gpu=device.type == "cuda", cpus_per_worker=options.threads, eval_every_epochs=100,
                       storage_path=storage, name=f"bench-gpu-{work.name}-{precision}-{label}", seed=0)
     with open(os.devnull, "w") as quiet:

@@ -11,7 +11,7 @@ removes the placement group, also after a failure.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 
