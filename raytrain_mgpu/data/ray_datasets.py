@@ -124,18 +124,45 @@ class RayDataSplits:
         return f"RayDataSplits({list(self.splits)}, {self.num_train} training rows)"
 
     def __call__(self, cfg: "DataConfig") -> "Datasets":
-        """On a Ray Train worker: the evaluated splits read whole and collated; ``train`` is streamed by
-        the loop (``ray_ingest.shard_loader``), here only its size."""
-        import ray.train
-
+        """On a training process: the evaluated splits read whole and collated; ``train`` is streamed by the
+        engine's feed (``runtime/engine_data.py``), here only its size. The splits' iterators come from Ray Train
+        (``ray.train.get_dataset_shard``) or, on a pipeline's stage actor, from its driver (:func:`use_shards`)."""
         from raytrain_mgpu._factory import load_factory
         from raytrain_mgpu.data.base import Datasets
 
+        shard = _SHARDS.get("provider")
+        if shard is None:
+            import ray.train
+
+            shard = ray.train.get_dataset_shard
         collate = load_factory(cfg.collate, "collate")
-        evaluated = {name: _read_whole(ray.train.get_dataset_shard(name), collate)
-                     for name in ("test", "val") if name in self.splits}
+        evaluated = {name: _read_whole(shard(name), collate) for name in ("test", "val") if name in self.splits}
         return Datasets(_Sized(self.num_train), evaluated["test"], self.input_shape, self.num_classes,
                         val=evaluated.get("val"))
+
+
+_SHARDS: dict = {}
+
+
+def use_shards(shards: Optional[dict]) -> None:
+    """In this process, the splits' iterators are ``shards[name]`` (a pipeline stage's, from its driver), not Ray
+    Train's; None: Ray Train's again."""
+    if shards is None:
+        _SHARDS.pop("provider", None)
+    else:
+        _SHARDS["provider"] = shards.__getitem__
+
+
+def driver_shards(cfg, num_replicas: int) -> list:
+    """On the driver, for a pipeline: each replica's ``{"train": its equal share of the stream, "test"/"val": the
+    whole split}`` of the user's Ray Datasets (``cfg.dataset``, a :class:`RayDataSplits` with its Datasets)."""
+    datasets = cfg.dataset.datasets
+    if datasets is None:
+        raise ValueError(f"TrainConfig.dataset={cfg.dataset!r} arrived without its Ray Datasets (they stay in the "
+                         f"driver that read them). Pass the dict of Ray Datasets to fit in this process.")
+    trains = datasets["train"].streaming_split(num_replicas, equal=True)
+    return [{"train": train, **{name: datasets[name].iterator() for name in ("test", "val") if name in datasets}}
+            for train in trains]
 
 
 class _Sized:

@@ -91,9 +91,13 @@ class StageGroup:
         first stage reads it; ``runtime/ray_ingest.py``). An attempt after a failure splits anew."""
         if self.cfg.ingest != "ray_data":
             return
+        from raytrain_mgpu.data.ray_datasets import RayDataSplits, driver_shards
         from raytrain_mgpu.runtime.ray_ingest import replica_shards
 
-        shards = replica_shards(self.cfg, self.plan.replicas)
+        if isinstance(self.cfg.dataset, RayDataSplits):  # the user's own: train streamed, the evaluated splits whole
+            shards = driver_shards(self.cfg, self.plan.replicas)
+        else:
+            shards = [{"train": shard} for shard in replica_shards(self.cfg, self.plan.replicas)]
         wait_all([actor.use_data_shard.remote(shards[rank // self.cfg.num_stages])
                   for rank, actor in enumerate(self.actors)])  # rank = replica * stages + stage
 

@@ -131,8 +131,8 @@ class PipelineSteps(Steps):
 
     def _target_spec(self):
         """The structure of a batch's targets (every sample has the same), from one sample of the data."""
-        if self._targets_spec is None:
-            self._targets_spec = flatten(default_collate([self.stage.data.train[0]])[1])[1]
+        if self._targets_spec is None:  # the test split's: a streamed training split (Ray Data) is not indexed
+            self._targets_spec = flatten(default_collate([self.stage.data.test[0]])[1])[1]
         return self._targets_spec
 
     def _wait_sent(self, sends: list) -> None:

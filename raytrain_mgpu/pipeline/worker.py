@@ -55,7 +55,7 @@ class StageTransport(FolderTransport):
         return {"gpu_ids": ray_gpu_ids(), "node_ip": node_ip()}
 
     def data_shard(self):
-        return self.stage.data_shard
+        return self.stage.data_shard["train"]
 
 
 class StageWorker:
@@ -79,7 +79,7 @@ class StageWorker:
         self.assignment = devices.resolve_devices(cfg.use_gpu, 1)
         self.device = self.assignment.compute[0]
         self.peers = [self.replica * self.num_ranks + r for r in range(self.num_ranks)]
-        self.data_shard = None  # ingest="ray_data": this replica's Ray Data iterator (use_data_shard)
+        self.data_shard = None  # ingest="ray_data": this replica's Ray Data iterators by split (use_data_shard)
 
     def holds(self, stage: int) -> bool:
         """Whether virtual stage ``stage`` runs on this rank."""
@@ -90,9 +90,13 @@ class StageWorker:
     def address(self) -> tuple:
         return free_address()
 
-    def use_data_shard(self, shard) -> None:
-        """``ingest="ray_data"``: this replica's share of the stream, read by its first stage (before ``setup``)."""
-        self.data_shard = shard
+    def use_data_shard(self, shards: dict) -> None:
+        """``ingest="ray_data"``: this replica's share of the training stream (read by its first stage) and, for the
+        user's own Ray Datasets, the evaluated splits' iterators (before ``setup``)."""
+        self.data_shard = shards
+        from raytrain_mgpu.data.ray_datasets import use_shards
+
+        use_shards(shards)
 
     def profile_blocks(self) -> List[float]:
         """Forward+backward seconds per block on one training micro-batch (``balance="time"``)."""

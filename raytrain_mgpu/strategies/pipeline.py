@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Tuple
 
-from raytrain_mgpu.data.ray_datasets import RayDataSplits, is_ray_datasets
 from raytrain_mgpu.pipeline.schedule import check_schedule, num_virtual_stages
 from raytrain_mgpu.strategies._memory import DeviceMemory, replica_on, split_parts
 from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, num_blocks
@@ -46,11 +45,6 @@ class PipelineStrategy(Strategy):
     def validate(cls, cfg: "TrainConfig") -> None:
         check_schedule(cfg.schedule, cfg.num_stages, cfg.num_microbatches)
         cls._check_batch(cfg)
-        if is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits):
-            raise ValueError(f"TrainConfig.dataset: Ray Datasets from Python train on Ray Train's workers; "
-                             f"strategy={cls.name!r} runs its own stage actors, which do not read them yet. Use a "
-                             f"dataset factory ('module:function' or the function) returning Datasets, or another "
-                             f"strategy.")
         if cfg.checkpoint_every_n_steps is not None and cfg.ingest == "ray_data":
             raise ValueError(
                 f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with ingest='ray_data': a "
