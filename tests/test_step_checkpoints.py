@@ -78,15 +78,22 @@ def test_ray_data_refuses_step_checkpoints_with_the_fix():  # the pipeline's: te
         rtm.TrainConfig(checkpoint_every_n_steps=0)
 
 
+def mlp_with_dropout(input_shape, num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(32, num_classes))
+
+
 def test_an_in_process_run_failing_mid_epoch_resumes_at_its_last_step_checkpoint_and_ends_like_an_undisturbed_run():
     """The engine's resume without Ray: one worker trains in this process and fails after global step 35
     (a probe on the engine's step hook); ``max_failures`` restarts it from the step-30 checkpoint, 8 steps into
-    epoch 2: the same weights, optimizer state, RNG and epoch rows as the run that never failed."""
+    epoch 2: the same weights, optimizer state, RNG and epoch rows as the run that never failed (dropout draws
+    from the RNG every step, so its restore counts in the weights)."""
     from _reference import train_one_worker
 
     from raytrain_mgpu.runtime import engine
 
-    common = dict(MLP, dataset="digits", num_workers=1, momentum=0.9, checkpoint_every_n_steps=EVERY)
+    common = dict(MLP, model=mlp_with_dropout, model_kwargs={}, dataset="digits", num_workers=1, momentum=0.9,
+                  checkpoint_every_n_steps=EVERY)
     want, want_optimizer, want_rng, undisturbed_history = train_one_worker(common)
     steps, failed = [], []
 
