@@ -178,3 +178,52 @@ def test_compile_with_inductor_trains_the_curve_eager_does(tmp_path):
     for a, b in zip(eager.history, compiled.history):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4, abs=1e-4)
         assert b["test_loss"] == pytest.approx(a["test_loss"], rel=1e-4, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- fp16 in a pipeline
+
+
+def _overflow_on_stage_0_at_step_2(rank: int) -> None:
+    """In a stage's process: stage 0's gradients overflow at step 2 only (its own: the last stage's are finite);
+    every optimizer step's 'did the weights move' and the scale after it go to ``$FP16_LOG/rank{rank}``."""
+    from raytrain_mgpu.pipeline.steps import PipelineSteps
+    from raytrain_mgpu.runtime.engine_step import OptimizerStep
+
+    log = Path(os.environ["FP16_LOG"]) / f"rank{rank}"
+    train_step, end_step, steps = PipelineSteps.train_step, OptimizerStep.__call__, []
+
+    def poisoned(self, *args):
+        train_step(self, *args)
+        steps.append(1)
+        if rank == 0 and len(steps) == 2:
+            for p in self.params:
+                p.grad.fill_(float("inf"))
+
+    def recorded(self, step):
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        before = [p.detach().clone() for p in params]
+        out = end_step(self, step)
+        moved = any(not torch.equal(a, p) for a, p in zip(before, params))
+        with open(log, "a") as f:
+            f.write(f"{step} {moved} {self.scaler.get_scale()}\n")
+        return out
+
+    PipelineSteps.train_step, OptimizerStep.__call__ = poisoned, recorded
+
+
+def test_fp16_in_a_pipeline_skips_a_step_every_stage_alike_when_one_stage_overflows(tmp_path, monkeypatch):
+    """``16-mixed`` on a 2-stage pipeline (emulated GPUs: the grad scaler on CPU): the last stage scales its loss,
+    each stage unscales its own gradients, and the stages agree on an overflow any of them saw: step 2's stage-0
+    overflow skips step 2 on both stages and halves both scales, so they stay equal."""
+    from raytrain_mgpu.runtime.devices import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "2")
+    monkeypatch.setenv("FP16_LOG", str(tmp_path))
+    cfg = rtm.TrainConfig(**{**PIPE, "precision": "16-mixed", "use_gpu": True, "optimizer": "sgd"})
+    run_local([LocalRun(cfg, 4, prepare=_overflow_on_stage_0_at_step_2)])
+    logs = [[line.split() for line in (tmp_path / f"rank{r}").read_text().splitlines()] for r in (0, 1)]
+    assert logs[0] == logs[1]  # the same verdict and scale on both stages, step by step
+    assert [(step, moved) for step, moved, _ in logs[0]] == [("1", "True"), ("2", "False"), ("3", "True"),
+                                                               ("4", "True")]
+    scales = [float(scale) for *_, scale in logs[0]]
+    assert scales[1] == scales[0] / 2

@@ -40,7 +40,6 @@ def test_bundles_one_per_stage_and_replica():
      r"batch_size=20 \(global, 10 per replica\) does not split into num_microbatches=4 .* on each of 2 replica\(s\). "
      r"Use a multiple of 2 x 4 = 8, e.g. batch_size=16 or 24"),
     (dict(grad_accum_steps=2), r"grad_accum_steps=2: a pipeline already accumulates.*raise num_microbatches"),
-    (dict(precision="16-mixed", use_gpu=True), r"precision='16-mixed' is not supported.*bf16-mixed"),
     (dict(balance=[1, 1, 1]), r"balance=\[1, 1, 1\] has 3 entries, but num_stages=2 .* splits the model into 2"),
     (dict(schedule="interleaved_1f1b", balance=[2, 2]), r"splits the model into 4 parts"),
 ])

@@ -127,6 +127,7 @@ class PipelineExecutor:
         self.modules, self.rank, self.num_ranks, self.num_stages = modules, rank, num_ranks, num_stages
         self.peers, self.channels, self.device, self.comm = list(peers), channels, device, comm
         self.autocast_dtype, self.lookahead = autocast_dtype, lookahead
+        self.scaler = None  # fp16's GradScaler (an enabled one), set by the step runner: the last stage scales its loss
         self.objective = objective if objective is not None else Objective()
         self._in_meta: Dict[Tuple[int, int], tuple] = {}   # (stage, rows) -> (shape, dtype) of its input
         self._out_meta: Dict[Tuple[int, int], tuple] = {}  # (stage, rows) -> (shape, dtype) of its output
@@ -219,7 +220,8 @@ class PipelineExecutor:
         grad = None if stage == self.num_stages - 1 else self._receive(index, BACKWARD, stage, mb)
         started = self._clock.start()
         if grad is None:
-            (out * self._scale).backward()
+            loss = out * self._scale
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # fp16: the scaled loss
         else:
             torch.autograd.backward(out, grad)
         self._clock.stop(started)

@@ -40,6 +40,7 @@ class PipelineSteps(Steps):
     its rank, process groups and data)."""
 
     read_ahead = True  # the first stage cannot fill its pipeline until micro-batch 0 exists: load in its bubble
+    agrees_on_overflow = True  # fp16: a step is skipped on every stage when any stage's gradients overflowed
 
     def __init__(self, stage, partition: Partition):
         self.stage, self.partition, self.cfg = stage, partition, stage.cfg
@@ -54,6 +55,7 @@ class PipelineSteps(Steps):
         self._totals = dict.fromkeys(("steps", "busy_s", "schedule_s", "step_s", "bytes_sent"), 0.0)
         self.last_stats: dict = {}  # the last epoch's (the tests' local harness reads them)
         self._spans: list = []
+        self._scaling = False
 
     def loader_batch(self, plan) -> int:
         return plan.replica_batch  # split into micro-batches by the schedule
@@ -87,6 +89,12 @@ class PipelineSteps(Steps):
         inputs, targets, sends = self._read_batch(next_batch, self.cfg.num_microbatches, fixed=True)
         rows = [self.stage.plan.micro_batch] * self.cfg.num_microbatches
         step_meter = WindowedMeter(meter, window) if window is not None and self.sees_loss else meter
+        self.executor.scaler = scaler if scaler.is_enabled() else None
+        if self.executor.scaler is not None and not self._scaling:
+            # the stages before the last receive gradients of the scaled loss, and unscale them with the same
+            # factor: their scaler's scale starts with its first scale() (every stage's then moves alike)
+            scaler.scale(torch.zeros((), device=self.device))
+            self._scaling = True
         stats = self.executor.train_step(self.train_order, inputs, targets, rows, step_meter)
         self._wait_sent(sends)
         self._average_gradients()
@@ -165,6 +173,19 @@ class PipelineSteps(Steps):
         if self.stage.groups.replica is not None:
             self.stage.comm.all_reduce(squared, self.stage.groups.replica)
         return squared.sqrt()
+
+    def agree_found_inf(self, scaler, optimizer) -> None:
+        """fp16, after ``scaler.unscale_``: every rank's overflow verdict becomes every rank's (one all-reduce of a
+        flag on the device), so each stage's scaler skips the same steps and keeps the same scale."""
+        import torch.distributed as dist
+
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # torch's own record of it
+        if not found:
+            return
+        flag = torch.stack([value.to(self.device) for value in found.values()]).amax()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        for value in found.values():
+            value.copy_(flag)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over the whole model (:meth:`grad_norm`); that norm (unread)."""

@@ -54,11 +54,6 @@ class PipelineStrategy(Strategy):
             raise ValueError(
                 f"TrainConfig.grad_accum_steps={cfg.grad_accum_steps}: a pipeline already accumulates gradients "
                 f"over its micro-batches. Set grad_accum_steps=1 and raise num_microbatches instead.")
-        if cfg.precision == "16-mixed":
-            raise ValueError(
-                f"TrainConfig.precision='16-mixed' is not supported by strategy={cls.name!r}: fp16 needs one "
-                f"GradScaler whose overflow check spans all stages. Use precision='bf16-mixed' (no scaler "
-                f"needed) or '32'.")
         if not isinstance(cfg.balance, str):
             parts = num_virtual_stages(cfg.schedule, cfg.num_stages)
             if len(cfg.balance) != parts:
