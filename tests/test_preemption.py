@@ -316,3 +316,67 @@ def test_the_ranks_agree_when_only_one_has_the_notice(tmp_path):
     # groups: not a fork of this pytest process (threads, perhaps a Ray connection), which is not safe
     _forkserver.start_processes(_any_rank_worker, (2, free_address()[1], str(tmp_path)), nprocs=2)
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["False,True,False"] * 2
+
+
+# ---------------------------------------------------------------- the pipeline: its own watcher, its own budget
+
+
+def test_a_stage_actors_drain_watcher_sees_its_node_drained_without_a_call_per_check():
+    from raytrain_mgpu.runtime.preemption import DrainWatcher
+
+    drains: dict = {}
+    polls = []
+
+    def draining():
+        polls.append(1)
+        return dict(drains)
+
+    watcher = DrainWatcher("node-a", poll_s=0.01, draining=draining)
+    try:
+        time.sleep(0.05)
+        assert watcher.local_notice() is None  # other nodes' drains, or none: no notice
+        drains["node-b"] = 0
+        time.sleep(0.05)
+        assert watcher.local_notice() is None
+        drains["node-a"] = 1_000_000
+        deadline = time.monotonic() + 5
+        while watcher.local_notice() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        notice = watcher.local_notice()
+        assert notice.deadline_ms == 1_000_000 and list(notice.preempted_node_to_ranks) == ["node-a"]
+        seen = len(polls)
+        time.sleep(0.05)
+        assert len(polls) == seen  # a notice seen: the thread stops polling
+        agreed = watcher.agreed()  # every drained node, for the driver's line
+        assert sorted(agreed.preempted_node_to_ranks) == ["node-a", "node-b"]
+    finally:
+        watcher.close()
+
+
+def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_failures():
+    import ray.exceptions
+
+    from raytrain_mgpu.runtime.preemption import was_preemption
+    from raytrain_mgpu.transports.attempts import run_attempts
+
+    died = ray.exceptions.RayError("the stage's node went away")
+    assert was_preemption(died, ["preempted (node a1b2c3d4e5f6): saved step 30"])
+    assert not was_preemption(died, ["resuming at step 30 (epoch 2)"])
+    marked = RuntimeError("a peer")
+    marked.__cause__ = type("Died", (Exception,), {"preempted": True})()
+    assert was_preemption(marked, [])  # Ray marks an actor that died on a node drained for preemption
+
+    cfg = TrainConfig(max_failures=0, max_preemption_failures=2)
+    tries = []
+
+    def attempt(_failures):
+        tries.append(1)
+        if len(tries) <= 2:
+            raise died
+        return "done"
+
+    assert run_attempts(cfg, attempt, lambda exc: True, preempted=lambda exc: True) == "done" and len(tries) == 3
+    tries.clear()
+    with pytest.raises(ray.exceptions.RayError):  # the same failures, not preemptions: max_failures=0
+        run_attempts(cfg, attempt, lambda exc: True, preempted=lambda exc: False)
+    assert len(tries) == 1

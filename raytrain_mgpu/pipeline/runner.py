@@ -82,8 +82,24 @@ def _partition(cfg: TrainConfig, group=None):
     return choose_partition(cfg, profile=group.profile)
 
 
-def train_attempt(cfg: TrainConfig, plan: RunPlan, events) -> Optional[dict]:
-    """One actor group: start it, run the engine on every actor, always tear down; rank 0's start-up times."""
+class _Noticed:
+    """``fit``'s events, the driver's lines (notices) also kept: whether a failed attempt was a preemption."""
+
+    def __init__(self, events, notices: list):
+        self.events, self.notices = events, notices
+
+    def banner(self, line: str) -> None:
+        self.notices.append(line)
+        self.events.banner(line)
+
+    def __getattr__(self, name):
+        return getattr(self.events, name)
+
+
+def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[list] = None) -> Optional[dict]:
+    """One actor group: start it, run the engine on every actor, always tear down; rank 0's start-up times.
+    ``notices``: the driver's lines of this attempt are added to it (a preemption's among them)."""
+    notices = [] if notices is None else notices
     from raytrain_mgpu.pipeline.group import StageGroup
     from raytrain_mgpu.runtime.progress import ProgressSink, SinkPump
     from raytrain_mgpu.runtime.run_folder import RunFolder
@@ -92,7 +108,7 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events) -> Optional[dict]:
     partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
     group, sink = StageGroup(cfg, plan), ProgressSink.open()
     # replica 0's first and last stage send the per-step scalars (one stage: it sends both)
-    pump = SinkPump(sink, events, scalar_sources=1 if cfg.num_stages == 1 else 2)
+    pump = SinkPump(sink, _Noticed(events, notices), scalar_sources=1 if cfg.num_stages == 1 else 2)
     try:
         started = time.perf_counter()
         group.start()
@@ -117,6 +133,7 @@ def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> Ru
     """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of ``{storage_path}/{name}``
     if there is one, restart after failures (``max_failures``). ``events``: ``fit``'s ``RunEvents``."""
     from raytrain_mgpu.runtime.cluster import check_placeable
+    from raytrain_mgpu.runtime.preemption import was_preemption
     from raytrain_mgpu.runtime.run_folder import RunFolder
     from raytrain_mgpu.transports.attempts import run_attempts
 
@@ -129,11 +146,13 @@ def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> Ru
     check_placeable(list(plan.bundles), cfg.use_gpu,
                     f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}")
     first: list = []
+    notices: list = []  # this attempt's lines: a preemption notice counts its failure against max_preemption_failures
 
     def attempt(_failures: int) -> None:
-        startup = train_attempt(cfg, plan, events)
-        first.append(startup)
+        notices.clear()
+        first.append(train_attempt(cfg, plan, events, notices))
 
-    run_attempts(cfg, attempt, _retryable, what="pipeline attempt")
+    run_attempts(cfg, attempt, _retryable, preempted=lambda exc: was_preemption(exc, notices),
+                 what="pipeline attempt")
     state = RunFolder.of(cfg).state()
     return RunOutcome(state.checkpoint, state.history, next((s for s in first if s), None))

@@ -57,6 +57,19 @@ class StageTransport(FolderTransport):
     def data_shard(self):
         return self.stage.data_shard["train"]
 
+    def preemption(self) -> dict:
+        """A node's preemption (a drain): this actor's own watcher of Ray's draining nodes."""
+        from raytrain_mgpu.runtime.preemption import DrainWatcher
+
+        import ray
+
+        self.watcher = DrainWatcher(ray.get_runtime_context().get_node_id())
+        return {"local_notice": self.watcher.local_notice, "get_info": self.watcher.agreed}
+
+    def finish(self) -> None:
+        if getattr(self, "watcher", None) is not None:
+            self.watcher.close()
+
 
 class StageWorker:
     """One pipeline rank of one replica. ``emulate_nccl`` forces NCCL's semantics on gloo on or off (default:

@@ -103,8 +103,8 @@ class Engine:
         try:
             run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate,
                        lambda row: self.saver.save(row, send_row=True), has_val=self.data.val is not None)
-            self.transport.finish()
         finally:
+            self.transport.finish()
             self.feed.close()
             self.observer.close()
         return {"epochs": self.state.epoch, "steps": self.state.step}

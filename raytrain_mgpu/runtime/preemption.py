@@ -48,7 +48,7 @@ from raytrain_mgpu.runtime.faults import WATCHER_ENV
 from raytrain_mgpu.runtime.step_checkpoints import step_checkpoint_due
 
 __all__ = ["PreemptionCheck", "CHECK_EVERY_N_STEPS", "notice_line", "resume_line", "watcher_where_notices_come",
-           "WATCHER_ENV"]
+           "WATCHER_ENV", "DrainWatcher", "was_preemption"]
 
 CHECK_EVERY_N_STEPS = 10
 """Global optimizer steps between two ``get_preemption_info`` barriers."""
@@ -200,3 +200,73 @@ class PreemptionCheck:
         # the next check asks again.
         self.notice = self.get_info()
         return self.notice, time_due
+
+
+# ----------------------------------------------------------------------------- without Ray Train (the pipeline)
+
+
+def _draining_nodes() -> dict:
+    """Ray's draining nodes, ``{node id: deadline in ms}`` (what Ray Train's watcher polls)."""
+    import ray._private.state
+
+    return ray._private.state.state.get_draining_nodes() or {}
+
+
+class DrainWatcher:
+    """Notices where Ray Train's watcher does not run (a pipeline's stage actors): a thread polls Ray's draining
+    nodes every ``poll_s`` (Ray Train's interval, 5 s) and keeps this node's drain; :meth:`local_notice` reads it
+    (no call), :meth:`agreed` asks Ray once a rank has seen one. ``draining``: the poll (tests pass fakes)."""
+
+    def __init__(self, node_id: str, poll_s: Optional[float] = None, draining: Callable[[], dict] = _draining_nodes):
+        import threading
+
+        self.node_id, self.draining = node_id, draining
+        self.poll_s = poll_s if poll_s is not None else float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5))
+        self._seen = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrain-mgpu-drains", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                drains = self.draining()
+            except Exception:  # the next poll asks again
+                continue
+            if self.node_id in drains:
+                self._seen = self._info({self.node_id: drains[self.node_id]})
+                return
+
+    @staticmethod
+    def _info(drains: dict):
+        from ray.train.v2.api.preemption import PreemptionInfo
+
+        deadlines = [d for d in drains.values() if d]
+        return PreemptionInfo(deadline_ms=min(deadlines) if deadlines else None,
+                              preempted_node_to_ranks={node: [] for node in drains})
+
+    def local_notice(self):
+        return self._seen
+
+    def agreed(self):
+        """The notice once any rank has seen one: every drained node Ray reports now (this rank's, if none)."""
+        try:
+            drains = self.draining()
+        except Exception:
+            drains = {}
+        return self._info(drains) if drains else (self._seen or self._info({self.node_id: 0}))
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def was_preemption(exc: BaseException, notices: list) -> bool:
+    """Whether a failed attempt was lost to a preemption: a notice reached the driver during it (``notices``: its
+    lines), or an actor died with its node drained for preemption (Ray marks the error)."""
+    if any(line.startswith("preempted") for line in notices):
+        return True
+    while exc is not None:
+        if getattr(exc, "preempted", False):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -84,7 +84,7 @@ class Transport:
         """A save failed between ``begin`` and ``commit`` on this rank."""
 
     def finish(self) -> None:
-        """The run's last epoch is checkpointed: whatever is still in flight, done."""
+        """The run is over (its last epoch checkpointed, or failed): what the transport started for it stops."""
 
 
 class FolderTransport(Transport):
