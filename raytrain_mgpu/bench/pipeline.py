@@ -42,6 +42,7 @@ from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer
 from raytrain_mgpu.bench._torchrun_pipeline import TorchrunPipeline, seeded_loader
+from raytrain_mgpu.pipeline.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,35 @@ class SingleProcess:
         pass
 
 
+class BenchStageWorker(StageWorker):
+    """A stage actor stepped by hand from the driver: the engine set up, its steps run on request, for timing the
+    schedule against torchrun's step for step."""
+
+    def bench_start(self, attempt: str) -> None:
+        """Set the engine up for stepping by hand: ``bench_steps`` runs its steps, ``bench_stats`` reads (and restarts)
+        the stage's sums; for timing the schedule against torchrun's, step for step, from the driver."""
+        from raytrain_mgpu.pipeline.steps import PipelineSteps
+        from raytrain_mgpu.pipeline.worker import StageTransport
+        from raytrain_mgpu.runtime.engine import Engine
+        from raytrain_mgpu.runtime.metrics import EpochMeter
+
+        self.steps = PipelineSteps(self, self.partition)
+        self._bench = Engine(self.cfg, self.plan, self.steps, StageTransport(self.cfg, self, attempt, None), self.data)
+        self._bench.setup()
+        self._meter = EpochMeter(self.device, self.objective)
+        self._next = self._bench.feed.batches(self._bench.feed.epoch(0), self._meter, None)
+
+    def bench_steps(self, num_steps: int) -> None:
+        engine = self._bench
+        for _ in range(num_steps):
+            engine.steps.train_step(self._next, self._meter, None, engine.scaler, 1)
+            engine.state.step += 1
+            engine.end_step(engine.state.step)
+
+    def bench_stats(self) -> dict:
+        return self.steps.epoch_stats()
+
+
 class RayPipeline:
     """Our stage actors; timed on the driver, Ray calls included."""
 
@@ -155,7 +185,7 @@ class RayPipeline:
         from raytrain_mgpu.pipeline.plan import choose_partition
 
         self.partition = choose_partition(cfg)
-        self.group = StageGroup(cfg, build_plan(cfg))
+        self.group = StageGroup(cfg, build_plan(cfg), BenchStageWorker)
         self.group.start()
         self.group.setup(self.partition)
         self.group.call("bench_start", "bench")  # the engine set up on every stage, stepped from here

@@ -46,8 +46,9 @@ def wait_all(refs: list) -> list:
 class StageGroup:
     """``num_replicas x num_stages`` :class:`StageWorker` actors, rank = replica * stages + stage."""
 
-    def __init__(self, cfg: TrainConfig, plan: RunPlan):
-        self.cfg, self.plan = cfg, plan
+    def __init__(self, cfg: TrainConfig, plan: RunPlan, worker_class=StageWorker):
+        """``worker_class``: the actors' class (a benchmark's :class:`StageWorker` with methods of its own)."""
+        self.cfg, self.plan, self.worker_class = cfg, plan, worker_class
         self.world_size = plan.num_processes  # stages x replicas
         self.actors: list = []
         self.pg = None
@@ -65,7 +66,7 @@ class StageGroup:
                 f"{ray.cluster_resources()} of which {ray.available_resources()} are free. Wait for other runs "
                 f"to finish, lower num_stages/num_workers/cpus_per_worker, or use placement='PACK' or "
                 f"'SPREAD' instead of a STRICT_ one.") from None
-        actor_class = ray.remote(StageWorker)
+        actor_class = ray.remote(self.worker_class)
         runtime_env = worker_runtime_env(*cfg.code_specs())  # the user's modules, the GPU-emulation switch
         self.actors = [
             actor_class.options(

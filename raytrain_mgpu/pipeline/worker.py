@@ -174,31 +174,6 @@ class StageWorker:
         finally:
             self.history = getattr(engine, "state", None) and engine.state.history
 
-    # ------------------------------------------------------------------ benchmarks (bench/pipeline.py)
-
-    def bench_start(self, attempt: str) -> None:
-        """Set the engine up for stepping by hand: ``bench_steps`` runs its steps, ``bench_stats`` reads (and restarts)
-        the stage's sums; for timing the schedule against torchrun's, step for step, from the driver."""
-        from raytrain_mgpu.pipeline.steps import PipelineSteps
-        from raytrain_mgpu.runtime.engine import Engine
-        from raytrain_mgpu.runtime.metrics import EpochMeter
-
-        self.steps = PipelineSteps(self, self.partition)
-        self._bench = Engine(self.cfg, self.plan, self.steps, StageTransport(self.cfg, self, attempt, None), self.data)
-        self._bench.setup()
-        self._meter = EpochMeter(self.device, self.objective)
-        self._next = self._bench.feed.batches(self._bench.feed.epoch(0), self._meter, None)
-
-    def bench_steps(self, num_steps: int) -> None:
-        engine = self._bench
-        for _ in range(num_steps):
-            engine.steps.train_step(self._next, self._meter, None, engine.scaler, 1)
-            engine.state.step += 1
-            engine.end_step(engine.state.step)
-
-    def bench_stats(self) -> dict:
-        return self.steps.epoch_stats()
-
     def model_state(self) -> dict:
         """This rank's weights under the unsplit model's names (after ``run``)."""
         state = {}
