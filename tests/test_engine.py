@@ -128,3 +128,36 @@ def test_an_event_added_to_the_engine_runs_in_both_runners(tmp_path):
     stages = _steps_by_process(tmp_path / "pipeline")
     assert len(stages) == 2 and os.getpid() not in stages  # each stage's own process
     assert list(stages.values()) == [[1, 2, 3, 4]] * 2
+
+
+def test_a_checkpoint_of_the_pipelines_earlier_layout_still_resumes(tmp_path):
+    """Before one engine served every runner, a pipeline checkpoint had no common ``train_state.pt``: each stage's
+    part held its optimizer, the LR schedule and its CPU generator, and ``meta.json`` its partial sums. Such a folder
+    is read as a resume point: the stage's optimizer and schedule from its part; the generators re-seeded per rank and
+    step (their layout is gone), the partial sums of another shape left out (the row counts the rest)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from raytrain_mgpu.runtime import checkpoint as ckpt_format
+    from raytrain_mgpu.runtime.engine_checkpoint import read
+    from raytrain_mgpu.runtime.transport import CheckpointSource
+
+    cfg = rtm.TrainConfig(model="mlp", strategy="pipeline", num_stages=2, batch_size=32)
+    folder = tmp_path / "checkpoint_epoch000001_step000000030"
+    for p in (0, 1):
+        ckpt_format.write_checkpoint(str(folder), meta=None, history=None, part=f"-stage{p}",
+                                     model_state={f"{p}.weight": torch.full((2, 2), float(p))},
+                                     train_state={"optimizer": {"state": {}, "param_groups": [{"p": p}]},
+                                                  "scheduler": {"last_epoch": 30}, "torch_rng": torch.get_rng_state()})
+    ckpt_format.write_checkpoint(str(folder), history=[{"epoch": 1}], meta={
+        "model": "mlp", "strategy": "pipeline", "epoch": 1, "step": 30, "step_in_epoch": 8, "partition": [2, 2],
+        "epoch_partial_per_rank": [{"totals": {}, "meter": None}] * 2})
+    steps = SimpleNamespace(part="-stage1", build_on_meta=lambda: False)
+    restored = read(cfg, CheckpointSource(str(folder), lambda: __import__("contextlib").nullcontext(str(folder))),
+                    steps, rank=1)
+    assert (restored.state.epoch, restored.state.step, restored.state.step_in_epoch) == (1, 30, 8)
+    assert restored.train_state["optimizer"]["param_groups"] == [{"p": 1}]  # this stage's own part
+    assert restored.train_state["scheduler"] == {"last_epoch": 30} and "rng_per_rank" not in restored.train_state
+    assert restored.train_state["epoch_partial_per_rank"] is None
+    assert set(restored.model_state) == {"0.weight", "1.weight"}  # every stage's weights, merged
