@@ -84,8 +84,6 @@ class FakeDataset:
      r"val_fraction=0.1 does not apply to Ray Datasets: pass a 'val' Dataset instead"),
     (dict(dataset={"train": FakeDataset(), "test": FakeDataset()}, collate=collate, checkpoint_every_n_steps=5),
      r"checkpoint_every_n_steps=5 with Ray Datasets: a step checkpoint would have to keep the stream's position"),
-    (dict(dataset={"train": FakeDataset(), "test": FakeDataset()}, collate=collate, strategy="pipeline",
-          num_stages=2), r"strategy='pipeline' runs its own stage actors, which do not read them yet"),
 ])
 def test_ray_datasets_are_checked_with_the_config_naming_the_fix(overrides, match):
     with pytest.raises(ValueError, match=match):
