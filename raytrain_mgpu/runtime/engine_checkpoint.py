@@ -47,6 +47,13 @@ __all__ = ["checkpoint_name", "CHECKPOINT_PREFIX", "PARTIALS", "Restored", "Comm
            "Saver"]
 
 CHECKPOINT_PREFIX = "checkpoint_epoch"
+ASYNC_SHARDED_ENV = "RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE"
+"""Set to 1 for DCP's asynchronous save of a sharded (fsdp) checkpoint (the shards copied to host memory, written in
+a thread while training goes on); unset, the save writes before training goes on. Measured on one H200 (docs/
+performance.md): with an fsdp transformer LM and a checkpoint every epoch the asynchronous save stalled training 5.3 s an
+epoch against 2.7 s (its thread's write outlasted the steps to the next save); with a 98 M-parameter LM, bf16, a
+checkpoint every 20 steps, 11.9 s against 12.4 s over 120 steps (0.96x: the same, within one run's noise). Never
+clearly better, twice worse, and a host copy of the shards more: the synchronous save is the default."""
 PARTIALS = "epoch_partial_per_rank"
 """A step checkpoint's train state key: every rank's sums of the unfinished epoch, in rank order."""
 
@@ -226,8 +233,9 @@ class Saver:
         try:
             writing, files = None, {}
             if steps.sharded:  # collective; asynchronous with the upload: training waits for the copy to host only
+                asynchronous = os.environ.get(ASYNC_SHARDED_ENV) == "1" and transport.asynchronous(step, final)
                 writing = steps.write_sharded(e.optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR),
-                                              asynchronous=transport.asynchronous(step, final))
+                                              asynchronous=asynchronous)
             else:
                 files = steps.checkpoint_files(e.optimizer)
             best_model = steps.model_state() if steps.sharded and is_best else None  # collective: to rank 0
