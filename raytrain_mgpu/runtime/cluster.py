@@ -276,8 +276,11 @@ def worker_runtime_env(*specs: str) -> dict:
 
 
 def worker_env_vars() -> dict:
-    """Environment every training process needs: normal priority (Ray starts workers at nice 15), GPU emulation."""
-    return {"RAY_worker_niceness": "0", **devices.runtime_env_vars()}
+    """Environment every training process needs: normal priority (Ray starts workers at nice 15), GPU emulation, and
+    the driver's choice of asynchronous sharded saves (``runtime/engine_checkpoint.ASYNC_SHARDED_ENV``)."""
+    switch = "RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE"
+    return {"RAY_worker_niceness": "0", **devices.runtime_env_vars(),
+            **({switch: os.environ[switch]} if switch in os.environ else {})}
 
 
 def _started_here() -> bool:

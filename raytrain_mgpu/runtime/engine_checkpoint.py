@@ -51,9 +51,9 @@ ASYNC_SHARDED_ENV = "RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE"
 """Set to 1 for DCP's asynchronous save of a sharded (fsdp) checkpoint (the shards copied to host memory, written in
 a thread while training goes on); unset, the save writes before training goes on. Measured on one H200 (docs/
 performance.md): with an fsdp transformer LM and a checkpoint every epoch the asynchronous save stalled training 5.3 s an
-epoch against 2.7 s (its thread's write outlasted the steps to the next save); with a 98 M-parameter LM, bf16, a
-checkpoint every 20 steps, 11.9 s against 12.4 s over 120 steps (0.96x: the same, within one run's noise). Never
-clearly better, twice worse, and a host copy of the shards more: the synchronous save is the default."""
+epoch against 2.7 s for the synchronous one (its thread's write outlasted the steps to the next save), so the
+synchronous save is the default. The driver's value reaches every worker (``runtime/cluster.worker_env_vars``);
+``jobs/fsdp_checkpoint_stall.py`` measures both."""
 PARTIALS = "epoch_partial_per_rank"
 """A step checkpoint's train state key: every rank's sums of the unfinished epoch, in rank order."""
 
