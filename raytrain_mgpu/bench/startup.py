@@ -13,6 +13,10 @@ starts (the process has imported torch and this package, as a user's script has)
 Printed: each variant's seconds to the first step (median over ``--rounds``) and its ratio to the hand-written
 loop with the same number of workers. Targets: in-process <= 0.30x the hand-written one-worker loop, ``fit``
 through Ray <= 0.80x the hand-written loop's with two workers.
+
+``--tune``: instead, whole calls' seconds (from before Ray starts to their return, in fresh processes): a Ray Tune
+search of three one-worker trials of ``--epochs`` epochs (``raytrain_mgpu.tune.trainable``: each trial trains in its
+own process) against one hand-written ``TorchTrainer`` run of the same size. Target: no longer.
 """
 
 from __future__ import annotations
@@ -27,6 +31,65 @@ import time
 from typing import Dict, List
 
 VARIANTS = ("fit, in-process", "fit, Ray Train", "ray train")
+
+
+def _hand_written_run(config: dict) -> None:
+    """The whole hand-written loop: ``epochs`` epochs, reported every epoch (no checkpoint)."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    from torch.utils.data import DataLoader
+
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.models import build_model
+
+    cfg = TrainConfig.from_dict(config["cfg"])
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = ray.train.torch.prepare_model(build_model(cfg.model, data.input_shape, data.num_classes,
+                                                      cfg.model_kwargs))
+    loader = ray.train.torch.prepare_data_loader(DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True,
+                                                            drop_last=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for epoch in range(cfg.epochs):
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        ray.train.report({"epoch": epoch + 1, "loss": loss.item()})
+
+
+def measure_whole(variant: str, cfg_fields: dict, storage: str) -> float:
+    """In this (fresh) process: seconds from before Ray starts to the call's return (``--tune``)."""
+    import torch  # noqa: F401 (imported before the clock starts)
+
+    import ray
+
+    import raytrain_mgpu as rtm
+
+    cfg = rtm.TrainConfig(**{**cfg_fields, "num_workers": 1, "storage_path": storage, "name": "whole"})
+    started = time.time()
+    ray.init(log_to_driver=False)
+    try:
+        if variant == "tune, 3 trials":
+            from ray import tune
+
+            from raytrain_mgpu.tune import trainable
+
+            tune.Tuner(trainable(cfg), param_space={"lr": tune.grid_search([0.01, 0.02, 0.05])},
+                       run_config=tune.RunConfig(storage_path=storage, name="tune", verbose=0)).fit()
+        else:
+            from ray.train import RunConfig, ScalingConfig
+            from ray.train.torch import TorchTrainer
+
+            TorchTrainer(_hand_written_run, train_loop_config={"cfg": cfg.to_dict()},
+                         scaling_config=ScalingConfig(num_workers=1),
+                         run_config=RunConfig(name="trainer", storage_path=storage)).fit()
+    finally:
+        ray.shutdown()
+    return time.time() - started
 
 
 def _hand_written(config: dict) -> None:
@@ -92,10 +155,12 @@ def measure(variant: str, cfg_fields: dict, workers: int, storage: str) -> float
         return json.load(f)["first_step"] - started
 
 
-def _in_fresh_process(variant: str, cfg_fields: dict, workers: int) -> float:
+def _in_fresh_process(variant: str, cfg_fields: dict, workers: int, whole: bool = False) -> float:
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as storage:
-        code = ("import json, sys; from raytrain_mgpu.bench.startup import measure; "
-                f"print('RESULT', json.dumps(measure({variant!r}, {cfg_fields!r}, {workers}, {storage!r})))")
+        call = (f"measure_whole({variant!r}, {cfg_fields!r}, {storage!r})" if whole
+                else f"measure({variant!r}, {cfg_fields!r}, {workers}, {storage!r})")
+        code = ("import json, sys; from raytrain_mgpu.bench.startup import measure, measure_whole; "
+                f"print('RESULT', json.dumps({call}))")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
@@ -125,15 +190,39 @@ def report(measured: Dict[tuple, List[float]]) -> str:
     return "\n".join(lines)
 
 
+def run_tune(cfg_fields: dict, rounds: int = 1) -> Dict[str, List[float]]:
+    """``{variant: [whole seconds, per round]}`` of ``--tune``."""
+    measured: Dict[str, List[float]] = {}
+    for _ in range(rounds):
+        for variant in ("ray train, 1 run", "tune, 3 trials"):
+            measured.setdefault(variant, []).append(_in_fresh_process(variant, cfg_fields, 1, whole=True))
+    return measured
+
+
+def report_tune(measured: Dict[str, List[float]]) -> str:
+    base = statistics.median(measured["ray train, 1 run"])
+    lines = [f"{'call':<18} {'seconds':>8} {'vs ray train':>13}"]
+    for variant, seconds in measured.items():
+        median = statistics.median(seconds)
+        lines.append(f"{variant:<18} {median:>8.1f} {median / base:>12.2f}x")
+    return "\n".join(lines)
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default: 1 2)")
     parser.add_argument("--rounds", type=int, default=1, help="measurements of each variant (median)")
     parser.add_argument("--model", default="lenet", help="the model (a registry name)")
     parser.add_argument("--dataset", default="digits", help="the dataset (a registry name)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    parser.add_argument("--tune", action="store_true", help="whole calls instead: a Tune search of 3 one-worker "
+                                                            "trials against one hand-written TorchTrainer run")
+    parser.add_argument("--epochs", type=int, default=2, help="--tune: epochs a run")
 
 
 def run_and_print(args) -> int:
     fields = dict(model=args.model, dataset=args.dataset, epochs=1, batch_size=128, use_gpu=args.use_gpu)
+    if args.tune:
+        print(report_tune(run_tune({**fields, "epochs": args.epochs}, args.rounds)))
+        return 0
     print(report(run(fields, args.workers, args.rounds)))
     return 0
