@@ -148,3 +148,26 @@ def test_a_users_ray_datasets_with_dict_batches_train_as_the_same_rows_through_t
         with torch.no_grad():
             correct, count = digit_accuracy(model(**inputs), targets)
         assert abs(int(correct) / count - reported) < 1e-9, split
+
+
+@pytest.mark.ray
+def test_a_pipeline_streams_a_users_ray_datasets_as_the_loader_path_trains(ray_session, storage):
+    """The pipeline's driver hands each replica its share of the training stream and the evaluated splits whole
+    (as Ray Train's dataset shards give a worker): a 2-stage pipeline on the Ray Datasets ends with the weights of
+    one process reading the same rows through the loader (one full-batch step an epoch: the order is moot)."""
+    import ray.data
+    from _reference import train_one_worker
+
+    datasets = {name: ray.data.from_items([{"pixels": row, "label": int(label)} for row, label in zip(x, y)],
+                                         override_num_blocks=4)
+                for name, (x, y) in _rows().items()}
+    result = rtm.fit(rtm.TrainConfig(**_fields(), dataset=datasets, collate=collate, strategy="pipeline", num_stages=2,
+                                     num_microbatches=4, name="raydata-pipeline", storage_path=storage))
+    weights, _, _, loaded = train_one_worker(_fields(dataset=same_rows_for_the_loader))
+    got = result.load_model().state_dict()
+    for key, value in weights.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    for row, want in zip(result.history, loaded):
+        assert row["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+        assert row["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)  # the val split, read whole by the stages
+    assert result.metrics["test_digit_accuracy"] == pytest.approx(loaded[-1]["test_digit_accuracy"], abs=1e-9)
