@@ -256,13 +256,19 @@ class Saver:
                     metrics["checkpoint_s"] = metrics.get("checkpoint_s", 0.0) + time.perf_counter() - started
                 _written(directory, name, lambda: ckpt_format.write_checkpoint(directory, meta=None,
                                                                                history=state.history))
-                if send_row and e.reporter is not None:
-                    e.reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
         except BaseException as exc:
             transport.abort(exc)
             raise
+        reported = None
+        if e.rank == 0 and send_row and e.reporter is not None:
+            try:
+                e.reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
+            except BaseException as exc:  # a user's callback raised (in-process): the checkpoint is published first
+                reported = exc
         transport.commit(Commit(name, directory, metrics, meta, is_best, best_model, writing, step, final))
         self.last = time.monotonic()
+        if reported is not None:
+            raise reported
 
     def _not_finite(self, metrics: dict, ranks: list, send_row: bool) -> None:
         """Weights that are not finite are never checkpointed: ``on_nonfinite="stop"`` (and ``skip``, which should
