@@ -21,7 +21,7 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime import devices, ray_ingest
 from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory, send_objects_by_value
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.runtime.cluster import check_placeable, connect
+from raytrain_mgpu.runtime.cluster import check_placeable, connect, keep_ray_started
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
@@ -211,20 +211,6 @@ def _run_info(cfg: TrainConfig) -> RunInfo:
     state = RunFolder.of(cfg).state()  # the checkpoint this fit resumes from, if any
     return RunInfo(config=redact(cfg.to_dict()), path=_run_path(cfg), resumed=state.checkpoint is not None,
                    start_epoch=state.epoch, start_step=state.step)
-
-
-def keep_ray_started(started: bool) -> None:
-    """A local Ray that ``fit`` started stays up for the next ``fit`` in this process (a notebook's loop, a
-    sweep, ``compare``: Ray's start is paid once) and is shut down when the process exits."""
-    global _RAY_AT_EXIT
-    if started and not _RAY_AT_EXIT:
-        import atexit
-
-        atexit.register(ray.shutdown)
-        _RAY_AT_EXIT = True
-
-
-_RAY_AT_EXIT = False
 
 
 def _banner(cfg: TrainConfig, plan: RunPlan, input_shape, num_classes, runner: str = "ray") -> str:

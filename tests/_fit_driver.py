@@ -9,9 +9,9 @@ a Ray instance of its own whose settings differ from the shared test instance's)
     {"steps": [{"kind": "check_storage", "storage_path": "/x"},
                {"kind": "fit", "config": {TrainConfig fields}, "weights": "/out/w.pt"}]}
 
-A first fit step with ``"own_ray": true`` runs before the driver connects: ``fit`` starts (and
-stops) a local Ray of its own, as in a script without ``ray.init``; its entry says whether Ray was
-left running (``ray_left_running``).
+A first fit step with ``"own_ray": true`` runs before the driver connects: ``fit`` starts a local Ray
+of its own, as in a script without ``ray.init``, and keeps it for the steps after it (shut down when this
+process exits); its entry says whether Ray was left running (``ray_left_running``).
 
 A fit step's ``"objects"`` (``{"model": "Net", "loss": "smooth_loss", "metrics": ["hits"]}``) replaces those
 fields with the classes and functions of that name defined below, in this script's ``__main__``: what a

@@ -127,7 +127,7 @@ def test_each_runner_trains_on_the_real_cpus(laptop_runs):
     for key, value in one.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=key)
     # fit started that Ray itself (no ray.init before it) with the fake GPUs, and kept it up for the script's
-    # next fit (api.keep_ray_started: shut down at exit)
+    # next fit (cluster.keep_ray_started: shut down at exit)
     assert elastic["ray_left_running"] is True
 
 

@@ -37,6 +37,7 @@ from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, Compare
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
 from raytrain_mgpu._units import parse_bytes
+from raytrain_mgpu.runtime.cluster import keep_ray_started
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)
 from raytrain_mgpu.strategies.plan import build_plan
@@ -205,10 +206,7 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     finally:
         if stream is None:
             sink.close()
-        if started:
-            import ray
-
-            ray.shutdown()
+        keep_ray_started(started)  # a fit or compare after this one finds it up
     report = _finish(cfg, rows, info, budget, steps, warm, profile)
     report.paths = _write_report(report, out_dir or root)
     logger.info("compare: %s", report.recommendation.line())

@@ -52,6 +52,21 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
     return True
 
 
+def keep_ray_started(started: bool) -> None:
+    """A local Ray that ``fit`` or ``compare`` started stays up for the next ``fit`` in this process (a notebook's loop, a
+    sweep, ``compare``: Ray's start is paid once) and is shut down when the process exits."""
+    global _RAY_AT_EXIT
+    if started and not _RAY_AT_EXIT:
+        import atexit
+
+        atexit.register(ray.shutdown)
+        _RAY_AT_EXIT = True
+
+
+_RAY_AT_EXIT = False
+
+
+
 # ----------------------------------------------------------------------------- what the cluster can have
 
 

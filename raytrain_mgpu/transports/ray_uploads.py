@@ -164,7 +164,7 @@ class Uploads:
 
     def announce_when_persisted(self, index: int, folder: RunFolder, reporter: Optional[WorkerReporter]) -> None:
         """Tell the driver about ``names[index]`` once it is persisted (in a thread, in order)."""
-        if reporter is None:  # nobody to tell (a unit test)
+        if reporter is None or reporter.sink is None:  # nobody to tell (a unit test, a run without a driver sink)
             return
         if self._announcer is None:  # a daemon: a worker that exits never waits for it
             self._announcer = threading.Thread(target=self._announce_all, name="raytrain-mgpu-ckpt-announce",
