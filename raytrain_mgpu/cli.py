@@ -72,9 +72,11 @@ def _parse_value(kind: str):
     def parse(text: str) -> Any:
         if kind == "shape":  # "1,28,28" or "[1, 28, 28]"
             text = text if text.strip().startswith("[") else f"[{text}]"
+        if kind == "window" and "," in text and not text.strip().startswith("["):  # --profile-steps 10,15
+            text = f"[{text}]"
         low, dash, high = text.partition("-")
-        if kind == "range" and dash and low.strip().isdigit() and high.strip().isdigit():
-            return int(low), int(high)  # --num-workers 1-4: an elastic (min, max)
+        if kind in ("range", "window") and dash and low.strip().isdigit() and high.strip().isdigit():
+            return int(low), int(high)  # --num-workers 1-4: an elastic (min, max); --profile-steps 10-15
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as exc:  # argparse turns this into one usage error
@@ -118,7 +120,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         kind = "str" if hint in (str, Optional[str]) or names else "yaml"
         if f.name in ("input_shape", "balance"):
             kind = "shape" if f.name == "input_shape" else "yaml"
-        kind = "range" if f.name == "num_workers" else kind
+        kind = "range" if f.name == "num_workers" else "window" if f.name == "profile_steps" else kind
         if list in (hint, typing.get_origin(hint)) or hint == Optional[list]:  # metrics, loggers, callbacks
             group.add_argument(flag, dest=f.name, nargs="+", action=_ListOption, default=argparse.SUPPRESS,
                                metavar=f.name.upper()[:-1], help=help_text)

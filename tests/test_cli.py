@@ -40,6 +40,13 @@ def test_choice_options_stay_text_and_lr_scaling_null_is_none():
     assert config_from_args(_build_parser().parse_args(["train", "--lr-scaling", "sqrt"])).lr_scaling == "sqrt"
 
 
+def test_the_profiler_window_takes_the_forms_a_user_types():
+    for text in ("10,15", "10-15", "[10, 15]"):
+        assert config_from_args(_build_parser().parse_args(["train", "--profile-steps", text])).profile_steps == \
+            (10, 15), text
+    assert config_from_args(_build_parser().parse_args(["train", "--profile-steps", "null"])).profile_steps is None
+
+
 def test_bad_input_exits_2_with_the_message(capsys):
     assert main(["train", "--batch-size", "100", "--num-workers", "3"]) == 2
     err = capsys.readouterr().err
