@@ -56,6 +56,7 @@ def test_connect_starts_a_local_ray_with_fake_gpus_only_under_emulation(monkeypa
     monkeypatch.setenv(EMULATE_ENV, "2")
     assert cluster.connect(None, False, local_has_gpu_check=True) is True
     assert calls[-1]["num_gpus"] == 2 and calls[-1]["address"] is None
+    assert calls[-1]["include_dashboard"] is False  # fit's own Ray: no dashboard processes in its start
 
 
 def test_resolver_under_emulation_computes_on_cpu_and_records_cuda(monkeypatch):

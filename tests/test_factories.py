@@ -131,6 +131,21 @@ def test_a_model_that_cannot_build_on_meta_is_built_once_on_cpu_leaving_the_rng_
     assert torch.equal(torch.get_rng_state(), before)
 
 
+@pytest.mark.parametrize("side", [4, 5, 8, 13, 27, 28, 29, 32, 64])
+def test_lenet_counts_its_dense_input_as_running_its_convs_gives(side):
+    """LeNet sizes its first dense layer without a dummy forward (cheap on the meta device): the count must
+    match what the convolutions and pools give, on both sides of its 28-pixel padding switch."""
+    model = build_model("lenet", (3, side, side), 10, {})
+    convs = nn.Sequential(*[m for m in model if not isinstance(m, nn.Linear)][:7])
+    assert convs(torch.zeros(1, 3, side, side)).shape[1] == model[7].in_features
+
+
+def test_lenet_refuses_an_input_its_pools_leave_empty():
+    with pytest.raises(ValueError, match=r"LeNet input_size=3: its pools leave no pixels. It needs inputs of at "
+                                         r"least 4x4"):
+        build_model("lenet", (1, 3, 3), 10, {})
+
+
 # ----------------------------------------------------------------------------- optimizer config (no Ray)
 
 

@@ -36,8 +36,14 @@ class LeNet(nn.Sequential):
             nn.AvgPool2d(kernel_size=2, stride=2),
             nn.Flatten(),
         ]
-        with torch.no_grad():
-            flat = nn.Sequential(*convs)(torch.zeros(1, in_channels, input_size, input_size)).shape[1]
+        # The first conv keeps the map's size, the second keeps it or shrinks it by 4, each pool halves it (floor,
+        # as PyTorch): counted, not run on a dummy input (on the meta device the driver's checks build on, that
+        # forward imports torch._dynamo: 0.8 s of every run's start).
+        side = ((input_size // 2) - (0 if same else 4)) // 2
+        if side < 1:
+            raise ValueError(f"LeNet input_size={input_size}: its pools leave no pixels. It needs inputs of at least "
+                             f"4x4; resize the images or use model='mlp'.")
+        flat = 16 * side * side
         super().__init__(
             *convs,
             nn.Linear(flat, 120), act(),
