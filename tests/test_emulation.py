@@ -38,10 +38,17 @@ TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_
 
 
 def test_worker_runtime_env_carries_the_switch_only_when_set(monkeypatch):
+    monkeypatch.setattr(cluster, "_started_here", lambda: False)  # a Ray joined: its raylet has none of our env
     monkeypatch.setenv(EMULATE_ENV, "3")
     assert cluster.worker_runtime_env("mlp", "digits")["env_vars"][EMULATE_ENV] == "3"
     monkeypatch.delenv(EMULATE_ENV)
     assert EMULATE_ENV not in cluster.worker_runtime_env("mlp", "digits")["env_vars"]
+    # A Ray this process started got the switch from connect() before ray.init: the env adds nothing (Ray's
+    # pre-started workers then serve the run)
+    monkeypatch.setattr(cluster, "_started_here", lambda: True)
+    monkeypatch.setenv(EMULATE_ENV, "3")
+    monkeypatch.setenv("RAY_worker_niceness", "0")
+    assert "env_vars" not in cluster.worker_runtime_env("mlp", "digits")
 
 
 def test_connect_starts_a_local_ray_with_fake_gpus_only_under_emulation(monkeypatch):

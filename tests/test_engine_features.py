@@ -227,3 +227,21 @@ def test_fp16_in_a_pipeline_skips_a_step_every_stage_alike_when_one_stage_overfl
                                                                ("4", "True")]
     scales = [float(scale) for *_, scale in logs[0]]
     assert scales[1] == scales[0] / 2
+
+
+def test_fp16_in_a_pipeline_trains_with_a_stage_that_has_no_parameters(monkeypatch):
+    """Stage 0 holds only the MLP's Flatten: it has no gradients to check for an overflow, yet the stages' agreement
+    is a collective it must take part in (else stage 1 waits forever), and its scaler must record the verdict."""
+    from raytrain_mgpu.runtime.devices import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "2")
+    from raytrain_mgpu.models import build_model
+
+    cfg = rtm.TrainConfig(**{**PIPE, "precision": "16-mixed", "use_gpu": True, "optimizer": "sgd",
+                             "balance": [1, 3]})
+    result, = run_local([LocalRun(cfg, 3)])
+    assert result.partition.params[0] == 0 and result.partition.params[1] > 0
+    torch.manual_seed(cfg.seed)
+    initial = build_model(cfg.model, (12,), 5, cfg.model_kwargs).state_dict()
+    assert all(torch.isfinite(value).all() for value in result.model_state.values())
+    assert any(not torch.equal(initial[key], value) for key, value in result.model_state.items())  # it trained

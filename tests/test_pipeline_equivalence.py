@@ -38,6 +38,8 @@ CASES["mlp-ddp2-p2-1f1b"] = dict(MLP, strategy="ddp_pipeline", num_workers=2, nu
 CASES["mlp-p3-1f1b-adamw-clip-cosine"] = dict(MLP, strategy="pipeline", num_stages=3, schedule="1f1b",
                                               optimizer="adamw", lr=0.01, grad_clip_norm=0.05,
                                               lr_schedule="cosine", warmup_epochs=0.5, balance="time")
+# Stage 0 holds only the MLP's Flatten: a stage without parameters (balance="time" can choose one) still trains.
+CASES["mlp-p2-1f1b-flatten-stage"] = dict(MLP, strategy="pipeline", num_stages=2, schedule="1f1b", balance=[1, 4])
 CASES["mlp-p2-1f1b-bf16"] = dict(MLP, strategy="pipeline", num_stages=2, schedule="1f1b", precision="bf16-mixed")
 # Activation checkpointing in the stages (every block recomputed in the backward): the same weights as the
 # plain model in one process (tests/test_activation_checkpointing.py checks the Ray Train worker's loop).

@@ -222,7 +222,7 @@ class PipelineExecutor:
         if grad is None:
             loss = out * self._scale
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # fp16: the scaled loss
-        else:
+        elif out.requires_grad:  # not on a first stage of parameter-free blocks: nothing before it to train
             torch.autograd.backward(out, grad)
         self._clock.stop(started)
         if stage > 0:

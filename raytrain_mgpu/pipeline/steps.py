@@ -40,6 +40,7 @@ class PipelineSteps(Steps):
     its rank, process groups and data)."""
 
     read_ahead = True  # the first stage cannot fill its pipeline until micro-batch 0 exists: load in its bubble
+    may_hold_no_parameters = True  # a stage of parameter-free blocks
     agrees_on_overflow = True  # fp16: a step is skipped on every stage when any stage's gradients overflowed
 
     def __init__(self, stage, partition: Partition):
@@ -180,10 +181,13 @@ class PipelineSteps(Steps):
         import torch.distributed as dist
 
         found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # torch's own record of it
-        if not found:
-            return
-        flag = torch.stack([value.to(self.device) for value in found.values()]).amax()
+        # A stage without gradients (parameter-free blocks) has no verdict of its own, but takes part in the
+        # all-reduce (the others wait for it) and records the agreed one (scaler.step needs one to step).
+        flag = (torch.stack([value.to(self.device) for value in found.values()]).amax() if found
+                else torch.zeros((), device=self.device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not found:
+            found[self.device] = flag
         for value in found.values():
             value.copy_(flag)
 

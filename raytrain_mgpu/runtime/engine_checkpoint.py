@@ -98,7 +98,13 @@ def build_optimizer(cfg, steps) -> torch.optim.Optimizer:
 
     if cfg.param_groups is not None:
         return build(param_groups(steps.named_model(), cfg.param_groups, cfg.weight_decay), cfg.optim)
-    return build([p for p in steps.parameters() if p.requires_grad], cfg.optim)
+    params = [p for p in steps.parameters() if p.requires_grad]
+    if not params and steps.may_hold_no_parameters:
+        # A pipeline stage of parameter-free blocks (a Flatten, a pooling; balance="time" can choose one): nothing
+        # to step, but the schedule's scheduler, grad scaler and checkpoint all expect an optimizer. An empty
+        # parameter (never a gradient) gives it one that steps nothing.
+        params = [torch.nn.Parameter(torch.zeros(0))]
+    return build(params, cfg.optim)
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch: int):

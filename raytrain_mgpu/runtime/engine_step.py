@@ -139,6 +139,7 @@ class Steps:
     reads_data = sees_loss = True
     agrees_on_overflow = False  # fp16: the ranks sharing a step agree on an overflow (a pipeline's stages)
     read_ahead = False  # load the next batch in a thread while this rank computes (a pipeline's first stage)
+    may_hold_no_parameters = False  # a rank whose part has no parameters still trains (a pipeline's stage)
     part = ""
     sharded = False  # every rank writes its own shards of one checkpoint (fsdp)
     save_trainable = False  # save="trainable": a checkpoint's model part holds the trainable parameters and buffers
