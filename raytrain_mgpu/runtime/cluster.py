@@ -55,8 +55,8 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
 
 
 def keep_ray_started(started: bool) -> None:
-    """A local Ray that ``fit`` or ``compare`` started stays up for the next ``fit`` in this process (a notebook's loop, a
-    sweep, ``compare``: Ray's start is paid once) and is shut down when the process exits."""
+    """A local Ray that ``fit`` or ``compare`` started stays up for the next call in this process (a notebook's
+    loop, a sweep: Ray's start is paid once) and is shut down when the process exits."""
     global _RAY_AT_EXIT
     if started and not _RAY_AT_EXIT:
         import atexit
