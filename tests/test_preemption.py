@@ -380,3 +380,26 @@ def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_f
     with pytest.raises(ray.exceptions.RayError):  # the same failures, not preemptions: max_failures=0
         run_attempts(cfg, attempt, lambda exc: True, preempted=lambda exc: False)
     assert len(tries) == 1
+
+
+def _ray_up_at_step(out: str, step: int) -> None:
+    """A step event in a local stage's process: whether a Ray instance is up there."""
+    import ray
+
+    with open(f"{out}/{os.getpid()}", "a") as f:
+        f.write(f"{step}:{ray.is_initialized()}\n")
+
+
+def test_a_stage_outside_ray_starts_no_ray_to_watch_for_drains(tmp_path):
+    """The tests' local stages (and any stage run outside Ray) hear of no drain. Asking Ray for the node there
+    started a Ray instance in every stage process (~8 s each on 2 cores), in every local pipeline test."""
+    import functools
+
+    from _pipeline_local import LocalRun, run_local
+
+    cfg = TrainConfig(model="mlp", dataset="synthetic", input_shape=[6], num_classes=3, num_samples=48,
+                      model_kwargs={"widths": [8]}, batch_size=24, num_microbatches=2, strategy="pipeline",
+                      num_stages=2, cpus_per_worker=1)
+    run_local([LocalRun(cfg, 2, step_event=functools.partial(_ray_up_at_step, str(tmp_path)))])
+    seen = sorted(p.read_text() for p in tmp_path.iterdir())
+    assert seen == ["1:False\n2:False\n"] * 2, seen

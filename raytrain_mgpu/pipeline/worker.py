@@ -58,11 +58,14 @@ class StageTransport(FolderTransport):
         return self.stage.data_shard["train"]
 
     def preemption(self) -> dict:
-        """A node's preemption (a drain): this actor's own watcher of Ray's draining nodes."""
-        from raytrain_mgpu.runtime.preemption import DrainWatcher
-
+        """A node's preemption (a drain): this actor's own watcher of Ray's draining nodes. A stage outside Ray
+        (local processes) hears of none: asking Ray for its node there would start a Ray instance of its own."""
         import ray
 
+        from raytrain_mgpu.runtime.preemption import DrainWatcher
+
+        if not ray.is_initialized():
+            return super().preemption()
         self.watcher = DrainWatcher(ray.get_runtime_context().get_node_id())
         return {"local_notice": self.watcher.local_notice, "get_info": self.watcher.agreed}
 
