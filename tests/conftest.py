@@ -28,6 +28,13 @@ import time
 
 import pytest
 
+# A test that reaches a Ray API without meaning to (no ray.init: the shared instance is not up in its process)
+# fails instead of starting a Ray instance of its own, ~8 s, left idle in the test process or a local rank for
+# the rest of its life: local pipeline stages once started one each, in every local pipeline test. Read when
+# Ray is first imported, so before this package's imports; Ray's processes and the tests' subprocesses inherit
+# it. Every Ray the suite starts is an explicit ray.init (or fit's own).
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+
 from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV, WATCHER_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs

@@ -182,6 +182,13 @@ def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
             return False
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
+    # Ray Train's autoscaling coordinator, asked for before the controller: recorded as COORDINATOR_ASKED (the
+    # real call would start a Ray instance in this test process, which has none)
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+
+    monkeypatch.delenv("COORDINATOR_ASKED", raising=False)
+    monkeypatch.setattr(coordinator, "get_or_create_autoscaling_coordinator",
+                        lambda: monkeypatch.setenv("COORDINATOR_ASKED", "yes"))
     from raytrain_mgpu.runtime import progress
     from raytrain_mgpu.transports.ray_train import run_train_workers
 
@@ -212,11 +219,6 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
 def test_fit_asks_for_ray_trains_autoscaling_coordinator_before_the_controller_starts(monkeypatch, storage):
     """The controller's first act is to get-or-create this actor and wait for it: asked for first, its process
     starts beside the controller's (bench-startup: 2 workers' first step 0.80x a hand-written loop's with it)."""
-    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
-
-    monkeypatch.delenv("COORDINATOR_ASKED", raising=False)
-    monkeypatch.setattr(coordinator, "get_or_create_autoscaling_coordinator",
-                        lambda: monkeypatch.setenv("COORDINATOR_ASKED", "yes"))
     assert _env_when_the_controller_starts(monkeypatch, storage, ["COORDINATOR_ASKED"]) == [("yes",)]
 
 

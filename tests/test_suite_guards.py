@@ -56,3 +56,10 @@ def test_past_its_budget_the_suite_stops_and_still_prints_the_summary_and_the_ma
     assert "1 passed" in out.stdout and "test_second" not in out.stdout
     assert "machine: " in out.stdout and "free on" in out.stdout  # the header
     assert "machine during the suite:" in out.stdout and "steal" in out.stdout  # the summary
+
+
+def test_a_ray_api_reached_without_ray_init_fails_instead_of_starting_a_ray():
+    """conftest turns Ray's auto-init off: a stray call shows as an error, not as seconds of a Ray start."""
+    from ray._private import auto_init_hook
+
+    assert auto_init_hook.enable_auto_connect is False
