@@ -10,8 +10,8 @@ a Ray instance of its own whose settings differ from the shared test instance's)
                {"kind": "fit", "config": {TrainConfig fields}, "weights": "/out/w.pt"}]}
 
 A first fit step with ``"own_ray": true`` runs before the driver connects: ``fit`` starts a local Ray
-of its own, as in a script without ``ray.init``, and keeps it for the steps after it (shut down when this
-process exits); its entry says whether Ray was left running (``ray_left_running``).
+of its own, as in a script without ``ray.init``, and keeps it for the steps after it, which run on it (shut down
+when this process exits); its entry says whether Ray was left running (``ray_left_running``).
 
 A fit step's ``"objects"`` (``{"model": "Net", "loss": "smooth_loss", "metrics": ["hits"]}``) replaces those
 fields with the classes and functions of that name defined below, in this script's ``__main__``: what a
@@ -106,7 +106,7 @@ def main(plan_path: str, results_path: str) -> None:
                 entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             entry["seconds"] = round(time.monotonic() - start, 1)
             if step.get("own_ray"):
-                entry["ray_left_running"] = ray.is_initialized()
+                entry["ray_left_running"] = connected = ray.is_initialized()  # the steps after it use that Ray
             results.append(entry)
             with open(results_path, "w") as f:
                 json.dump(results, f)

@@ -9,8 +9,8 @@ each runner and the Ray Data path once:
   elastic policy starts with the 2 workers the 2 fake GPUs have room for, ending with one worker's
   weights (tests/test_elastic.py's arithmetic), in a script without ``ray.init``: ``fit`` starts the
   local Ray itself and keeps it up for the next ``fit`` of the script (shut down at exit);
-- the runs below share one ``ray.init()``, in a second script. The pipeline's actor group: 2 stages, one
-  CPU each (every CPU of a 2-core machine);
+- the runs below, the script's next ``fit`` calls, on the Ray the first one kept. The pipeline's actor
+  group: 2 stages, one CPU each (every CPU of a 2-core machine);
 - Ray Data streaming into 1 Ray Train worker, with a CPU left for Ray Data's read tasks;
 - those two runs train what a user's script defines in its ``__main__`` (the driver's model class,
   dataset function, loss, metric and optimizer functions: tests/_fit_driver.py), which Ray sends to
@@ -67,7 +67,7 @@ def laptop_runs():
         mine = {"model": "Net", "loss": "smooth_loss", "metrics": ["hits"], "optimizer": "momentum_sgd"}
         width = {"model_kwargs": {"width": 32}}
         # No ray.init before it: fit starts a local Ray of its own, as a script without one does, and keeps it
-        # up for the next fit of the script; the other runs share one ray.init() in a script of their own.
+        # up for the next fits of the script: the runs after it (one script, one Ray start).
         own = [{"kind": "fit", "own_ray": True, "config": dict(ELASTIC, dataset="digits", num_workers=[1, 3],
                                                                use_gpu=True, name="elastic", storage_path=storage),
                 "weights": str(root / "elastic.pt")}]
@@ -84,15 +84,14 @@ def laptop_runs():
         ]
         (root / "home").mkdir()
         env = base_env(root / "home", RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(root), **{EMULATE_ENV: "2"})
-        results, steps = [], own + shared
-        for part, plan in (("own", {"steps": own}), ("shared", {"steps": shared, "local_ray": {"num_gpus": 2}})):
-            (root / f"plan-{part}.json").write_text(json.dumps(plan))
-            done = subprocess.run([sys.executable, "tests/_fit_driver.py", str(root / f"plan-{part}.json"),
-                                   str(root / f"results-{part}.json")], cwd=REPO, env=env, capture_output=True,
-                                  text=True, timeout=900)
-            assert done.returncode == 0, done.stderr[-4000:]
-            results += json.loads((root / f"results-{part}.json").read_text())
-            assert len(results) == len(own) + (len(shared) if part == "shared" else 0), done.stderr[-4000:]
+        steps = own + shared
+        (root / "plan.json").write_text(json.dumps({"steps": steps}))
+        done = subprocess.run([sys.executable, "tests/_fit_driver.py", str(root / "plan.json"),
+                               str(root / "results.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        results = json.loads((root / "results.json").read_text())
+        assert len(results) == len(steps), done.stderr[-4000:]
         runs = dict(zip([s["config"]["name"] for s in steps], results))
         for name in ("pipe", "stream"):  # what the run folder recorded of the objects, read before it goes
             run = runs[name]
