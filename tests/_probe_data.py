@@ -32,6 +32,15 @@ their bytes (JSON files whole), records the folder in ``done-kill_in_save``, kee
 copy in ``kill_in_save-whole`` (what the save would have written) and SIGKILLs itself: a kill
 in the middle of a save.
 
+``slow_uploads`` (``{"action": "slow_uploads", "rank": 0, "upload_s": 0.5, "kill_in_upload": 3}``, armed in
+every process of that rank): it wraps the function Ray Train V2 copies a checkpoint to storage with
+(``storage._pyarrow_fs_copy_files``, run in Ray's upload thread for an asynchronous report); each upload
+sleeps ``upload_s`` first, then copies, and appends ``{"dest", "start", "end"}`` to ``uploads.jsonl``.
+Upload number ``kill_in_upload`` (counted over the run, through ``uploads.jsonl``; once) instead writes half
+of every file's bytes (JSON files whole), records the folder in ``done-kill_in_upload`` and SIGKILLs the
+process: a failure in the middle of an upload. Every training batch such a process reads appends its time
+to ``batches-<pid>.txt``.
+
 ``optimizer="_probe_data:mesh_sgd"`` with ``optimizer_kwargs={"probe": dir, "momentum": m}``: SGD over
 the parameters a worker's strategy hands the optimizer; inside a Ray Train worker it first writes
 ``mesh-<rank>-<pid>.json`` with its node IP and, where the first parameter is a DTensor (``fsdp``), its
@@ -75,12 +84,17 @@ def digits(cfg) -> Datasets:
     sample_fault = None
     if info["world_rank"] == 0 and any("after_rank0_reports" in f for f in _plan(probe)):
         _record_reports(probe)
+    times = None
     for fault in _armed(probe, info):
         if fault["action"] == "kill_in_save":
             _arm_kill_in_save(probe, fault["after_saves"])
+        elif fault["action"] == "slow_uploads":
+            _slow_uploads(probe, fault)
+            times = probe / f"batches-{info['pid']}.txt"
         else:
             sample_fault = fault
-    train = _Recording(data.train, probe / f"indices-{info['world_rank']}-{info['pid']}.txt", probe, sample_fault)
+    train = _Recording(data.train, probe / f"indices-{info['world_rank']}-{info['pid']}.txt", probe, sample_fault,
+                       times)
     return data._replace(train=train)
 
 
@@ -142,8 +156,8 @@ def _worker_info():
 
 
 class _Recording(Dataset):
-    def __init__(self, inner, log: Path, probe: Path, plan):
-        self.inner, self.log, self.probe, self.plan = inner, log, probe, plan
+    def __init__(self, inner, log: Path, probe: Path, plan, times: Path = None):
+        self.inner, self.log, self.probe, self.plan, self.times = inner, log, probe, plan, times
         self.served = 0
 
     def __len__(self):
@@ -153,6 +167,9 @@ class _Recording(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices):
+        if self.times is not None:
+            with open(self.times, "a") as f:
+                f.write(f"{time.time()}\n")
         with open(self.log, "a") as f:
             f.write(" ".join(str(int(i)) for i in indices) + "\n")
         self.served += len(indices)
@@ -241,6 +258,32 @@ def _arm_kill_in_save(probe: Path, after_saves: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     storage._pyarrow_fs_copy_files = upload_then_die
+
+
+def _slow_uploads(probe: Path, plan: dict) -> None:
+    from ray.train.v2._internal.execution import storage
+
+    upload = storage._pyarrow_fs_copy_files
+    log = probe / "uploads.jsonl"
+
+    def slow_upload(source, destination, source_filesystem=None, destination_filesystem=None, **kwargs):
+        number = 1 + (len(log.read_text().splitlines()) if log.exists() else 0)
+        start = time.time()
+        if number == plan.get("kill_in_upload") and not (probe / "done-kill_in_upload").exists():
+            (probe / "done-kill_in_upload").write_text(str(destination))
+            for name in sorted(os.listdir(source)):
+                data = Path(source, name).read_bytes()
+                with destination_filesystem.open_output_stream(f"{destination}/{name}") as f:
+                    f.write(data if name.endswith(".json") else data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(plan.get("upload_s", 0.0))
+        result = upload(source, destination, source_filesystem=source_filesystem,
+                        destination_filesystem=destination_filesystem, **kwargs)
+        with open(log, "a") as f:
+            f.write(json.dumps({"dest": str(destination), "start": start, "end": time.time()}) + "\n")
+        return result
+
+    storage._pyarrow_fs_copy_files = slow_upload
 
 
 def _kill_own_node():

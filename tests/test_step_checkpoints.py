@@ -1,17 +1,14 @@
 """Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``runtime/step_checkpoints.py``).
 
 The resume logic in this process: a one-worker run (the in-process runner) fails inside epoch 2, its
-restart resumes from the last step checkpoint and ends bit for bit with the undisturbed run. The Ray run: rank 1 is SIGKILLed in the middle of epoch 2 (``_probe_data``'s plan); the restart
-resumes from the last step checkpoint, inside the epoch, and the run ends with the weights and
-the epoch rows of an undisturbed run (the 2 replicas emulated in this process, ``tests/_reference.py``:
-bit for bit what a 2-worker fit trains). What the restarted worker trained on is exactly the rest
-of the epoch after that checkpoint, so a reclaimed node cost fewer than K steps.
+restart resumes from the last step checkpoint and ends bit for bit with the undisturbed run. Through Ray,
+a rank SIGKILLed in the middle of epoch 2 resumes from the last step checkpoint, inside the epoch, and the
+run ends with the weights and epoch rows of an undisturbed run, the restarted worker having trained exactly
+the rest of the epoch: tests/test_async_upload.py, whose one Ray run has that fault after a kill mid-upload.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import math
 
 import pytest
@@ -19,7 +16,6 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime.metrics import EpochMeter
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler, step_checkpoint_due
 
@@ -28,7 +24,6 @@ MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer=
            num_workers=2, epochs=2)
 STEPS_PER_EPOCH = 1438 // 64   # 22: digits' train split, global batch 64
 EVERY = 5                      # step checkpoints at global steps 5, 10, ..., 40 (not 22 and 44: epoch ends)
-KILL_AT_SAMPLE = 22 * 32 + 12 * 32 + 5  # rank 1, in epoch 2's 13th step (global step 35)
 RESUMED_AT = 30                # the last step checkpoint before it: 8 steps into epoch 2
 
 
@@ -120,47 +115,3 @@ def test_an_in_process_run_failing_mid_epoch_resumes_at_its_last_step_checkpoint
     for got_row, want_row in zip(history, undisturbed_history):  # the resumed epoch's sums continued
         for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
             assert math.isclose(got_row[key], want_row[key], rel_tol=1e-9), key
-
-
-@pytest.mark.slow  # a fit with a restart: 40-80 s on 2 cores
-def test_a_worker_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
-        ray_session, tmp_path):
-    from _reference import train_replicas
-
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    # The kill waits until Ray Train has registered the step-30 checkpoint: rank 0 reports it only after
-    # its asynchronous upload, and a rank lost before the controller registers it resumes from the
-    # checkpoint before, by design (docs/reliability.md).
-    common = dict(MLP, dataset="_probe_data:digits", checkpoint_every_n_steps=EVERY,
-                  storage_path=str(tmp_path / "results"))
-    (probe / "plan.json").write_text(json.dumps([
-        {"action": "kill_process", "rank": 1, "after_samples": KILL_AT_SAMPLE,
-         "after_registered_step": RESUMED_AT, "run": str(tmp_path / "results" / "killed")}]))
-    printed = io.StringIO()
-    killed = rtm.fit(rtm.TrainConfig(**common, data_root=str(probe), max_failures=1, name="killed"), stream=printed)
-    assert (probe / "done-kill_process").exists()
-    want, undisturbed_history = train_replicas(common)  # the undisturbed run: 2 ddp replicas, in this process
-
-    # The same weights, bit for bit, and the same epoch rows (the resumed epoch's sums continued).
-    with ckpt_format.local_checkpoint(killed.checkpoint_path) as a:
-        got = ckpt_format.load_model_state(a)
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch.equal(got[key], want[key]), key
-    assert [(h["epoch"], h["step"], h["attempt"]) for h in killed.history] == [
-        (1, STEPS_PER_EPOCH, 0), (2, 2 * STEPS_PER_EPOCH, 1)]
-    assert len(undisturbed_history) == len(killed.history)
-    for got_row, want_row in zip(killed.history, undisturbed_history):
-        for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
-            assert math.isclose(got_row[key], want_row[key], rel_tol=1e-9), key
-
-    # What the restarted rank 1 trained on: the rest of epoch 2 after step 30, nothing before it.
-    infos = sorted((json.loads(p.read_text()) for p in probe.glob("worker-1-*.json")), key=lambda i: i["started"])
-    first, second = ([int(i) for i in (probe / f"indices-1-{info['pid']}.txt").read_text().split()]
-                     for info in infos)
-    resumed_at = STEPS_PER_EPOCH * 32 + (RESUMED_AT - STEPS_PER_EPOCH) * 32  # rank 1's samples before step 30
-    assert len(second) == 2 * STEPS_PER_EPOCH * 32 - resumed_at
-    assert second[:len(first) - resumed_at] == first[resumed_at:]  # the same order: redone steps only
-    lost_steps = math.ceil((len(first) - resumed_at) / 32)
-    assert 0 < lost_steps <= EVERY, lost_steps
