@@ -144,3 +144,29 @@ def test_the_scale_section_asks_fsdp_with_and_without_each_option_and_reports_th
         assert row.figure == "peak memory per device 1.00 vs 4.00 GiB (0.25x); 20.0 vs 10.0 ms a step (2.00x)"
     assert rows[2].figure == "training stood still 50 ms an epoch (10.0 % of its 0.50 s in steps)"
     assert all(r.machine.startswith("EMULATED") for r in rows)
+
+
+def test_the_startup_section_measures_before_any_ray_of_its_own_and_reads_as_ratios(monkeypatch):
+    """bench-startup's measurement, faked here (three fresh processes, ~30 s): its variants start Rays of
+    their own, so a Ray the report started for an earlier section is shut down first."""
+    from raytrain_mgpu.bench import startup
+
+    monkeypatch.setenv(EMULATE_ENV, "4")
+    up = {"ray": False}
+    monkeypatch.setattr(ray, "is_initialized", lambda: up["ray"])
+    monkeypatch.setattr(ray, "init", lambda **kwargs: up.update(ray=True))
+    monkeypatch.setattr(ray, "shutdown", lambda: up.update(ray=False))
+    monkeypatch.setitem(gpu_report.SECTIONS, "strategies", lambda *args: [])  # an earlier section through Ray
+    asked = []
+
+    def fake_run(fields, workers, rounds=1):
+        asked.append((fields, workers, up["ray"]))
+        return {("fit, in-process", 1): [1.0], ("fit, Ray Train", 1): [9.0], ("ray train", 1): [10.0]}
+
+    monkeypatch.setattr(startup, "run", fake_run)
+    (row,) = gpu_report.run_report(sections=("strategies", "startup"), quick=True)
+    assert asked == [(dict(startup.FIELDS, use_gpu=False), [1], False)]  # the CPU under emulation; no Ray up
+    assert row.what == "start-up: seconds to the first step, 1 worker, lenet on digits"
+    assert row.figure == ("`fit` in-process 1.0 s (0.10x), `fit` through Ray Train 9.0 s (0.90x); "
+                          "a hand-written `TorchTrainer` loop 10.0 s")
+    assert row.command == "raytrain-mgpu bench-startup --workers 1"

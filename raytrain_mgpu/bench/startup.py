@@ -31,6 +31,7 @@ import time
 from typing import Dict, List
 
 VARIANTS = ("fit, in-process", "fit, Ray Train", "ray train")
+FIELDS = dict(model="lenet", dataset="digits", epochs=1, batch_size=128)  # the run measured, by default
 
 
 def measure_whole(variant: str, cfg_fields: dict, storage: str) -> float:
@@ -135,7 +136,9 @@ def _in_fresh_process(variant: str, cfg_fields: dict, workers: int, whole: bool 
                 else f"measure({variant!r}, {cfg_fields!r}, {workers}, {storage!r})")
         code = ("import json, sys; from raytrain_mgpu.bench.startup import measure, measure_whole; "
                 f"print('RESULT', json.dumps({call}))")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+        # a local start is what is measured: not a cluster that RAY_ADDRESS names (fit would join it)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"{variant} ({workers} worker(s)) failed: {done.stderr[-2000:]}")
@@ -185,8 +188,8 @@ def report_tune(measured: Dict[str, List[float]]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default: 1 2)")
     parser.add_argument("--rounds", type=int, default=1, help="measurements of each variant (median)")
-    parser.add_argument("--model", default="lenet", help="the model (a registry name)")
-    parser.add_argument("--dataset", default="digits", help="the dataset (a registry name)")
+    parser.add_argument("--model", default=FIELDS["model"], help="the model (a registry name)")
+    parser.add_argument("--dataset", default=FIELDS["dataset"], help="the dataset (a registry name)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     parser.add_argument("--tune", action="store_true", help="whole calls instead: a Tune search of 3 one-worker "
                                                             "trials against one hand-written TorchTrainer run")
@@ -194,7 +197,7 @@ def add_arguments(parser) -> None:
 
 
 def run_and_print(args) -> int:
-    fields = dict(model=args.model, dataset=args.dataset, epochs=1, batch_size=128, use_gpu=args.use_gpu)
+    fields = dict(FIELDS, model=args.model, dataset=args.dataset, use_gpu=args.use_gpu)
     if args.tune:
         print(report_tune(run_tune({**fields, "epochs": args.epochs}, args.rounds)))
         return 0
