@@ -11,8 +11,7 @@ checkout) and measures, each with ``fit`` on the GPUs Ray finds:
   against a plain PyTorch loop on the same GPU (d2l reports 12.2 s an epoch);
 - fp16 (``16-mixed``) and bf16 (``bf16-mixed``) speed-up over fp32 on that workload;
 - every pipeline schedule finishing (stages on distinct GPUs);
-- start-up: seconds to the first step with one GPU worker, ``fit`` in-process and through Ray against a
-  hand-written ``TorchTrainer`` loop (``raytrain-mgpu bench-startup``'s measurement);
+- start-up: ``raytrain-mgpu bench-startup``'s seconds to the first step with one GPU worker;
 - models bigger than one GPU, a transformer LM sharded by ``fsdp`` over up to 4 GPUs: peak
   memory and time a step with ``cpu_offload=True`` and with ``activation_checkpointing=1``, each
   against the plain sharded run, and the time each epoch's checkpoint stalls training.
@@ -317,22 +316,12 @@ def gpu_tests_row(where: str, root: Optional[Path]) -> Row:
 
 
 def startup_rows(where: str) -> List[Row]:
-    """Seconds to the first step with one worker on one GPU (the CPU under emulation): ``fit`` in-process and
-    through Ray against a hand-written ``TorchTrainer`` loop, each in a fresh process timed from before Ray
-    starts (``raytrain-mgpu bench-startup``; its Rays are their own, so none of this process's may be up)."""
+    """``bench-startup``'s one-worker figures, on one GPU (the CPU under emulation): fresh processes, each
+    starting a Ray of its own, so none of this process's may be up."""
     from raytrain_mgpu.bench import startup
 
-    use_gpu = torch.cuda.is_available()
-    measured = startup.run(dict(startup.FIELDS, use_gpu=use_gpu), [1])
-    seconds = {variant: statistics.median(measured[(variant, 1)]) for variant in startup.VARIANTS}
-    base = seconds["ray train"]
-    figure = ", ".join(f"{label} {seconds[variant]:.1f} s ({seconds[variant] / base:.2f}x)"
-                       for variant, label in (("fit, in-process", "`fit` in-process"),
-                                              ("fit, Ray Train", "`fit` through Ray Train")))
-    return [Row(f"start-up: seconds to the first step, 1 worker{' on 1 GPU' if use_gpu else ''}, "
-                f"{startup.FIELDS['model']} on {startup.FIELDS['dataset']}",
-                f"{figure}; a hand-written `TorchTrainer` loop {base:.1f} s", where,
-                "raytrain-mgpu bench-startup --workers 1" + (" --use-gpu" if use_gpu else ""))]
+    what, figure, command = startup.one_worker_row(torch.cuda.is_available())
+    return [Row(what, figure, where, command)]
 
 
 # ---------------------------------------------------------------------------- the command

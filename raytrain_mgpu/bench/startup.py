@@ -157,6 +157,19 @@ def run(cfg_fields: dict, workers: List[int], rounds: int = 1) -> Dict[tuple, Li
     return measured
 
 
+def one_worker_row(use_gpu: bool) -> tuple:
+    """gpu-report's start-up row, ``(what, figure, command)``: one round with one worker (on one GPU)."""
+    measured = run(dict(FIELDS, use_gpu=use_gpu), [1])
+    seconds = {variant: statistics.median(measured[(variant, 1)]) for variant in VARIANTS}
+    base = seconds["ray train"]
+    figure = ", ".join(f"{label} {seconds[variant]:.1f} s ({seconds[variant] / base:.2f}x)"
+                       for variant, label in (("fit, in-process", "`fit` in-process"),
+                                              ("fit, Ray Train", "`fit` through Ray Train")))
+    return (f"start-up: seconds to the first step, 1 worker{' on 1 GPU' if use_gpu else ''}, {FIELDS['model']} on "
+            f"{FIELDS['dataset']}", f"{figure}; a hand-written `TorchTrainer` loop {base:.1f} s",
+            "raytrain-mgpu bench-startup --workers 1" + (" --use-gpu" if use_gpu else ""))
+
+
 def report(measured: Dict[tuple, List[float]]) -> str:
     lines = [f"{'variant':<18} {'workers':>7} {'first step':>11} {'vs ray train':>13}"]
     for (variant, count), seconds in sorted(measured.items(), key=lambda item: (item[0][1], item[0][0])):
