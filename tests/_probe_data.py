@@ -251,13 +251,18 @@ def _arm_kill_in_save(probe: Path, after_saves: int) -> None:
         os.write(fd, str(destination).encode())
         os.close(fd)
         shutil.copytree(source, probe / "kill_in_save-whole")  # what the save would have written
-        for name in sorted(os.listdir(source)):
-            data = Path(source, name).read_bytes()
-            with destination_filesystem.open_output_stream(f"{destination}/{name}") as f:
-                f.write(data if name.endswith(".json") else data[: len(data) // 2])
-        os.kill(os.getpid(), signal.SIGKILL)
+        _write_half_then_die(source, destination, destination_filesystem)
 
     storage._pyarrow_fs_copy_files = upload_then_die
+
+
+def _write_half_then_die(source, destination, destination_filesystem) -> None:
+    """A checkpoint upload killed half-way: every file cut to half its bytes (JSON files whole), then SIGKILL."""
+    for name in sorted(os.listdir(source)):
+        data = Path(source, name).read_bytes()
+        with destination_filesystem.open_output_stream(f"{destination}/{name}") as f:
+            f.write(data if name.endswith(".json") else data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _slow_uploads(probe: Path, plan: dict) -> None:
@@ -271,11 +276,7 @@ def _slow_uploads(probe: Path, plan: dict) -> None:
         start = time.time()
         if number == plan.get("kill_in_upload") and not (probe / "done-kill_in_upload").exists():
             (probe / "done-kill_in_upload").write_text(str(destination))
-            for name in sorted(os.listdir(source)):
-                data = Path(source, name).read_bytes()
-                with destination_filesystem.open_output_stream(f"{destination}/{name}") as f:
-                    f.write(data if name.endswith(".json") else data[: len(data) // 2])
-            os.kill(os.getpid(), signal.SIGKILL)
+            _write_half_then_die(source, destination, destination_filesystem)
         time.sleep(plan.get("upload_s", 0.0))
         result = upload(source, destination, source_filesystem=source_filesystem,
                         destination_filesystem=destination_filesystem, **kwargs)
