@@ -317,6 +317,36 @@ def test_help_config_errors_and_every_strategys_config_import_neither_torch_nor_
     assert steps["main(['bench', '--help'])"][0] == "exit 0" and "--num-samples" in done.stdout  # loaded on use
 
 
+_CHECKS_WITHOUT_DYNAMO = r"""
+import sys
+import torch
+import raytrain_mgpu as rtm
+from raytrain_mgpu.planning.preflight import check_model_builds
+
+cfg = rtm.TrainConfig(model="lenet", dataset="digits", optimizer="adamw")
+check_model_builds(cfg, (1, 8, 8), 10)
+print("dynamo after the check:", "torch._dynamo" in sys.modules)
+print("slot left:", hasattr(torch.optim.Optimizer.add_param_group.__wrapped__, "__dynamo_disable"))
+try:
+    check_model_builds(cfg.replace(optimizer_kwargs={"betas": 3}), (1, 8, 8), 10)
+except ValueError as exc:
+    print("refused:", "optimizer_kwargs={'betas': 3}" in str(exc))
+torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+print("dynamo after an optimizer outside the check:", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_fits_model_and_optimizer_check_imports_no_dynamo_and_leaves_torch_as_it_was():
+    # The driver builds the optimizer only to check it; torch's dynamo-disabling wrapper of add_param_group
+    # imports torch._dynamo at its first call (~1 s of a Ray fit's start on 2 cores, on the driver's
+    # critical path). The check still refuses bad kwargs, and an optimizer built after it imports dynamo
+    # as torch means it to (the wrapper's cache slot is not left filled).
+    done = _python(_CHECKS_WITHOUT_DYNAMO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["dynamo after the check: False", "slot left: False", "refused: True",
+                                        "dynamo after an optimizer outside the check: True"], done.stdout
+
+
 # ----------------------------------------------------------------------------- size
 
 MAX_LINES = 400
