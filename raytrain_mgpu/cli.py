@@ -121,6 +121,10 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         if f.name in ("input_shape", "balance"):
             kind = "shape" if f.name == "input_shape" else "yaml"
         kind = "range" if f.name == "num_workers" else "window" if f.name == "profile_steps" else kind
+        if bool in typing.get_args(hint):  # compile: a bare --compile is true, as a boolean's flag
+            group.add_argument(flag, dest=f.name, nargs="?", const=True, type=_parse_value("yaml"),
+                               default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
+            continue
         if list in (hint, typing.get_origin(hint)) or hint == Optional[list]:  # metrics, loggers, callbacks
             group.add_argument(flag, dest=f.name, nargs="+", action=_ListOption, default=argparse.SUPPRESS,
                                metavar=f.name.upper()[:-1], help=help_text)

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
 from raytrain_mgpu.config_checks import validate, warn_unused
-from raytrain_mgpu.config_sections import (Balance, DataConfig, Ingest, Logger, Loss, LrScaling, LrSchedule,
-                                           MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
+from raytrain_mgpu.config_sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
+                                           LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
                                            OnNonfinite, Precision, Runner, SaveWhat, Schedule)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
 from raytrain_mgpu._factory import CODE_FIELDS
@@ -167,8 +167,8 @@ class TrainConfig:
     """DDP: gradients are views into the buckets (saves one copy)."""
     sync_batchnorm: bool = False
     """Convert BatchNorm to SyncBatchNorm (statistics over the global batch)."""
-    compile: bool = False
-    """Wrap the model in ``torch.compile``."""
+    compile: Compile = False
+    """``True``: wrap the model in ``torch.compile`` (after DDP or FSDP wrapping, as Lightning's Fabric does). ``"blocks"``: compile each block in place instead (``nn.Module.compile``; blocks as ``activation_checkpointing`` finds them), as torchtitan does: DDP's all-reduces and FSDP's all-gathers stay outside the compiled graphs, and the state dict keeps its names. Not with ``dp``/``dp_balanced``/``ddp2`` (DataParallel copies the model each step)."""
     channels_last: bool = False
     """Use the channels-last memory format for 4-D inputs and the model."""
     shard_group_size: Optional[int] = None

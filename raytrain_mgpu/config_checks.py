@@ -26,7 +26,7 @@ from raytrain_mgpu._units import parse_bytes
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
-          "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "compile", "channels_last", "verbose",
+          "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "channels_last", "verbose",
           "keep_best", "test_every_epoch", "init_strict")
 _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
@@ -196,6 +196,9 @@ def _check_types(cfg) -> None:
         if not isinstance(value, bool):
             fail(name, value, "must be true or false", f"Write {name}: true or {name}: false (YAML booleans, "
                                                         f"not quoted strings).")
+    if not (isinstance(cfg.compile, bool) or cfg.compile == "blocks"):
+        fail("compile", cfg.compile, "must be true, false or 'blocks'",
+             "Write compile: true (the whole model), compile: blocks (each block), or compile: false.")
     for name in _POSITIVE_INTS:
         value = getattr(cfg, name)
         if not is_int(value) or value < 1:

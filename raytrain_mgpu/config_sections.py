@@ -26,6 +26,7 @@ Ingest = Literal["loader", "ray_data"]  # how the training split reaches the wor
 Runner = Literal["auto", "local", "ray"]  # where a run trains: the driver's process, or Ray
 OnNonfinite = Literal["stop", "skip", "ignore"]  # what a non-finite loss does to a run
 SaveWhat = Literal["full", "trainable"]  # what a checkpoint's model part holds
+Compile = Union[bool, Literal["blocks"]]  # torch.compile: off, the whole model, or each block in place
 
 
 # ----------------------------------------------------------------------------- sections
@@ -109,7 +110,7 @@ class ParallelConfig:
     bucket_cap_mb: Optional[float]
     gradient_as_bucket_view: bool
     sync_batchnorm: bool
-    compile: bool
+    compile: Compile
     channels_last: bool
     shard_group_size: Optional[int]
     cpu_offload: bool

@@ -170,16 +170,6 @@ def test_mfu_is_the_steps_flops_over_the_devices_peak(tmp_path, monkeypatch):
     assert row["mfu"] == pytest.approx(row["flops_per_step"] * row["step"] / row["training_s"] / 1e9)
 
 
-@pytest.mark.slow
-def test_compile_with_inductor_trains_the_curve_eager_does(tmp_path):
-    """``compile=True`` (the default inductor backend, on CPU: a C++ compiler) against eager: the same losses."""
-    eager, _ = _in_process(str(tmp_path / "eager"), epochs=2)
-    compiled, _ = _in_process(str(tmp_path / "compiled"), epochs=2, compile=True)
-    for a, b in zip(eager.history, compiled.history):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4, abs=1e-4)
-        assert b["test_loss"] == pytest.approx(a["test_loss"], rel=1e-4, abs=1e-4)
-
-
 # ----------------------------------------------------------------------------- fp16 in a pipeline
 
 

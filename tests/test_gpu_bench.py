@@ -93,6 +93,19 @@ def test_choices_and_devices_that_do_not_exist_are_refused_with_the_valid_ones()
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device.*--device cpu --tiny"):
             gpu_bench.run_and_print(_args("--tiny", "--device", "cuda"))
+    with pytest.raises(ValueError, match=r"--compile blocks compiles each block, and torchvision's ResNet-18 has "
+                                         r"none .* Add --models transformer_lm"):
+        gpu_bench.run_and_print(_args("--tiny", "--device", "cpu", "--compile", "blocks"))
+
+
+def test_compile_takes_the_whole_model_or_its_blocks_as_fit_does():
+    from raytrain_mgpu.bench._gpu_bench_runners import _compiled
+    from raytrain_mgpu.models import build_model
+
+    assert [_args(*a).compile for a in ([], ["--compile"], ["--compile", "blocks"])] == [False, True, "blocks"]
+    model = build_model("transformer_lm", (16,), 32, {})
+    assert _compiled(model, "blocks") is model and all(b._compiled_call_impl is not None for b in model)
+    assert type(_compiled(model, True)).__name__ == "OptimizedModule" and _compiled(model, False) is model
 
 
 def test_lightning_runs_beside_the_plain_loop_where_installed_and_says_so_where_not(capsys):

@@ -19,7 +19,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,7 @@ def bench_data(cfg):
 class Options:
     """What every runner applies alike (fit: the TrainConfig fields of the same names)."""
 
-    compile: bool = False
+    compile: Union[bool, str] = False  # TrainConfig.compile's values: False, True (whole model) or "blocks"
     channels_last: bool = False
     loader_workers: int = 0
     threads: int = 1  # torch threads (fit: cpus_per_worker)
@@ -138,7 +138,17 @@ def _loader(dataset, work: Workload, device: torch.device, options: Options):
 
 def _prepared(model: torch.nn.Module, device: torch.device, options: Options) -> torch.nn.Module:
     model = model.to(device, memory_format=torch.channels_last) if options.channels_last else model.to(device)
-    return torch.compile(model) if options.compile else model
+    return _compiled(model, options.compile)
+
+
+def _compiled(model: torch.nn.Module, how) -> torch.nn.Module:
+    """The plain loop's and Lightning's model compiled as ``fit`` compiles it (``TrainConfig.compile``)."""
+    if how == "blocks":
+        from raytrain_mgpu.models.checkpointing import compile_blocks
+
+        compile_blocks(model)
+        return model
+    return torch.compile(model) if how else model
 
 
 def run_plain(work: Workload, precision: str, device: torch.device, epochs: int, options: Options,
@@ -234,7 +244,7 @@ def run_lightning(work: Workload, precision: str, device: torch.device, epochs: 
             self.model = work.build()
             if options.channels_last:
                 self.model = self.model.to(memory_format=torch.channels_last)
-            self.model = torch.compile(self.model) if options.compile else self.model
+            self.model = _compiled(self.model, options.compile)
 
         def training_step(self, batch, index):
             x, y = batch

@@ -232,7 +232,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
                         help="torch threads of each runner (fit: cpus_per_worker)")
     parser.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes, every runner")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model, every runner")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["blocks"],
+                        help="torch.compile the model, every runner; --compile blocks: each block in place "
+                             "(TrainConfig.compile='blocks': transformer_lm only, ResNet-18 has no blocks)")
     parser.add_argument("--channels-last", action="store_true", help="channels-last images and model, every runner")
     parser.add_argument("--profile", metavar="DIR", help="write a trace of 3 steps of each plain loop under DIR")
     parser.add_argument("--out", help="also write the rows as JSON to this file (rewritten after each run)")
@@ -246,6 +248,10 @@ def run_and_print(args) -> int:
                          f"epoch is warm-up: 2 or more epochs give a steady figure).")
     all_works = workloads(sizes, args.samples)
     works = [all_works[name] for name in _choices(args.models, MODELS, "--models")]
+    if args.compile == "blocks" and any(w.name == "resnet18" for w in works):
+        raise ValueError("bench-gpu --compile blocks compiles each block, and torchvision's ResNet-18 has none (it is "
+                         "no nn.Sequential and has no blocks()). Add --models transformer_lm, or --compile for the "
+                         "whole model.")
     precisions = _choices(args.precisions, flops.PRECISIONS, "--precisions")
     runners = _choices(args.runners, RUNNERS, "--runners")
     options = Options(args.compile, args.channels_last, args.loader_workers, args.threads)

@@ -13,6 +13,8 @@ wrapper module, as ``torch.distributed``'s ``checkpoint_wrapper``, would insert 
 parameter name, which every name-reading path here would have to strip), and ``nn.DataParallel``'s
 replicas, FSDP2's per-block hooks and the pipeline's stages see the same blocks as without it.
 Both runners call :func:`checkpoint_blocks` on the model right after building it.
+
+The same blocks are what ``compile="blocks"`` compiles in place (:func:`compile_blocks`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Dict, List
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_blocks", "checkpointed_indices"]
+__all__ = ["checkpoint_blocks", "checkpointed_indices", "compile_blocks"]
 
 _SUBCLASSES: Dict[type, type] = {}
 
@@ -58,3 +60,32 @@ def checkpoint_blocks(model: nn.Module, every: int) -> int:
         if type(block) not in _SUBCLASSES.values():  # checkpointed once, even if asked twice
             block.__class__ = _checkpointed(type(block))
     return len(chosen)
+
+
+def compile_blocks(model: nn.Module, dry_run: bool = False) -> int:
+    """``torch.compile`` each block of ``model`` in place (``nn.Module.compile``: the module, its class and its
+    parameter names stay); how many blocks. ``dry_run``: only check that the model has blocks.
+
+    Per block rather than the whole model, as torchtitan compiles each transformer block: the all-reduces
+    DDP starts from gradient hooks and FSDP2's per-block all-gathers stay outside the compiled graphs (no
+    graph break inside one), and blocks of one class and shapes share one compiled graph.
+    """
+    from raytrain_mgpu.models.partition import blocks_of
+
+    try:
+        blocks = blocks_of(model)
+    except ValueError as exc:
+        raise ValueError(f"TrainConfig.compile='blocks' compiles each block, and {exc} Or set compile=True "
+                         f"(the whole model).") from None
+    if not dry_run:
+        import torch._dynamo
+
+        # Every block's compiled call is the one code object nn.Module._call_impl, whose compiled versions dynamo
+        # caches together: 8 by default, after which it runs the rest eagerly (measured: an MLP of 5 blocks, in
+        # training and evaluation, reached it). Room for each block in both modes and a second shape each.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 4 * len(blocks))
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * len(blocks))
+        for block in blocks:
+            block.compile()
+    return len(blocks)

@@ -9,7 +9,7 @@ write (``model.pt`` and its optimizer in ``train_state.pt``), or every rank's sh
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 
@@ -22,7 +22,7 @@ __all__ = ["DataParallelSteps"]
 class DataParallelSteps(Steps):
     """``strategy`` on this rank (its placement, then its replication) as the engine's step runner."""
 
-    def __init__(self, strategy: WorkerStrategy, compile_model: bool = False, user_step=None):
+    def __init__(self, strategy: WorkerStrategy, compile_model: Union[bool, str] = False, user_step=None):
         """``user_step``: ``TrainConfig.train_step`` (the function), or None for the config's loss on ``model(x)``."""
         self.strategy, self.compile_model, self.user_step = strategy, compile_model, user_step
         self.ctx, self.objective = strategy.ctx, strategy.objective
@@ -44,7 +44,13 @@ class DataParallelSteps(Steps):
         if model_state is not None:
             _load(model, model_state, trainable_only=self.save_trainable)
         model = self.strategy.setup_model(model)
-        self.model = torch.compile(model) if self.compile_model else model
+        if self.compile_model == "blocks":  # in place, inside the DDP/FSDP wrapping (models/checkpointing.py)
+            from raytrain_mgpu.models.checkpointing import compile_blocks
+
+            compile_blocks(self.strategy.unwrap(model))
+        elif self.compile_model:  # the whole model, wrapper included, as Lightning's Fabric does
+            model = torch.compile(model)
+        self.model = model
 
     def parameters(self) -> list:
         return list(self.model.parameters())

@@ -292,12 +292,14 @@ def check_data_fits(cfg, num_classes: Optional[int]) -> Optional[int]:
 def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> None:
     """Build ``cfg``'s model on ``meta`` and its optimizer over it; errors name the factory and the fix."""
     from raytrain_mgpu.models import build_model_shapes
-    from raytrain_mgpu.models.checkpointing import checkpoint_blocks
+    from raytrain_mgpu.models.checkpointing import checkpoint_blocks, compile_blocks
     from raytrain_mgpu.objectives import Objective
     from raytrain_mgpu.optim import build_optimizer
 
     model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)  # meta, else CPU
     checkpoint_blocks(model, cfg.activation_checkpointing)  # a model without blocks is refused here, not on a worker
+    if cfg.compile == "blocks":
+        compile_blocks(model, dry_run=True)  # the same for compile="blocks"
     Objective.of(cfg, num_classes)  # a loss or metric factory that does not import fails here, named
     try:
         with _without_dynamo_import():

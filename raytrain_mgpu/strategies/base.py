@@ -118,6 +118,11 @@ class Strategy:
                 f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with ingest='ray_data': a "
                 f"Ray Data stream restarts its epoch on resume, so a step checkpoint could not continue where it "
                 f"stopped. Leave checkpoint_every_n_steps unset, or use ingest='loader'.")
+        if cfg.compile == "blocks" and cls.placement in ("data_parallel", "balanced"):
+            raise ValueError(
+                f"TrainConfig.compile='blocks' with strategy={cls.name!r}: DataParallel copies the model onto each "
+                f"device every step, and a block compiled in place would run the first device's copy. Set "
+                f"compile=True (the whole model), or use strategy='ddp' (one device a worker).")
         if cfg.precision == "16-mixed" and not cfg.use_gpu:
             raise ValueError(
                 "TrainConfig.precision='16-mixed' needs CUDA (fp16 autocast with a GradScaler), but "

@@ -62,7 +62,7 @@ class PipelineStrategy(Strategy):
                     f"num_stages={cfg.num_stages} with schedule={cfg.schedule!r} splits the model into {parts} "
                     f"parts. Give one block count per part, or balance='params'.")
         if cfg.compile:
-            raise ValueError(f"TrainConfig.compile=True is not supported by strategy={cls.name!r} yet. "
+            raise ValueError(f"TrainConfig.compile={cfg.compile!r} is not supported by strategy={cls.name!r} yet. "
                              f"Set compile=False.")
         if cfg.train_step is not None:
             raise ValueError(
