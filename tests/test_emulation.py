@@ -28,6 +28,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.runtime import devices
 from raytrain_mgpu.runtime.devices import EMULATE_ENV
+from raytrain_mgpu.runtime.engine_checkpoint import ASYNC_SHARDED_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,
@@ -38,17 +39,24 @@ TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_
 
 
 def test_worker_runtime_env_carries_the_switch_only_when_set(monkeypatch):
-    monkeypatch.setattr(cluster, "_started_here", lambda: False)  # a Ray joined: its raylet has none of our env
+    node = object()
+    monkeypatch.setattr(cluster, "_local_node", lambda: node)
+    monkeypatch.setattr(cluster, "_RAYLET_ENV", {})  # a Ray joined or started by the user: its raylet has none of ours
     monkeypatch.setenv(EMULATE_ENV, "3")
     assert cluster.worker_runtime_env("mlp", "digits")["env_vars"][EMULATE_ENV] == "3"
     monkeypatch.delenv(EMULATE_ENV)
     assert EMULATE_ENV not in cluster.worker_runtime_env("mlp", "digits")["env_vars"]
-    # A Ray this process started got the switch from connect() before ray.init: the env adds nothing (Ray's
-    # pre-started workers then serve the run)
-    monkeypatch.setattr(cluster, "_started_here", lambda: True)
+    # A Ray that connect() started got the switch before ray.init: the env adds nothing (Ray's pre-started workers
+    # then serve the run)...
     monkeypatch.setenv(EMULATE_ENV, "3")
-    monkeypatch.setenv("RAY_worker_niceness", "0")
+    monkeypatch.setattr(cluster, "_RAYLET_ENV", {"node": node, "env": cluster.worker_env_vars()})
     assert "env_vars" not in cluster.worker_runtime_env("mlp", "digits")
+    # ...but a switch set after that start reaches the workers only through it (they inherit the raylet's environment)
+    monkeypatch.setenv(ASYNC_SHARDED_ENV, "1")
+    assert cluster.worker_runtime_env("mlp", "digits")["env_vars"] == {ASYNC_SHARDED_ENV: "1"}
+    monkeypatch.setattr(cluster, "_local_node", lambda: object())  # another Ray since: nothing is assumed of it
+    assert set(cluster.worker_runtime_env("mlp", "digits")["env_vars"]) == {EMULATE_ENV, ASYNC_SHARDED_ENV,
+                                                                            "RAY_worker_niceness"}
 
 
 def test_connect_starts_a_local_ray_with_fake_gpus_only_under_emulation(monkeypatch):

@@ -43,6 +43,7 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
     if address is None:  # the raylet starts every worker with what worker_runtime_env would give each run
         for key, value in worker_env_vars().items():
             os.environ.setdefault(key, value)
+    inherited = worker_env_vars()  # what a raylet started now inherits of it
     try:
         # log_to_driver=False: workers' own logs stay in the Ray session folder; errors still
         # reach the driver as exceptions, and progress comes through ProgressSink.
@@ -51,7 +52,19 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
         raise ConnectionError(f"cannot reach the Ray cluster at {address!r} ({exc}). Check that it is "
                               f"running (`ray status --address {address}`) and the address, or unset "
                               f"RAY_ADDRESS to start a local instance.") from exc
+    if address is None:
+        _RAYLET_ENV.update(node=_local_node(), env=inherited)
     return True
+
+
+# The Ray node connect() started and what its raylet (so every worker it starts) inherited of worker_env_vars().
+_RAYLET_ENV: dict = {}
+
+
+def _local_node():
+    import ray._private.worker
+
+    return getattr(ray._private.worker, "_global_node", None)
 
 
 def keep_ray_started(started: bool) -> None:
@@ -280,11 +293,13 @@ def worker_runtime_env(*specs: str) -> dict:
     """
     from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
 
-    # On a Ray this process started, its raylet has these already (connect set them before ray.init), and a
-    # runtime env that sets nothing new lets Ray hand the run its pre-started worker processes (each a Python
-    # that has imported Ray already) instead of starting new ones with that env.
-    wanted = worker_env_vars()
-    missing = {key: value for key, value in wanted.items() if os.environ.get(key) != value or not _started_here()}
+    # On a Ray that connect() started, its raylet has what the driver's environment held then, and a runtime env
+    # that sets nothing new lets Ray hand the run its pre-started worker processes (each a Python that has
+    # imported Ray already) instead of starting new ones with that env. A value set since (or a Ray started or
+    # joined otherwise) goes in the runtime env: the workers inherit the raylet's environment, not the driver's.
+    node = _local_node()
+    inherited = _RAYLET_ENV["env"] if node is not None and _RAYLET_ENV.get("node") is node else {}
+    missing = {key: value for key, value in worker_env_vars().items() if inherited.get(key) != value}
     env: dict = {"env_vars": missing} if missing else {}
     shipped = local_modules_to_ship(*specs)
     if shipped:
@@ -300,8 +315,4 @@ def worker_env_vars() -> dict:
             **({switch: os.environ[switch]} if switch in os.environ else {})}
 
 
-def _started_here() -> bool:
-    from raytrain_mgpu.runtime.preemption import ray_started_here
-
-    return ray_started_here()
 
