@@ -128,11 +128,29 @@ def _save_on_four(rank: int, port: int, out: str) -> None:
         _step(restarted, restarted_model, restarted_optimizer, seed=1)
         same_next_step = all(torch.equal(a.to_local(), b.to_local())
                              for a, b in zip(model.parameters(), restarted_model.parameters()))
+        # A second asynchronous save, after that step: its host copy goes into the first one's buffers.
+        staged = _staged(strategy)
+        strategy.save_sharded(model, optimizer, os.path.join(out, f"async2-{rank}", ckpt_format.SHARDED_DIR),
+                              asynchronous=True).result()
+        reused = bool(staged) and staged == _staged(strategy)
+        strategy.save_sharded(model, optimizer, os.path.join(out, f"sync2-{rank}", ckpt_format.SHARDED_DIR))
+        dist.barrier()
+        if rank == 0:
+            for r in range(4):
+                for kind in ("async2", "sync2"):
+                    shutil.copytree(os.path.join(out, f"{kind}-{r}"), os.path.join(out, f"merged-{kind}"),
+                                    dirs_exist_ok=True)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"save_growth": sharded.peak, "gather_growth": gathered.peak,
+            json.dump({"staging_reused": reused, "save_growth": sharded.peak, "gather_growth": gathered.peak,
                        "share": _local_bytes(model, optimizer), "same_shards": same_shards,
                        "same_next_step": same_next_step, "async_returned_s": returned, "async_written_s": written,
                        "files": sorted(os.listdir(os.path.join(own, ckpt_format.SHARDED_DIR)))}, f)
+
+
+def _staged(strategy) -> list:
+    """Where the asynchronous saves' stager keeps its host copies (torch's cache of staged storages)."""
+    stager = strategy.replication._staging
+    return sorted(s.data_ptr() for s in stager._state_dict_stager._cached_storage_mapping.values())
 
 
 def _resume_on_two(rank: int, port: int, out: str) -> None:
@@ -210,6 +228,17 @@ def test_the_asynchronous_save_writes_the_same_checkpoint(saved):
     assert all(r["async_returned_s"] <= r["async_written_s"] for r in ranks)
     print("async save, per rank: returned after", [round(r["async_returned_s"], 3) for r in ranks],
           "s, written after", [round(r["async_written_s"], 3) for r in ranks], "s")
+
+
+def test_a_later_asynchronous_save_reuses_the_host_buffers_and_writes_the_new_state(saved):
+    """The second asynchronous save (after a step) copies into the buffers the first one made, and what it writes
+    is the synchronous save's checkpoint of the same state, not the first save's."""
+    out, ranks = saved
+    assert all(r["staging_reused"] for r in ranks)
+    later, now = (ckpt_format.load_model_state(str(out / f"merged-{kind}")) for kind in ("async2", "sync2"))
+    first = ckpt_format.load_model_state(str(out / "merged-async"))
+    assert later.keys() == now.keys() and all(torch.equal(later[k], now[k]) for k in now)
+    assert not all(torch.equal(first[k], now[k]) for k in now)
 
 
 def _run_with(folder, tmp_path):

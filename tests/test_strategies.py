@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 import raytrain_mgpu as rtm
 from raytrain_mgpu.bench import gpu_report
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.runtime.engine_checkpoint import ASYNC_SHARDED_ENV
 from raytrain_mgpu.runtime import cluster
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker
@@ -449,7 +450,7 @@ def _local(uri: str, *parts: str) -> Path:
 @pytest.mark.ray
 @pytest.mark.parametrize("strategy,workers,devices", [("mp", 1, 2), ("ddp_mp", 2, 2), ("ddp2", 2, 2), ("fsdp", 4, 1)])
 def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers, devices, plain_mlp, ray_session,
-                                                              storage, tmp_path):
+                                                              storage, tmp_path, monkeypatch):
     # Measured spread against the plain loop (2-core VM): dp and dp_balanced ~2.5e-6 relative (the
     # batch summed in two slices), mp ~5e-8; the bound is 40x the larger.
     # runner="ray": a 1-worker mp run would otherwise train in this process; through Ray is the point here
@@ -457,10 +458,12 @@ def test_each_strategys_fit_ends_with_the_plain_loops_weights(strategy, workers,
     cfg = MLP.replace(strategy=strategy, num_workers=workers, gpus_per_worker=devices, name=strategy,
                       storage_path=storage, use_gpu=strategy != "ddp2", runner="ray")
     if strategy == "fsdp":  # HSDP (2 shard groups of 2), sharded checkpoints: stopped after epoch 1 and resumed,
-        # it must still end on the plain weights. DCP's asynchronous save at steps 10, 20 (30, 40 resumed): the
-        # synchronous one ends each fit. The optimizer is a user's factory that records the mesh it was handed.
+        # it must still end on the plain weights. DCP's asynchronous save at steps 10, 20 (30, 40 resumed), switched on
+        # as a user does (the default is synchronous), its host buffers reused from the first save: the synchronous
+        # one ends each fit. The optimizer is a user's factory that records the mesh it was handed.
         # Storage as a URI: Ray Train uploads every rank's folder through pyarrow's filesystem, as for s3:// or gs://
         # (Ray reads a file:// checkpoint in place where it downloads a remote one).
+        monkeypatch.setenv(ASYNC_SHARDED_ENV, "1")
         cfg = cfg.replace(storage_path=f"file://{storage}", shard_group_size=2, optimizer="_probe_data:mesh_sgd",
                           optimizer_kwargs={"probe": str(tmp_path), "momentum": MLP.momentum},
                           keep_best=True, monitor="test_loss", mode="min",  # and the best copy, from gathered shards

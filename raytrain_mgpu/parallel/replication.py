@@ -267,7 +267,8 @@ class FSDPReplication(Replication):
         calls it, each with its own folder; rank 0's also gets DCP's ``.metadata``). The state dicts are
         views of the shards (DTensors): nothing is gathered. ``asynchronous``: DCP's ``async_save``, which
         returns once the shards are copied to host memory (the only stall) and writes them in a thread;
-        the Future is done once they are written."""
+        the Future is done once they are written. The host copy goes into buffers kept from this worker's
+        first asynchronous save (:meth:`_stager`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -278,7 +279,27 @@ class FSDPReplication(Replication):
             return None
         # The writing thread's collectives (the save plan, the metadata) go over a gloo group of their
         # own: on the default group they could interleave with the training step's.
-        return dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group())
+        return dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group(),
+                              async_stager=self._stager(model))
+
+    _staging = None
+
+    def _stager(self, model: nn.Module):
+        """DCP's stager, kept for every asynchronous save of this worker: its host buffers are made once and
+        reused (pinned, with non-blocking copies, where the shards are on a GPU). Without one, ``async_save``
+        makes fresh pageable buffers every time: on one H200 its copy took up to 1.8 s of an epoch's 5.3 s stall,
+        against 2.7 s for the synchronous save. Reuse is safe: a rank's next save begins after its previous
+        write is done (Ray Train's transport waits for its upload, which waits for the write). The cost: one host copy of this rank's share, kept."""
+        if self._staging is None:
+            import weakref
+
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = any(p.device.type == "cuda" for p in model.parameters())
+            self._staging = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                         use_async_staging=False, use_non_blocking_copy=gpu))
+            weakref.finalize(self, self._staging.close)  # unpins its buffers
+        return self._staging
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Fill this rank's shards from the sharded checkpoint at ``path`` (every rank's files in it),
