@@ -241,6 +241,24 @@ def test_a_later_asynchronous_save_reuses_the_host_buffers_and_writes_the_new_st
     assert not all(torch.equal(first[k], now[k]) for k in now)
 
 
+def test_the_kept_stager_pins_and_copies_without_blocking_only_for_shards_on_a_gpu(monkeypatch):
+    """The GPU choice of ``FSDPReplication._stager`` (CI has no CUDA to pin with): DCP's options as built."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint import staging
+
+    from raytrain_mgpu.parallel.replication import FSDPReplication
+
+    built = []
+    monkeypatch.setattr(staging, "DefaultStager", lambda options: built.append(options) or SimpleNamespace(close=id))
+    for device in ("cuda", "cpu"):
+        model = SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(device))])
+        replication = FSDPReplication()
+        assert replication._stager(model) is replication._stager(model)  # one stager a worker, built once
+    assert [(o.use_pinned_memory, o.use_non_blocking_copy, o.use_shared_memory, o.use_async_staging)
+            for o in built] == [(True, True, False, False), (False, False, False, False)]
+
+
 def _run_with(folder, tmp_path):
     """A run folder holding ``folder`` as its one checkpoint (sharded, as Ray Train's upload leaves it)."""
     from raytrain_mgpu.runtime.run_folder import RunFolder

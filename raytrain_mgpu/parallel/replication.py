@@ -287,9 +287,10 @@ class FSDPReplication(Replication):
     def _stager(self, model: nn.Module):
         """DCP's stager, kept for every asynchronous save of this worker: its host buffers are made once and
         reused (pinned, with non-blocking copies, where the shards are on a GPU). Without one, ``async_save``
-        makes fresh pageable buffers every time: on one H200 its copy took up to 1.8 s of an epoch's 5.3 s stall,
-        against 2.7 s for the synchronous save. Reuse is safe: a rank's next save begins after its previous
-        write is done (Ray Train's transport waits for its upload, which waits for the write). The cost: one host copy of this rank's share, kept."""
+        makes fresh pageable buffers every time: on one H200 its copy took up to 1.8 s of an epoch's 5.3 s
+        stall, against 2.7 s for the synchronous save. Reuse is safe: a rank's next save begins after its
+        previous write is done (Ray Train's transport waits for its upload, which waits for the write).
+        The cost: one host copy of this rank's share, kept for the run."""
         if self._staging is None:
             import weakref
 
