@@ -250,7 +250,8 @@ def test_the_kept_stager_pins_and_copies_without_blocking_only_for_shards_on_a_g
     from raytrain_mgpu.parallel.replication import FSDPReplication
 
     built = []
-    monkeypatch.setattr(staging, "DefaultStager", lambda options: built.append(options) or SimpleNamespace(close=id))
+    monkeypatch.setattr(staging, "DefaultStager",
+                        lambda options: built.append(options) or SimpleNamespace(close=lambda: None))
     for device in ("cuda", "cpu"):
         model = SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(device))])
         replication = FSDPReplication()
