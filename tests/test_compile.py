@@ -1,7 +1,8 @@
 """``compile``: ``True`` wraps the whole model in ``torch.compile`` (after DDP/FSDP), ``"blocks"`` compiles each block
 in place (``models/checkpointing.compile_blocks``). Both with the default inductor backend (on CPU: a C++ compiler),
 each against eager: the same losses. ``"blocks"`` keeps the state dict's names and shares one graph among blocks of
-the same shapes (``test_compile_blocks_keeps_the_modules_their_classes_and_names``); with fsdp on 2 ranks (local gloo processes, no Ray) it trains the curve eager fsdp does.
+the same shapes (``test_compile_blocks_keeps_the_modules_their_classes_and_names``); with fsdp on 2 ranks (local
+gloo processes, no Ray) it trains the curve eager fsdp does.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def test_choices_and_devices_that_do_not_exist_are_refused_with_the_valid_ones()
 
 
 def test_compile_takes_the_whole_model_or_its_blocks_as_fit_does():
-    from raytrain_mgpu.bench._gpu_bench_runners import _compiled
+    from raytrain_mgpu.models.checkpointing import compiled as _compiled
     from raytrain_mgpu.models import build_model
 
     assert [_args(*a).compile for a in ([], ["--compile"], ["--compile", "blocks"])] == [False, True, "blocks"]

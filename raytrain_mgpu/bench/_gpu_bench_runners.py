@@ -24,6 +24,8 @@ from typing import Callable, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from raytrain_mgpu.models.checkpointing import compiled
+
 __all__ = ["Workload", "Options", "Measured", "bench_data", "run_plain", "run_fit", "run_lightning",
            "lightning_module"]
 
@@ -138,17 +140,7 @@ def _loader(dataset, work: Workload, device: torch.device, options: Options):
 
 def _prepared(model: torch.nn.Module, device: torch.device, options: Options) -> torch.nn.Module:
     model = model.to(device, memory_format=torch.channels_last) if options.channels_last else model.to(device)
-    return _compiled(model, options.compile)
-
-
-def _compiled(model: torch.nn.Module, how) -> torch.nn.Module:
-    """The plain loop's and Lightning's model compiled as ``fit`` compiles it (``TrainConfig.compile``)."""
-    if how == "blocks":
-        from raytrain_mgpu.models.checkpointing import compile_blocks
-
-        compile_blocks(model)
-        return model
-    return torch.compile(model) if how else model
+    return compiled(model, options.compile)
 
 
 def run_plain(work: Workload, precision: str, device: torch.device, epochs: int, options: Options,
@@ -244,7 +236,7 @@ def run_lightning(work: Workload, precision: str, device: torch.device, epochs: 
             self.model = work.build()
             if options.channels_last:
                 self.model = self.model.to(memory_format=torch.channels_last)
-            self.model = _compiled(self.model, options.compile)
+            self.model = compiled(self.model, options.compile)
 
         def training_step(self, batch, index):
             x, y = batch

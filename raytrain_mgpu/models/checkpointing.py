@@ -19,12 +19,12 @@ The same blocks are what ``compile="blocks"`` compiles in place (:func:`compile_
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_blocks", "checkpointed_indices", "compile_blocks"]
+__all__ = ["checkpoint_blocks", "checkpointed_indices", "compile_blocks", "compiled"]
 
 _SUBCLASSES: Dict[type, type] = {}
 
@@ -89,3 +89,16 @@ def compile_blocks(model: nn.Module, dry_run: bool = False) -> int:
         for block in blocks:
             block.compile()
     return len(blocks)
+
+
+def compiled(model: nn.Module, how, blocks_of_model: Optional[nn.Module] = None) -> nn.Module:
+    """``model`` as ``TrainConfig.compile`` asks: ``True``, wrapped in ``torch.compile``; ``"blocks"``, the blocks of
+    ``blocks_of_model`` (default ``model``: the plain model inside a DDP or FSDP wrapper) compiled in place."""
+    if how == "blocks":
+        compile_blocks(model if blocks_of_model is None else blocks_of_model)
+        return model
+    if how:
+        import torch
+
+        return torch.compile(model)
+    return model

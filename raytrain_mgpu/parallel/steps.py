@@ -44,13 +44,10 @@ class DataParallelSteps(Steps):
         if model_state is not None:
             _load(model, model_state, trainable_only=self.save_trainable)
         model = self.strategy.setup_model(model)
-        if self.compile_model == "blocks":  # in place, inside the DDP/FSDP wrapping (models/checkpointing.py)
-            from raytrain_mgpu.models.checkpointing import compile_blocks
+        from raytrain_mgpu.models.checkpointing import compiled
 
-            compile_blocks(self.strategy.unwrap(model))
-        elif self.compile_model:  # the whole model, wrapper included, as Lightning's Fabric does
-            model = torch.compile(model)
-        self.model = model
+        # the whole model with its DDP/FSDP wrapper, as Lightning's Fabric does; or the plain model's blocks in place
+        self.model = compiled(model, self.compile_model, self.strategy.unwrap(model))
 
     def parameters(self) -> list:
         return list(self.model.parameters())
