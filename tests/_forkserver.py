@@ -12,8 +12,13 @@ imported modules.
 What a fork does not carry over: the environment. A forked rank has the server's, from when it
 started, not this process's now (a test's ``monkeypatch.setenv``), so :func:`process` and
 :func:`start_processes` hand each rank this process's environment as it is when the rank starts.
-Settings that take effect only at a process's start (``MALLOC_*``, read by the C library before any
-Python runs) need ``spawn``.
+Settings the C library reads at a process's start (``MALLOC_*``) are set in the rank instead
+(glibc's ``mallopt``: ``tests/test_fsdp_sharded_checkpoint.py``).
+
+A forked rank ends with ``os._exit``, as every fork does, and never finalizes its interpreter. A
+spawned one does, and a gloo group that FSDP2 has used keeps its threads past
+``destroy_process_group``: one still freeing the last collective's tensors then aborts the process
+(SIGABRT, seen in CI). Another reason to start local ranks here.
 """
 
 from __future__ import annotations

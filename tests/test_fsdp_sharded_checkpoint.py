@@ -1,7 +1,7 @@
 """fsdp's sharded checkpoints: no rank holds the full state while saving; a resume on 4 workers is exact,
 on 2 it reshards to the same full state; the driver consolidates the model.
 
-Four local processes (gloo, ``torch.multiprocessing``, no Ray) shard an MLP with AdamW as the loop does
+Four local processes (gloo, forked from the suite's server, ``tests/_forkserver.py``, no Ray) shard an MLP with AdamW as the loop does
 (``FSDPStrategy.setup_model``), take a step, and save with ``WorkerStrategy.save_sharded``, each rank into
 its own folder, as each Ray Train worker does; the folders are then merged, as Ray Train's upload of every
 rank's folder into one checkpoint does (through Ray: ``tests/test_strategies.py``'s fsdp fit). The peak
@@ -22,7 +22,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.optim import build_optimizer
@@ -31,9 +30,10 @@ from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from _reference import build_rank_model as _build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
+import _forkserver
 from test_fsdp_memory import _PeakGrowth
 
-pytestmark = pytest.mark.slow  # 6 processes importing torch: ~40 s on 2 cores
+pytestmark = pytest.mark.slow  # 6 ranks, each an FSDP model of 48 MiB
 
 # 12 blocks of 1024x1024 (4 MiB each): 48 MiB of parameters, 144 MiB with AdamW's two moments; a rank's
 # share on 4 workers is a quarter of that.
@@ -93,7 +93,19 @@ def _process_group(rank: int, world: int, port: int):
         dist.destroy_process_group()
 
 
+def _mmap_every_tensor() -> None:
+    """glibc serves a large allocation from its own mapping, returned on free, only below a threshold it
+    raises after each free (up to 32 MiB): freed tensors then stay resident and hide later growth. A fixed
+    threshold (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_`` sets at a process's start) keeps
+    every tensor over 64 KiB in a mapping of its own, so the resident set is the tensors alive."""
+    import ctypes
+
+    m_mmap_threshold = -3  # glibc's malloc.h
+    assert ctypes.CDLL(None).mallopt(m_mmap_threshold, 65536) == 1
+
+
 def _save_on_four(rank: int, port: int, out: str) -> None:
+    _mmap_every_tensor()
     with _process_group(rank, 4, port):
         strategy, model, optimizer = _setup(rank, 4)
         _step(strategy, model, optimizer, seed=0)
@@ -166,13 +178,13 @@ def _resume_on_two(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_sharded")
-    # glibc serves a large allocation from its own mapping, returned on free, only below a threshold it
-    # raises after each free (up to 32 MiB): freed tensors then stay resident and hide later growth. A
-    # fixed threshold keeps every tensor over 64 KiB in a mapping of its own, so the resident set is the
-    # tensors alive (the processes inherit it from this one's environment).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-        mp.spawn(_save_on_four, args=(_port(), str(out)), nprocs=4, join=True)
+    # Forked ranks, which end with os._exit as every fork does: a spawned rank (these ran spawned) finalizes
+    # its interpreter at exit, and the gloo group's threads outlive destroy_process_group once FSDP2 has used
+    # the group (fully_shard and a backward leave both pt_gloo_runloop threads running). One of them may
+    # still be freeing the last collective's tensors then; taking the GIL of an interpreter that is
+    # finalizing ends that thread, inside a destructor, in std::terminate: SIGABRT ("terminate called
+    # without an active exception"), 3 in 50 spawned runs of the resume on two.
+    _forkserver.start_processes(_save_on_four, (_port(), str(out)), nprocs=4)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     return out, ranks
 
@@ -202,7 +214,7 @@ def test_a_restart_on_four_workers_resumes_exactly(saved):
 
 def test_a_restart_on_two_workers_reshards_to_the_same_state(saved):
     out, _ = saved
-    mp.spawn(_resume_on_two, args=(_port(), str(out)), nprocs=2, join=True)
+    _forkserver.start_processes(_resume_on_two, (_port(), str(out)), nprocs=2)
     resumed = torch.load(out / "resumed_on_two.pt", weights_only=True)
     want = torch.load(out / "full_after_step0.pt", weights_only=True)["model"]
     assert resumed["model"].keys() == want.keys()
