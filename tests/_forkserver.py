@@ -62,3 +62,24 @@ def start_processes(fn: Callable, args: Sequence = (), nprocs: int = 1) -> None:
     context()  # the preload list, before torch's start_processes starts the server
     torch_mp.start_processes(_call_rank, args=(dict(os.environ), fn, tuple(args)), nprocs=nprocs,
                              start_method="forkserver")
+
+
+def _in_gloo_group(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def start_gloo_ranks(fn: Callable, args: Sequence = (), nprocs: int = 2) -> None:
+    """:func:`start_processes` of ``fn(rank, world, *args)``, each rank inside a gloo process group of all
+    ``nprocs`` (over loopback, one torch thread a rank): the suite's process groups without Ray."""
+    from raytrain_mgpu.runtime.placement import free_address
+
+    start_processes(_in_gloo_group, (nprocs, free_address()[1], fn, tuple(args)), nprocs=nprocs)

@@ -8,7 +8,6 @@ gloo processes, no Ray) it trains the curve eager fsdp does.
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 import torch
@@ -115,33 +114,23 @@ def test_the_command_line_takes_compile_bare_or_with_a_value():
 # ----------------------------------------------------------------------------- fsdp on 2 ranks
 
 
-def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _fsdp_rank(rank: int, world: int, out: str) -> None:
     from _engine import make_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        histories = {}
-        for mode in (False, "blocks"):
-            before = _graphs()
-            engine = make_engine({**DP, "strategy": "fsdp", "compile": mode, "storage_path": out,
-                                  "name": f"fsdp-{mode}"}, rank=rank, world=world, setup=False)
-            engine.run()
-            histories[mode] = (engine.state.history, _graphs() - before)
-        torch.save(histories, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    histories = {}
+    for mode in (False, "blocks"):
+        before = _graphs()
+        engine = make_engine({**DP, "strategy": "fsdp", "compile": mode, "storage_path": out,
+                              "name": f"fsdp-{mode}"}, rank=rank, world=world, setup=False)
+        engine.run()
+        histories[mode] = (engine.state.history, _graphs() - before)
+    torch.save(histories, f"{out}/rank{rank}.pt")
 
 
 @pytest.mark.slow
 def test_compile_blocks_under_fsdp_trains_the_curve_eager_fsdp_does(tmp_path):
     import _forkserver
-    from raytrain_mgpu.runtime.placement import free_address
-
-    _forkserver.start_processes(_fsdp_rank, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    _forkserver.start_gloo_ranks(_fsdp_rank, (str(tmp_path),))
     for rank in (0, 1):
         runs = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         (eager, eager_graphs), (blocks, block_graphs) = runs[False], runs["blocks"]

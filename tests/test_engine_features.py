@@ -127,30 +127,20 @@ def test_the_features_fields_are_checked_before_anything_runs(fields):
 # ----------------------------------------------------------------------------- seeing why: traces, FLOPs, MFU
 
 
-def _profiled_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _profiled_rank(rank: int, world: int, out: str) -> None:
     from _engine import make_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        engine = make_engine({**DP, "profile_steps": (3, 5), "storage_path": out, "name": "profiled"}, rank=rank,
-                             world=world, setup=False)
-        engine.run()
-        torch.save(engine.state.history, f"{out}/history{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    engine = make_engine({**DP, "profile_steps": (3, 5), "storage_path": out, "name": "profiled"}, rank=rank,
+                         world=world, setup=False)
+    engine.run()
+    torch.save(engine.state.history, f"{out}/history{rank}.pt")
 
 
 def test_a_two_rank_run_writes_a_trace_per_rank_and_an_mfu_column(tmp_path):
     import json
 
     import _forkserver
-    from raytrain_mgpu.runtime.placement import free_address
-
-    _forkserver.start_processes(_profiled_rank, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    _forkserver.start_gloo_ranks(_profiled_rank, (str(tmp_path),))
     traces = sorted((tmp_path / "profiled" / "profile").glob("*.pt.trace.json"))
     assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
     steps = {event["name"] for event in json.loads(traces[0].read_text())["traceEvents"]

@@ -14,7 +14,6 @@ The 2-rank runs are the engine in two local processes (gloo, tests/_forkserver.p
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import _forkserver
 import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime.placement import free_address
 
 
 class TwoOutputs(nn.Module):
@@ -51,20 +49,12 @@ CUSTOM = dict(model=TwoOutputs, dataset="digits", batch_size=64, epochs=1, optim
               train_step=aux_step, seed=2)
 
 
-def _custom_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _custom_rank(rank: int, world: int, out: str) -> None:
     from _engine import make_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        engine = make_engine({**CUSTOM, "storage_path": f"{out}/runs"}, rank=rank, world=world)
-        row = engine.train_epoch(0)
-        torch.save({"row": row, "weights": engine.steps.named_model().state_dict()}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    engine = make_engine({**CUSTOM, "storage_path": f"{out}/runs"}, rank=rank, world=world)
+    row = engine.train_epoch(0)
+    torch.save({"row": row, "weights": engine.steps.named_model().state_dict()}, f"{out}/rank{rank}.pt")
 
 
 def _one_process(fields: dict) -> dict:
@@ -89,7 +79,7 @@ def _one_process(fields: dict) -> dict:
 
 
 def test_a_custom_step_on_two_ddp_ranks_equals_it_on_the_whole_batch_and_logs_its_extra(tmp_path):
-    _forkserver.start_processes(_custom_rank, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    _forkserver.start_gloo_ranks(_custom_rank, (str(tmp_path),))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     want = _one_process(CUSTOM)
     for key, value in want.items():
@@ -173,21 +163,13 @@ def test_init_from_an_export_with_a_new_head_reports_the_keys_and_trains(tmp_pat
             torch.testing.assert_close(value, exported[key], rtol=0, atol=1e-6, msg=key)
 
 
-def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _fsdp_rank(rank: int, world: int, out: str) -> None:
     from _engine import make_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        engine = make_engine(dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
-                                  epochs=1, strategy="fsdp", storage_path=out, name="sharded"), rank=rank, world=world,
-                             setup=False)
-        engine.run()
-    finally:
-        dist.destroy_process_group()
+    engine = make_engine(dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
+                              epochs=1, strategy="fsdp", storage_path=out, name="sharded"), rank=rank, world=world,
+                         setup=False)
+    engine.run()
 
 
 def test_export_of_a_two_rank_fsdp_run_equals_load_model_bit_for_bit(tmp_path):
@@ -195,7 +177,7 @@ def test_export_of_a_two_rank_fsdp_run_equals_load_model_bit_for_bit(tmp_path):
     from raytrain_mgpu.runtime.run_folder import RunFolder
     from safetensors.torch import load_file
 
-    _forkserver.start_processes(_fsdp_rank, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    _forkserver.start_gloo_ranks(_fsdp_rank, (str(tmp_path),))
     folder = RunFolder(str(tmp_path / "sharded"))
     checkpoint = folder.newest_checkpoint()
     assert is_sharded(checkpoint.path)

@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import _forkserver
 from raytrain_mgpu.config import TrainConfig
@@ -63,26 +61,20 @@ class _PeakGrowth:
         self.peak = max(self.peak, _rss() - self.start)
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        cfg = TrainConfig(**CFG)
-        ctx = WorkerContext(rank, 2, rank, 2, 0, (torch.device("cpu"),))
-        strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
-        # Warm-up on a tiny model: torch's first fully_shard imports and initialises ~100 MB of its
-        # own (the framework's memory, which memory.py leaves out too); the big model is measured after.
-        strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
-        with _PeakGrowth() as measured:
-            model = strategy.setup_model(_build_model(cfg, strategy, INPUT_SHAPE, NUM_CLASSES))
-        growth = measured.peak
-        local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        full = strategy.state_dict(model)  # collective; the full state on rank 0
-        if rank == 0:
-            torch.save(full, os.path.join(out_dir, "fsdp_initial.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    cfg = TrainConfig(**CFG)
+    ctx = WorkerContext(rank, world, rank, world, 0, (torch.device("cpu"),))
+    strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
+    # Warm-up on a tiny model: torch's first fully_shard imports and initialises ~100 MB of its
+    # own (the framework's memory, which memory.py leaves out too); the big model is measured after.
+    strategy.setup_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with _PeakGrowth() as measured:
+        model = strategy.setup_model(_build_model(cfg, strategy, INPUT_SHAPE, NUM_CLASSES))
+    growth = measured.peak
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    full = strategy.state_dict(model)  # collective; the full state on rank 0
+    if rank == 0:
+        torch.save(full, os.path.join(out_dir, "fsdp_initial.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rss_growth": growth, "local_param_bytes": local, "built_on_meta": strategy.build_on_meta()}, f)
 
@@ -90,10 +82,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_start(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp_memory")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _forkserver.start_processes(_worker, (port, str(out_dir)), nprocs=2)
+    _forkserver.start_gloo_ranks(_worker, (str(out_dir),))
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     return ranks, torch.load(out_dir / "fsdp_initial.pt", weights_only=True)
 

@@ -11,12 +11,10 @@ the old way (the full state gathered to rank 0) is measured too, so the measure 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
 import shutil
-import socket
 import time
 
 import pytest
@@ -40,12 +38,6 @@ pytestmark = pytest.mark.slow  # 6 ranks, each an FSDP model of 48 MiB
 INPUT_SHAPE, NUM_CLASSES = (1, 32, 32), 10
 CFG = dict(model="mlp", dataset="synthetic", strategy="fsdp", batch_size=8, seed=3, optimizer="adamw", lr=1e-3,
            model_kwargs={"widths": [1024] * 12})
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(rank: int, world: int):
@@ -82,17 +74,6 @@ def _locals(model, optimizer) -> list:
              if isinstance(v, torch.Tensor) and v.dim() > 0])
 
 
-@contextlib.contextmanager
-def _process_group(rank: int, world: int, port: int):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _mmap_every_tensor() -> None:
     """glibc serves a large allocation from its own mapping, returned on free, only below a threshold it
     raises after each free (up to 32 MiB): freed tensors then stay resident and hide later growth. A fixed
@@ -104,59 +85,58 @@ def _mmap_every_tensor() -> None:
     assert ctypes.CDLL(None).mallopt(m_mmap_threshold, 65536) == 1
 
 
-def _save_on_four(rank: int, port: int, out: str) -> None:
+def _save_on_four(rank: int, world: int, out: str) -> None:
     _mmap_every_tensor()
-    with _process_group(rank, 4, port):
-        strategy, model, optimizer = _setup(rank, 4)
-        _step(strategy, model, optimizer, seed=0)
-        own = os.path.join(out, f"rank{rank}")  # each Ray Train worker's own local folder
-        with _PeakGrowth() as sharded:
-            strategy.save_sharded(model, optimizer, os.path.join(own, ckpt_format.SHARDED_DIR))
-        with _PeakGrowth() as gathered:  # the old checkpoint: the full model and optimizer state on rank 0
-            full = strategy.state_dict(model), strategy.optimizer_state_dict(model, optimizer)
-        if rank == 0:
-            torch.save({"model": full[0]}, os.path.join(out, "full_after_step0.pt"))
-        del full
-        # DCP's asynchronous save, as every save but a run's last: back once the shards are in host memory.
-        began = time.perf_counter()
-        writing = strategy.save_sharded(model, optimizer, os.path.join(out, f"async{rank}", ckpt_format.SHARDED_DIR),
-                                        asynchronous=True)
-        returned = time.perf_counter() - began
-        writing.result()
-        written = time.perf_counter() - began
-        dist.barrier()
-        if rank == 0:  # what Ray Train's upload of every rank's folder into one checkpoint folder makes
-            for r in range(4):
-                shutil.copytree(os.path.join(out, f"rank{r}"), os.path.join(out, "merged"), dirs_exist_ok=True)
-                shutil.copytree(os.path.join(out, f"async{r}"), os.path.join(out, "merged-async"), dirs_exist_ok=True)
-        dist.barrier()
-        saved = _locals(model, optimizer)
-        _step(strategy, model, optimizer, seed=1)
-        # A restart on 4 workers: fresh shards and optimizer, loaded from the merged folder.
-        restarted, restarted_model, restarted_optimizer = _setup(rank, 4)
-        restarted.load_sharded(restarted_model, restarted_optimizer,
-                               os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
-        same_shards = all(torch.equal(a, b) for a, b in zip(saved, _locals(restarted_model, restarted_optimizer)))
-        _step(restarted, restarted_model, restarted_optimizer, seed=1)
-        same_next_step = all(torch.equal(a.to_local(), b.to_local())
-                             for a, b in zip(model.parameters(), restarted_model.parameters()))
-        # A second asynchronous save, after that step: its host copy goes into the first one's buffers.
-        staged = _staged(strategy)
-        strategy.save_sharded(model, optimizer, os.path.join(out, f"async2-{rank}", ckpt_format.SHARDED_DIR),
-                              asynchronous=True).result()
-        reused = bool(staged) and staged == _staged(strategy)
-        strategy.save_sharded(model, optimizer, os.path.join(out, f"sync2-{rank}", ckpt_format.SHARDED_DIR))
-        dist.barrier()
-        if rank == 0:
-            for r in range(4):
-                for kind in ("async2", "sync2"):
-                    shutil.copytree(os.path.join(out, f"{kind}-{r}"), os.path.join(out, f"merged-{kind}"),
-                                    dirs_exist_ok=True)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"staging_reused": reused, "save_growth": sharded.peak, "gather_growth": gathered.peak,
-                       "share": _local_bytes(model, optimizer), "same_shards": same_shards,
-                       "same_next_step": same_next_step, "async_returned_s": returned, "async_written_s": written,
-                       "files": sorted(os.listdir(os.path.join(own, ckpt_format.SHARDED_DIR)))}, f)
+    strategy, model, optimizer = _setup(rank, world)
+    _step(strategy, model, optimizer, seed=0)
+    own = os.path.join(out, f"rank{rank}")  # each Ray Train worker's own local folder
+    with _PeakGrowth() as sharded:
+        strategy.save_sharded(model, optimizer, os.path.join(own, ckpt_format.SHARDED_DIR))
+    with _PeakGrowth() as gathered:  # the old checkpoint: the full model and optimizer state on rank 0
+        full = strategy.state_dict(model), strategy.optimizer_state_dict(model, optimizer)
+    if rank == 0:
+        torch.save({"model": full[0]}, os.path.join(out, "full_after_step0.pt"))
+    del full
+    # DCP's asynchronous save, as every save but a run's last: back once the shards are in host memory.
+    began = time.perf_counter()
+    writing = strategy.save_sharded(model, optimizer, os.path.join(out, f"async{rank}", ckpt_format.SHARDED_DIR),
+                                    asynchronous=True)
+    returned = time.perf_counter() - began
+    writing.result()
+    written = time.perf_counter() - began
+    dist.barrier()
+    if rank == 0:  # what Ray Train's upload of every rank's folder into one checkpoint folder makes
+        for r in range(world):
+            shutil.copytree(os.path.join(out, f"rank{r}"), os.path.join(out, "merged"), dirs_exist_ok=True)
+            shutil.copytree(os.path.join(out, f"async{r}"), os.path.join(out, "merged-async"), dirs_exist_ok=True)
+    dist.barrier()
+    saved = _locals(model, optimizer)
+    _step(strategy, model, optimizer, seed=1)
+    # A restart on 4 workers: fresh shards and optimizer, loaded from the merged folder.
+    restarted, restarted_model, restarted_optimizer = _setup(rank, world)
+    restarted.load_sharded(restarted_model, restarted_optimizer,
+                           os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
+    same_shards = all(torch.equal(a, b) for a, b in zip(saved, _locals(restarted_model, restarted_optimizer)))
+    _step(restarted, restarted_model, restarted_optimizer, seed=1)
+    same_next_step = all(torch.equal(a.to_local(), b.to_local())
+                         for a, b in zip(model.parameters(), restarted_model.parameters()))
+    # A second asynchronous save, after that step: its host copy goes into the first one's buffers.
+    staged = _staged(strategy)
+    strategy.save_sharded(model, optimizer, os.path.join(out, f"async2-{rank}", ckpt_format.SHARDED_DIR),
+                          asynchronous=True).result()
+    reused = bool(staged) and staged == _staged(strategy)
+    strategy.save_sharded(model, optimizer, os.path.join(out, f"sync2-{rank}", ckpt_format.SHARDED_DIR))
+    dist.barrier()
+    if rank == 0:
+        for r in range(world):
+            for kind in ("async2", "sync2"):
+                shutil.copytree(os.path.join(out, f"{kind}-{r}"), os.path.join(out, f"merged-{kind}"),
+                                dirs_exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"staging_reused": reused, "save_growth": sharded.peak, "gather_growth": gathered.peak,
+                   "share": _local_bytes(model, optimizer), "same_shards": same_shards,
+                   "same_next_step": same_next_step, "async_returned_s": returned, "async_written_s": written,
+                   "files": sorted(os.listdir(os.path.join(own, ckpt_format.SHARDED_DIR)))}, f)
 
 
 def _staged(strategy) -> list:
@@ -165,14 +145,13 @@ def _staged(strategy) -> list:
     return sorted(s.data_ptr() for s in stager._state_dict_stager._cached_storage_mapping.values())
 
 
-def _resume_on_two(rank: int, port: int, out: str) -> None:
-    with _process_group(rank, 2, port):
-        strategy, model, optimizer = _setup(rank, 2)
-        strategy.load_sharded(model, optimizer, os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
-        full = strategy.state_dict(model)  # collective: gathered to rank 0
-        steps = {s["step"].item() for s in optimizer.state.values()}
-        if rank == 0:
-            torch.save({"model": full, "adam_steps": sorted(steps)}, os.path.join(out, "resumed_on_two.pt"))
+def _resume_on_two(rank: int, world: int, out: str) -> None:
+    strategy, model, optimizer = _setup(rank, world)
+    strategy.load_sharded(model, optimizer, os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
+    full = strategy.state_dict(model)  # collective: gathered to rank 0
+    steps = {s["step"].item() for s in optimizer.state.values()}
+    if rank == 0:
+        torch.save({"model": full, "adam_steps": sorted(steps)}, os.path.join(out, "resumed_on_two.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +163,7 @@ def saved(tmp_path_factory):
     # still be freeing the last collective's tensors then; taking the GIL of an interpreter that is
     # finalizing ends that thread, inside a destructor, in std::terminate: SIGABRT ("terminate called
     # without an active exception"), 3 in 50 spawned runs of the resume on two.
-    _forkserver.start_processes(_save_on_four, (_port(), str(out)), nprocs=4)
+    _forkserver.start_gloo_ranks(_save_on_four, (str(out),), nprocs=4)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     return out, ranks
 
@@ -214,7 +193,7 @@ def test_a_restart_on_four_workers_resumes_exactly(saved):
 
 def test_a_restart_on_two_workers_reshards_to_the_same_state(saved):
     out, _ = saved
-    _forkserver.start_processes(_resume_on_two, (_port(), str(out)), nprocs=2)
+    _forkserver.start_gloo_ranks(_resume_on_two, (str(out),), nprocs=2)
     resumed = torch.load(out / "resumed_on_two.pt", weights_only=True)
     want = torch.load(out / "full_after_step0.pt", weights_only=True)["model"]
     assert resumed["model"].keys() == want.keys()

@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 
 import _forkserver
@@ -34,49 +33,40 @@ def _batches() -> list:
             for _ in range(STEPS)]
 
 
-def _rank(rank: int, port: int, out: str, interleaved: bool = False) -> None:
+def _rank(rank: int, world: int, out: str, interleaved: bool = False) -> None:
     from raytrain_mgpu.parallel import build_worker
     from _reference import build_rank_model as _build_model
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        cfg = TrainConfig(**CFG)
-        # two "nodes" of two workers: ranks 0, 1 on node 0 and 2, 3 on node 1 (interleaved: 0, 2 and 1, 3)
-        node = rank % SHARD if interleaved else rank // SHARD
-        ctx = WorkerContext(rank, WORLD, rank % SHARD, SHARD, node, (torch.device("cpu"),))
-        import logging
+    cfg = TrainConfig(**CFG)
+    # two "nodes" of two workers: ranks 0, 1 on node 0 and 2, 3 on node 1 (interleaved: 0, 2 and 1, 3)
+    node = rank % SHARD if interleaved else rank // SHARD
+    ctx = WorkerContext(rank, world, rank % SHARD, SHARD, node, (torch.device("cpu"),))
+    import logging
 
-        handler = logging.FileHandler(os.path.join(out, f"log-{rank}.txt"))
-        logging.getLogger("raytrain_mgpu.parallel.replication").addHandler(handler)
-        strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
-        model = strategy.setup_model(_build_model(cfg, strategy, (8,), 4))
-        weight = model[1][0].weight  # the first Linear
-        facts = {"mesh": list(weight.device_mesh.mesh.shape), "dims": list(weight.device_mesh.mesh_dim_names),
-                 "placements": [str(p) for p in weight.placements], "local": list(weight.to_local().shape),
-                 "shard_group": weight.device_mesh["shard"].mesh.tolist()}
-        optimizer = build_optimizer(model.parameters(), cfg.optim)
-        rows = BATCH // WORLD
-        for x, y in _batches():  # each rank its quarter of the global batch, as the DistributedSampler gives
-            F.cross_entropy(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        full = strategy.state_dict(model)  # collective: the unsharded weights on rank 0
-        if rank == 0:
-            torch.save(full, os.path.join(out, "weights.pt"))
-        with open(os.path.join(out, f"facts-{rank}.json"), "w") as f:
-            json.dump(facts, f)
-    finally:
-        dist.destroy_process_group()
+    handler = logging.FileHandler(os.path.join(out, f"log-{rank}.txt"))
+    logging.getLogger("raytrain_mgpu.parallel.replication").addHandler(handler)
+    strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
+    model = strategy.setup_model(_build_model(cfg, strategy, (8,), 4))
+    weight = model[1][0].weight  # the first Linear
+    facts = {"mesh": list(weight.device_mesh.mesh.shape), "dims": list(weight.device_mesh.mesh_dim_names),
+             "placements": [str(p) for p in weight.placements], "local": list(weight.to_local().shape),
+             "shard_group": weight.device_mesh["shard"].mesh.tolist()}
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    rows = BATCH // world
+    for x, y in _batches():  # each rank its quarter of the global batch, as the DistributedSampler gives
+        F.cross_entropy(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    full = strategy.state_dict(model)  # collective: the unsharded weights on rank 0
+    if rank == 0:
+        torch.save(full, os.path.join(out, "weights.pt"))
+    with open(os.path.join(out, f"facts-{rank}.json"), "w") as f:
+        json.dump(facts, f)
 
 
 def test_hsdp_shards_inside_groups_replicates_across_them_and_trains_like_one_process(tmp_path):
-    from raytrain_mgpu.runtime.placement import free_address
-
-    # forked from the suite's server with torch imported (tests/_forkserver.py), as its other local process
-    # groups: not a fork of this pytest process (threads, perhaps a Ray connection), which is not safe
-    _forkserver.start_processes(_rank, (free_address()[1], str(tmp_path)), nprocs=WORLD)
+    _forkserver.start_gloo_ranks(_rank, (str(tmp_path),), nprocs=WORLD)
     assert not any((tmp_path / f"log-{rank}.txt").read_text() for rank in range(WORLD))  # one node a group: no warning
     facts = [json.loads((tmp_path / f"facts-{rank}.json").read_text()) for rank in range(WORLD)]
     for rank, fact in enumerate(facts):
@@ -125,9 +115,7 @@ def test_shard_groups_that_span_nodes_are_named():
 def test_shard_groups_that_span_nodes_are_warned_about_naming_the_fix(tmp_path):
     """Ranks 0, 2 on one node and 1, 3 on the other: both shard groups (0, 1) and (2, 3) span the nodes, so every
     all-gather crosses the network; rank 0 says so once, with the fix."""
-    from raytrain_mgpu.runtime.placement import free_address
-
-    _forkserver.start_processes(_rank, (free_address()[1], str(tmp_path), True), nprocs=WORLD)
+    _forkserver.start_gloo_ranks(_rank, (str(tmp_path), True), nprocs=WORLD)
     logs = [(tmp_path / f"log-{rank}.txt").read_text() for rank in range(WORLD)]
     assert "shard_group_size=2: the shard groups [[0, 1], [2, 3]] span nodes [[0, 1], [0, 1]]" in logs[0]
     assert "Set shard_group_size to the workers of one node" in logs[0]

@@ -12,11 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -56,15 +54,9 @@ def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) 
     return calls[0]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        counts = {f"{'compiled' if compiled else 'eager'}-{mode}": _count_allreduces(rank, world, compiled, mode)
-                  for compiled in (False, True) for mode in ("strategy", "off", "wrapper_check")}
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    counts = {f"{'compiled' if compiled else 'eager'}-{mode}": _count_allreduces(rank, world, compiled, mode)
+              for compiled in (False, True) for mode in ("strategy", "off", "wrapper_check")}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(counts, f)
 
@@ -72,10 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def allreduce_counts(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("no_sync")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _forkserver.start_processes(_worker, (2, port, str(out_dir)), nprocs=2)
+    _forkserver.start_gloo_ranks(_worker, (str(out_dir),))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 

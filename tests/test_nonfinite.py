@@ -104,40 +104,28 @@ def nan_on_rank_1_at_step_3(outputs, targets):
     return loss
 
 
-def _skip_rank(rank: int, world: int, port: int, out: str) -> None:
-    import os
-
-    import torch.distributed as dist
-
+def _skip_rank(rank: int, world: int, out: str) -> None:
     from _engine import make_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        engine = make_engine(dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=128,
-                                  epochs=1, optimizer="sgd", lr=0.1, loss=nan_on_rank_1_at_step_3,
-                                  on_nonfinite="skip", storage_path=f"{out}/runs"), rank=rank, world=world)
-        before = {}
+    engine = make_engine(dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=128,
+                              epochs=1, optimizer="sgd", lr=0.1, loss=nan_on_rank_1_at_step_3,
+                              on_nonfinite="skip", storage_path=f"{out}/runs"), rank=rank, world=world)
+    before = {}
 
-        def watch(step):
-            if step in (2, 3):
-                before[step] = [p.detach().clone() for p in engine.steps.model.parameters()]
+    def watch(step):
+        if step in (2, 3):
+            before[step] = [p.detach().clone() for p in engine.steps.model.parameters()]
 
-        from raytrain_mgpu.runtime import engine as engine_module
+    from raytrain_mgpu.runtime import engine as engine_module
 
-        engine_module.STEP_EVENTS.append(watch)
-        row = engine.train_epoch(0)
-        weights = engine.steps.named_model().state_dict()
-        torch.save({"row": row, "weights": weights, "step2": before[2], "step3": before[3]}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    engine_module.STEP_EVENTS.append(watch)
+    row = engine.train_epoch(0)
+    weights = engine.steps.named_model().state_dict()
+    torch.save({"row": row, "weights": weights, "step2": before[2], "step3": before[3]}, f"{out}/rank{rank}.pt")
 
 
 def test_skip_skips_the_same_step_on_both_ranks_and_trains_on(tmp_path):
-    from raytrain_mgpu.runtime.placement import free_address
-
-    _forkserver.start_processes(_skip_rank, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    _forkserver.start_gloo_ranks(_skip_rank, (str(tmp_path),))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for result in ranks:
         assert result["row"]["skipped_steps"] == 1 and result["row"]["step"] == STEPS_PER_EPOCH

@@ -10,7 +10,6 @@ import os
 import time
 
 import pytest
-import torch
 from torch import nn
 
 from _engine import RecordingSink, make_engine
@@ -292,29 +291,22 @@ def test_spot_watch_cli_checks_the_grace(capsys):
     assert "spot-watch --grace-s=-1.0: must be a finite number >= 0" in capsys.readouterr().err
 
 
-def _any_rank_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _any_rank_worker(rank: int, world: int, out: str) -> None:
     from raytrain_mgpu.runtime.preemption import AnyRank
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     any_rank = AnyRank()
     # rank 1 alone has a notice at the second check; nobody at the first and the third
     answers = [any_rank([seen])[0] for seen in (False, rank == 1, False)]
     with open(f"{out}/{rank}", "w") as f:
         f.write(",".join(str(a) for a in answers))
-    dist.destroy_process_group()
 
 
 def test_the_ranks_agree_when_only_one_has_the_notice(tmp_path):
     """The watcher's notice reaches the workers one by one: a check where only rank 1 has it is a
     notice on every rank (each then calls Ray's barrier), the checks before and after are not."""
     import _forkserver
-    from raytrain_mgpu.runtime.placement import free_address
 
-    # forked from the suite's server with torch imported (tests/_forkserver.py), as its other local process
-    # groups: not a fork of this pytest process (threads, perhaps a Ray connection), which is not safe
-    _forkserver.start_processes(_any_rank_worker, (2, free_address()[1], str(tmp_path)), nprocs=2)
+    _forkserver.start_gloo_ranks(_any_rank_worker, (str(tmp_path),))
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["False,True,False"] * 2
 
 
