@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import ray
 from torch import nn
 
 from raytrain_mgpu.batches import as_shape, shape_record

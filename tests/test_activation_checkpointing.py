@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import raytrain_mgpu as rtm

@@ -13,7 +13,6 @@ once-per-epoch read.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode

@@ -17,7 +17,7 @@ import ctypes
 import os
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 _VARIANTS = (0, 1)
 
