@@ -17,8 +17,10 @@ Settings the C library reads at a process's start (``MALLOC_*``) are set in the 
 
 A forked rank ends with ``os._exit``, as every fork does, and never finalizes its interpreter. A
 spawned one does, and a gloo group that FSDP2 has used keeps its threads past
-``destroy_process_group``: one still freeing the last collective's tensors then aborts the process
-(SIGABRT, seen in CI). Another reason to start local ranks here.
+``destroy_process_group`` (``fully_shard`` and one backward leave both ``pt_gloo_runloop`` threads
+running). One still freeing the last collective's tensors then takes the GIL of a finalizing
+interpreter, which ends that thread inside a destructor in ``std::terminate``: SIGABRT, "terminate
+called without an active exception". Another reason to start local ranks here.
 """
 
 from __future__ import annotations

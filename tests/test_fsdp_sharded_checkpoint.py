@@ -1,8 +1,8 @@
 """fsdp's sharded checkpoints: no rank holds the full state while saving; a resume on 4 workers is exact,
 on 2 it reshards to the same full state; the driver consolidates the model.
 
-Four local processes (gloo, forked from the suite's server, ``tests/_forkserver.py``, no Ray) shard an MLP with AdamW as the loop does
-(``FSDPStrategy.setup_model``), take a step, and save with ``WorkerStrategy.save_sharded``, each rank into
+Four local processes (gloo ranks forked by ``tests/_forkserver.py``, no Ray) shard an MLP with AdamW as
+the loop does (``FSDPStrategy.setup_model``), take a step, and save with ``WorkerStrategy.save_sharded``, each rank into
 its own folder, as each Ray Train worker does; the folders are then merged, as Ray Train's upload of every
 rank's folder into one checkpoint does (through Ray: ``tests/test_strategies.py``'s fsdp fit). The peak
 resident set size growth during the save is measured as ``tests/test_fsdp_memory.py`` measures start-up;
@@ -157,12 +157,8 @@ def _resume_on_two(rank: int, world: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_sharded")
-    # Forked ranks, which end with os._exit as every fork does: a spawned rank (these ran spawned) finalizes
-    # its interpreter at exit, and the gloo group's threads outlive destroy_process_group once FSDP2 has used
-    # the group (fully_shard and a backward leave both pt_gloo_runloop threads running). One of them may
-    # still be freeing the last collective's tensors then; taking the GIL of an interpreter that is
-    # finalizing ends that thread, inside a destructor, in std::terminate: SIGABRT ("terminate called
-    # without an active exception"), 3 in 50 spawned runs of the resume on two.
+    # Forked, not spawned: a spawned rank finalizes its interpreter at exit while FSDP2's gloo threads still
+    # run (tests/_forkserver.py), which aborted 3 in 50 spawned runs of the resume on two.
     _forkserver.start_gloo_ranks(_save_on_four, (str(out),), nprocs=4)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     return out, ranks
