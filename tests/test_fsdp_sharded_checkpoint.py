@@ -1,12 +1,12 @@
 """fsdp's sharded checkpoints: no rank holds the full state while saving; a resume on 4 workers is exact,
 on 2 it reshards to the same full state; the driver consolidates the model.
 
-Four local processes (gloo ranks forked by ``tests/_forkserver.py``, no Ray) shard an MLP with AdamW as
-the loop does (``FSDPStrategy.setup_model``), take a step, and save with ``WorkerStrategy.save_sharded``, each rank into
-its own folder, as each Ray Train worker does; the folders are then merged, as Ray Train's upload of every
-rank's folder into one checkpoint does (through Ray: ``tests/test_strategies.py``'s fsdp fit). The peak
-resident set size growth during the save is measured as ``tests/test_fsdp_memory.py`` measures start-up;
-the old way (the full state gathered to rank 0) is measured too, so the measure is shown to see it.
+Four local processes (gloo ranks forked by ``tests/_forkserver.py``, no Ray) shard an MLP with AdamW as the
+loop does (``FSDPStrategy.setup_model``), take a step, and save with ``WorkerStrategy.save_sharded``, each
+rank into its own folder, as each Ray Train worker does; the folders are then merged, as Ray Train's upload of
+every rank's folder into one checkpoint does (through Ray: ``tests/test_strategies.py``'s fsdp fit). The peak
+resident set size growth during the save is measured as ``tests/test_fsdp_memory.py`` measures start-up; the
+old way (the full state gathered to rank 0) is measured too, so the measure is shown to see it.
 """
 
 from __future__ import annotations
