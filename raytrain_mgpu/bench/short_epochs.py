@@ -73,62 +73,21 @@ def per_epoch_outside_steps(long: Run, short: Run) -> float:
     return (long.wall_s - short.wall_s) / epochs - statistics.median(long.training_s[1:] or long.training_s)
 
 
-def _hand_written_loop(config: dict) -> None:
-    """What a Ray Train user writes (Ray Train's "Get started with PyTorch"), our data and model."""
-    import ray.train
-    import ray.train.torch
-    import torch
-    from torch.utils.data import DataLoader
-
-    from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.models import build_model
-
-    torch.set_num_threads(1)
-    cfg = TrainConfig.from_dict(config["cfg"])
-    data = build_datasets(cfg.data)
-    torch.manual_seed(cfg.seed)
-    model = ray.train.torch.prepare_model(build_model(cfg.model, data.input_shape, data.num_classes,
-                                                      cfg.model_kwargs))
-    world = ray.train.get_context().get_world_size()
-    loader = ray.train.torch.prepare_data_loader(
-        DataLoader(data.train, batch_size=cfg.batch_size // world, shuffle=True, drop_last=True))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # fit's sgd: the same steps
-    rank = ray.train.get_context().get_world_rank()
-    for epoch in range(cfg.epochs):
-        if ray.train.get_context().get_world_size() > 1:
-            loader.sampler.set_epoch(epoch)
-        epoch_start, samples = time.perf_counter(), 0
-        for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            samples += len(y) * world
-        training_s = time.perf_counter() - epoch_start
-        with tempfile.TemporaryDirectory() as directory:
-            checkpoint = None
-            if rank == 0:
-                torch.save(model.module.state_dict() if world > 1 else model.state_dict(),
-                           os.path.join(directory, "model.pt"))
-                checkpoint = ray.train.Checkpoint.from_directory(directory)
-                with open(config["out"], "a") as out:
-                    out.write(json.dumps({"training_s": training_s, "samples": samples}) + "\n")
-            ray.train.report({"epoch": epoch + 1, "loss": loss.item()}, checkpoint=checkpoint)
-
-
 def hand_written(cfg: TrainConfig, storage: str, name: str) -> Run:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from raytrain_mgpu.bench._ray_train_loop import hand_written_loop
+
     out = os.path.join(storage, f"{name}.jsonl")
-    trainer = TorchTrainer(_hand_written_loop, train_loop_config={"cfg": cfg.to_dict(), "out": out},
+    trainer = TorchTrainer(hand_written_loop, train_loop_config={"cfg": cfg.to_dict(), "out": out},
                            scaling_config=ScalingConfig(num_workers=cfg.num_workers),
                            run_config=RunConfig(name=name, storage_path=storage))
     start = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - start
     with open(out) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [row for row in map(json.loads, f) if "training_s" in row]
     return Run(wall, training_s=[r["training_s"] for r in rows], samples=[r["samples"] for r in rows])
 
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from typing import Dict, List
 
+from raytrain_mgpu.bench._ray_train_loop import hand_written_loop
+
 VARIANTS = ("fit, in-process", "fit, Ray Train", "ray train")
 FIELDS = dict(model="lenet", dataset="digits", epochs=1, batch_size=128)  # the run measured, by default
 
@@ -57,48 +59,12 @@ def measure_whole(variant: str, cfg_fields: dict, storage: str) -> float:
             from ray.train import RunConfig, ScalingConfig
             from ray.train.torch import TorchTrainer
 
-            TorchTrainer(_hand_written, train_loop_config={"cfg": cfg.to_dict(), "epochs": cfg.epochs},
+            TorchTrainer(hand_written_loop, train_loop_config={"cfg": cfg.to_dict()},
                          scaling_config=ScalingConfig(num_workers=1),
                          run_config=RunConfig(name="trainer", storage_path=storage)).fit()
     finally:
         ray.shutdown()
     return time.time() - started
-
-
-def _hand_written(config: dict) -> None:
-    """What Ray Train's documentation shows: ``epochs`` epochs of plain DDP steps, a report after each (no
-    checkpoint). With ``out``, rank 0 writes when its first step begins (``time.time()``) there."""
-    import ray.train
-    import ray.train.torch
-    import torch
-    from torch.utils.data import DataLoader
-
-    from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.models import build_model
-
-    cfg = TrainConfig.from_dict(config["cfg"])
-    data = build_datasets(cfg.data)
-    torch.manual_seed(cfg.seed)
-    model = ray.train.torch.prepare_model(build_model(cfg.model, data.input_shape, data.num_classes,
-                                                      cfg.model_kwargs))
-    world = ray.train.get_context().get_world_size()
-    loader = ray.train.torch.prepare_data_loader(
-        DataLoader(data.train, batch_size=cfg.batch_size // world, shuffle=True, drop_last=True))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    first = None
-    for epoch in range(config.get("epochs", 1)):
-        for x, y in loader:
-            if first is None and "out" in config:
-                first = time.time()
-                if ray.train.get_context().get_world_rank() == 0:
-                    with open(config["out"], "w") as out:
-                        out.write(json.dumps({"first_step": first}))
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        ray.train.report({"epoch": epoch + 1, "loss": loss.item()})
 
 
 def measure(variant: str, cfg_fields: dict, workers: int, storage: str) -> float:
@@ -118,16 +84,16 @@ def measure(variant: str, cfg_fields: dict, workers: int, storage: str) -> float
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    out = os.path.join(storage, "first_step.json")
+    out = os.path.join(storage, "rows.jsonl")
     ray.init(log_to_driver=False)
     try:
-        TorchTrainer(_hand_written, train_loop_config={"cfg": cfg.to_dict(), "out": out},
+        TorchTrainer(hand_written_loop, train_loop_config={"cfg": cfg.to_dict(), "out": out},
                      scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.use_gpu),
                      run_config=RunConfig(name=cfg.name, storage_path=storage)).fit()
     finally:
         ray.shutdown()
     with open(out) as f:
-        return json.load(f)["first_step"] - started
+        return json.loads(f.readline())["first_step"] - started
 
 
 def _in_fresh_process(variant: str, cfg_fields: dict, workers: int, whole: bool = False) -> float:
