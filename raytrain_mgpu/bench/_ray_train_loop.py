@@ -30,6 +30,7 @@ def hand_written_loop(config: dict) -> None:
 
     cfg = TrainConfig.from_dict(config["cfg"])
     torch.set_num_threads(cfg.cpus_per_worker)
+    world, rank = ray.train.get_context().get_world_size(), ray.train.get_context().get_world_rank()
 
     def write(row: dict) -> None:
         if rank == 0 and "out" in config:
@@ -40,7 +41,6 @@ def hand_written_loop(config: dict) -> None:
     torch.manual_seed(cfg.seed)
     model = ray.train.torch.prepare_model(build_model(cfg.model, data.input_shape, data.num_classes,
                                                       cfg.model_kwargs))
-    world, rank = ray.train.get_context().get_world_size(), ray.train.get_context().get_world_rank()
     loader = ray.train.torch.prepare_data_loader(
         DataLoader(data.train, batch_size=cfg.batch_size // world, shuffle=True, drop_last=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # fit's sgd: the same steps
