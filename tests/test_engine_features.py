@@ -225,3 +225,15 @@ def test_fp16_in_a_pipeline_trains_with_a_stage_that_has_no_parameters(monkeypat
     initial = build_model(cfg.model, (12,), 5, cfg.model_kwargs).state_dict()
     assert all(torch.isfinite(value).all() for value in result.model_state.values())
     assert any(not torch.equal(initial[key], value) for key, value in result.model_state.items())  # it trained
+
+
+def test_the_runs_end_flushes_rank_0s_events_after_the_last(monkeypatch, tmp_path):
+    """``Transport.finish`` flushes rank 0's reporter, once, after its last event (the checkpoint's
+    announcement): the driver's last drain then finds it (tests/test_fit.py: what the flush waits for)."""
+    from _engine import RecordingSink, make_engine
+    from raytrain_mgpu.runtime.progress import WorkerReporter
+
+    sink, flushed = RecordingSink(), []
+    monkeypatch.setattr(WorkerReporter, "flush", lambda self, timeout_s=0.0: flushed.append(len(sink.events)))
+    make_engine({**DP, "storage_path": str(tmp_path), "name": "flushed"}, sink=sink, setup=False).run()
+    assert sink.events[-1][0] == "checkpoint" and flushed == [len(sink.events)]

@@ -277,3 +277,25 @@ def test_the_runs_of_one_driver_share_its_progress_mailbox_on_channels_of_their_
     third.put.remote("notice", "hello")
     assert ray.get(third.drain.remote()) == [("notice", "hello")]
     third.close()
+
+
+@pytest.mark.quick  # one small actor on the shared Ray
+def test_a_workers_events_are_in_the_mailbox_when_its_reporter_is_flushed(ray_session, tmp_path):
+    """The run's end (``Transport.finish``) flushes rank 0's reporter: the driver's last drain, which is not
+    ordered with a worker's sends, then finds the last checkpoint's announcement. Here a mailbox that takes a
+    while over each event marks it received in a file: flush returns only after that."""
+    from raytrain_mgpu.runtime.progress import ProgressSink, WorkerReporter
+
+    @ray_session.remote(num_cpus=0)
+    class SlowMailbox:
+        def put(self, channel, kind, payload):
+            time.sleep(1.0)
+            with open(tmp_path / "received", "a") as f:
+                f.write(f"{kind} {payload}\n")
+
+    reporter = WorkerReporter(ProgressSink(SlowMailbox.remote(), "run"))
+    reporter.epoch(2)
+    reporter.checkpoint("checkpoint_epoch000002")
+    reporter.flush()
+    assert (tmp_path / "received").read_text() == "epoch 2\ncheckpoint checkpoint_epoch000002\n"
+    reporter.flush()  # nothing in flight: back at once

@@ -70,6 +70,7 @@ class StageTransport(FolderTransport):
         return {"local_notice": self.watcher.local_notice, "get_info": self.watcher.agreed}
 
     def finish(self) -> None:
+        super().finish()
         if getattr(self, "watcher", None) is not None:
             self.watcher.close()
 

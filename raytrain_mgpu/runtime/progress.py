@@ -9,6 +9,7 @@ to the loggers and callbacks.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -16,6 +17,8 @@ import uuid
 from typing import Optional
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 
 def _mib(n: float) -> str:
@@ -185,43 +188,64 @@ class _Mailbox:
 
 
 class WorkerReporter:
-    """Used by rank 0 on a worker: fire-and-forget, step events throttled."""
+    """Used by rank 0 on a worker: fire-and-forget, step events throttled; :meth:`flush` at the run's end."""
+
+    FLUSH_TIMEOUT_S = 30.0
+    _KEEP = 64  # sends kept unconfirmed before the confirmed ones are let go
 
     def __init__(self, sink, min_interval_s: float = 0.5):
         self.sink = sink
         self.min_interval_s = min_interval_s
         self._last = 0.0
+        self._sent: list = []  # the sends not yet known to be in the mailbox
+
+    def _send(self, kind: str, payload) -> None:
+        if self.sink is None:
+            return
+        sent = self.sink.put.remote(kind, payload)
+        if not isinstance(sent, ray.ObjectRef):  # a sink outside Ray (tests' recorders): delivered already
+            return
+        self._sent.append(sent)
+        if len(self._sent) > self._KEEP:
+            _, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Wait until every event sent so far is in the mailbox. The driver drains it a last time when the run's
+        workers have returned, and a send is a call from this worker, not ordered with the driver's drain: the
+        last checkpoint's announcement, sent just before the return, once came after that drain and was lost
+        (seen on a pipeline's last stage under load). Never raises: progress must not fail training."""
+        sent, self._sent = self._sent, []
+        try:
+            if sent:
+                ray.wait(sent, num_returns=len(sent), timeout=timeout_s)
+        except Exception:
+            logger.debug("progress events not confirmed", exc_info=True)
 
     def step(self, step: int, total: int, epoch: int = 0) -> None:
         now = time.monotonic()
         if self.sink is not None and now - self._last >= self.min_interval_s:
             self._last = now
-            self.sink.put.remote("step", (step, total, epoch))
+            self._send("step", (step, total, epoch))
 
     def scalars(self, step: int, values: dict) -> None:
         """Every ``log_every_n_steps`` steps (the caller decides): not throttled, every call is sent."""
-        if self.sink is not None:
-            self.sink.put.remote("scalars", (step, values))
+        self._send("scalars", (step, values))
 
     def epoch(self, metrics: dict) -> None:
-        if self.sink is not None:
-            self.sink.put.remote("epoch", metrics)
+        self._send("epoch", metrics)
 
     def checkpoint(self, path: str) -> None:
         """The path or URI of the checkpoint Ray Train has just persisted (sent after its epoch)."""
-        if self.sink is not None:
-            self.sink.put.remote("checkpoint", path)
+        self._send("checkpoint", path)
 
     def notice(self, line: str) -> None:
         """One line for the driver to print as it is (a preemption, a resume: ``runtime/preemption.py``)."""
-        if self.sink is not None:
-            self.sink.put.remote("notice", line)
+        self._send("notice", line)
 
     def startup(self, entered: float, first_step: float) -> None:
         """When (``time.time()``) the train function was entered and its first step began: the driver
         keeps the first attempt's (``TrainResult.startup``)."""
-        if self.sink is not None:
-            self.sink.put.remote("startup", {"entered": entered, "first_step": first_step})
+        self._send("startup", {"entered": entered, "first_step": first_step})
 
 
 class SinkPump:

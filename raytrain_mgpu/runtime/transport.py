@@ -84,7 +84,10 @@ class Transport:
         """A save failed between ``begin`` and ``commit`` on this rank."""
 
     def finish(self) -> None:
-        """The run is over (its last epoch checkpointed, or failed): what the transport started for it stops."""
+        """The run is over (its last epoch checkpointed, or failed): what the transport started for it stops,
+        and the events it sent the driver are delivered before the run returns."""
+        if self.reporter is not None:
+            self.reporter.flush()
 
 
 class FolderTransport(Transport):

@@ -105,6 +105,9 @@ class _DriverReporter:
         if self.first is None:
             self.first = {"entered": entered, "first_step": first_step}
 
+    def flush(self) -> None:
+        """Nothing in flight: every event was handed on as it was called."""
+
 
 class LocalTransport(FolderTransport):
     """The driver's process as the only rank: events to ``RunEvents``, checkpoints in the run folder."""
