@@ -24,10 +24,13 @@ from raytrain_mgpu import api
 from raytrain_mgpu.models import build_model, factory_arguments
 from raytrain_mgpu.planning.preflight import check_model_builds
 
-# A test extra, checked without importing it (every pytest process collects this module). Inline, not a
-# tests/ helper: Ray's workers import this module by name, and only its own file is shipped to them.
+# A test extra, checked without importing it (every pytest process collects this module): skipped where it
+# is missing, a failure on CI (tests/_extras.py). The helper is imported only then: Ray's workers import this
+# module by name, and only its own file is shipped to them.
 if importlib.util.find_spec("torchvision") is None:
-    pytest.skip("not installed: torchvision", allow_module_level=True)
+    from _extras import require
+
+    require("torchvision")
 
 IMAGES = dict(dataset="synthetic", input_shape=[3, 32, 32], num_classes=10, num_samples=64, batch_size=32,
               epochs=1, seed=5)  # 2 steps: 64 samples, global batch 32
