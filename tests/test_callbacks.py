@@ -171,9 +171,9 @@ def test_cli_takes_loggers_and_callbacks_as_lists():
                                        "--metrics", "[top5]"])
     cfg = config_from_args(args)
     assert cfg.loggers == ["tensorboard", "csv"] and cfg.callbacks == ["my_hooks:Notify"] and cfg.metrics == ["top5"]
-    with pytest.raises(ValueError, match=r"TrainConfig.loggers=\['wandb'\]: must be a list of \['tensorboard', "
-                                         r"'mlflow', 'csv'\]"):
-        config_from_args(_build_parser().parse_args(["train", "--loggers", "wandb"]))
+    with pytest.raises(ValueError, match=r"TrainConfig.loggers=\['neptune'\]: must be a list of \['tensorboard', "
+                                         r"'mlflow', 'csv', 'wandb'\]"):
+        config_from_args(_build_parser().parse_args(["train", "--loggers", "neptune"]))
 
 
 # ---------------------------------------------------------------------------- real runs

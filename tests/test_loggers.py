@@ -1,4 +1,4 @@
-"""The loggers of ``TrainConfig.loggers`` (TensorBoard, MLflow, CSV): files that their own readers
+"""The loggers of ``TrainConfig.loggers`` (TensorBoard, MLflow, CSV, W&B): files that their own readers
 parse, a resume that continues them without duplicate steps, remote storage through pyarrow.
 
 The events are driven by hand here, and a real fit and its resume run in this process (the in-process
@@ -10,25 +10,33 @@ which needs no extra: that test runs whatever is installed).
 from __future__ import annotations
 
 import csv
-import importlib.util
+import glob
 import io
+import json
 import os
+import struct
+import sys
 
 import pytest
+from _extras import require
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo
 from raytrain_mgpu.runtime.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RUN_FILE, TENSORBOARD_DIR,
-                                           CsvLogger, MlflowLogger, TensorBoardLogger)
+                                           WANDB_PROJECT, WANDB_RUN_FILE, CsvLogger, MlflowLogger, TensorBoardLogger,
+                                           WandbLogger)
 from raytrain_mgpu.runtime.progress import ProgressPrinter
 from raytrain_mgpu.runtime.run_folder import RunFolder
 
-# The extras, checked without importing them (every pytest process collects this module): the tests that
-# read TensorBoard's or MLflow's files skip without them, the CSV logger's checks (importable from here)
-# never do.
-needs_extras = pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("mlflow") is None,
-    reason="the [tensorboard] and [mlflow] extras are not installed")
+
+@pytest.fixture
+def extras():
+    """The tests that read TensorBoard's or MLflow's files skip without those extras (on CI they fail:
+    tests/_extras.py); the CSV logger's checks (importable from here) never do."""
+    require("tensorboard", "mlflow")
+
+
+needs_extras = pytest.mark.usefixtures("extras")
 
 
 def tensorboard_scalars(run_path: str) -> dict:
@@ -100,8 +108,8 @@ def _row(epoch: int, step: int) -> dict:
             "peak_memory_bytes": [2**20], "devices": {"backend": "gloo"}}
 
 
-def _train(folder, start_epoch, start_step, steps, config=None, tracking_uri=None):
-    events = _events(folder, tracking_uri)
+def _train(folder, start_epoch, start_step, steps, config=None, tracking_uri=None, events=None):
+    events = events or _events(folder, tracking_uri)
     events.train_start(RunInfo(config or {"name": "run", "epochs": 2}, folder.uri, start_step > 0, start_epoch,
                                start_step))
     for step in steps:
@@ -190,6 +198,139 @@ def test_a_fit_and_its_resume_leave_every_loggers_files_in_process(storage, monk
     resumed = rtm.fit(cfg.replace(epochs=3), stream=io.StringIO())
     assert [row["attempt"] for row in resumed.history] == [0, 0, 1]  # the third epoch by the second fit
     assert_logged(resumed.path, resumed.history, steps_per_log=2, first_epochs=2)
+
+
+def wandb_runs(wandb_dir: str) -> dict:
+    """{run id: [one dict per offline run file, oldest first]}: each file's ``project``, ``config``,
+    ``history`` ([(step, {name: value})]) and ``summary`` (its updates in order), decoded with W&B's own
+    record type (``wandb_internal_pb2.Record``) from the ``.wandb`` datastore file (a LevelDB log: a 7-byte
+    file header, then chunks with a 7-byte header each, in 32 KiB blocks; wandb ships no reader of it)."""
+    import wandb
+    from wandb.proto import wandb_internal_pb2
+
+    wandb.teardown()  # W&B's service writes the files in the background: its teardown waits for it
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "*.wandb")), key=os.path.getmtime):
+        with open(path, "rb") as f:
+            data = f.read()
+        assert data[:4] == b":W&B", path
+        pos, pending, found = 7, b"", {"config": {}, "history": [], "summary": {}}
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk  # FULL, FIRST; MIDDLE, LAST append
+            if kind not in (1, 4):
+                continue
+            record = wandb_internal_pb2.Record.FromString(pending)
+            which = record.WhichOneof("record_type")
+            if which == "run":
+                found["project"], found["id"] = record.run.project, record.run.run_id
+                found["config"].update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+            elif which == "history":
+                items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                found["history"].append((record.history.step.num, items))
+            elif which == "summary":
+                found["summary"].update({"/".join(u.nested_key) or u.key: json.loads(u.value_json)
+                                         for u in record.summary.update})
+        runs.setdefault(found["id"], []).append(found)
+    return runs
+
+
+def wandb_steps(files: list, name: str) -> list:
+    """(step, value) of scalar ``name`` in every file of one run, in order."""
+    return [(step, items[name]) for found in files for step, items in found["history"] if name in items]
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B offline, its files under tmp_path (the value), the default project. W&B reads its variables
+    once a process (``wandb.setup``): its teardown before and after makes it read this test's."""
+    require("wandb")
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    wandb.teardown()
+    yield str(tmp_path)
+    wandb.teardown()
+
+
+def test_wandb_continues_its_run_on_a_resume_and_sends_no_step_twice(tmp_path, wandb_offline, monkeypatch):
+    folder = RunFolder(str(tmp_path / "run"))
+
+    def events():
+        return RunEvents(ProgressPrinter(3, io.StringIO(), live=False), [("wandb", WandbLogger(folder))])
+
+    # Epoch 1 ends at step 4 (checkpointed); the run is killed after logging steps 6 and 8.
+    _train(folder, 0, 0, [2, 4, _row(1, 4), 6, 8], events=events())
+    # The resume redoes 6 and 8; a restart inside it redoes 10 (the same scalar at the same step again).
+    monkeypatch.setenv("WANDB_PROJECT", "mine")  # W&B's own variable names the project
+    _train(folder, 1, 4, [6, 8, _row(2, 8), 10, 10, 12, _row(3, 12)], config={"name": "run", "epochs": 3},
+           events=events())
+    runs = wandb_runs(wandb_offline)
+    assert list(runs) == [folder.read_json(folder.join(WANDB_RUN_FILE))["run_id"]]  # one W&B run, resumed
+    files = runs[folder.read_json(folder.join(WANDB_RUN_FILE))["run_id"]]
+    assert [found["project"] for found in files] == [WANDB_PROJECT, "mine"]
+    assert [found["config"]["epochs"] for found in files] == [2, 3]
+    assert [step for step, _ in wandb_steps(files, "train/loss")] == [2, 4, 6, 8, 10, 12]
+    assert wandb_steps(files, "epoch/train_loss") == [(4, 1.0), (8, 0.5), (12, pytest.approx(1 / 3))]
+
+
+def test_wandb_offline_holds_a_fits_config_scalars_and_final_metrics_in_process(storage, wandb_offline,
+                                                                                 monkeypatch):
+    """A real run's events (in this process: one worker trains in the driver) and its resume, in one
+    offline W&B run: the config, every logged step once, every epoch row, the final metrics as the summary."""
+    from raytrain_mgpu import api
+
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a one-worker run started Ray"))
+    cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256,
+                          num_workers=1, batch_size=32, optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2, epochs=2,
+                          name="logged", storage_path=storage, loggers=["wandb"])
+    rtm.fit(cfg, stream=io.StringIO())
+    resumed = rtm.fit(cfg.replace(epochs=3), stream=io.StringIO())
+    runs = wandb_runs(wandb_offline)
+    assert len(runs) == 1  # the resume continued the same W&B run
+    (files,) = runs.values()
+    assert len(files) == 2 and [found["project"] for found in files] == [WANDB_PROJECT] * 2
+    config = files[0]["config"]
+    assert (config["name"], config["epochs"], config["model"], config["storage_path"]) == ("logged", 2, "mlp", storage)
+    rows = resumed.history
+    assert [step for step, _ in wandb_steps(files, "train/loss")] == list(range(2, rows[-1]["step"] + 1, 2))
+    assert wandb_steps(files, "epoch/train_loss") == [(row["step"], pytest.approx(row["train_loss"])) for row in rows]
+    summary = files[-1]["summary"]
+    assert (summary["train_loss"], summary["test_accuracy"], summary["epoch"]) == \
+        (pytest.approx(resumed.metrics["train_loss"]), pytest.approx(resumed.metrics["test_accuracy"]), 3)
+
+
+def test_wandb_not_installed_names_the_extra_before_ray(monkeypatch, storage):
+    from raytrain_mgpu import api
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("Ray started before the check"))
+    with pytest.raises(ValueError, match=r"TrainConfig.loggers='wandb' needs the wandb package, which is not "
+                                         r"installed. Install it with: pip install 'raytrain-mgpu\[wandb\]'"):
+        rtm.fit(rtm.TrainConfig(model="mlp", dataset="digits", loggers=["wandb"], storage_path=storage))
+
+
+def test_a_missing_extra_skips_its_tests_here_and_fails_them_on_ci(monkeypatch):
+    """The rule of tests/_extras.py, which the extras' tests here follow: CI installs every extra."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    monkeypatch.delenv("CI", raising=False)
+    require("os", "csv")  # installed: nothing happens
+    outcomes = []
+    for ci in ("", "true"):
+        monkeypatch.setenv("CI", ci)
+        with pytest.raises(BaseException) as raised:  # a skip or a failure: either would end this test
+            require("os", "wandb")
+        outcomes.append((raised.type, str(raised.value)))
+    assert outcomes[0] == (pytest.skip.Exception, "not installed: wandb")
+    assert outcomes[1][0] is pytest.fail.Exception
+    assert outcomes[1][1].startswith("not installed: wandb, on CI, ") and "the install is broken" in outcomes[1][1]
 
 
 def test_a_missing_package_names_the_extra(monkeypatch, storage):

@@ -11,11 +11,18 @@ step the epoch ended (lists, strings and ``None`` are left out).
   the run; params = the config, metrics per step and per epoch. Its id is kept in
   ``<run>/mlflow_run.json`` so that a resume logs to the same MLflow run.
 - ``csv``: ``<run>/metrics.csv``, one row per scalar: ``step,epoch,name,value``.
+- ``wandb``: one Weights & Biases run per training run, in project ``$WANDB_PROJECT`` (default
+  ``raytrain-mgpu``), named after the run; config = the config, history = the scalars per step and
+  per epoch, summary = the final metrics. Its id is kept in ``<run>/wandb_run.json`` so that a
+  resume continues the same W&B run. W&B's own variables apply (``WANDB_MODE=offline``,
+  ``WANDB_DIR``, ``WANDB_ENTITY``, ...).
 
 A resume (or a restart after a failure, which redoes the steps after the last checkpoint)
 does not duplicate steps in TensorBoard and the CSV: TensorBoard's ``purge_step`` hides the
 events at and after the first redone step, and the CSV drops its rows from there. MLflow
 keeps every value it was sent (its metric history is append-only): redone steps appear twice.
+W&B's history is append-only too, and a W&B server drops a step below the run's last one: the
+W&B logger sends each step once, and skips the steps a run (or the fit it resumes) already sent.
 
 Remote storage (``s3://``, ``gs://``, ...): TensorBoard and the CSV are written to a local
 temporary folder and uploaded through pyarrow after every epoch and at the end. MLflow's
@@ -37,13 +44,15 @@ from raytrain_mgpu.runtime.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_loggers", "TensorBoardLogger", "MlflowLogger", "CsvLogger", "epoch_scalars",
-           "TENSORBOARD_DIR", "CSV_FILE", "MLFLOW_RUN_FILE", "MLFLOW_EXPERIMENT"]
+__all__ = ["build_loggers", "TensorBoardLogger", "MlflowLogger", "CsvLogger", "WandbLogger", "epoch_scalars",
+           "TENSORBOARD_DIR", "CSV_FILE", "MLFLOW_RUN_FILE", "MLFLOW_EXPERIMENT", "WANDB_RUN_FILE", "WANDB_PROJECT"]
 
 TENSORBOARD_DIR = "tensorboard"
 CSV_FILE = "metrics.csv"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 MLFLOW_EXPERIMENT = "raytrain-mgpu"
+WANDB_RUN_FILE = "wandb_run.json"
+WANDB_PROJECT = "raytrain-mgpu"  # where $WANDB_PROJECT is unset: the name of MLflow's experiment
 
 
 def epoch_scalars(row: dict) -> Dict[str, float]:
@@ -265,10 +274,61 @@ class MlflowLogger(Callback):
             self._client = None
 
 
+class WandbLogger(Callback):
+    """One W&B run per training run (its id and last step in ``<run>/wandb_run.json``); a resume
+    continues it (``resume="allow"``) and never sends a step twice."""
+
+    def __init__(self, folder: RunFolder):
+        _needs("wandb", "wandb", "wandb")
+        self.folder, self._run, self._sent = folder, None, (0, set())
+
+    def on_train_start(self, run: RunInfo) -> None:
+        import wandb
+
+        kept = self.folder.read_json(self.folder.join(WANDB_RUN_FILE)) or {}
+        self._sent = (int(kept.get("step", 0)), set(kept.get("names", [])))
+        # create_new: a run of our own, whatever run the user's code has open (wandb.run is left alone)
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT, name=run.config.get("name"),
+                               id=kept.get("run_id"), resume="allow", config=run.config, reinit="create_new")
+        if not kept.get("run_id"):
+            self._keep()
+
+    def _keep(self) -> None:
+        step, names = self._sent
+        self.folder.write_json(WANDB_RUN_FILE, {"run_id": self._run.id, "step": step, "names": sorted(names)})
+
+    def _log(self, step: int, values: dict) -> None:
+        """Sends what was not sent: a later step, or new names at the last step sent (the pipeline's
+        stage figures, an epoch's scalars); a restart's redone steps were sent by the first attempt."""
+        last, names = self._sent
+        if step < last or (step == last and not names.isdisjoint(values)):
+            return
+        self._sent = (step, names | set(values) if step == last else set(values))
+        self._run.log({name: float(value) for name, value in values.items()}, step=step)
+
+    def on_step(self, step: int, scalars: dict) -> None:
+        self._log(step, scalars)
+
+    def on_epoch_end(self, epoch: int, metrics: dict) -> None:
+        self._log(metrics["step"], epoch_scalars(metrics))
+        self._keep()  # a resume after a crash skips the steps sent before it
+
+    def on_train_end(self, result) -> None:
+        # the runs table's columns: the last epoch's row under its own names (train_loss, test_accuracy, ...)
+        self._run.summary.update({key.split("/", 1)[1]: value for key, value in epoch_scalars(result.metrics).items()})
+
+    def close(self, failed: bool = False) -> None:
+        if self._run is not None:
+            self._keep()
+            self._run.finish(exit_code=1 if failed else 0)
+            self._run = None
+
+
 _BUILDERS: Dict[str, Callable] = {
     "tensorboard": lambda folder, cfg: TensorBoardLogger(folder),
     "mlflow": lambda folder, cfg: MlflowLogger(folder, cfg.mlflow_tracking_uri),
     "csv": lambda folder, cfg: CsvLogger(folder),
+    "wandb": lambda folder, cfg: WandbLogger(folder),
 }
 
 
