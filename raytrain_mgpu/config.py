@@ -96,6 +96,12 @@ class TrainConfig:
     """How blocks are split over stages/devices: ``params``, ``time`` or a list of block counts."""
     placement: Placement = "PACK"
     """Placement group strategy for workers or stages (``PACK``, ``SPREAD``, ``STRICT_*``)."""
+    resources_per_worker: dict = field(default_factory=dict)
+    """Custom Ray resources each worker (pipeline stage) also needs, beside its CPUs and GPUs, e.g. ``{"spot": 1}`` for nodes whose type in ``cluster.yaml`` declares ``spot``; a request no node (alive, or a node type the autoscaler can add) has is refused before training."""
+    accelerator_type: Optional[str] = None
+    """``use_gpu``: the GPU type the workers run on, as Ray names it on its nodes (``A100``, ``H100``, ``L4``, ...; a node's ``accelerator_type:<name>`` resource); None: any GPU."""
+    label_selector: dict = field(default_factory=dict)
+    """Ray node labels the workers' nodes must carry, e.g. ``{"market-type": "spot"}`` (Ray's ``label_selector``; values as Ray writes them: ``"a"``, ``"!a"``, ``"in(a,b)"``)."""
     output_device: Optional[int] = None
     """``dp``/``ddp2``: local index of the device that gathers outputs (default: the first)."""
     auto_measure: bool = False
@@ -179,6 +185,10 @@ class TrainConfig:
     """Recompute every k-th block's activations in the backward pass instead of keeping them (k=1: every block; 0: off): less activation memory for one more forward of those blocks, the same gradients. Blocks as ``mp`` and the pipeline split them (an ``nn.Sequential``'s children, or ``blocks()``); every strategy."""
     collective_timeout_s: float = 1800.0
     """A collective that waits longer than this fails (names the stuck rank) instead of hanging."""
+    stall_timeout_s: Optional[float] = None
+    """A rank that makes no progress this long while the others have gone further (or whose heartbeats stop) is named on the driver with its node, step, what it was doing and its Python stacks, and the attempt fails, so the retry policy applies (docs/reliability.md: A stuck rank). None: ``max(120 s, 20 x the median step time)``; 0: off (``collective_timeout_s`` stays the backstop). Ray runs of two or more processes."""
+    placement_timeout_s: float = 900.0
+    """How long the workers (pipeline stages) may wait for their resources to be granted (an autoscaling cluster starting nodes) before the run fails naming what is pending and the node types known."""
 
     # --- run, storage and failures
     seed: int = 0
@@ -234,7 +244,7 @@ class TrainConfig:
     log_every_n_steps: int = 50
     """Rank 0 sends per-step scalars (``train/loss``, ``train/lr``, ``train/grad_norm`` when clipping, ``train/samples_per_s``, ``train/data_wait_share``) every this many optimizer steps; read from the device once per N steps, never per step."""
     loggers: list[Logger] = field(default_factory=list)
-    """Where the run's scalars also go, any of ``tensorboard`` (event files under ``<run>/tensorboard``; ``pip install raytrain-mgpu[tensorboard]``), ``mlflow`` (one MLflow run per training run, resumed with it; ``pip install raytrain-mgpu[mlflow]``), ``csv`` (``<run>/metrics.csv``: step, epoch, name, value)."""
+    """Where the run's scalars also go, any of ``tensorboard`` (event files under ``<run>/tensorboard``; ``pip install raytrain-mgpu[tensorboard]``), ``mlflow`` (one MLflow run per training run, resumed with it; ``pip install raytrain-mgpu[mlflow]``), ``csv`` (``<run>/metrics.csv``: step, epoch, name, value), ``wandb`` (one Weights & Biases run per training run, resumed with it; ``WANDB_PROJECT`` and W&B's other variables apply; ``pip install raytrain-mgpu[wandb]``)."""
     mlflow_tracking_uri: Optional[str] = None
     """``loggers=["mlflow"]``: the MLflow tracking URI, e.g. ``http://mlflow:5000``; None: a file store in ``<run>/mlruns`` (local storage only)."""
     callbacks: list = field(default_factory=list)

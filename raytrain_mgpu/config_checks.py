@@ -251,9 +251,50 @@ def _check_ranges(cfg) -> None:
     check_number(cfg, "lr_step_gamma", 0, 1, low_open=True, high_open=False,
             fix="Set lr_step_gamma to e.g. 0.1 (the LR shrinks; a negative one would ascend the loss).")
     check_number(cfg, "collective_timeout_s", 1, fix="Set it to e.g. 600 (whole seconds; torch rounds down).")
+    check_number(cfg, "placement_timeout_s", 0, low_open=True, fix="Set it to e.g. 900 (an autoscaler's nodes take "
+                                                                  "minutes to start).")
+    if cfg.stall_timeout_s is not None:
+        check_number(cfg, "stall_timeout_s", 0, fix="Leave it unset for max(120 s, 20 x the median step time), or 0 "
+                                                    "to turn it off.")
+    _check_placement_request(cfg)
     for name in ("grad_clip_norm", "bucket_cap_mb"):
         if getattr(cfg, name) is not None:
             check_number(cfg, name, 0, low_open=True, fix=f"Leave {name} unset for the default.")
+
+
+_RAY_OWN_RESOURCES = {"CPU": "cpus_per_worker", "GPU": "use_gpu and gpus_per_worker", "memory": None,
+                      "object_store_memory": None}
+
+
+def _check_placement_request(cfg) -> None:
+    """``resources_per_worker``, ``accelerator_type`` and ``label_selector``: their shapes (whether the cluster has
+    them is checked once Ray is up, against its nodes and node types)."""
+    request = cfg.resources_per_worker
+    if not isinstance(request, dict) or not all(isinstance(k, str) and k.strip() for k in request):
+        fail("resources_per_worker", request, "must be a mapping of Ray resource names to amounts",
+             'Write it as {"spot": 1}.')
+    for name, amount in request.items():
+        if name in _RAY_OWN_RESOURCES:
+            own = _RAY_OWN_RESOURCES[name]
+            fail("resources_per_worker", request, f"{name!r} is not a custom resource",
+                 f"Set {own} instead." if own else f"Leave {name!r} out: Ray accounts for it itself.")
+        if name.startswith("accelerator_type:"):
+            fail("resources_per_worker", request, f"{name!r} names a GPU type",
+                 f"Set accelerator_type={name.split(':', 1)[1]!r} instead.")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < float("inf"):
+            fail("resources_per_worker", request, f"the amount of {name!r} must be a positive number",
+                 f'Write e.g. {{"{name}": 1}}.')
+    if cfg.accelerator_type is not None:
+        if not isinstance(cfg.accelerator_type, str) or not cfg.accelerator_type.strip():
+            fail("accelerator_type", cfg.accelerator_type, "must be a GPU type's name or None",
+                 "Set it as Ray names the type, e.g. 'A100' or 'H100', or leave it unset.")
+        if not cfg.use_gpu:
+            fail("accelerator_type", cfg.accelerator_type, "needs use_gpu=True (it chooses the GPU type)",
+                 "Set use_gpu=True, or leave accelerator_type unset.")
+    labels = cfg.label_selector
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        fail("label_selector", labels, "must be a mapping of label names to values, both strings",
+             'Write it as {"market-type": "spot"}.')
 
 
 def _check_balance(cfg) -> None:

@@ -153,10 +153,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # Modules that start Ray clusters of their own (nodes in network namespaces, a Ray with the
-# machine's real CPUs, a head with token auth for job submission) rather than use the shared
-# instance: one xdist group of their own, beside the shared instance's.
+# machine's real CPUs, a head with token auth for job submission, an autoscaling cluster on port
+# 6379) rather than use the shared instance: one xdist group of their own, beside the shared
+# instance's, so that they run one at a time.
 OWN_CLUSTERS = ("test_two_node.py", "test_two_node_elastic.py", "test_two_node_spot.py", "test_hsdp_two_nodes.py",
-                "test_real_cpus.py", "test_jobs.py")
+                "test_real_cpus.py", "test_jobs.py", "test_autoscaler.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and the mark plugin deselects
@@ -202,6 +203,9 @@ SHARED_RAY_TRAIN_ENV = {
 }  # and Ray's log monitor backs off (tests/_ray_nodes.QUIET_LOG_MONITOR, set in ray_session)
 
 
+SPOT = "spot"  # the shared instance's custom resource
+
+
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     import ray
@@ -220,7 +224,8 @@ def ray_session(tmp_path_factory):
     # actor table): Ray Train's PlacementGroupCleaner asks the state API whether the controller lives, and
     # on a Ray without a dashboard that question goes to 127.0.0.1:8265, where another test's Ray may
     # answer "no such actor": the cleaner then removed a live run's placement group (a CI run, 2026-11-25).
-    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, include_dashboard=True, log_to_driver=False)
+    # its node carries a custom resource, as a cluster.yaml node type's "spot: 1" does (resources_per_worker)
+    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, resources={SPOT: 4}, include_dashboard=True, log_to_driver=False)
     os.environ[WATCHER_ENV] = env[WATCHER_ENV]  # after the raylet started: the driver's alone (see above)
     try:
         yield ray

@@ -61,8 +61,16 @@ def test_head_trains_nothing_and_gpu_workers_scale_from_zero(raw):
     for name, node_type in workers.items():
         resources = node_type["resources"]
         assert all(isinstance(v, int) and not isinstance(v, bool) for v in resources.values()), name
-        assert resources.get("GPU", 0) >= 1 and node_type["min_workers"] == 0, name
+        assert node_type["min_workers"] == 0, name
         assert set(node_type["node_config"]) <= EC2_RUN_INSTANCES_KEYS, name
+        gpu_types = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+        assert len(gpu_types) == (1 if resources.get("GPU", 0) >= 1 else 0), name  # each GPU type names its GPU
+    # a GPU type to choose (accelerator_type), a spot type marked for resources_per_worker, one CPU-only type
+    assert {k for t in workers.values() for k in t["resources"] if k.startswith("accelerator_type:")} == {
+        "accelerator_type:A10G", "accelerator_type:L4"}
+    assert [name for name, t in workers.items() if "spot" in t["resources"]] == ["gpu_spot"]
+    assert workers["gpu_spot"]["labels"] == {"market-type": "spot"}
+    assert [name for name, t in workers.items() if not t["resources"].get("GPU")] == ["cpu"]
     markets = {t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on-demand")
                for t in workers.values()}
     assert markets == {"on-demand", "spot"}

@@ -31,6 +31,14 @@ def test_defaults_are_the_demo_run():
     ("precision", "fp8", r"precision='fp8': is not one of"),
     ("model", "my-models:build", r"is not of the form 'package.module:function'"),
     ("balance", (2, 0), r"balance=\(2, 0\)"),
+    ("resources_per_worker", {"GPU": 1}, r"resources_per_worker=\{'GPU': 1\}: 'GPU' is not a custom resource\. Set "
+                                         r"use_gpu and gpus_per_worker instead"),
+    ("resources_per_worker", {"spot": 0}, r"the amount of 'spot' must be a positive number"),
+    ("resources_per_worker", {"accelerator_type:H100": 1}, r"names a GPU type\. Set accelerator_type='H100'"),
+    ("accelerator_type", "H100", r"accelerator_type='H100': needs use_gpu=True"),
+    ("label_selector", {"zone": 1}, r"label_selector=\{'zone': 1\}: must be a mapping of label names to values"),
+    ("stall_timeout_s", -1, r"stall_timeout_s=-1: must be a finite number >= 0"),
+    ("placement_timeout_s", 0, r"placement_timeout_s=0: must be a finite positive number"),
 ])
 def test_bad_values_name_field_and_fix(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -69,8 +69,10 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
     if not cfg.use_gpu:
         return ClusterInfo((cfg.num_workers,), False)
     from raytrain_mgpu.runtime.cluster import read_capacity
+    from raytrain_mgpu.runtime.worker_nodes import only_nodes_with, requested_keys
 
     capacity = capacity if capacity is not None else read_capacity()
+    capacity = only_nodes_with(capacity, requested_keys(cfg))  # the nodes the workers may use (resources_per_worker)
     gpus = capacity.gpus_per_node()
     if capacity.autoscales:
         logger.info("auto: counting the %d GPU(s) this autoscaling cluster can scale to, %g of them up now (%s)",

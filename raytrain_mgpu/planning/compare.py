@@ -116,7 +116,7 @@ def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
             continue
         try:
             check_placeable(list(build_plan(row.config).bundles), use_gpu,
-                            f"strategy={row.strategy!r} ({row.layout})", capacity)
+                            f"strategy={row.strategy!r} ({row.layout})", capacity, labels=row.config.label_selector)
         except ValueError as exc:
             row.status, row.reason, row.config = "skipped", str(exc), None
 

@@ -110,9 +110,8 @@ def check_storage_reachable(storage_path: str, timeout_s: float = 120.0) -> None
     """Raise ``ValueError`` if some alive node cannot read and write ``storage_path``.
 
     Needs a connected Ray. On a single node there is nothing to check (Ray Train writes
-    the path on the first report). Nodes that join later (autoscaling) are checked by Ray
-    Train itself when they first upload a checkpoint.
-    """
+    the path on the first report). Nodes that join later (autoscaling) are checked by each
+    worker there before its first step (``runtime/transport.check_writable``)."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import ray
 
-from raytrain_mgpu.runtime import devices
+from raytrain_mgpu.runtime import autoscaler_config, devices
 from raytrain_mgpu.planning.preflight import probe_ray_address
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,11 @@ class NodeType:
 
     def describe(self) -> str:
         count = "no limit" if self.max_count < 0 else f"up to {self.max_count}"
-        return f"{self.name}: {_shape(self.resources)}, {count}"
+        custom = "".join(f", {v:g} {k}" for k, v in self.resources.items() if k not in _RAY_OWN)
+        return f"{self.name}: {_shape(self.resources)}{custom}, {count}"
+
+
+_RAY_OWN = ("CPU", "GPU", "memory", "object_store_memory")  # a config's other resource keys are the user's own
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,13 @@ class Capacity:
     node_types: Tuple[NodeType, ...] = ()
     max_resources: Dict[str, float] = field(default_factory=dict)
     """Cluster-wide caps from the autoscaler's config (e.g. ``{"GPU": 16}``); a missing key: no cap."""
+    max_worker_nodes: int = -1
+    """The config's top-level ``max_workers``: worker nodes of all types at once, the head not counted; -1: none."""
+    node_types_source: str = ""
+    """Where the node types were read: ``"the GCS"`` or the autoscaler's config file."""
+    node_types_unknown: str = ""
+    """Why the node types could not be read (the cluster may autoscale, but what it can add is not known
+    here); empty when they were read or the cluster has none."""
 
     @property
     def autoscales(self) -> bool:
@@ -125,21 +136,34 @@ class Capacity:
         """``(label, resources)`` of every node that can exist at once: the alive ones, and each
         node type's nodes not up yet (``unlimited`` of them for a type without a maximum)."""
         nodes = [(f"alive node {i}", dict(n)) for i, n in enumerate(self.alive)]
+        return nodes + self._addable(unlimited)
+
+    def _addable(self, unlimited: int) -> List[Tuple[str, Dict[str, float]]]:
         up = _alive_per_type(self.alive, self.node_types)
+        nodes = []
         for node_type in self.node_types:
             missing = unlimited if node_type.max_count < 0 else max(node_type.max_count - up[node_type.name], 0)
             nodes.extend((f"node type {node_type.name!r}", dict(node_type.resources)) for _ in range(missing))
         return nodes
 
+    def _richest_in(self, key: str, unlimited: int) -> List[Dict[str, float]]:
+        """The alive nodes, and the nodes to add with the most ``key`` that ``max_worker_nodes`` leaves room for
+        (every worker node up counts, the head does not)."""
+        addable = sorted((n for _, n in self._addable(unlimited)), key=lambda n: n.get(key, 0), reverse=True)
+        if self.max_worker_nodes >= 0:
+            workers_up = sum(1 for n in self.alive if autoscaler_config.HEAD_RESOURCE not in n)
+            addable = addable[:max(self.max_worker_nodes - workers_up, 0)]
+        return [dict(n) for n in self.alive] + addable
+
     def max_total(self, key: str, unlimited: int = 1) -> float:
         """The most of ``key`` the cluster can have at once (the alive nodes' total if it does not autoscale)."""
-        total = sum(n.get(key, 0) for _, n in self.possible_nodes(unlimited))
+        total = sum(n.get(key, 0) for n in self._richest_in(key, unlimited))
         cap = self.max_resources.get(key)
         return min(total, cap) if cap else total
 
     def gpus_per_node(self, unlimited: int = 1) -> Tuple[int, ...]:
-        """The GPU count of every node with a GPU that can exist (``strategy="auto"``'s devices)."""
-        return tuple(int(n.get("GPU", 0)) for _, n in self.possible_nodes(unlimited) if n.get("GPU", 0) >= 1)
+        """The GPU count of every node with a GPU that can exist at once (``strategy="auto"``'s devices)."""
+        return tuple(int(n.get("GPU", 0)) for n in self._richest_in("GPU", unlimited) if n.get("GPU", 0) >= 1)
 
     def describe(self) -> str:
         alive = _describe(list(self.alive))
@@ -179,15 +203,21 @@ def _cluster_config():
 
 
 def read_capacity() -> Capacity:
-    """What the connected cluster can have: its alive nodes, plus its node types when it autoscales."""
+    """What the connected cluster can have: its alive nodes, plus its node types when it autoscales: from the
+    GCS where the autoscaler publishes them, else from the config file it reads (``autoscaler_config``)."""
     config = _cluster_config()
     node_types = []
     for i, group in enumerate(config.node_group_configs if config is not None else ()):
         resources = {k: float(v) for k, v in group.resources.items()}
         if resources and group.max_count != 0:  # what Ray's own maximum ignores, too
             node_types.append(NodeType(group.name or f"type {i}", resources, int(group.max_count)))
-    caps = {k: float(v) for k, v in config.max_resources.items()} if node_types else {}
-    return Capacity(tuple(_nodes()), tuple(node_types), caps)
+    if node_types:
+        caps = {k: float(v) for k, v in config.max_resources.items()}
+        return Capacity(tuple(_nodes()), tuple(node_types), caps, node_types_source="the GCS")
+    found = autoscaler_config.read_node_types()
+    return Capacity(tuple(_nodes()), tuple(NodeType(*t) for t in found.node_types),
+                    max_worker_nodes=found.max_worker_nodes, node_types_source=found.source,
+                    node_types_unknown=found.unknown)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -261,7 +291,8 @@ def _check_autoscaling(bundles: List[dict], use_gpu: bool, what: str, capacity: 
             raise ValueError(f"{what} needs {amount:g} {key} in all, but this autoscaling cluster can scale to at "
                              f"most {most:g} ({capacity.describe()}). Lower the worker count, or raise max_workers "
                              f"of a node type with {key} in the cluster config.")
-    if not _fits(bundles, [n for _, n in possible]):
+    scarce = "GPU" if any(b.get("GPU", 0) for b in bundles) else "CPU"  # the nodes max_workers lets up at once
+    if not _fits(bundles, capacity._richest_in(scarce, max(len(bundles), 1))):
         raise ValueError(f"{what} needs {len(bundles)} x {bundles[0]}, which this autoscaling cluster cannot place "
                          f"even at its largest ({capacity.describe()}). Lower num_workers, cpus_per_worker or "
                          f"gpus_per_worker, or raise max_workers of a node type in the cluster config.")
@@ -270,9 +301,36 @@ def _check_autoscaling(bundles: List[dict], use_gpu: bool, what: str, capacity: 
                     what, capacity.describe())
 
 
-def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Optional[Capacity] = None) -> None:
-    """Raise ValueError if ``bundles`` can never be placed on this cluster (``capacity``: read if not given)."""
+def pending_message(bundles: List[dict], what: str, timeout_s: float) -> str:
+    """Why a run fails when its resources were not granted in ``timeout_s``: what is pending and what the cluster is."""
+    try:
+        capacity = read_capacity()
+        state = capacity.describe() + (f"; its node types are not known here: {capacity.node_types_unknown}"
+                                       if capacity.node_types_unknown else "")
+    except Exception as exc:  # the cluster went away: say so, not more
+        state = f"the cluster could not be read: {exc}"
+    shapes = sorted({repr(b) for b in bundles})
+    return (f"{what}: the cluster did not grant {len(bundles)} bundle(s) ({', '.join(shapes)}) within "
+            f"placement_timeout_s={timeout_s:g} s ({state}). An autoscaling cluster may still be starting nodes (raise "
+            f"placement_timeout_s); otherwise lower num_workers, cpus_per_worker, gpus_per_worker or "
+            f"resources_per_worker, or add nodes or node types that have them.")
+
+
+def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Optional[Capacity] = None,
+                    labels: Optional[dict] = None) -> None:
+    """Raise ValueError if ``bundles`` can never be placed on this cluster (``capacity``: read if not given) on nodes
+    that carry ``labels`` (a Ray label selector)."""
+    from raytrain_mgpu.runtime.worker_nodes import check_requested, only_nodes_with
+
     capacity = capacity if capacity is not None else read_capacity()
+    if capacity.node_types_unknown and not _fits(bundles, list(capacity.alive)):
+        # it may autoscale, but what it can add is not known here: ask, and let placement_timeout_s bound the wait
+        logger.warning("%s: the nodes up now cannot place %d x %s, and this cluster's node types are not known here "
+                       "(%s); not refused: the workers wait up to placement_timeout_s for nodes", what, len(bundles),
+                       bundles[0] if bundles else {}, capacity.node_types_unknown)
+        return
+    check_requested(bundles, what, capacity, labels)
+    capacity = only_nodes_with(capacity, sorted({k for b in bundles for k in b if k not in ("CPU", "GPU")}))
     if capacity.autoscales:
         _check_autoscaling(bundles, use_gpu, what, capacity)
     else:

@@ -152,6 +152,9 @@ class Strategy:
         resources = {"CPU": cfg.cpus_per_worker}
         if cfg.use_gpu:
             resources["GPU"] = cls.devices_per_worker(cfg)
+        resources.update(getattr(cfg, "resources_per_worker", None) or {})  # custom: {"spot": 1}
+        if getattr(cfg, "accelerator_type", None):  # as Ray's ScalingConfig(accelerator_type=...) asks for it
+            resources[f"accelerator_type:{cfg.accelerator_type}"] = 0.001
         return resources
 
     @classmethod
