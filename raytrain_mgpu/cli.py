@@ -17,6 +17,7 @@ import functools
 import inspect
 import importlib
 import logging
+import re
 import sys
 import time
 import typing
@@ -36,8 +37,20 @@ def _field_docs() -> Dict[str, str]:
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+            docs[node.target.id] = _plain(" ".join(str(nxt.value.value).split()))
     return docs
+
+
+def _plain(rest: str) -> str:
+    """A docstring's reST markup as a terminal shows text: ``x`` and `x` -> x, :class:`~a.b.C` -> C,
+    :func:`a.f` -> a.f, :doc:`title <target>` -> title."""
+    def role(match: re.Match) -> str:
+        text = match.group(1)
+        titled = re.fullmatch(r"(.+?)\s*<[^<>]*>", text)
+        return titled.group(1) if titled else text[1:].rsplit(".", 1)[-1] if text.startswith("~") else text
+
+    text = re.sub(r":[\w.:+-]+:`([^`]+)`", role, rest)
+    return re.sub(r"``(.+?)``|`([^`]+)`", lambda m: m.group(1) or m.group(2), text)
 
 
 class _UsageError(Exception):
@@ -203,7 +216,9 @@ def _build_parser() -> argparse.ArgumentParser:
                              "(default: safetensors)")
     export.add_argument("--best", action="store_true", help="the best epoch's checkpoint (runs with keep_best and "
                                                             "monitor) instead of the newest")
-    export.add_argument("--out", help="folder or URI (default: <RUN>/export, <RUN>/export-best with --best)")
+    export.add_argument("--out", help="folder or URI (default: <RUN>/export, <RUN>/export-best with --best); with "
+                                      "--format safetensors, a path ending in .safetensors writes that file, "
+                                      "config.json beside it")
     export.add_argument("--allow-code", action="store_true",
                         help="--format hf: build a model the run names as 'module:function' (the run folder names "
                              "code to run; without it such a run is refused unless the module is listed in "

@@ -19,6 +19,21 @@ def test_help_documents_every_field(capsys):
     assert "GLOBAL batch: samples per optimizer step" in out
 
 
+def test_help_reads_as_text_without_rest_markup(capsys):
+    import re
+
+    from raytrain_mgpu.cli import _plain
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and not re.search(r":[a-z]+:`", out)
+    assert "Registry name (lenet, resnet18, mlp, transformer_lm), pkg.module:function, or" in " ".join(out.split())
+    # the roles the field docstrings may use, as Sphinx shows them
+    assert _plain("a :class:`~raytrain_mgpu.runtime.callbacks.Callback` named by :func:`raytrain_mgpu.fit` or "
+                  ":doc:`the guide <docs/guide>`, `x`") == "a Callback named by raytrain_mgpu.fit or the guide, x"
+
+
 def test_options_override_yaml_and_parse_types(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: mlp\nlr: 0.1\nepochs: 2\n")

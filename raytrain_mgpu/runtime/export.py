@@ -12,8 +12,9 @@ so every export is the plain model's state dict:
   ``config.json`` and safetensors), the checkpoint's weights loaded into the given model first, and
   the run's record beside it as ``raytrain_mgpu.json``.
 
-The files are written into a local temporary folder, then moved (local) or copied (a storage URI)
-into ``out``.
+``out`` is a folder, or for ``safetensors`` a path ending in ``.safetensors``: that file, with
+``config.json`` beside it. The files are written into a local temporary folder, then moved (local)
+or copied (a storage URI) into place.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import posixpath
 import tempfile
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -45,17 +47,19 @@ EXPORT_FORMAT_VERSION = 1
 
 
 def export_checkpoint(checkpoint_path: str, out: str, fmt: str = "safetensors", model=None) -> List[str]:
-    """Write the model of checkpoint ``checkpoint_path`` (a folder or URI) into folder ``out`` (a path or URI)
-    as ``fmt``; ``model``: for ``fmt="hf"`` only, the ``transformers.PreTrainedModel`` the weights go into.
-    Returns the written files' paths (URIs for a storage URI), sorted."""
+    """Write the model of checkpoint ``checkpoint_path`` (a folder or URI) into ``out`` (a path or URI: a folder,
+    or for ``safetensors`` a ``.safetensors`` file) as ``fmt``; ``model``: for ``fmt="hf"`` only, the
+    ``transformers.PreTrainedModel`` the weights go into. Returns the written files' paths (URIs for a storage
+    URI), sorted."""
+    out, weights_file = _destination(out, fmt)
     _check_format(fmt, model)
     state, meta = read_checkpoint(checkpoint_path)
     record = _record(meta, checkpoint_path)
-    with _output(out) as folder:
+    with _output(out or ".") as folder:
         if fmt == "safetensors":
             import safetensors.torch
 
-            safetensors.torch.save_file(_writable_tensors(state, checkpoint_path), str(folder / SAFETENSORS_FILE),
+            safetensors.torch.save_file(_writable_tensors(state, checkpoint_path), str(folder / weights_file),
                                         metadata={"format": "pt"})  # what transformers' loaders look for
             (folder / CONFIG_FILE).write_text(json.dumps(record, indent=1) + "\n")
         else:
@@ -63,7 +67,7 @@ def export_checkpoint(checkpoint_path: str, out: str, fmt: str = "safetensors", 
             model.save_pretrained(str(folder))
             (folder / HF_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
         names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    paths = [f"{out.rstrip('/')}/{name}" for name in names]
+    paths = [posixpath.join(out, name) for name in names]
     logger.info("exported %s as %s: %s", redact(checkpoint_path), fmt, ", ".join(redact(p) for p in paths))
     return paths
 
@@ -73,6 +77,8 @@ def export_run(run_path: str, out: Optional[str] = None, fmt: str = "safetensors
     """:func:`export_checkpoint` of run folder ``run_path``'s newest checkpoint (``best``: its best one) into
     ``out`` (default ``<run>/export``, ``<run>/export-best`` with ``best``). ``fmt="hf"`` without ``model``
     rebuilds the model from the checkpoint's recorded config (:func:`model_from_meta`)."""
+    if out is not None:
+        _destination(out, fmt)
     if fmt != "hf" or model is not None:  # a model to build from the record is checked once built
         _check_format(fmt, model)
     checkpoint = pick_checkpoint(run_path, best)
@@ -109,6 +115,22 @@ def model_from_meta(meta: dict, source: str, allow_code: bool = False):
     cfg = TrainConfig.from_dict({"model": spec, "model_kwargs": config.get("model_kwargs") or {}},
                                 source=f"checkpoint {display!r} (meta.json)")
     return build_model(cfg.model, as_shape(meta["input_shape"]), meta["num_classes"], cfg.model_kwargs)
+
+
+def _destination(out: str, fmt: str):
+    """``(folder, weights file name)`` of ``out``: a folder and ``model.safetensors``, or a path ending in
+    ``.safetensors`` split into its folder (``""``: the current one) and that name (``safetensors`` only)."""
+    if not out.endswith(".safetensors"):
+        return out.rstrip("/") or out, SAFETENSORS_FILE
+    if fmt == "hf":
+        folder = out[:-len(".safetensors")]
+        raise ValueError(f"export out={out!r} names a .safetensors file, but fmt='hf' writes a folder (the model's "
+                         f"save_pretrained files). Give a folder, e.g. out={folder!r} (CLI: --out {folder}), or use "
+                         f"fmt='safetensors' (CLI: --format safetensors) to write that one file.")
+    if "://" not in out and os.path.isdir(out):
+        raise ValueError(f"export out={out!r} is a folder (an earlier export into it?), and a path ending in "
+                         f".safetensors names the file to write. Remove the folder, or give another path.")
+    return posixpath.split(out)
 
 
 def _check_format(fmt: str, model) -> None:
