@@ -299,11 +299,12 @@ def test_credentials_in_uris_are_redacted(text, expected):
 
 def test_banner_and_failure_message_hold_no_secret():
     from raytrain_mgpu.api import _banner
-    from raytrain_mgpu.transports.ray_train import _failure_message
+    from raytrain_mgpu.transports.ray_train import whole_failure
     from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")
-    texts = [_banner(cfg, build_plan(cfg), (1, 8, 8), 10), _failure_message(cfg, RuntimeError("x"))]
+    failed = whole_failure(cfg, RuntimeError("x"))
+    texts = [_banner(cfg, build_plan(cfg), (1, 8, 8), 10), "\n".join(failed.__notes__)]
     assert all("SECRET" not in t and "s3://***@bucket/runs/r" in t for t in texts)
 
 

@@ -349,7 +349,7 @@ def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_f
     import ray.exceptions
 
     from raytrain_mgpu.runtime.preemption import was_preemption
-    from raytrain_mgpu.transports.attempts import run_attempts
+    from raytrain_mgpu.transports.retry import Verdict, run_attempts
 
     died = ray.exceptions.RayError("the stage's node went away")
     assert was_preemption(died, ["preempted (node a1b2c3d4e5f6): saved step 30"])
@@ -367,10 +367,11 @@ def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_f
             raise died
         return "done"
 
-    assert run_attempts(cfg, attempt, lambda exc: True, preempted=lambda exc: True) == "done" and len(tries) == 3
+    retry = lambda exc: Verdict(True, "a lost node")  # noqa: E731
+    assert run_attempts(cfg, attempt, retry, preempted=lambda exc: True) == "done" and len(tries) == 3
     tries.clear()
     with pytest.raises(ray.exceptions.RayError):  # the same failures, not preemptions: max_failures=0
-        run_attempts(cfg, attempt, lambda exc: True, preempted=lambda exc: False)
+        run_attempts(cfg, attempt, retry, preempted=lambda exc: False)
     assert len(tries) == 1
 
 

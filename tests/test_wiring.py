@@ -27,12 +27,13 @@ COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long aft
 SMALL = dict(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_samples=64, batch_size=16)
 
 
-def test_train_worker_is_wrapped_by_name_stuck_ranks():
-    # The wrapper's code object, whatever function it wraps: only name_stuck_ranks makes one.
-    wrapper_code = faults.name_stuck_ranks(lambda payload: None).__code__
-    assert ray_train.train_worker.__code__ is wrapper_code
-    assert ray_train.train_worker.__wrapped__.__module__ == "raytrain_mgpu.transports.ray_train"
-    assert ray_train.train_worker.__wrapped__.__name__ == "train_worker"
+def test_train_worker_is_wrapped_by_errors_whole_then_name_stuck_ranks():
+    # Each wrapper's code object, whatever function it wraps: only errors_whole and name_stuck_ranks make them.
+    assert ray_train.train_worker.__code__ is ray_train.errors_whole(lambda payload: None).__code__
+    inner = ray_train.train_worker.__wrapped__
+    assert inner.__code__ is faults.name_stuck_ranks(lambda payload: None).__code__
+    assert inner.__wrapped__.__module__ == "raytrain_mgpu.transports.ray_train"
+    assert inner.__wrapped__.__name__ == "train_worker"
 
 
 def ray_train_engine(fields: dict, rank: int, world: int, state: RunState, storage: str):

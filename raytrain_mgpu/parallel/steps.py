@@ -15,6 +15,7 @@ import torch
 
 from raytrain_mgpu.parallel.worker import WorkerStrategy
 from raytrain_mgpu.runtime.engine import Steps
+from raytrain_mgpu.runtime.liveness import POSITION
 
 __all__ = ["DataParallelSteps"]
 
@@ -87,6 +88,7 @@ class DataParallelSteps(Steps):
                         loss, outputs = strategy.compute_loss(model, x, y)
                     else:  # the user's step: its loss, outputs (for the metrics) and extra scalars
                         loss, outputs, extras = strategy.run_step(model, x, y, self.user_step, self.step_context)
+                POSITION.mark("backward")  # where DDP's all-reduce waits for the other ranks
                 scaler.scale(loss / accum if accum > 1 else loss).backward()
             counted = meter.samples
             meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
@@ -104,6 +106,7 @@ class DataParallelSteps(Steps):
         from raytrain_mgpu.batches import move_batch
 
         for x, y in loader:
+            POSITION.mark("evaluating")
             x, y = move_batch(x, y, self.device, self.channels_last)
             extras = None
             with self.autocast():

@@ -17,7 +17,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_mgpu.runtime.cluster import worker_runtime_env
+from raytrain_mgpu.errors import PlacementTimeoutError
+from raytrain_mgpu.runtime.cluster import pending_message, worker_runtime_env
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.worker import StageWorker
@@ -25,8 +26,6 @@ from raytrain_mgpu.strategies.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 120.0
-"""How long to wait for the cluster to grant every stage's bundle."""
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -56,21 +55,21 @@ class StageGroup:
     def start(self) -> None:
         cfg = self.cfg
         bundles = list(self.plan.bundles)
-        self.pg = placement_group(bundles, strategy=cfg.placement)
+        labels = {"bundle_label_selector": [dict(cfg.label_selector)] * len(bundles)} if cfg.label_selector else {}
+        self.pg = placement_group(bundles, strategy=cfg.placement, **labels)
         try:
-            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(self.pg.ready(), timeout=cfg.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"strategy={cfg.strategy!r} could not reserve {len(bundles)} x {bundles[0]} with "
-                f"placement={cfg.placement!r} within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has "
-                f"{ray.cluster_resources()} of which {ray.available_resources()} are free. Wait for other runs "
-                f"to finish, lower num_stages/num_workers/cpus_per_worker, or use placement='PACK' or "
-                f"'SPREAD' instead of a STRICT_ one.") from None
+            raise PlacementTimeoutError(pending_message(
+                bundles, f"strategy={cfg.strategy!r} with placement={cfg.placement!r}", cfg.placement_timeout_s)
+                + (" A STRICT_ placement needs that many nodes: 'PACK' or 'SPREAD' need fewer."
+                   if cfg.placement.startswith("STRICT") else "")) from None
         actor_class = ray.remote(self.worker_class)
         runtime_env = worker_runtime_env(*cfg.code_specs())  # the user's modules, the GPU-emulation switch
+        custom = {k: v for k, v in self.plan.worker_resources.items() if k not in ("CPU", "GPU")}
         self.actors = [
             actor_class.options(
-                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0,
+                num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0, resources=custom,
                 runtime_env=runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(cfg, rank, plan=self.plan)

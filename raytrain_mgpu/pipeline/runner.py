@@ -6,7 +6,7 @@ process group, and has every actor run the engine (``worker.StageWorker.run``: t
 restore as a Ray Train worker's); the driver only carries their events to ``fit``'s ``RunEvents`` (the
 progress channel of ``runtime/progress.py``) and tears the group down. A failed attempt (an actor that died,
 a stage that lost its peer) restarts from the last checkpoint while ``max_failures`` allows
-(``transports/attempts.py``).
+(the one retry policy: ``transports/retry.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import time
 import uuid
 from typing import NamedTuple, Optional
 
-import ray
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
@@ -35,14 +34,6 @@ class RunOutcome(NamedTuple):
     """Rank 0's start-up times (``WorkerReporter.startup``)."""
 
 
-def _retryable(exc: BaseException) -> bool:
-    # An actor that died, or a stage that lost its peer: restart from the last checkpoint; a loss that turned NaN
-    # would turn NaN again.
-    from raytrain_mgpu.runtime.engine_step import NonFiniteError
-
-    return isinstance(exc, ray.exceptions.RayError) and not isinstance(exc, NonFiniteError)
-
-
 def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
     """One device (GPU, or ``cpus_per_worker`` CPUs) per stage actor, or a clear error.
 
@@ -52,6 +43,8 @@ def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
     from raytrain_mgpu.runtime.cluster import read_capacity
 
     capacity = read_capacity()
+    if capacity.node_types_unknown:  # what it can add is not known here: placement_timeout_s bounds the wait
+        return
     for key in ("GPU", "CPU"):
         needed = sum(b.get(key, 0) for b in bundles)
         have = capacity.max_total(key, unlimited=len(bundles))
@@ -108,7 +101,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[lis
     partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
     group, sink = StageGroup(cfg, plan), ProgressSink.open()
     # replica 0's first and last stage send the per-step scalars (one stage: it sends both)
-    pump = SinkPump(sink, _Noticed(events, notices), scalar_sources=1 if cfg.num_stages == 1 else 2)
+    pump = SinkPump(sink, _Noticed(events, notices), scalar_sources=1 if cfg.num_stages == 1 else 2,
+                    stall_timeout_s=cfg.stall_timeout_s)  # every stage's heartbeats judged
     try:
         started = time.perf_counter()
         group.start()
@@ -118,8 +112,15 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[lis
                     "(set up in %.1f s)", cfg.strategy, plan.replicas, cfg.num_stages, cfg.schedule,
                     list(partition.counts), plan.describe(), infos[0]["steps_per_epoch"],
                     ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos), time.perf_counter() - started)
-        with pump:
-            group.call("run", uuid.uuid4().hex[:12], sink)
+        try:
+            with pump:
+                group.call("run", uuid.uuid4().hex[:12], sink)
+        except Exception as exc:
+            if pump.stall is None:
+                raise
+            from raytrain_mgpu.errors import StuckRankError
+
+            raise StuckRankError(pump.stall.line, pump.stall.ranks, pump.stall.report) from exc
         group.shutdown(graceful=True)
         if pump.failure is not None:
             raise pump.failure
@@ -135,7 +136,7 @@ def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> Ru
     from raytrain_mgpu.runtime.cluster import check_placeable
     from raytrain_mgpu.runtime.preemption import was_preemption
     from raytrain_mgpu.runtime.run_folder import RunFolder
-    from raytrain_mgpu.transports.attempts import run_attempts
+    from raytrain_mgpu.transports.retry import run_attempts
 
     plan = plan if plan is not None else build_plan(cfg)  # fit hands its plan down; direct callers get the same
     if plan.runner != "actor_group":
@@ -144,7 +145,8 @@ def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> Ru
     # The placement check of the stage actors (fit leaves it to this runner: the fix is in its terms)
     _check_resources(cfg, list(plan.bundles), plan.replicas)
     check_placeable(list(plan.bundles), cfg.use_gpu,
-                    f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}")
+                    f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}",
+                    labels=cfg.label_selector)
     first: list = []
     notices: list = []  # this attempt's lines: a preemption notice counts its failure against max_preemption_failures
 
@@ -152,7 +154,17 @@ def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> Ru
         notices.clear()
         first.append(train_attempt(cfg, plan, events, notices))
 
-    run_attempts(cfg, attempt, _retryable, preempted=lambda exc: was_preemption(exc, notices),
-                 what="pipeline attempt")
+    try:
+        run_attempts(cfg, attempt, preempted=lambda exc: was_preemption(exc, notices), what="pipeline attempt")
+    except Exception as exc:  # the stage's own error, out of Ray's wrapper, with where the checkpoints are
+        from raytrain_mgpu.errors import add_note
+        from raytrain_mgpu.transports.retry import unwrap
+
+        failed = unwrap(exc)
+        add_note(failed, f"training run {cfg.name!r} failed. Checkpoints written so far are kept in "
+                         f"{RunFolder.of(cfg).display}; run again with the same name and storage_path to resume.")
+        if failed is exc:
+            raise
+        raise failed from exc
     state = RunFolder.of(cfg).state()
     return RunOutcome(state.checkpoint, state.history, next((s for s in first if s), None))

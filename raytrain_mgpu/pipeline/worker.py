@@ -11,6 +11,7 @@ B / (D m) rows; replica r's first stage reads positions r, r+D, ... of each epoc
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import List, Optional
 
@@ -46,7 +47,13 @@ class StageTransport(FolderTransport):
         reports = stage.replica == 0 and (stage.is_first or stage.is_last)
         super().__init__(cfg, stage.rank, attempt, WorkerReporter(sink if reports else None),
                          barrier=lambda: dist.barrier(group=stage.gloo))
-        self.stage = stage
+        self.stage, self.sink = stage, sink
+
+    def start_heartbeat(self, rank: int, world_size: int) -> None:
+        from raytrain_mgpu.runtime.heartbeat import Heartbeat
+
+        # every stage of this attempt shares its token; outside Ray (local stages) nothing is sent
+        self.heartbeat = Heartbeat(self.sink, rank, world_size, self.attempt, self.cfg.stall_timeout_s).start()
 
     def reports_scalars(self, rank: int, steps) -> bool:
         return self.reporter.sink is not None
@@ -175,6 +182,17 @@ class StageWorker:
         engine = Engine(self.cfg, self.plan, self.steps, transport, self.data)
         try:
             return engine.run()
+        except Exception as exc:
+            import ray
+
+            if not ray.is_initialized():  # the tests' local stages: the error stays in this process
+                raise
+            from raytrain_mgpu.transports.retry import sent_whole
+
+            sent = sent_whole(exc, self.rank, node_ip(), os.getpid())  # to the driver whole, with its verdict
+            if sent is exc:
+                raise
+            raise sent from None
         finally:
             self.history = getattr(engine, "state", None) and engine.state.history
 

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from raytrain_mgpu.runtime.liveness import POSITION
 from raytrain_mgpu.runtime.engine_step import (AUTOCAST, STEP_EVENTS, NonFiniteError, OptimizerStep, StepContext,
                                                Steps)
 from raytrain_mgpu.runtime.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
@@ -99,15 +100,25 @@ class Engine:
 
     def run(self, entered: Optional[float] = None) -> dict:
         """Train the run's remaining epochs; ``entered``: when the transport's entry point started (``time.time()``)."""
-        self.setup(entered)
+        POSITION.reset()  # this attempt's place, read by the transport's heartbeat (runtime/liveness.py)
+        self.transport.start_heartbeat(self.rank, self.world)
         try:
-            run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate,
-                       lambda row: self.saver.save(row, send_row=True), has_val=self.data.val is not None)
+            self.setup(entered)
+        except BaseException:
+            self.transport.finish()
+            raise
+        try:
+            run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate, self._end_epoch,
+                       has_val=self.data.val is not None)
         finally:
             self.transport.finish()
             self.feed.close()
             self.observer.close()
         return {"epochs": self.state.epoch, "steps": self.state.step}
+
+    def _end_epoch(self, row: dict) -> None:
+        POSITION.mark("checkpoint")
+        self.saver.save(row, send_row=True)
 
     def setup(self, entered: Optional[float] = None) -> None:
         """Everything before the first step: the model (the run's seed, then the resume point's weights), the step
@@ -119,6 +130,7 @@ class Engine:
         from raytrain_mgpu.runtime.engine_observe import Observer
 
         cfg, steps = self.cfg, self.steps
+        self.transport.check_storage()  # this node reads and writes storage_path, before any step
         model = checkpoints.build_model(cfg, steps, self.data)
         source = self.transport.checkpoint()
         if cfg.init_from is not None and (source is None or cfg.save == "trainable"):
@@ -190,6 +202,7 @@ class Engine:
             if cfg.max_steps is not None and state.step >= cfg.max_steps:
                 break
             started = time.perf_counter()
+            POSITION.at_step(state.step)
             context.step = state.step
             steps.train_step(next_batch, meter, window, self.scaler, feed.accum)
             if watch:  # steps since the epoch's loss sum turned NaN or infinite: on the device, read once an epoch
@@ -197,7 +210,9 @@ class Engine:
             state.step += 1
             done += 1
             scalars = self.end_step(state.step)
-            steps.step_time(time.perf_counter() - started)
+            took = time.perf_counter() - started
+            steps.step_time(took)
+            POSITION.stepped_in(took)
             if scalars is not None:  # a log_every_n_steps window closed (a rank that reports scalars)
                 self.transport.reporter.scalars(state.step, scalars)
             if self.reporter is not None:
@@ -208,11 +223,13 @@ class Engine:
             self.preemption.after_step(state.step, done, spe, lambda: self._save_step(meter))
         state.step_in_epoch = 0
         self.partials = None
+        POSITION.mark("epoch end")
         return self._epoch_row(epoch, meter, done, bad)
 
     def _save_step(self, meter: EpochMeter) -> None:
         """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``training_s``)."""
         start = time.perf_counter()
+        POSITION.mark("checkpoint")
         self.saver.save({"epoch": self.state.epoch, "step": self.state.step,
                          "step_in_epoch": self.state.step_in_epoch}, partial=meter.partial())
         barrier_s()  # the other ranks' wait for their report to be taken (Ray Train) is checkpoint time too
@@ -278,6 +295,7 @@ class Engine:
         """Loss and metrics over the whole ``split`` (test or val): every replica takes a disjoint shard."""
         self.steps.train(False)
         meter = EpochMeter(self.steps.device, self.steps.objective)
+        POSITION.mark(f"evaluating {split}")  # the step runners mark each batch (parallel/steps.py, pipeline/executor.py)
         self.steps.evaluate(self.feed.eval_loaders[split], meter)
         self.steps.train()
         sums, extras = meter.totals, meter.extra_sums()  # extras: a custom step's scalars

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from raytrain_mgpu.runtime.liveness import POSITION
 from raytrain_mgpu.runtime.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.runtime.prefetch import Prefetcher
 from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
@@ -119,7 +120,9 @@ class Feed:
         def next_batch() -> tuple:
             nonlocal first
             started = time.perf_counter()
+            POSITION.mark("data")
             x, y = next(batches)
+            POSITION.mark("forward")
             waited = time.perf_counter() - started
             meter.data_wait_s += waited
             if window is not None:

@@ -36,7 +36,10 @@ class NonFiniteError(RuntimeError):
         where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
         super().__init__(f"{what} at step {step} (epoch {epoch}){where}: the run stops before any checkpoint of "
                          f"non-finite weights; its last checkpoint holds the last finite ones. Try {_FIXES}.")
-        self.epoch, self.step, self.ranks = epoch, step, ranks
+        self.what, self.epoch, self.step, self.ranks = what, epoch, step, ranks
+
+    def __reduce__(self):  # rebuilt from its fields (its message is made from them): Ray sends it to the driver
+        return type(self), (self.what, self.epoch, self.step, self.ranks), self.__dict__
 
 
 @dataclass

@@ -87,8 +87,8 @@ class CollectiveTimeoutError(RuntimeError):
         super().__init__(message)
         self.stuck_ranks = stuck_ranks
 
-    def __reduce__(self):  # Ray pickles it from the worker to the driver
-        return type(self), (str(self), self.stuck_ranks)
+    def __reduce__(self):  # Ray pickles it from the worker to the driver (notes and fields in its __dict__)
+        return type(self), (str(self), self.stuck_ranks), self.__dict__
 
 
 def name_stuck_ranks(train_fn: Callable) -> Callable:
@@ -213,17 +213,26 @@ def wait_until_report_collected(timeout_s: float = 300.0) -> None:
             pending.all_tasks_done.wait(left)
 
 
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+"""How long Ray Train's controller waits for a worker group's resources (60 s by default, then it retries for
+ever): ``fit`` sets it to ``TrainConfig.placement_timeout_s``, and its retry policy does not wait again
+(``transports/ray_train_policy.py``)."""
+
+
 @contextlib.contextmanager
-def controller_poll() -> Iterator[None]:
+def controller_poll(start_timeout_s: Optional[float] = None) -> Iterator[None]:
     """Around ``TorchTrainer.fit()``: Ray Train's controller polls its workers every
     ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` and reads it from the driver's environment when ``fit()``
     starts the controller (it passes it on to the workers), so it is set here for that call,
-    to :data:`FIT_POLL_S`, and removed after. A value the user set is kept."""
-    if POLL_ENV in os.environ:
-        yield
-        return
-    os.environ[POLL_ENV] = FIT_POLL_S
+    to :data:`FIT_POLL_S`, and removed after; ``start_timeout_s``: :data:`START_TIMEOUT_ENV` the same way.
+    A value the user set is kept."""
+    values = {POLL_ENV: FIT_POLL_S}
+    if start_timeout_s is not None:
+        values[START_TIMEOUT_ENV] = f"{start_timeout_s:g}"
+    ours = [name for name in values if name not in os.environ]
+    os.environ.update({name: values[name] for name in ours})
     try:
         yield
     finally:
-        os.environ.pop(POLL_ENV, None)
+        for name in ours:
+            os.environ.pop(name, None)

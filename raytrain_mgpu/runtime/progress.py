@@ -255,8 +255,15 @@ class SinkPump:
     ``RunEvents``), or None; the events after it are dropped and the runner re-raises it.
     """
 
-    def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25, scalar_sources: int = 1):
+    def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25, scalar_sources: int = 1,
+                 stall_timeout_s: Optional[float] = 0):
+        """``stall_timeout_s``: the ranks' heartbeats are judged (``runtime/liveness.py``; None: the default
+        threshold, 0: not judged)."""
+        from raytrain_mgpu.runtime.liveness import Judge
+
         self.sink, self.printer, self.interval_s = sink, printer, interval_s
+        self.judge = Judge(stall_timeout_s)
+        self.stall = None  # the stuck ranks the judge found (runtime/liveness.Stall), once an attempt failed so
         # ranks whose per-step scalars make one step's set (a pipeline's first stage sends the data wait, its
         # last the loss): a step's set goes on once all have sent theirs, or at the end
         self.scalar_sources = scalar_sources
@@ -301,11 +308,31 @@ class SinkPump:
                     self.printer.banner(payload)
                 elif kind == "startup":
                     self.startup = self.startup or payload
+                elif kind == "beat":
+                    self._beat(payload)
                 else:
                     self.printer.step(*payload)
             except Exception as exc:  # a callback or logger raised: the run fails with it, never silently
                 self.failure = exc
                 return
+        self._judge()
+
+    def _beat(self, payload: dict) -> None:
+        from raytrain_mgpu.runtime.liveness import Beat
+
+        self.judge.add(Beat(**payload), time.monotonic())
+
+    def _judge(self) -> None:
+        """A rank that stopped making progress: named on the driver, its process ended (the attempt fails)."""
+        stall = self.judge.stall(time.monotonic())
+        if stall is None:
+            return
+        from raytrain_mgpu.runtime.heartbeat import fail_stuck
+
+        self.stall = stall
+        logger.warning("%s\n%s", stall.line, stall.report)
+        self._call(self.printer.banner, f"raytrain-mgpu: {stall.line}")
+        fail_stuck(stall)
 
     def _scalars(self, step: int, values: dict) -> None:
         # Only a step window's scalars (``train/*``, runtime/step_scalars.StepWindow) come in parts; rank 0's

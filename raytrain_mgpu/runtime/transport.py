@@ -31,7 +31,7 @@ from raytrain_mgpu.runtime.run_folder import PUBLISHED_KEY, TMP_PREFIX, RunFolde
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Transport", "CheckpointSource", "FolderTransport", "folder_checkpoint"]
+__all__ = ["Transport", "CheckpointSource", "FolderTransport", "folder_checkpoint", "check_writable"]
 
 
 class CheckpointSource(NamedTuple):
@@ -83,9 +83,25 @@ class Transport:
     def abort(self, exc: BaseException) -> None:
         """A save failed between ``begin`` and ``commit`` on this rank."""
 
+    def start_heartbeat(self, rank: int, world_size: int) -> None:
+        """Start this rank's heartbeats to the driver, which names a rank that stops making progress
+        (``runtime/liveness.py``; a Ray run's transports); none by default."""
+
+    def check_storage(self) -> None:
+        """Before the first step: this rank's node writes, reads and deletes a small file in the run folder
+        (``RunFolder.check_writable``), so that a node without the storage (a mount missing on a node that joined
+        later, no credentials) fails now, named, not at its first checkpoint. Where the transport has no config
+        (tests' stand-ins), nothing is checked."""
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None:
+            check_writable(RunFolder.of(cfg), self.where().get("node_ip") or "this node")
+
     def finish(self) -> None:
         """The run is over (its last epoch checkpointed, or failed): what the transport started for it stops,
         and the events it sent the driver are delivered before the run returns."""
+        heartbeat = getattr(self, "heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.stop()
         if self.reporter is not None:
             self.reporter.flush()
 
@@ -142,3 +158,32 @@ class FolderTransport(Transport):
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
+
+
+def check_writable(folder: RunFolder, node: str) -> None:
+    """Write, read back and delete a small file in ``folder`` from ``node`` (a rank before its first step), or raise
+    the ``OSError`` that stopped it (of the same type: the retry policy tells a refused mount from a hiccup), naming
+    the node, the path and the cause."""
+    import os
+    import socket
+    import uuid
+
+    try:
+        probe = folder.join(f".reach-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        folder.fs.create_dir(folder.path, recursive=True)
+        with folder.fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        with folder.fs.open_input_stream(probe) as f:
+            if f.read() != b"ok":
+                raise OSError("the file read back differs from the one written")
+        folder.fs.delete_file(probe)
+    except Exception as exc:
+        message = (f"node {node} cannot write and read TrainConfig.storage_path: {folder.display} "
+                   f"({type(exc).__name__}: {exc}). Checkpoints would fail there. Mount the storage on every node at "
+                   f"the same path (NFS, EFS, a shared disk), or use a bucket URI such as s3://bucket/runs that every "
+                   f"node has credentials for.")
+        try:
+            error = type(exc)(message) if isinstance(exc, OSError) else OSError(message)
+        except Exception:  # an OSError type that takes other arguments
+            error = OSError(message)
+        raise error from exc

@@ -4,7 +4,7 @@ No Ray, no process group, no DDP wrapper: the engine (``runtime/engine.py``) run
 reports straight to the driver's ``RunEvents``, and publishes its checkpoints in the run folder
 (``runtime/transport.FolderTransport``: the same files and names as every transport). It keeps everything
 a run has: the run folder and its lock (``fit``'s), epoch and step checkpoints, resume, ``max_failures``
-restarts from the last checkpoint (``transports/attempts.py``), history, progress, loggers, callbacks,
+restarts from the last checkpoint (``transports/retry.py``), history, progress, loggers, callbacks,
 validation, early stopping, ``keep_best``, a finished run answered from its folder, every precision, GPU
 or CPU, and the strategies that train in one process (``ddp`` at world size 1, ``dp``, ``dp_balanced``,
 ``mp`` over the process's devices). Same seed, same data: it ends with the weights one Ray Train worker
@@ -122,13 +122,12 @@ class LocalTransport(FolderTransport):
         return {"gpu_ids": [], "node_ip": "127.0.0.1"}
 
 
-def _retryable(exc: BaseException) -> bool:
-    """A restart from the last checkpoint, except where it would fail the same way (a callback's error, a loss that
-    turned NaN: the same steps again give the same NaN)."""
-    from raytrain_mgpu.runtime.callbacks import CallbackError
-    from raytrain_mgpu.runtime.engine_step import NonFiniteError
+def _judge(exc: BaseException):
+    """The one retry policy (``transports/retry.py``), told whether the failed attempt took a step."""
+    from raytrain_mgpu.runtime.liveness import POSITION
+    from raytrain_mgpu.transports.retry import verdict
 
-    return not isinstance(exc, (CallbackError, NonFiniteError, KeyboardInterrupt))
+    return verdict(exc, stepped=POSITION.stepped)
 
 
 def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dict]]:
@@ -138,7 +137,7 @@ def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dic
     from raytrain_mgpu.runtime.engine import Engine
     from raytrain_mgpu.runtime.run_folder import RunFolder
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
-    from raytrain_mgpu.transports.attempts import run_attempts
+    from raytrain_mgpu.transports.retry import run_attempts
 
     reporter = _DriverReporter(events)
     folder = RunFolder.of(cfg)
@@ -158,7 +157,7 @@ def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dic
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.cpus_per_worker)  # what a worker of cpus_per_worker CPUs gets
     try:
-        history = run_attempts(cfg, attempt, _retryable, what="in-process attempt")
+        history = run_attempts(cfg, attempt, _judge, what="in-process attempt")
     finally:
         torch.set_num_threads(threads)
     return history, folder.state().checkpoint, reporter.first

@@ -35,6 +35,28 @@ from raytrain_mgpu.transports.ray_uploads import Uploads, clean, report, save_be
 __all__ = ["train_worker", "RayTrainTransport", "run_train_workers", "run_config", "torch_trainer_class"]
 
 
+def errors_whole(train_fn):
+    """Decorate a Ray Train worker function: its exception leaves the worker whole (``transports/retry.sent_whole``:
+    noted with the rank and node, the retry policy's verdict on it, a stand-in where it would not unpickle)."""
+    import functools
+
+    @functools.wraps(train_fn)
+    def wrapper(payload: dict):
+        try:
+            return train_fn(payload)
+        except Exception as exc:
+            from raytrain_mgpu.transports.retry import sent_whole
+
+            sent = sent_whole(exc, ray.train.get_context().get_world_rank(), ray.util.get_node_ip_address(),
+                              os.getpid())
+            if sent is exc:
+                raise
+            raise sent from None
+
+    return wrapper
+
+
+@errors_whole
 @name_stuck_ranks
 def train_worker(payload: dict) -> dict:
     """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": channel}."""
@@ -68,13 +90,18 @@ class RayTrainTransport(Transport):
 
     def __init__(self, cfg: TrainConfig, ctx, sink, sync_uploads: bool = False):
         """``sync_uploads``: every save uploads inside its report (``bench-checkpoint`` measures what that costs)."""
-        self.cfg, self.ctx, self.rank, self.sync_uploads = cfg, ctx, ctx.world_rank, sync_uploads
+        self.cfg, self.ctx, self.rank, self.sync_uploads, self.sink = cfg, ctx, ctx.world_rank, sync_uploads, sink
         self.reporter = WorkerReporter(sink if self.rank == 0 else None)
         self.uploads = Uploads.current()
         self._save: Optional[dict] = None  # the save between begin and commit
 
     def reports_scalars(self, rank: int, steps) -> bool:
         return rank == 0 and self.reporter.sink is not None
+
+    def start_heartbeat(self, rank: int, world_size: int) -> None:
+        from raytrain_mgpu.runtime.heartbeat import Heartbeat
+
+        self.heartbeat = Heartbeat(self.sink, rank, world_size, _attempt_id, self.cfg.stall_timeout_s).start()
 
     def checkpoint(self) -> Optional[CheckpointSource]:
         """Ray Train's latest, unless the run folder holds a newer checkpoint published by another
@@ -182,32 +209,57 @@ class RayTrainTransport(Transport):
             shutil.rmtree(save["directory"], ignore_errors=True)
 
 
+def _attempt_id() -> str:
+    """An id every worker of this worker group shares (its heartbeats' group): rank 0 writes a fresh one into the
+    group's c10d store, which Ray Train makes anew for every group; the others read it (called in the heartbeat
+    thread: the wait for rank 0 keeps no step waiting)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set(_ATTEMPT_KEY, uuid.uuid4().hex)
+    return store.get(_ATTEMPT_KEY).decode()
+
+
+_ATTEMPT_KEY = "raytrain_mgpu/attempt"
+
+
 # ----------------------------------------------------------------------------- the driver's side
 
 
 def torch_trainer_class():
-    """Ray Train's ``TorchTrainer``, less the Ray Data actor that a run without ``datasets=`` never uses.
+    """Ray Train's ``TorchTrainer`` with two changes: the one retry policy (``transports/ray_train_policy.py``) in its
+    controller, and no Ray Data actor for a run without ``datasets=``.
 
     Ray Train 2.60 starts a ``DatasetManager`` actor for every run (its ``DatasetsCallback``), a
     process of its own that imports Ray Data, datasets or not; only a worker's
     ``get_dataset_shard`` asks it for anything, which ``ingest="loader"`` (the default) never calls.
     Measured on the 2-core VM (a 2-worker MLP fit on digits, 3 fits each way, on one Ray): 13.2-13.4 s
     and 18.6-18.8 CPU-s per fit with it, 11.0-11.3 s and 15.2-16.1 CPU-s without. With datasets
-    (``ingest="ray_data"``) the callback stays; a Ray whose trainer lacks the hook gets its own trainer.
+    (``ingest="ray_data"``) the callback stays. A Ray Train without these hooks gets its own trainer.
     Tested both ways by counting the actors (tests/test_fit.py, tests/test_ray_ingest.py)."""
     from ray.train.torch import TorchTrainer
+
+    from raytrain_mgpu.transports.ray_train_policy import OneRetryPolicy
 
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     except ImportError:  # another Ray Train: its own trainer, unchanged
         return TorchTrainer
-    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+    if not all(hasattr(TorchTrainer, hook) for hook in ("_create_default_callbacks", "_initialize_and_run_controller")):
         return TorchTrainer
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if OneRetryPolicy is not None and "failure_policy" in controller_init_kwargs:
+                controller_init_kwargs["failure_policy"] = OneRetryPolicy(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
 
@@ -237,22 +289,25 @@ def run_train_workers(cfg: TrainConfig, plan, events):
         scaling_config=ScalingConfig(num_workers=(plan.min_workers, plan.num_processes) if plan.min_workers
                                      else plan.num_processes, use_gpu=cfg.use_gpu,
                                      resources_per_worker=plan.worker_resources, placement_strategy=cfg.placement,
+                                     label_selector=dict(cfg.label_selector) or None,
                                      elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s),
         run_config=run_config(cfg),
         # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
         **ray_ingest.trainer_datasets(cfg),
     )
-    pump = SinkPump(sink, events)
+    pump = SinkPump(sink, events, stall_timeout_s=cfg.stall_timeout_s)  # every rank's heartbeats judged
     try:
-        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py);
+        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py),
+        # and the worker group waits placement_timeout_s for its resources;
         # no preemption watcher on a Ray this process started (runtime/preemption.py)
-        with stop_main_thread_on_failure(events), pump, controller_poll(), watcher_where_notices_come():
+        with stop_main_thread_on_failure(events), pump, controller_poll(cfg.placement_timeout_s), \
+                watcher_where_notices_come():
             result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
     except BaseException as exc:
         if pump.failure is not None:  # the run was stopped for it: the callback's error, named
             raise pump.failure
         if isinstance(exc, ray.train.TrainingFailedError):
-            raise RuntimeError(_failure_message(cfg, exc)) from exc
+            raise whole_failure(cfg, exc, pump.stall, plan) from exc
         raise
     finally:
         sink.close()
@@ -295,10 +350,38 @@ def run_config(cfg: TrainConfig):
         worker_runtime_env=_worker_runtime_env(*cfg.code_specs()))
 
 
-def _failure_message(cfg: TrainConfig, exc: Exception) -> str:
-    failures = getattr(exc, "worker_failures", None) or {}
-    causes = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(failures.items()))
+def whole_failure(cfg: TrainConfig, error: Exception, stall=None, plan=None) -> BaseException:
+    """What ``fit`` raises for Ray Train's ``TrainingFailedError``: the failure that caused it, whole (the type the
+    worker raised, its message, a note with the worker's traceback and where it ran; ``retry.root_cause`` of
+    several ranks'), a :class:`~raytrain_mgpu.errors.StuckRankError` for ranks the driver found stuck, or a
+    :class:`~raytrain_mgpu.errors.PlacementTimeoutError` for resources never granted; noted with where the run's
+    checkpoints are."""
+    from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, worker_note
+    from raytrain_mgpu.runtime.cluster import pending_message
+    from raytrain_mgpu.transports.retry import root_cause, unwrap
+
+    failures = getattr(error, "worker_failures", None) or {}
+    controller = getattr(error, "controller_failure", None)
+    if stall is not None:
+        exc = StuckRankError(stall.line, stall.ranks, stall.report)
+    elif type(controller).__name__ == "WorkerGroupStartupTimeoutError" and plan is not None:
+        exc = PlacementTimeoutError(pending_message(list(plan.bundles), f"strategy={cfg.strategy!r}",
+                                                    cfg.placement_timeout_s))
+    elif failures:
+        rank, exc = root_cause(failures)
+        traceback_text = getattr(failures[rank], "_traceback_str", None)
+        if worker_note(exc) is None and not isinstance(exc, WorkerError):  # a WorkerError says where itself
+            add_note(exc, f"raised on rank {rank}")
+        if traceback_text and not getattr(exc, "traceback_text", None):
+            add_note(exc, f"The worker's traceback (rank {rank}):\n{traceback_text.rstrip()}")
+    else:
+        exc = unwrap(controller if isinstance(controller, BaseException) else error)
+    add_note(exc, _failure_note(cfg))
+    return exc
+
+
+def _failure_note(cfg: TrainConfig) -> str:
     from raytrain_mgpu._redact import redact
 
-    return (f"training run {cfg.name!r} failed ({causes or exc}). Checkpoints written so far are kept in "
+    return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in "
             f"{redact(RunFolder.of(cfg).uri)}; run again with the same name and storage_path to resume.")
