@@ -9,6 +9,7 @@ through Ray ends with exactly these weights (tests/test_local_runner.py). ``trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import SimpleNamespace
 from typing import Optional
@@ -59,6 +60,21 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, storage: Option
         train_state = load_train_state(directory)
     weights = {k: v.detach().clone() for k, v in result.load_model().state_dict().items()}
     return weights, train_state["optimizer"], train_state["rng_per_rank"][0]["cpu"], result.history
+
+
+@contextlib.contextmanager
+def steps_trained():
+    """The global steps the engine takes in this process meanwhile (``runtime/engine.STEP_EVENTS``), in order: a
+    resumed in-process run's are those after its checkpoint only."""
+    from raytrain_mgpu.runtime import engine
+
+    steps: list = []
+    record = steps.append
+    engine.STEP_EVENTS.append(record)
+    try:
+        yield steps
+    finally:
+        engine.STEP_EVENTS.remove(record)
 
 
 def one_worker_weights(**fields) -> dict:

@@ -32,6 +32,7 @@ from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.runtime.loaders import train_loader
 
 CPU = torch.device("cpu")
+STEPS_PER_EPOCH = 1438 // 64  # digits' training split in BASE's batches
 
 
 def dropout_cnn(input_shape, num_classes):
@@ -107,6 +108,62 @@ def test_loader_workers_load_in_their_own_processes(persistent):
         assert set(loaded[:, 1].tolist()) == {0, 1} and len(set(loaded[:, 0].tolist())) == 2
 
 
+class _CollectsGarbage(torch.utils.data.Dataset):
+    """Each load runs a full collection in the loader worker (what its own collector does sooner or later)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        import gc
+
+        gc.collect()
+        return torch.tensor([index]), 0
+
+
+def _load_after_a_group_became_garbage(out: str) -> None:
+    """In a process of its own: a gloo group that only a garbage cycle still holds when ``train_loader`` forks its
+    worker (a wrapped model's, after ``destroy_process_group``), as in a process that trained before it loads."""
+    import gc
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    multiprocessing.set_start_method("fork", force=True)  # Linux's default (this process came from a forkserver)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    group = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(1), group=group)  # its threads have run
+    cycle = [group]
+    cycle.append(cycle)
+    gc.disable()  # the cycle is still there at the fork, as when no full collection ran in between
+    del group, cycle
+    dist.destroy_process_group()
+    sampler = DistributedSampler(_CollectsGarbage(), 1, 0, shuffle=False, drop_last=True)
+    loader = train_loader(rtm.TrainConfig(loader_workers=1).data, _CollectsGarbage(), sampler, 4, CPU)
+    loader.timeout = 30  # a worker stuck in the group's destructor fails the iteration instead of hanging it
+    try:
+        outcome = str(sorted(int(x) for batch, _ in loader for x in batch))
+    except RuntimeError as exc:  # "DataLoader timed out", or its worker "killed by signal"
+        outcome = str(exc)
+    with open(out, "w") as f:
+        f.write(outcome)
+
+
+def test_a_loader_worker_never_frees_a_process_group_it_inherited(tmp_path):
+    """A worker forked while garbage still held a gloo group collected it and ran ``~ProcessGroupGloo`` on threads
+    that do not exist in the fork: it hung (a condition variable waited on by them) or aborted. The worker is forked
+    with the parent's objects frozen (``runtime/loaders.worker_context``): its collector never frees them."""
+    import _forkserver
+
+    out = tmp_path / "outcome"
+    process = _forkserver.process(_load_after_a_group_became_garbage, (str(out),))
+    process.start()
+    process.join(timeout=120)
+    if process.is_alive():
+        process.kill()
+    assert out.read_text() == str(list(range(8))), out.read_text()
+
+
 @pytest.fixture(scope="module")
 def no_workers():
     return _train_locally(BASE)[0]
@@ -131,9 +188,15 @@ def test_loader_workers_see_each_epochs_prefetched_rows():
 
 
 def test_a_resumed_run_with_loader_workers_equals_an_uninterrupted_one(no_workers, tmp_path):
+    from _reference import steps_trained, train_one_worker
+
     fields = {**BASE, "loader_workers": 2}
-    _train_locally(fields, epochs=1, storage=str(tmp_path))
-    resumed = _train_locally(fields, epochs=2, storage=str(tmp_path))[0]
+    first = train_one_worker(fields, 1, str(tmp_path))[3]
+    with steps_trained() as steps:
+        resumed, _, _, history = train_one_worker(fields, 2, str(tmp_path))
+    # a resume: epoch 1's row kept from the first attempt, epoch 2 (steps 23-44) trained by the second alone
+    assert [row["attempt"] for row in history] == [0, 1] and history[:1] == first
+    assert steps == list(range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1))
     _assert_equal(resumed, no_workers, "stopped after epoch 1 and resumed vs uninterrupted")
 
 
@@ -147,9 +210,9 @@ def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, stora
     received: list = []
     monkeypatch.setattr(ProgressPrinter, "scalars", lambda self, step, values: received.append((step, values)))
     result = rtm.fit(rtm.TrainConfig(**BASE, loader_workers=1, name="loader-workers", storage_path=storage,
-                                     log_every_n_steps=1438 // 64, runner="ray"))
+                                     log_every_n_steps=STEPS_PER_EPOCH, runner="ray"))
     assert result.startup["ray_s"] > 0 and result.history[0]["node_id_per_rank"]  # through Ray Train
-    check_train_scalars(received, result.history, every=1438 // 64)
+    check_train_scalars(received, result.history, every=STEPS_PER_EPOCH)
     model = result.load_model()
     assert model[4].in_features == 4 * 12 * 12  # built for the resized inputs
     _assert_equal(model.state_dict(), no_workers, "one Ray Train worker vs the in-process runner")

@@ -22,6 +22,7 @@ from torch import nn
 
 import _forkserver
 import raytrain_mgpu as rtm
+from _reference import steps_trained
 from raytrain_mgpu.runtime import checkpoint as ckpt_format
 from raytrain_mgpu.runtime.engine import NonFiniteError
 from raytrain_mgpu.runtime.run_folder import RunFolder
@@ -183,5 +184,10 @@ def test_a_write_that_fails_leaves_the_previous_checkpoint_loadable(tmp_path, mo
     json.loads((Path(newest.path) / "meta.json").read_text())
     assert ckpt_format.load_model_state(newest.path)  # loadable
     monkeypatch.undo()
-    resumed = _fit(str(tmp_path), **fields)  # the disk has room again: the run resumes from it and finishes
-    assert resumed.history[-1]["epoch"] == 3 and resumed.history[0]["epoch"] == 1
+    with steps_trained() as steps:
+        resumed = _fit(str(tmp_path), **fields)  # the disk has room again: the run resumes from it and finishes
+    assert [row["epoch"] for row in resumed.history] == [1, 2, 3]
+    # from that checkpoint: epoch 1's row is the failed run's, and the new attempt trained epochs 2 and 3 alone
+    assert [row["attempt"] for row in resumed.history] == [0, 1, 1]
+    per_epoch = resumed.history[0]["step"]
+    assert steps == list(range(per_epoch + 1, 3 * per_epoch + 1)) and resumed.history[-1]["step"] == 3 * per_epoch
