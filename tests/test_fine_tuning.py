@@ -5,15 +5,22 @@
 - a frozen backbone: only the head changes, ``save="trainable"`` checkpoints hold the trainable part, and a
   resume from one ends exactly like the uninterrupted run;
 - ``init_from`` an exported ``.safetensors`` into a model with a new head (``init_strict=False``) reports the keys
-  and trains; strict, it is refused naming the keys and the fix;
-- export of a 2-rank ``fsdp`` run (sharded checkpoint) equals ``load_model()``'s state bit for bit.
+  and trains; strict, it is refused naming the keys and the fix; an export's ``out`` ending in ``.safetensors`` is
+  that file (``config.json`` beside it), refused for the ``hf`` format, whose output is a folder;
+- export of a 2-rank ``fsdp`` run (sharded checkpoint) equals the weights of 2 ``ddp`` replicas of the same
+  seed and data bit for bit;
+- a step, parameter groups, ``init_from`` and ``on_nonfinite="skip"`` in one ``fit`` on 2 Ray Train workers: each
+  takes effect there as on the in-process worker.
 
-The 2-rank runs are the engine in two local processes (gloo, tests/_forkserver.py), as two Ray Train workers run it.
+The other 2-rank runs are the engine in two local processes (gloo, tests/_forkserver.py), as two Ray Train workers
+run it.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import os
 
 import pytest
 import torch
@@ -22,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import _forkserver
 import raytrain_mgpu as rtm
+from raytrain_mgpu.cli import main
 
 
 class TwoOutputs(nn.Module):
@@ -148,8 +156,12 @@ def test_a_frozen_backbone_trains_the_head_only_and_its_trainable_checkpoint_res
 def test_init_from_an_export_with_a_new_head_reports_the_keys_and_trains(tmp_path):
     source = rtm.fit(rtm.TrainConfig(model="lenet", dataset="digits", num_workers=1, epochs=1,
                                      storage_path=str(tmp_path), name="source"), stream=io.StringIO())
-    written = source.export()
-    weights = next(p for p in written if p.endswith("model.safetensors"))
+    written = source.export(out=str(tmp_path / "lenet.safetensors"))  # that file, its config.json beside it
+    assert written == [str(tmp_path / "config.json"), str(tmp_path / "lenet.safetensors")]
+    assert json.loads((tmp_path / "config.json").read_text())["model"] == "lenet"
+    weights = written[1]
+    assert main(["export", source.path, "--out", str(tmp_path / "cli" / "m.safetensors")]) == 0
+    assert sorted(os.listdir(tmp_path / "cli")) == ["config.json", "m.safetensors"]
     lines = io.StringIO()
     new_head = dict(model="lenet", dataset="synthetic", input_shape=[1, 8, 8], num_classes=5, num_samples=256,
                     num_workers=1, epochs=1, storage_path=str(tmp_path), name="tuned", init_from=weights)
@@ -163,16 +175,39 @@ def test_init_from_an_export_with_a_new_head_reports_the_keys_and_trains(tmp_pat
             torch.testing.assert_close(value, exported[key], rtol=0, atol=1e-6, msg=key)
 
 
+def test_an_export_to_a_safetensors_path_refuses_the_hf_format_and_an_old_folder_of_that_name(tmp_path, capsys):
+    from raytrain_mgpu.runtime.export import export_run
+
+    run, out = str(tmp_path / "run"), str(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"export out='.*/model.safetensors' names a .safetensors file, but fmt='hf' "
+                                         r"writes a folder \(the model's save_pretrained files\). Give a folder, e.g. "
+                                         r"out='.*/model' \(CLI: --out .*/model\), or use fmt='safetensors'"):
+        export_run(run, out=out, fmt="hf")  # refused first: the run is not even read
+    assert main(["export", run, "--format", "hf", "--out", out]) == 2
+    assert "fmt='hf' writes a folder" in capsys.readouterr().err
+    os.mkdir(out)  # what an export to this path wrote before it named a file
+    with pytest.raises(ValueError, match=r"export out='.*/model.safetensors' is a folder \(an earlier export into "
+                                         r"it\?\), and a path ending in .safetensors names the file to write"):
+        export_run(run, out=out)
+    assert os.listdir(tmp_path) == ["model.safetensors"] and not os.listdir(out)
+
+
+SHARDED = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, epochs=1)
+
+
 def _fsdp_rank(rank: int, world: int, out: str) -> None:
     from _engine import make_engine
 
-    engine = make_engine(dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
-                              epochs=1, strategy="fsdp", storage_path=out, name="sharded"), rank=rank, world=world,
+    engine = make_engine(dict(SHARDED, strategy="fsdp", storage_path=out, name="sharded"), rank=rank, world=world,
                          setup=False)
     engine.run()
 
 
-def test_export_of_a_two_rank_fsdp_run_equals_load_model_bit_for_bit(tmp_path):
+def test_export_of_a_two_rank_fsdp_run_equals_the_same_run_on_two_ddp_replicas_bit_for_bit(tmp_path):
+    """The export consolidates the ranks' shards into the weights that 2 ``ddp`` replicas of the same seed and data
+    train (emulated in this process: tests/_reference.train_replicas): FSDP2's halved gradients summed over 2 ranks
+    are DDP's, bit for bit."""
+    from _reference import train_replicas
     from raytrain_mgpu.runtime.checkpoint import is_sharded
     from raytrain_mgpu.runtime.run_folder import RunFolder
     from safetensors.torch import load_file
@@ -181,11 +216,76 @@ def test_export_of_a_two_rank_fsdp_run_equals_load_model_bit_for_bit(tmp_path):
     folder = RunFolder(str(tmp_path / "sharded"))
     checkpoint = folder.newest_checkpoint()
     assert is_sharded(checkpoint.path)
-    result = rtm.TrainResult(rtm.TrainConfig(model="mlp", model_kwargs={"widths": [32]}, strategy="fsdp",
-                                             storage_path=str(tmp_path), name="sharded"),
+    result = rtm.TrainResult(rtm.TrainConfig(**SHARDED, strategy="fsdp", storage_path=str(tmp_path), name="sharded"),
                              folder.state().history, checkpoint.uri, folder.uri)
     exported = load_file(next(p for p in result.export() if p.endswith("model.safetensors")))
-    loaded = result.load_model().state_dict()
-    assert exported.keys() == loaded.keys()
-    for key, value in loaded.items():
+    replicas, _ = train_replicas(dict(SHARDED, strategy="ddp", num_workers=2))
+    assert exported.keys() == replicas.keys()
+    for key, value in replicas.items():
         assert torch.equal(exported[key], value), key
+
+
+# ----------------------------------------------------------------------------- through Ray Train's workers
+
+NAN_STEP = 5  # optimizer steps already taken when the last rank's loss turns NaN (the 6th step)
+
+
+class FrozenBody(TwoOutputs):
+    """``TwoOutputs`` with its body frozen: the pretrained part that ``init_from`` brings; only the head trains."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__(input_shape, num_classes)
+        self.body.requires_grad_(False)
+
+
+def aux_step_nan_at_step_5(model, batch, ctx):
+    """``aux_step``, its loss NaN on the last rank at step NAN_STEP (rank 1 of 2 workers; the only one of 1)."""
+    out = aux_step(model, batch, ctx)
+    if ctx.step == NAN_STEP and ctx.rank == ctx.world_size - 1:
+        out["loss"] = out["loss"] * float("nan")
+    return out
+
+
+def head_bias_fast(model):
+    """Parameter groups by name: the head's bias at 5 times the config's lr."""
+    return [{"params": ["head.weight"]}, {"params": ["head.bias"], "lr": 0.5}]
+
+
+def test_a_step_param_groups_init_from_and_skip_take_effect_on_two_ray_train_workers(ray_session, storage, tmp_path):
+    """The four in one ``fit`` on 2 Ray Train workers, against the in-process worker (tests/_reference.py) where it
+    trains the same: the skipped step, the step's extra scalar, the optimizer's groups, the frozen body from the
+    file and the head's weights."""
+    from _reference import train_one_worker
+    from safetensors.torch import save_file
+
+    from raytrain_mgpu.runtime.checkpoint import load_train_state, local_checkpoint
+
+    torch.manual_seed(99)  # another seed than the run's: the body below is the file's, not one the run built
+    pretrained = TwoOutputs((1, 8, 8), 10).state_dict()
+    save_file(pretrained, str(tmp_path / "pretrained.safetensors"))
+    fields = dict(model=FrozenBody, dataset="digits", batch_size=64, epochs=1, optimizer="sgd", lr=0.1, momentum=0.9,
+                  seed=2, train_step=aux_step_nan_at_step_5, param_groups=head_bias_fast, on_nonfinite="skip",
+                  init_from=str(tmp_path / "pretrained.safetensors"))
+    lines = io.StringIO()
+    result = rtm.fit(rtm.TrainConfig(**fields, num_workers=2, runner="ray", name="four", storage_path=storage),
+                     stream=lines)
+    want, want_optimizer, _, want_history = train_one_worker(fields)
+    row, want_row = result.history[-1], want_history[-1]
+    assert len(row["node_id_per_rank"]) == 2  # through Ray Train's 2 workers
+    # skip: rank 1's NaN at step 6 skipped on both ranks (skipped_steps is their mean), as on the one worker
+    assert row["skipped_steps"] == want_row["skipped_steps"] == 1 and row["step"] == 1438 // 64
+    # train_step: its extra scalar (the frozen body's features: the same samples, less the skipped ones)
+    assert row["train_aux"] == pytest.approx(want_row["train_aux"], rel=0.05) and row["train_aux"] > 0
+    # init_from: rank 0 read the file, and the frozen body is the file's, bit for bit
+    assert "init_from" in lines.getvalue() and "loaded 4 of the model's 4 tensors" in lines.getvalue()
+    weights = result.load_model().state_dict()
+    for key in ("body.1.weight", "body.1.bias"):
+        assert torch.equal(weights[key], pretrained[key]) and torch.equal(want[key], pretrained[key]), key
+    # the head trained as the in-process worker's (the same global batches; DDP's mean over the 2 workers)
+    for key in ("head.weight", "head.bias"):
+        torch.testing.assert_close(weights[key], want[key], rtol=1e-4, atol=1e-5)
+    # param_groups: rank 0's optimizer held the function's two groups, each with its own lr
+    with local_checkpoint(result.checkpoint_path) as directory:
+        groups = load_train_state(directory)["optimizer"]["param_groups"]
+    assert [(len(g["params"]), g["lr"]) for g in groups] == [(1, 0.1), (1, 0.5)]
+    assert [g["lr"] for g in groups] == [g["lr"] for g in want_optimizer["param_groups"]]
