@@ -7,6 +7,9 @@ rank into its own folder, as each Ray Train worker does; the folders are then me
 every rank's folder into one checkpoint does (through Ray: ``tests/test_strategies.py``'s fsdp fit). The peak
 resident set size growth during the save is measured as ``tests/test_fsdp_memory.py`` measures start-up; the
 old way (the full state gathered to rank 0) is measured too, so the measure is shown to see it.
+
+DCP's asynchronous save returns before its files are written: measured with each rank's storage writer slowed on
+purpose, directly and through the engine's save where ``RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE`` asks for it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,25 @@ def _mmap_every_tensor() -> None:
     assert ctypes.CDLL(None).mallopt(m_mmap_threshold, 65536) == 1
 
 
+SLOW_WRITE_S = 2.0
+"""How long each rank's storage writer waits before it writes a checkpoint's files, where a test slows it: an
+asynchronous save returns before that, a synchronous one after it."""
+
+
+def _slowed_writes():
+    """DCP's file writer, slowed by ``SLOW_WRITE_S`` in this rank's process; returns what puts it back."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def slowed(self, plan, planner):
+        time.sleep(SLOW_WRITE_S)
+        return write(self, plan, planner)
+
+    FileSystemWriter.write_data = slowed
+    return lambda: setattr(FileSystemWriter, "write_data", write)
+
+
 def _save_on_four(rank: int, world: int, out: str) -> None:
     _mmap_every_tensor()
     strategy, model, optimizer = _setup(rank, world)
@@ -97,13 +119,16 @@ def _save_on_four(rank: int, world: int, out: str) -> None:
     if rank == 0:
         torch.save({"model": full[0]}, os.path.join(out, "full_after_step0.pt"))
     del full
-    # DCP's asynchronous save, as every save but a run's last: back once the shards are in host memory.
+    # DCP's asynchronous save, as every save but a run's last: back once the shards are in host memory, its
+    # writes (slowed here) in a thread of their own.
+    restore = _slowed_writes()
     began = time.perf_counter()
     writing = strategy.save_sharded(model, optimizer, os.path.join(out, f"async{rank}", ckpt_format.SHARDED_DIR),
                                     asynchronous=True)
-    returned = time.perf_counter() - began
+    returned, written_at_return = time.perf_counter() - began, writing.done()
     writing.result()
     written = time.perf_counter() - began
+    restore()
     dist.barrier()
     if rank == 0:  # what Ray Train's upload of every rank's folder into one checkpoint folder makes
         for r in range(world):
@@ -136,6 +161,7 @@ def _save_on_four(rank: int, world: int, out: str) -> None:
         json.dump({"staging_reused": reused, "save_growth": sharded.peak, "gather_growth": gathered.peak,
                    "share": _local_bytes(model, optimizer), "same_shards": same_shards,
                    "same_next_step": same_next_step, "async_returned_s": returned, "async_written_s": written,
+                   "async_written_at_return": written_at_return,
                    "files": sorted(os.listdir(os.path.join(own, ckpt_format.SHARDED_DIR)))}, f)
 
 
@@ -212,9 +238,72 @@ def test_the_asynchronous_save_writes_the_same_checkpoint(saved):
     got = ckpt_format.load_model_state(str(out / "merged-async"))
     want = ckpt_format.load_model_state(str(out / "merged"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert all(r["async_returned_s"] <= r["async_written_s"] for r in ranks)
     print("async save, per rank: returned after", [round(r["async_returned_s"], 3) for r in ranks],
           "s, written after", [round(r["async_written_s"], 3) for r in ranks], "s")
+    # The writer took SLOW_WRITE_S before it wrote: the save came back before that, its Future not done yet.
+    for r in ranks:
+        assert r["async_returned_s"] < SLOW_WRITE_S <= r["async_written_s"] and not r["async_written_at_return"], r
+
+
+class _WritingLeftOpen:
+    """A run folder transport (tests/_engine.py's) that lets a sharded save go on writing after the save returns,
+    as Ray Train's does for every save but a run's last; it keeps the save's Future (``writing``) and publishes
+    nothing."""
+
+    def __init__(self, transport):
+        self.transport, self.writing = transport, None
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+    def asynchronous(self, step: bool, final: bool) -> bool:
+        return True
+
+    def commit(self, commit) -> None:
+        self.writing = commit.writing
+
+
+def _engine_saves(rank: int, world: int, out: str) -> None:
+    """The engine's save of a 2-rank fsdp run with the switch on, then unset; each rank's storage writer slowed."""
+    from _engine import make_engine
+
+    from raytrain_mgpu.runtime.engine_checkpoint import ASYNC_SHARDED_ENV
+
+    engine = make_engine(dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
+                              epochs=2, strategy="fsdp", storage_path=out), rank=rank, world=world, setup=False)
+    engine.transport = _WritingLeftOpen(engine.transport)
+    engine.setup()
+    _slowed_writes()
+    saves = {}
+    for switch in ("on", "off"):  # read by every save (the driver's value reaches each worker)
+        if switch == "on":
+            os.environ[ASYNC_SHARDED_ENV] = "1"
+        else:
+            os.environ.pop(ASYNC_SHARDED_ENV, None)
+        engine.transport.writing = None
+        began = time.perf_counter()
+        engine.saver.save({"epoch": 1})  # in the training thread, as after an epoch
+        returned = time.perf_counter() - began
+        writing = engine.transport.writing
+        saves[switch] = {"returned_s": returned, "future": writing is not None,
+                         "written_at_return": writing is None or writing.done()}
+        if writing is not None:
+            writing.result()
+        saves[switch]["written_s"] = time.perf_counter() - began
+    with open(os.path.join(out, f"engine{rank}.json"), "w") as f:
+        json.dump(saves, f)
+
+
+def test_the_engines_sharded_save_returns_before_its_write_where_the_switch_asks_for_it(tmp_path):
+    """``RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE=1`` and a transport that allows it: the engine's save returns to the training
+    thread before its (slowed) write is done; unset, it returns once the write is done."""
+    _forkserver.start_gloo_ranks(_engine_saves, (str(tmp_path),))
+    for rank in range(2):
+        saves = json.loads((tmp_path / f"engine{rank}.json").read_text())
+        on, off = saves["on"], saves["off"]
+        assert on["future"] and not on["written_at_return"], (rank, on)
+        assert on["returned_s"] < SLOW_WRITE_S <= on["written_s"], (rank, on)
+        assert not off["future"] and off["returned_s"] >= SLOW_WRITE_S, (rank, off)
 
 
 def test_a_later_asynchronous_save_reuses_the_host_buffers_and_writes_the_new_state(saved):
