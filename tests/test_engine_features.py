@@ -1,7 +1,8 @@
 """Features of the step loop that live in the engine alone and reach every runner with no runner code: the
 gradient norm's epoch column, time-based step checkpoints, evaluation every N steps; a resumed pipeline run that
 restores every random generator it saved (CUDA's too, through the functions every runner uses) and ends with the
-uninterrupted run's weights.
+uninterrupted run's weights; fp16's overflows and ``on_nonfinite="skip"`` skip a step on every stage of a pipeline
+alike when one stage's gradients are not finite.
 
 Each runs in a data-parallel run (the in-process runner: the engine a Ray Train worker runs) and in a 2-stage
 pipeline (the stages as local processes, tests/_pipeline_local.py: the engine a stage actor runs). No Ray.
@@ -225,6 +226,58 @@ def test_fp16_in_a_pipeline_trains_with_a_stage_that_has_no_parameters(monkeypat
     initial = build_model(cfg.model, (12,), 5, cfg.model_kwargs).state_dict()
     assert all(torch.isfinite(value).all() for value in result.model_state.values())
     assert any(not torch.equal(initial[key], value) for key, value in result.model_state.items())  # it trained
+
+
+# ----------------------------------------------------------------------------- on_nonfinite="skip" in a pipeline
+
+NAN_AT = 3  # the optimizer step whose gradients turn NaN on stage 0 alone
+
+
+def _probe_steps(rank: int, mode: str) -> None:
+    """In a stage's process: each optimizer step's 'did this stage's weights move' to ``$SKIP_LOG/{mode}-rank{rank}``.
+    ``mode="nan"``: stage 0's gradients are NaN at step NAN_AT (stage 1's finite, as when stage 0's own backward
+    overflows); ``"drop"``: every stage's gradients are dropped before that step's optimizer (a run without it)."""
+    from raytrain_mgpu.runtime.engine_step import OptimizerStep
+
+    log = Path(os.environ["SKIP_LOG"]) / f"{mode}-rank{rank}"
+    end_step = OptimizerStep.__dict__.get("unprobed", OptimizerStep.__call__)  # a later run in this process
+    OptimizerStep.unprobed = end_step
+
+    def probed(self, step):
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if step == NAN_AT and mode == "nan" and rank == 0:
+            for p in params:
+                p.grad.fill_(float("nan"))
+        if step == NAN_AT and mode == "drop":
+            for p in params:
+                p.grad = None
+        before = [p.detach().clone() for p in params]
+        out = end_step(self, step)
+        with open(log, "a") as f:
+            f.write(f"{step} {any(not torch.equal(a, p) for a, p in zip(before, params))}\n")
+        return out
+
+    OptimizerStep.__call__ = probed
+
+
+def test_skip_in_a_pipeline_skips_a_step_on_every_stage_when_one_stages_gradients_are_nan(tmp_path, monkeypatch):
+    """``on_nonfinite="skip"`` on a 2-stage pipeline: stage 0's NaN gradients at step 3 make the global norm NaN, so
+    both stages skip step 3 (stage 1's finite gradients too) and train on; the weights are those of the same run
+    without step 3's update."""
+    import functools
+
+    monkeypatch.setenv("SKIP_LOG", str(tmp_path))
+    cfg = rtm.TrainConfig(**{**PIPE, "optimizer": "sgd", "momentum": 0.9})
+    skipped, dropped = run_local([
+        LocalRun(cfg.replace(on_nonfinite="skip"), 6, prepare=functools.partial(_probe_steps, mode="nan")),
+        LocalRun(cfg, 6, prepare=functools.partial(_probe_steps, mode="drop"))])
+    logs = [(tmp_path / f"nan-rank{r}").read_text().split() for r in (0, 1)]
+    assert logs[0] == logs[1] == [word for step in range(1, 7) for word in (str(step), str(step != NAN_AT))]
+    assert [stats["history"][-1]["skipped_steps"] for stats in skipped.stats] == [1, 1]
+    assert all(torch.isfinite(value).all() for value in skipped.model_state.values())
+    assert skipped.model_state.keys() == dropped.model_state.keys()
+    for key, value in dropped.model_state.items():
+        assert torch.equal(skipped.model_state[key], value), key
 
 
 def test_the_runs_end_flushes_rank_0s_events_after_the_last(monkeypatch, tmp_path):
