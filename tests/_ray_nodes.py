@@ -28,22 +28,49 @@ VENV_BIN = str(Path(sys.executable).parent)
 RAY = str(Path(VENV_BIN) / "ray")
 MARKER = "RTM_TEST_NODE"
 
-# Ports the head opens besides the worker range; each gets a free one on the host
-# (another Ray instance there already holds the defaults, e.g. 10001 and 52365).
-_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
-               "--dashboard-agent-grpc-port", "--metrics-export-port", "--node-manager-port",
-               "--object-manager-port", "--runtime-env-agent-port")
+# The ports of ``ray start`` whose defaults are fixed numbers (6379, 8265, 10001), which another Ray on the
+# host (the other test process's) may hold: each gets one of ours (:func:`free_ports`). The dashboard agent's
+# HTTP port (52365 by default) is given as 0: the agent binds a free one itself and publishes it. Every other
+# port of a node (node and object managers, the agent's gRPC, the metrics export, the runtime env agent) Ray
+# binds as 0 by default: no time passes between choosing such a port and binding it, for another process
+# to take it in.
+_HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port")
+_GIVEN: set = set()  # every port this process has handed out
+
+
+def free_ports(count: int) -> List[int]:
+    """``count`` distinct ports that no process holds on any address now and that this process never handed out
+    before (a port it gave a Ray node may be that node's still). Each is held until all are chosen, so none comes
+    twice: chosen one at a time, two of a node's flags once got the same port, and ``ray start`` refused
+    ("metrics_export is trying to use a port number ... used by other components")."""
+    sockets: List[socket.socket] = []
+    ports: List[int] = []
+    try:
+        while len(ports) < count:
+            if len(sockets) > count + 1000:
+                raise RuntimeError(f"no {count} free ports found after {len(sockets)} tries")
+            held = socket.socket()
+            sockets.append(held)
+            held.bind(("", 0))  # all addresses: a port held on any of them is not free
+            port = held.getsockname()[1]
+            if port not in _GIVEN:
+                ports.append(port)
+    finally:
+        for held in sockets:
+            held.close()
+    _GIVEN.update(ports)
+    return ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_port_flags(skip: Sequence[str] = ()) -> Dict[str, int]:
-    """A free port for every port flag of ``ray start`` (except those in ``skip``)."""
-    return {flag: free_port() for flag in _PORT_FLAGS if flag not in skip}
+    """The port flags of ``ray start`` (except those in ``skip``): the fixed defaults' ports, distinct (a node's
+    own and every other node's this process started), and the dashboard agent's HTTP port left to the agent."""
+    flags = [flag for flag in _HEAD_PORT_FLAGS if flag not in skip]
+    return {**dict(zip(flags, free_ports(len(flags)))), "--dashboard-agent-listen-port": 0}
 
 
 def marked_pids(marker: str) -> List[int]:

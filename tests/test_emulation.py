@@ -105,6 +105,15 @@ def _two_emulated_nodes(root: Path, env: dict):
     return head, worker, address
 
 
+def test_the_ports_given_to_ray_nodes_never_repeat():
+    """Chosen one at a time, two of a node's flags once got the same port and ``ray start`` refused it; here 800
+    ports in 8 calls (as the nodes of a session ask: the ports of one node, then another's) are all distinct."""
+    from _ray_nodes import free_ports
+
+    given = [port for _ in range(8) for port in free_ports(100)]
+    assert len(set(given)) == len(given)
+
+
 @pytest.mark.slow
 def test_pack_and_strict_spread_over_two_emulated_nodes():
     # Two nodes of 2 fake GPUs each, started WITHOUT the switch: only the driver has it, so
