@@ -12,6 +12,7 @@ from raytrain_mgpu.bench import data as bench
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.runtime.loaders import worker_context
 
 
 def test_parquet_rows_and_imagefolder_files_are_the_same_images(tmp_path):
@@ -27,6 +28,8 @@ def test_parquet_rows_and_imagefolder_files_are_the_same_images(tmp_path):
         assert x_ours.dtype == x_theirs.dtype == torch.float32 and x_ours.shape == (3, 12, 12)
         torch.testing.assert_close(x_ours, x_theirs, rtol=0, atol=1e-6)
     assert ours[0][0].std() > 0.05  # not blank images
+    # its loader workers start as ours: forked with this process's objects frozen (tests/test_loaders.py)
+    assert bench._imagefolder_epochs(setup, 1)(0).multiprocessing_context is worker_context()
 
 
 def test_the_command_prints_every_path_and_worker_count(capsys):

@@ -10,7 +10,7 @@ batches of ``--batch-size`` to a consumer loop that only counts them:
 - ``parquet``: ``dataset="parquet"`` through ``runtime/loaders.py``, exactly as a training worker
   reads it (a ``DistributedSampler`` shuffle, ``prefetch`` of the epoch's rows, ``loader_workers``);
 - ``imagefolder``: ``torchvision.datasets.ImageFolder`` (PIL decode, ``v2.ToImage``, ``ToDtype``,
-  ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``;
+  ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``, started as ours;
 - ``ray_data`` (with ``--ray-data``): ``ingest="ray_data"``, a training worker's Ray Data iterator
   over the whole split (read and decoded by Ray Data's tasks on a local Ray's CPUs; loader workers
   do not apply, so its rows repeat one configuration at each count).
@@ -81,12 +81,16 @@ def _imagefolder_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2
 
+    from raytrain_mgpu.runtime.loaders import worker_context
+
     channels = setup.image_shape[0]
     transform = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
                             v2.Normalize([0.5] * channels, [0.5] * channels)])
     dataset = ImageFolder(setup.imagefolder_root, transform=transform, loader=functools.partial(_pil_open, channels=channels))
+    # its workers start as ours do (runtime/loaders.worker_context): the ratio compares the readers alone
     loader = DataLoader(dataset, batch_size=setup.batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                        generator=torch.Generator().manual_seed(setup.seed))
+                        generator=torch.Generator().manual_seed(setup.seed),
+                        multiprocessing_context=worker_context() if workers else None)
     return lambda e: loader
 
 

@@ -15,11 +15,19 @@ Datasets with ``prefetch(indices)`` (``parquet``) load each epoch's rows in the 
 before the epoch's iterator starts; worker processes forked then share those rows (copy-on-write,
 no copy per worker). Persistent workers would keep the first epoch's rows, so such datasets restart
 their workers every epoch (one fork per loader worker and epoch).
+
+Loader workers forked from a process that trains (:func:`worker_context`) never run the destructors of what they
+inherited: a cycle of garbage the training process had not collected yet at the fork (a wrapped model holding a
+gloo process group) would otherwise be collected in the worker, whose copy of the group's threads does not exist
+there: the worker hangs or aborts (``~ProcessGroupGloo``).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import multiprocessing
+from multiprocessing.context import ForkContext, ForkProcess
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -30,7 +38,7 @@ from raytrain_mgpu.data.transforms import TransformedDataset
 if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
 
-__all__ = ["train_loader", "test_loader", "prefetch", "base_dataset"]
+__all__ = ["train_loader", "test_loader", "prefetch", "base_dataset", "worker_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,36 @@ def prefetch(dataset, indices: Sequence[int]) -> None:
         dataset.prefetch(rows)
 
 
+class _FrozenForkProcess(ForkProcess):
+    """A fork whose child never collects what it inherited: the parent's objects are frozen for the fork
+    (``gc.freeze``: out of every collection, an O(1) move) and thawed again in the parent right after it. The cost:
+    the parent's young objects join the oldest generation at the thaw, so its garbage among them waits for the next
+    full collection."""
+
+    def start(self) -> None:
+        gc.freeze()
+        try:
+            super().start()
+        finally:
+            gc.unfreeze()
+
+
+class _FrozenForkContext(ForkContext):
+    Process = _FrozenForkProcess
+
+
+_FROZEN_FORK = _FrozenForkContext()
+
+
+def worker_context() -> Optional[multiprocessing.context.BaseContext]:
+    """The ``multiprocessing_context`` of loader workers: where they would be forked (the start method in force, or
+    the platform's default: ``fork`` on Linux before Python 3.14), forked with the parent's objects frozen, so that
+    the worker's garbage collector never frees one of them (see the module docstring); else None (DataLoader's
+    default: a spawned or forkserver worker inherits no objects)."""
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return _FROZEN_FORK if method == "fork" else None
+
+
 def _worker_options(cfg: Optional["DataConfig"], dataset) -> dict:
     workers = cfg.loader_workers if cfg is not None else 0
     if workers == 0:
@@ -75,7 +113,7 @@ def _worker_options(cfg: Optional["DataConfig"], dataset) -> dict:
     if cfg.persistent_workers and not persistent:
         logger.debug("loader workers restart every epoch: %s loads each epoch's rows in this process",
                      type(base_dataset(dataset)).__name__)
-    options = {"num_workers": workers, "persistent_workers": persistent}
+    options = {"num_workers": workers, "persistent_workers": persistent, "multiprocessing_context": worker_context()}
     if cfg.prefetch_factor is not None:
         options["prefetch_factor"] = cfg.prefetch_factor
     return options
