@@ -153,7 +153,7 @@ def test_the_retry_policys_table(row):
     assert verdict(error, stepped=stepped).retryable is retried, (error, verdict(error, stepped=stepped))
 
 
-def test_ray_trains_controller_asks_the_same_policy():
+def test_ray_trains_controller_asks_the_same_policy(monkeypatch):
     from ray.train import FailureConfig
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -173,8 +173,20 @@ def test_ray_trains_controller_asks_the_same_policy():
     assert policy.make_decision(group_error(NonFiniteError("NaN", 1, 4))) == FailureDecision.RAISE
     died = WorkerGroupError("failed", {0: _ray_errors()[0]})
     assert [policy.make_decision(died) for _ in range(3)] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
+    # Ray Train waits 60 s for a worker group's resources, then tries again (for ever, by itself): while
+    # placement_timeout_s lasts in all, then not again
+    from raytrain_mgpu.transports import ray_train_policy
+
+    clock = [1000.0]
+    monkeypatch.setattr(ray_train_policy.time, "monotonic", lambda: clock[0])
     pending = ControllerError(WorkerGroupStartupTimeoutError(2))
-    assert policy.make_decision(pending) == FailureDecision.RAISE  # placement_timeout_s was the one wait
+    waits = OneRetryPolicy(FailureConfig(max_failures=0), placement_timeout_s=150, start_timeout_s=60)
+    decisions = []
+    for _ in range(3):
+        decisions.append(waits.make_decision(pending))
+        clock[0] += 60
+    assert decisions == [FailureDecision.RETRY, FailureDecision.RETRY, FailureDecision.RAISE]  # 60, 120, 180 s
+    assert OneRetryPolicy(FailureConfig()).make_decision(pending) == FailureDecision.RETRY  # no bound: Ray's own
 
 
 def test_the_failure_shown_of_several_ranks_is_the_cause_not_the_others_lost_peer():

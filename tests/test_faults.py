@@ -172,7 +172,7 @@ def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
     class Pump:
         failure = None
 
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             pass
 
         def __enter__(self):

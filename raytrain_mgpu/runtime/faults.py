@@ -214,9 +214,9 @@ def wait_until_report_collected(timeout_s: float = 300.0) -> None:
 
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-"""How long Ray Train's controller waits for a worker group's resources (60 s by default, then it retries for
-ever): ``fit`` sets it to ``TrainConfig.placement_timeout_s``, and its retry policy does not wait again
-(``transports/ray_train_policy.py``)."""
+"""How long each of Ray Train's waits for a worker group's resources lasts (60 s by default, then it tries again,
+for ever): ``fit`` lowers it to a shorter ``TrainConfig.placement_timeout_s``, and its retry policy ends the tries
+once ``placement_timeout_s`` has passed in all (``transports/ray_train_policy.py``)."""
 
 
 @contextlib.contextmanager

@@ -92,9 +92,11 @@ class Transport:
         (``RunFolder.check_writable``), so that a node without the storage (a mount missing on a node that joined
         later, no credentials) fails now, named, not at its first checkpoint. Where the transport has no config
         (tests' stand-ins), nothing is checked."""
+        from raytrain_mgpu.runtime.placement import node_ip
+
         cfg = getattr(self, "cfg", None)
         if cfg is not None:
-            check_writable(RunFolder.of(cfg), self.where().get("node_ip") or "this node")
+            check_writable(RunFolder.of(cfg), node_ip())
 
     def finish(self) -> None:
         """The run is over (its last epoch checkpointed, or failed): what the transport started for it stops,

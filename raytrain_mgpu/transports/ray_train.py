@@ -209,6 +209,17 @@ class RayTrainTransport(Transport):
             shutil.rmtree(save["directory"], ignore_errors=True)
 
 
+def start_timeout_s() -> float:
+    """How long each of Ray Train's waits for a worker group's resources lasts (its environment variable, as the
+    controller reads it)."""
+    from raytrain_mgpu.runtime.faults import START_TIMEOUT_ENV
+
+    try:
+        return float(os.environ.get(START_TIMEOUT_ENV, 60.0))
+    except ValueError:
+        return 60.0
+
+
 def _attempt_id() -> str:
     """An id every worker of this worker group shares (its heartbeats' group): rank 0 writes a fresh one into the
     group's c10d store, which Ray Train makes anew for every group; the others read it (called in the heartbeat
@@ -256,9 +267,12 @@ def torch_trainer_class():
             callbacks = super()._create_default_callbacks()
             return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
+        placement_timeout_s = None  # fit's TrainConfig.placement_timeout_s: the policy's bound on the waits
+
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             if OneRetryPolicy is not None and "failure_policy" in controller_init_kwargs:
-                controller_init_kwargs["failure_policy"] = OneRetryPolicy(self.run_config.failure_config)
+                controller_init_kwargs["failure_policy"] = OneRetryPolicy(
+                    self.run_config.failure_config, self.placement_timeout_s, start_timeout_s())
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
@@ -295,12 +309,13 @@ def run_train_workers(cfg: TrainConfig, plan, events):
         # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
         **ray_ingest.trainer_datasets(cfg),
     )
+    trainer.placement_timeout_s = cfg.placement_timeout_s
     pump = SinkPump(sink, events, stall_timeout_s=cfg.stall_timeout_s)  # every rank's heartbeats judged
     try:
         # controller_poll: a report waits for the controller's next poll, 2 s apart by default (runtime/faults.py),
-        # and the worker group waits placement_timeout_s for its resources;
+        # and each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);
         # no preemption watcher on a Ray this process started (runtime/preemption.py)
-        with stop_main_thread_on_failure(events), pump, controller_poll(cfg.placement_timeout_s), \
+        with stop_main_thread_on_failure(events), pump, controller_poll(min(cfg.placement_timeout_s, 60.0)), \
                 watcher_where_notices_come():
             result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
     except BaseException as exc:

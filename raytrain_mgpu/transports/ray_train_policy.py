@@ -4,14 +4,17 @@ Ray Train's controller retries every worker-group failure while ``max_failures``
 did not start (its placement group pending) without limit. :class:`OneRetryPolicy` is its default policy (the
 two budgets, preemptions apart) asking :func:`~raytrain_mgpu.transports.retry.verdict` first: a failure a retry
 cannot fix (a non-finite loss, a config error reaching a worker, the user's code failing before any step) ends
-the run the first time, and a group whose resources were not granted within ``placement_timeout_s`` (the start
-timeout ``fit`` gives the controller) is not waited for again. Light on purpose: the controller unpickles it, and
+the run the first time, and a group whose resources were not granted within ``placement_timeout_s`` in all is not
+waited for again (Ray Train waits 60 s a try, then tries again, an elastic run with another worker count). Light on
+purpose: the controller unpickles it, and
 imports this module without torch.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Optional
 
 from raytrain_mgpu.transports.retry import unwrap, verdict
 
@@ -28,7 +31,15 @@ except ImportError:  # another Ray Train: its own policy stays
 if DefaultFailurePolicy is not None:
 
     class OneRetryPolicy(DefaultFailurePolicy):
-        """Ray Train's ``DefaultFailurePolicy`` that raises at once what a retry cannot fix."""
+        """Ray Train's ``DefaultFailurePolicy`` that raises at once what a retry cannot fix, and stops waiting for a
+        worker group's resources once ``placement_timeout_s`` has passed (each of Ray Train's waits lasts
+        ``start_timeout_s``; None: no bound, Ray Train's own behaviour)."""
+
+        def __init__(self, failure_config, placement_timeout_s: Optional[float] = None,
+                     start_timeout_s: float = 60.0):
+            super().__init__(failure_config)
+            self.placement_timeout_s, self.start_timeout_s = placement_timeout_s, start_timeout_s
+            self._pending_since: Optional[float] = None
 
         def make_decision(self, training_failed_error):
             failures = getattr(training_failed_error, "worker_failures", None) or {}
@@ -39,8 +50,15 @@ if DefaultFailurePolicy is not None:
                             type(unwrap(failures[rank])).__name__, judged.reason)
                 return FailureDecision.RAISE
             controller = getattr(training_failed_error, "controller_failure", None)
-            if type(controller).__name__ == "WorkerGroupStartupTimeoutError":
-                logger.info("[raytrain-mgpu] not retried: the worker group's resources were not granted in time")
+            if type(controller).__name__ != "WorkerGroupStartupTimeoutError":
+                self._pending_since = None
+                return super().make_decision(training_failed_error)
+            # Ray Train tries again, perhaps with another worker count (elastic): while the wait lasts
+            now = time.monotonic()
+            self._pending_since = self._pending_since or now - self.start_timeout_s
+            if self.placement_timeout_s is not None and now - self._pending_since >= self.placement_timeout_s:
+                logger.info("[raytrain-mgpu] not retried: the worker group's resources were not granted within "
+                            "placement_timeout_s=%g s", self.placement_timeout_s)
                 return FailureDecision.RAISE
             return super().make_decision(training_failed_error)
 
