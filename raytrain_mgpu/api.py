@@ -16,24 +16,25 @@ from typing import List, Optional
 from torch import nn
 
 from raytrain_mgpu.batches import as_shape, shape_record
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime import devices, ray_ingest
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine import devices
+from raytrain_mgpu.transports import ray_data
 from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory, send_objects_by_value
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.runtime.cluster import check_placeable, connect, keep_ray_started
+from raytrain_mgpu.driver.cluster import check_placeable, connect, keep_ray_started
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.strategies.elastic import describe_range
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
-from raytrain_mgpu.planning.preflight import (check_data_fits, check_model_builds, check_run_folder,
+from raytrain_mgpu.driver.preflight import (check_data_fits, check_model_builds, check_run_folder,
                                               check_storage_reachable)
-from raytrain_mgpu.runtime.run_folder import RunFolder
-from raytrain_mgpu.runtime.run_state import stops_early
-from raytrain_mgpu.runtime.runlock import RunLock
-from raytrain_mgpu.runtime.progress import ProgressPrinter
-from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo, load_callbacks
+from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.engine.run_state import stops_early
+from raytrain_mgpu.engine.runlock import RunLock
+from raytrain_mgpu.driver.progress import ProgressPrinter
+from raytrain_mgpu.driver.callbacks import RunEvents, RunInfo, load_callbacks
 from raytrain_mgpu.strategies import get_strategy
 from raytrain_mgpu.transports.local import runner_for
 
@@ -82,7 +83,7 @@ class TrainResult:
             model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
                                 self.config.model_kwargs)
         if self.config.save == "trainable":  # the frozen weights: from init_from (or the builder), as training had
-            from raytrain_mgpu.runtime.weights import load_weights, read_weights
+            from raytrain_mgpu.engine.weights import load_weights, read_weights
 
             if self.config.init_from is not None:
                 load_weights(model, read_weights(self.config.init_from)[0], self.config.init_strict,
@@ -97,7 +98,7 @@ class TrainResult:
         it (``format="safetensors"``), or a Hugging Face model's ``save_pretrained`` folder (``format="hf"``), in
         ``out`` (default ``<run>/export``); consolidated on this machine, also from a sharded (fsdp) run. The written
         paths. The CLI's ``raytrain-mgpu export RUN`` is the same."""
-        from raytrain_mgpu.runtime.export import export_run
+        from raytrain_mgpu.driver.export import export_run
 
         model = self.load_model(best=best) if format == "hf" else None  # this config's model (code from Python too)
         return export_run(self.path, out=out, fmt=format, best=best, model=model)
@@ -108,7 +109,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
 
     ``strategy="auto"`` is resolved once Ray is connected (it reads the cluster's devices);
     the choice and its reason are printed, logged, and added to every history row.
-    ``cfg.loggers`` and ``cfg.callbacks`` see the run's events (``runtime/callbacks.py``).
+    ``cfg.loggers`` and ``cfg.callbacks`` see the run's events (``driver/callbacks.py``).
     """
     called = time.time()  # the start-up's clock (rank 0 reports its own times on this clock: time.time())
     cfg = take_ray_datasets(cfg)  # Ray Datasets from Python: counted and peeked here, streamed by Ray Train
@@ -160,7 +161,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
                 check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}",
                                 labels=cfg.label_selector)
-            ray_ingest.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
+            ray_data.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
             check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what every runner reports to
         if auto_record:
@@ -174,13 +175,13 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             history, checkpoint_path, first = run_in_process(cfg, plan, events)
             startup = _startup(called, checked, connected, first)
         elif plan.runner == "actor_group":
-            from raytrain_mgpu.pipeline.runner import run_pipeline
+            from raytrain_mgpu.transports.actor_group.runner import run_pipeline
 
             outcome = run_pipeline(cfg, events, plan)
             history, checkpoint_path = outcome.history, outcome.checkpoint_path
             startup = _startup(called, checked, connected, outcome.startup)
         else:
-            from raytrain_mgpu.transports.ray_train import run_train_workers
+            from raytrain_mgpu.transports.ray_train.driver import run_train_workers
 
             history, checkpoint_path, rank0 = run_train_workers(cfg, plan, events)
             startup = _startup(called, checked, connected, rank0)
@@ -199,7 +200,7 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
 def _watchers(cfg: TrainConfig):
     """The loggers and callbacks as ``(label, callback)``, and ``cfg`` without callback objects:
     the config is shipped to workers and recorded in checkpoints, where only names travel."""
-    from raytrain_mgpu.runtime.loggers import build_loggers
+    from raytrain_mgpu.driver.loggers import build_loggers
 
     watchers = build_loggers(cfg) + load_callbacks(cfg.callbacks)
     if any(not isinstance(entry, str) for entry in cfg.callbacks):

@@ -251,7 +251,7 @@ _MODULE_COMMANDS = {
                   "on a GPU: ResNet-18 at CIFAR size and a transformer LM, fp32 and bf16, samples/s and MFU"),
     "gpu-report": ("raytrain_mgpu.bench.gpu_report", "run the GPU-only tests and measure every GPU figure of "
                    "docs/performance.md (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)"),
-    "spot-watch": ("raytrain_mgpu.runtime.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "
+    "spot-watch": ("raytrain_mgpu.driver.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "
                    "notice) drain it as a preemption, so the run saves a step checkpoint"),
 }
 
@@ -331,7 +331,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from raytrain_mgpu._redact import redact
-    from raytrain_mgpu.runtime.export import export_run  # torch loads here, not for --help
+    from raytrain_mgpu.driver.export import export_run  # torch loads here, not for --help
 
     paths = export_run(args.run, out=args.out, fmt=args.format, best=args.best, allow_code=args.allow_code)
     print(f"wrote {len(paths)} file(s):")

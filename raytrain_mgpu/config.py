@@ -226,7 +226,7 @@ class TrainConfig:
     verbose: bool = False
     """Show Ray's own per-worker logs on the driver."""
     max_preemption_failures: int = -1
-    """Restarts after a node preemption (a drain with reason preemption: a spot reclaim), counted apart from ``max_failures``; -1: unlimited. Each resumes from the checkpoint saved on the notice (``runtime/preemption.py``)."""
+    """Restarts after a node preemption (a drain with reason preemption: a spot reclaim), counted apart from ``max_failures``; -1: unlimited. Each resumes from the checkpoint saved on the notice (``engine/preemption.py``)."""
     preemption_grace_s: float = 0.0
     """How long Ray Train lets the surviving workers run past a preemption's deadline before it restarts the group (Ray's ``FailureConfig.preemption_grace_s``)."""
 
@@ -248,7 +248,7 @@ class TrainConfig:
     mlflow_tracking_uri: Optional[str] = None
     """``loggers=["mlflow"]``: the MLflow tracking URI, e.g. ``http://mlflow:5000``; None: a file store in ``<run>/mlruns`` (local storage only)."""
     callbacks: list = field(default_factory=list)
-    """Your driver-side hooks: ``pkg.module:Class`` entries (built with no arguments) or, from Python, ``raytrain_mgpu.runtime.callbacks.Callback`` instances; called on ``on_train_start``, ``on_step``, ``on_epoch_end``, ``on_checkpoint``, ``on_train_end``. An exception in one fails the run, naming it."""
+    """Your driver-side hooks: ``pkg.module:Class`` entries (built with no arguments) or, from Python, ``raytrain_mgpu.driver.callbacks.Callback`` instances; called on ``on_train_start``, ``on_step``, ``on_epoch_end``, ``on_checkpoint``, ``on_train_end``. An exception in one fails the run, naming it."""
 
     def __post_init__(self) -> None:
         self._unused_options = validate(self)  # {option: value} the strategy never reads

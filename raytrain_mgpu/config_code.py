@@ -17,7 +17,7 @@ __all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "ch
            "check_callbacks"]
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # runtime/callbacks.py
+_HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # driver/callbacks.py
 
 
 def factory_choices(cls) -> Dict[str, tuple]:
@@ -121,5 +121,5 @@ def check_callbacks(callbacks: Any) -> None:
             check_factory_spec(entry, "callbacks")
         elif not any(callable(getattr(entry, hook, None)) for hook in _HOOKS):
             fail("callbacks", callbacks, f"entry {entry!r} has none of the hooks {', '.join(_HOOKS)}",
-                 "Pass an instance of a raytrain_mgpu.runtime.callbacks.Callback subclass, or a "
+                 "Pass an instance of a raytrain_mgpu.driver.callbacks.Callback subclass, or a "
                  "'package.module:Class'.")

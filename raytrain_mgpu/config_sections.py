@@ -45,7 +45,7 @@ class DataConfig:
     image_column: str
     label_column: str
     seed: int
-    # data loading (runtime/loaders.py) and per-sample transforms (data/transforms.py); defaults for readers
+    # data loading (engine/loaders.py) and per-sample transforms (data/transforms.py); defaults for readers
     # used on their own (``data convert``, tests): the TrainConfig fields' defaults
     loader_workers: int = 0
     prefetch_factor: Optional[int] = None
@@ -53,7 +53,7 @@ class DataConfig:
     train_transform: Optional[str] = None
     test_transform: Optional[str] = None
     val_fraction: Optional[float] = None  # a held-out part of the training split (data/base.split_validation)
-    ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (runtime/ray_ingest.py)
+    ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (transports/ray_data.py)
     collate: Optional[object] = None  # Ray Datasets' batch -> (inputs, targets) (data/ray_datasets.py)
 
 

@@ -47,7 +47,7 @@ class WorkerError(RuntimeError):
 
 class StuckRankError(RuntimeError):
     """A rank stopped making progress while the others went on (or went silent): named by the driver from the
-    ranks' heartbeats (``runtime/liveness.py``), which then failed the attempt. ``ranks``: the stuck ranks;
+    ranks' heartbeats (``engine/liveness.py``), which then failed the attempt. ``ranks``: the stuck ranks;
     ``report``: per rank, where it was (node, pid, step, what it was doing) and its Python stacks."""
 
     def __init__(self, message: str, ranks: Optional[list] = None, report: str = ""):

@@ -29,7 +29,7 @@ import re
 from typing import Callable, Dict, List, Optional, Sequence
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.callbacks import Callback
+from raytrain_mgpu.driver.callbacks import Callback
 
 __all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "TRIAL_CPUS"]
 
@@ -167,7 +167,7 @@ def search(cfg: TrainConfig, params: Sequence[str], samples: int, metric: str, m
         raise ValueError(f"--samples {samples}: at least 1 trial. Set --samples 8, say.")
     from ray import tune
 
-    from raytrain_mgpu.runtime.cluster import connect
+    from raytrain_mgpu.driver.cluster import connect
 
     connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)  # a local Ray for the CLI, as fit starts one
     asha = tune.schedulers.ASHAScheduler(max_t=cfg.epochs, grace_period=1) if scheduler == "asha" else None

@@ -1,6 +1,6 @@
-"""One rank's engine (``runtime/engine.py``) in the test's own process, without Ray: the data-parallel step
+"""One rank's engine (``engine/loop.py``) in the test's own process, without Ray: the data-parallel step
 runner every Ray Train worker (and the in-process runner) uses, with a transport that publishes checkpoints in a
-local run folder (``runtime/transport.FolderTransport``). For tests that drive the loop's parts directly: set
+local run folder (``transports/base.FolderTransport``). For tests that drive the loop's parts directly: set
 up, then ``engine.train_epoch(e)``, ``engine.saver.save(...)``, ``engine.evaluate(split)``.
 
 With ``world`` > 1 the caller has made a process group (one process per rank, tests/_forkserver.py).
@@ -15,10 +15,10 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.runtime.devices import resolve_devices
-from raytrain_mgpu.runtime.engine import Engine
-from raytrain_mgpu.runtime.progress import WorkerReporter
-from raytrain_mgpu.runtime.transport import FolderTransport
+from raytrain_mgpu.engine.devices import resolve_devices
+from raytrain_mgpu.engine.loop import Engine
+from raytrain_mgpu.driver.progress import WorkerReporter
+from raytrain_mgpu.transports.base import FolderTransport
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import build_plan
 from raytrain_mgpu.transports.local import data_parallel_steps

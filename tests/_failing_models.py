@@ -22,7 +22,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 from torch import nn
 
 

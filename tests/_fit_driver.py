@@ -31,7 +31,7 @@ import ray
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.planning import preflight
+from raytrain_mgpu.driver import preflight
 
 # ----------------------------------------------------------------------------- a user's objects, in __main__
 

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 # What the ranks import anyway: torch, its process groups, DDP's torch._dynamo, FSDP, the pipeline.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
-           "torch.nn.parallel", "raytrain_mgpu.runtime.engine", "raytrain_mgpu.parallel.steps", "raytrain_mgpu.pipeline.worker"]
+           "torch.nn.parallel", "raytrain_mgpu.engine.loop", "raytrain_mgpu.parallel.steps", "raytrain_mgpu.transports.actor_group.stage"]
 
 
 def context() -> multiprocessing.context.BaseContext:
@@ -82,6 +82,6 @@ def _in_gloo_group(rank: int, world: int, port: int, fn: Callable, args: tuple) 
 def start_gloo_ranks(fn: Callable, args: Sequence = (), nprocs: int = 2) -> None:
     """:func:`start_processes` of ``fn(rank, world, *args)``, each rank inside a gloo process group of all
     ``nprocs`` (over loopback, one torch thread a rank): the suite's process groups without Ray."""
-    from raytrain_mgpu.runtime.placement import free_address
+    from raytrain_mgpu.transports.placement import free_address
 
     start_processes(_in_gloo_group, (nprocs, free_address()[1], fn, tuple(args)), nprocs=nprocs)

@@ -6,7 +6,7 @@ read inside a Ray actor (a pipeline stage), append their indices to ``<probe>/in
 
 ``model="_pipe_probe:mlp_on_slow_storage"`` with ``model_kwargs={"widths": [...], "write_delay_s": s}``:
 the library's MLP; inside a Ray actor, every checkpoint part the process writes
-(``runtime.checkpoint.write_checkpoint``) first sleeps ``write_delay_s``: a slow storage, for
+(``engine.checkpoint_files.write_checkpoint``) first sleeps ``write_delay_s``: a slow storage, for
 measuring how long a save stalls the stages. The test process itself is never patched.
 
 ``model="_pipe_probe:mlp_whose_last_stage_dies"`` with ``model_kwargs={"widths": [...], "probe": dir,
@@ -71,7 +71,7 @@ def mlp_on_slow_storage(input_shape, num_classes, widths, write_delay_s: float =
     from raytrain_mgpu.models import build_model
 
     if write_delay_s and _in_ray_actor():
-        from raytrain_mgpu.runtime import checkpoint
+        from raytrain_mgpu.engine import checkpoint_files as checkpoint
 
         write = checkpoint.write_checkpoint
         if not getattr(write, "slowed", False):

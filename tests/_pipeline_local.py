@@ -1,6 +1,6 @@
 """Run pipeline stages as local processes, without Ray: the tests' harness (not part of the package).
 
-The stage code is the same :class:`~raytrain_mgpu.pipeline.worker.StageWorker` the Ray
+The stage code is the same :class:`~raytrain_mgpu.transports.actor_group.stage.StageWorker` the Ray
 actors run. Several runs share one pool of processes (started once, each run using as
 many of them as it has ranks), forked from a server that has torch imported
 (tests/_forkserver.py), because starting a process that imports torch costs seconds on a
@@ -27,11 +27,11 @@ import _forkserver
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
-from raytrain_mgpu.pipeline import worker as stage_worker
-from raytrain_mgpu.runtime import engine
-from raytrain_mgpu.pipeline.worker import StageWorker
+from raytrain_mgpu.transports.actor_group import stage as stage_worker
+from raytrain_mgpu.engine import loop as engine
+from raytrain_mgpu.transports.actor_group.stage import StageWorker
 from raytrain_mgpu.strategies.plan import build_plan
-from raytrain_mgpu.runtime.placement import free_address
+from raytrain_mgpu.transports.placement import free_address
 
 __all__ = ["LocalRun", "LocalResult", "run_local"]
 
@@ -41,7 +41,7 @@ class LocalRun(NamedTuple):
     num_steps: int
     emulate_nccl: Optional[bool] = None  # NCCL's semantics on gloo; None: on when emulating GPUs
     skip_warmup: bool = False            # tests only: reproduces the start-up deadlock on NCCL
-    step_event: Optional[Callable[[int], None]] = None  # joins runtime/engine.STEP_EVENTS in each rank's process
+    step_event: Optional[Callable[[int], None]] = None  # joins engine/loop.STEP_EVENTS in each rank's process
     storage: Optional[str] = None  # the run folder's storage_path (default: a new temporary folder per run)
     record: bool = False  # replica 0's reporting stages record their events (stats' "events")
     prepare: Optional[Callable[[int], None]] = None  # called with the rank in its process before the stage is built

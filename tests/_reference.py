@@ -20,10 +20,10 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer, build_scheduler
-from raytrain_mgpu.runtime.loaders import test_loader, train_loader
-from raytrain_mgpu.runtime.metrics import EpochMeter
-from raytrain_mgpu.runtime.run_state import eval_columns, metric_columns
-from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler
+from raytrain_mgpu.engine.loaders import test_loader, train_loader
+from raytrain_mgpu.engine.metrics import EpochMeter
+from raytrain_mgpu.engine.run_state import eval_columns, metric_columns
+from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -40,7 +40,7 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, storage: Option
     import io
     import tempfile
 
-    from raytrain_mgpu.runtime.checkpoint import load_train_state, local_checkpoint
+    from raytrain_mgpu.engine.checkpoint_files import load_train_state, local_checkpoint
     from raytrain_mgpu.strategies import get_strategy
 
     fields = {**fields, "num_workers": 1, "runner": "local"}
@@ -64,9 +64,9 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, storage: Option
 
 @contextlib.contextmanager
 def steps_trained():
-    """The global steps the engine takes in this process meanwhile (``runtime/engine.STEP_EVENTS``), in order: a
+    """The global steps the engine takes in this process meanwhile (``engine/loop.STEP_EVENTS``), in order: a
     resumed in-process run's are those after its checkpoint only."""
-    from raytrain_mgpu.runtime import engine
+    from raytrain_mgpu.engine import loop as engine
 
     steps: list = []
     record = steps.append
@@ -86,8 +86,8 @@ def one_worker_weights(**fields) -> dict:
 
 
 def build_rank_model(cfg, strategy, input_shape, num_classes):
-    """The engine's initial model (``runtime/engine_checkpoint.build_model``) for ``strategy``'s rank."""
-    from raytrain_mgpu.runtime.engine_checkpoint import build_model
+    """The engine's initial model (``engine/checkpoints.build_model``) for ``strategy``'s rank."""
+    from raytrain_mgpu.engine.checkpoints import build_model
 
     class _Rank:
         ctx = strategy.ctx

@@ -6,7 +6,7 @@ back on for its own head) and point HOME at a temporary folder so nothing of the
 developer's is touched.
 
 The shared instance emulates 4 GPUs (``RAYTRAIN_MGPU_EMULATE_GPUS=4``, see
-``raytrain_mgpu.runtime.devices``): Ray gets 4 fake GPUs, so ``use_gpu=True`` runs schedule
+``raytrain_mgpu.engine.devices``): Ray gets 4 fake GPUs, so ``use_gpu=True`` runs schedule
 onto them and record ``cuda:k``/nccl while computing on CPU with gloo. The variable is
 set from the first test that uses ``ray_session`` to the end of the session; a unit test
 that depends on it sets or clears it itself (``monkeypatch``).
@@ -35,7 +35,7 @@ import pytest
 # it. Every Ray the suite starts is an explicit ray.init (or fit's own).
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
-from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV, WATCHER_ENV
+from raytrain_mgpu.transports.ray_train.faults import FIT_POLL_S, POLL_ENV, WATCHER_ENV
 
 EMULATED_GPUS = 4  # the shared Ray instance's fake GPUs
 
@@ -190,10 +190,10 @@ def pytest_collection_modifyitems(config, items):
 # /proc/<pid>/stat: 22.6 CPU-s for a 2-epoch MLP fit on 2 workers, 19.7 s with these):
 SHARED_RAY_TRAIN_ENV = {
     # each state change waits for a controller poll, every 2 s by default: fit's own poll
-    # (runtime/faults.controller_poll), set here because the tests' drivers set it as a user would;
+    # (transports/ray_train/faults.controller_poll), set here because the tests' drivers set it as a user would;
     POLL_ENV: FIT_POLL_S,
     # the preemption watcher, one more actor per run (1.4 CPU-s): fit leaves it out on a Ray its process
-    # started (runtime/preemption.py), this instance included; set for the tests' hand-written Ray Train
+    # started (engine/preemption.py), this instance included; set for the tests' hand-written Ray Train
     # loops. In the driver's environment only, not the raylet's, which every process inherits: the
     # README job's test (tests/test_fit.py) removes it and sees fit's own decision. The spot tests, on
     # nodes of their own (tests/test_two_node_spot.py), keep the watcher, as a user's cluster does;
@@ -211,7 +211,7 @@ def ray_session(tmp_path_factory):
     import ray
     from _ray_nodes import QUIET_LOG_MONITOR  # here: the suite guards' inner pytests copy this file alone
 
-    from raytrain_mgpu.runtime.devices import EMULATE_ENV  # imports torch: here, not in every pytest process's start
+    from raytrain_mgpu.engine.devices import EMULATE_ENV  # imports torch: here, not in every pytest process's start
 
     home = tmp_path_factory.mktemp("home")
     env = {**SHARED_RAY_TRAIN_ENV, **QUIET_LOG_MONITOR}
@@ -241,10 +241,10 @@ def ray_session(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_checkpoint_uploads():
     """Each test starts with no checkpoint-upload tracker. A worker's tracker lives as long as its Ray
-    Train context (``transports/ray_uploads.Uploads.current``); the unit tests that drive the Ray Train
+    Train context (``transports/ray_train/uploads.Uploads.current``); the unit tests that drive the Ray Train
     transport run outside one, so they would share a tracker and one would wait for ever for another's
     checkpoint to be persisted (it did, once a test order put test_wiring first)."""
-    module = sys.modules.get("raytrain_mgpu.transports.ray_uploads")
+    module = sys.modules.get("raytrain_mgpu.transports.ray_train.uploads")
     if module is not None:
         module.Uploads._current = None
     yield

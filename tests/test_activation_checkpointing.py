@@ -118,7 +118,7 @@ def test_the_memory_estimate_and_the_config_checks():
 
 
 def test_a_model_without_blocks_is_refused_before_ray():
-    from raytrain_mgpu.planning.preflight import check_model_builds
+    from raytrain_mgpu.driver.preflight import check_model_builds
 
     cfg = rtm.TrainConfig(model="torchvision.models:resnet18", dataset="synthetic", input_shape=[3, 32, 32],
                           num_classes=10, activation_checkpointing=1)

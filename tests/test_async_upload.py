@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint upload (``transports/ray_uploads.py``): training goes on while Ray
+"""Asynchronous checkpoint upload (``transports/ray_train/uploads.py``): training goes on while Ray
 Train uploads, and every guarantee of the synchronous upload still holds.
 
 One Ray run with step checkpoints every 5 steps and two faults (``_probe_data``'s plan), each followed by a
@@ -27,10 +27,10 @@ import ray.train
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.transports import ray_uploads
-from raytrain_mgpu.runtime.callbacks import Callback
-from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.transports.ray_train import uploads as ray_uploads
+from raytrain_mgpu.driver.callbacks import Callback
+from raytrain_mgpu.engine.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
 
 EVERY = 5  # checkpoint_every_n_steps
 # The user's own optimizer (RMSprop with momentum, from tests/test_factories.py: fit ships its module):
@@ -112,8 +112,8 @@ def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo
     through the Ray Train transport (Ray Train's calls faked, tests/test_wiring.py)."""
     from test_wiring import ray_train_engine
 
-    from raytrain_mgpu.runtime.run_state import RunState
-    from raytrain_mgpu.transports import ray_train
+    from raytrain_mgpu.engine.run_state import RunState
+    from raytrain_mgpu.transports.ray_train import worker as ray_train
 
     modes, latest = [], {}
 
@@ -181,7 +181,7 @@ def test_a_kill_mid_upload_and_a_rank_killed_mid_epoch_resume_from_the_last_comp
         ray_session, tmp_path):
     from _reference import train_replicas
 
-    from raytrain_mgpu.runtime.engine_checkpoint import checkpoint_name
+    from raytrain_mgpu.engine.checkpoints import checkpoint_name
 
     run = tmp_path / "results" / "two-faults"
     result, probe, announced = _fit(tmp_path, "two-faults", [

@@ -33,9 +33,10 @@ from ray.core.generated import autoscaler_pb2
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.planning import auto
-from raytrain_mgpu.runtime import autoscaler_config, cluster
+from raytrain_mgpu.driver import autoscaler_config
+from raytrain_mgpu.driver import cluster
 from raytrain_mgpu.planning.compare import _plan, _skip_unplaceable
-from raytrain_mgpu.pipeline.runner import _check_resources, run_pipeline
+from raytrain_mgpu.transports.actor_group.runner import _check_resources, run_pipeline
 from raytrain_mgpu.strategies import get_strategy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +142,7 @@ def test_our_cluster_yaml_reads_as_eight_gpu_nodes_it_can_have(cold, monkeypatch
 ])
 def test_gpu_runs_pass_the_check_with_no_gpu_node_up(cold, strategy, overrides, caplog):
     cfg = rtm.TrainConfig(strategy=strategy, use_gpu=True, batch_size=64, **overrides)
-    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.runtime.cluster"):
+    with caplog.at_level(logging.INFO, logger="raytrain_mgpu.driver.cluster"):
         cluster.check_placeable(get_strategy(strategy).bundles(cfg), True, f"strategy={strategy!r}")
     assert "waits for the autoscaler to add nodes" in caplog.text
 
@@ -178,7 +179,7 @@ def test_the_pipeline_gets_past_its_checks_at_zero_gpu_nodes(cold, monkeypatch, 
     def train_attempt(*args, **kwargs):
         raise PastTheChecks
 
-    monkeypatch.setattr("raytrain_mgpu.pipeline.runner.train_attempt", train_attempt)
+    monkeypatch.setattr("raytrain_mgpu.transports.actor_group.runner.train_attempt", train_attempt)
     cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="pipeline", num_stages=4, num_microbatches=4,
                           use_gpu=True, storage_path=storage)
     with pytest.raises(PastTheChecks):
@@ -364,7 +365,7 @@ def test_a_config_that_does_not_say_what_its_nodes_have_leaves_them_unknown(mach
 # ----------------------------------------------------------------------------- real Ray, drivers in subprocesses
 
 CAPACITY = """import json, sys, ray
-from raytrain_mgpu.runtime.cluster import read_capacity
+from raytrain_mgpu.driver.cluster import read_capacity
 ray.init(**json.loads(sys.argv[1]), log_to_driver=False)
 c = read_capacity()
 print(json.dumps({"autoscales": c.autoscales, "node_types": [[t.name, t.resources, t.max_count] for t in c.node_types],

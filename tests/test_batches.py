@@ -22,7 +22,7 @@ from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer
-from raytrain_mgpu.runtime.metrics import EpochMeter
+from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 

@@ -64,7 +64,7 @@ def test_checkpoint_report_measures_the_stall_against_the_run_without_saves():
 
 def test_bench_checkpoint_runs_ray_trains_controller_with_fits_poll(monkeypatch, tmp_path):
     """The stall it measures is fit's: each report waits for the controller's next poll, so the
-    bench runs the controller with the poll fit sets (runtime/faults.controller_poll), read by Ray
+    bench runs the controller with the poll fit sets (transports/ray_train/faults.controller_poll), read by Ray
     Train from the driver's environment when fit() starts it: checked there."""
     import json
     import os
@@ -73,7 +73,7 @@ def test_bench_checkpoint_runs_ray_trains_controller_with_fits_poll(monkeypatch,
     import ray.train.torch
 
     from raytrain_mgpu.bench import checkpoint as bench_checkpoint
-    from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
+    from raytrain_mgpu.transports.ray_train.faults import FIT_POLL_S, POLL_ENV
 
     seen = []
 

@@ -12,7 +12,7 @@ from raytrain_mgpu.bench import data as bench
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.runtime.loaders import worker_context
+from raytrain_mgpu.engine.loaders import worker_context
 
 
 def test_parquet_rows_and_imagefolder_files_are_the_same_images(tmp_path):

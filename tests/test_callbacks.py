@@ -14,9 +14,9 @@ import pytest
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import _build_parser, config_from_args
-from raytrain_mgpu.runtime.callbacks import Callback, CallbackError, RunEvents, RunInfo, load_callbacks
-from raytrain_mgpu.runtime.progress import ProgressPrinter
-from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.driver.callbacks import Callback, CallbackError, RunEvents, RunInfo, load_callbacks
+from raytrain_mgpu.driver.progress import ProgressPrinter
+from raytrain_mgpu.engine.run_folder import RunFolder
 
 # 256 digits samples, batch 32: a few steps per epoch; a step's scalars every 2 steps.
 SMALL = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256, batch_size=32,
@@ -70,7 +70,7 @@ def assert_events_in_order(recorder: Recorder, result, epochs: list) -> None:
     assert [row for _, row in rows] == [{k: v for k, v in row.items() if not k.startswith("auto_")}
                                         for row in result.history[-len(epochs):]]
     # one checkpoint per epoch, each after its epoch's row (uploaded in the background, it may come
-    # after the next epoch's steps: transports/ray_uploads.py); the last one is TrainResult's
+    # after the next epoch's steps: transports/ray_train/uploads.py); the last one is TrainResult's
     checkpoints = [what for kind, what in recorder.events if kind == "checkpoint"]
     assert len(checkpoints) == len(epochs) and checkpoints[-1] == result.checkpoint_path
     assert len(set(checkpoints)) == len(checkpoints)
@@ -130,7 +130,7 @@ def test_a_callbacks_error_copies_and_pickles_with_its_message():
 
 def test_callbacks_load_from_names_and_bad_entries_fail_with_the_fix(tmp_path, monkeypatch):
     (tmp_path / "my_hooks.py").write_text(
-        "from raytrain_mgpu.runtime.callbacks import Callback\n"
+        "from raytrain_mgpu.driver.callbacks import Callback\n"
         "class Notify(Callback):\n    pass\n"
         "class NeedsArg(Callback):\n    def __init__(self, url):\n        self.url = url\n"
         "class Plain:\n    pass\n")

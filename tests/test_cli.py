@@ -30,7 +30,7 @@ def test_help_reads_as_text_without_rest_markup(capsys):
     assert "``" not in out and not re.search(r":[a-z]+:`", out)
     assert "Registry name (lenet, resnet18, mlp, transformer_lm), pkg.module:function, or" in " ".join(out.split())
     # the roles the field docstrings may use, as Sphinx shows them
-    assert _plain("a :class:`~raytrain_mgpu.runtime.callbacks.Callback` named by :func:`raytrain_mgpu.fit` or "
+    assert _plain("a :class:`~raytrain_mgpu.driver.callbacks.Callback` named by :func:`raytrain_mgpu.fit` or "
                   ":doc:`the guide <docs/guide>`, `x`") == "a Callback named by raytrain_mgpu.fit or the guide, x"
 
 

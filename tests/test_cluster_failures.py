@@ -13,7 +13,7 @@ import pytest
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.errors import StuckRankError, WorkerError
-from raytrain_mgpu.runtime.engine_step import NonFiniteError
+from raytrain_mgpu.engine.step import NonFiniteError
 
 RUN = dict(model="_failing_models:failing", dataset="digits", strategy="ddp", num_workers=2, batch_size=64,
            epochs=1, runner="ray")  # digits: 22 steps an epoch of 64
@@ -104,7 +104,7 @@ def test_where_the_node_types_are_not_known_the_run_asks_and_fails_after_placeme
     # A cluster whose autoscaler config cannot be read from here (a driver off the head): 6 one-CPU workers on a
     # Ray of 4 CPUs are not refused, Ray Train asks for them, and the run fails after placement_timeout_s.
     from raytrain_mgpu.errors import PlacementTimeoutError
-    from raytrain_mgpu.runtime import cluster
+    from raytrain_mgpu.driver import cluster
 
     known = cluster.read_capacity()
     unknown = cluster.Capacity(known.alive, node_types_unknown="no monitor of this session runs on this machine")

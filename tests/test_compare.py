@@ -125,7 +125,7 @@ def test_compare_checks_its_input_before_starting_ray(monkeypatch):
     def connect(*args, **kwargs):
         raise AssertionError("compare connected to Ray before checking its input")
 
-    monkeypatch.setattr("raytrain_mgpu.runtime.cluster.connect", connect)
+    monkeypatch.setattr("raytrain_mgpu.driver.cluster.connect", connect)
     cfg = rtm.TrainConfig(model="lenet", dataset="digits")
     with pytest.raises(ValueError, match=r"unknown name\(s\) \['nope'\]\. Valid names: ddp, ddp2, .*pipeline"):
         compare(cfg, strategies=["ddp", "nope"])

@@ -17,7 +17,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import _build_parser
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.models.checkpointing import compile_blocks
-from raytrain_mgpu.planning.preflight import check_model_builds
+from raytrain_mgpu.driver.preflight import check_model_builds
 
 # 5 blocks: Flatten, Linear+ReLU (64 -> 16), two Linear+ReLU (16 -> 16), the classifier; 22 steps an epoch
 DP = dict(model="mlp", model_kwargs={"widths": [16, 16, 16]}, dataset="digits", batch_size=64, epochs=1)

@@ -583,7 +583,7 @@ def test_driver_checks_read_headers_not_data(tmp_path, monkeypatch):
 
 def test_val_fraction_holds_out_a_seeded_part_of_the_training_split_before_any_sharding():
     import raytrain_mgpu as rtm
-    from raytrain_mgpu.planning.preflight import train_split_size
+    from raytrain_mgpu.driver.preflight import train_split_size
 
     cfg = rtm.TrainConfig(dataset="digits", val_fraction=0.2, train_transform="random_crop_flip", monitor="val_loss")
     built, again = build_datasets(cfg.data), build_datasets(cfg.data)
@@ -603,7 +603,7 @@ def test_val_fraction_holds_out_a_seeded_part_of_the_training_split_before_any_s
 def test_a_held_out_splits_rows_reach_the_readers_prefetch_as_the_readers_rows():
     from torch.utils.data import Subset
 
-    from raytrain_mgpu.runtime.loaders import prefetch
+    from raytrain_mgpu.engine.loaders import prefetch
 
     class Reader:
         asked = None

@@ -199,3 +199,50 @@ def test_docs_and_package_text_speak_to_users_not_of_how_the_work_was_organised(
     assert not found, ("session, issue or stop numbers and words about the machines the work ran on "
                        "(\"this VM\", \"lent\"): say what a user needs instead (\"on a 2-core Intel Xeon "
                        "machine\", \"a machine with one H200\", the commit):\n" + "\n".join(found))
+
+
+def _package_map() -> str:
+    """The package map of docs/development.md: the code block under "## Layout" that starts at ``raytrain_mgpu/``."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    layout = text[text.index("## Layout"):]
+    start = layout.index("```\nraytrain_mgpu/\n") + 4
+    return layout[start:layout.index("\n```", start)]
+
+
+def _entries(block: str) -> dict:
+    """``{"engine/": its text, "config.py": its text, ...}``: each entry of the map with its continuation lines."""
+    entries, current = {}, None
+    for line in block.splitlines():
+        match = re.match(r"^  (\S+)\s", line + " ")
+        if match:
+            current = match.group(1)
+            entries[current] = line
+        elif current is not None and line.startswith("    "):
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_the_package_map_names_every_folder_and_module():
+    package = ROOT / "raytrain_mgpu"
+    block = _package_map()
+    entries = _entries(block)
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        parts = relative.parts
+        if parts[0] == "bench" and len(parts) > 1 or path.name == "__init__.py" and len(parts) == 1:
+            continue  # the benchmarks: their folder is named; the package's own __init__
+        if len(parts) == 1:
+            if not re.search(rf"(?<![\w/]){re.escape(path.name)}", block):
+                missing.append(str(relative))
+            continue
+        entry = entries.get(f"{parts[0]}/", "")
+        if not entry:
+            missing.append(f"{parts[0]}/")
+            continue
+        for folder in parts[1:-1]:
+            if f"{folder}/" not in entry:
+                missing.append(f"{parts[0]}/{folder}/")
+        if path.name != "__init__.py" and not re.search(rf"(?<![\w]){re.escape(path.name)}", entry):
+            missing.append(str(relative))
+    assert not sorted(set(missing)), f"docs/development.md's package map does not name: {sorted(set(missing))}"

@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import _build_parser
-from raytrain_mgpu.runtime.run_state import EPOCH_KEYS, RunState, epoch_row
+from raytrain_mgpu.engine.run_state import EPOCH_KEYS, RunState, epoch_row
 from raytrain_mgpu.strategies import STRATEGIES
 from raytrain_mgpu.strategies.elastic import at_count, worker_range
 from raytrain_mgpu.strategies.plan import build_plan

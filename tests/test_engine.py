@@ -1,4 +1,4 @@
-"""The engine every transport runs (``runtime/engine.py``): the epochs (``run_epochs``, with stand-in epochs),
+"""The engine every transport runs (``engine/loop.py``): the epochs (``run_epochs``, with stand-in epochs),
 and features of the step loop that reach every runner with no runner code: an event in ``STEP_EVENTS``, the
 gradient norm's epoch column, time-based step checkpoints, evaluation every N steps; a resumed pipeline restores
 every random generator it saved, through the same functions as every runner.
@@ -13,9 +13,9 @@ import functools
 import os
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime import engine
-from raytrain_mgpu.runtime.engine import run_epochs
-from raytrain_mgpu.runtime.run_state import RunState
+from raytrain_mgpu.engine import loop as engine
+from raytrain_mgpu.engine.loop import run_epochs
+from raytrain_mgpu.engine.run_state import RunState
 
 
 def _run(cfg, state=None, losses=None, steps_per_epoch=10, has_val=False) -> tuple:
@@ -139,9 +139,9 @@ def test_a_checkpoint_of_the_pipelines_earlier_layout_still_resumes(tmp_path):
 
     import torch
 
-    from raytrain_mgpu.runtime import checkpoint as ckpt_format
-    from raytrain_mgpu.runtime.engine_checkpoint import read
-    from raytrain_mgpu.runtime.transport import CheckpointSource
+    from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+    from raytrain_mgpu.engine.checkpoints import read
+    from raytrain_mgpu.transports.base import CheckpointSource
 
     cfg = rtm.TrainConfig(model="mlp", strategy="pipeline", num_stages=2, batch_size=32)
     folder = tmp_path / "checkpoint_epoch000001_step000000030"

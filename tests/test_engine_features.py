@@ -19,7 +19,7 @@ import torch
 
 import raytrain_mgpu as rtm
 from _pipeline_local import LocalRun, run_local
-from raytrain_mgpu.runtime.callbacks import Callback
+from raytrain_mgpu.driver.callbacks import Callback
 
 # 12 steps an epoch of 24 samples, 2 micro-batches: the check of checkpoint_every_n_minutes comes at step 10
 PIPE = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=288,
@@ -155,7 +155,7 @@ def test_a_two_rank_run_writes_a_trace_per_rank_and_an_mfu_column(tmp_path):
 
 
 def test_mfu_is_the_steps_flops_over_the_devices_peak(tmp_path, monkeypatch):
-    monkeypatch.setattr("raytrain_mgpu.runtime.flops.peak_flops_per_s", lambda device, precision: 1e9)
+    monkeypatch.setattr("raytrain_mgpu.engine.flops.peak_flops_per_s", lambda device, precision: 1e9)
     result, _ = _in_process(str(tmp_path))
     row = result.history[0]
     assert row["mfu"] == pytest.approx(row["flops_per_step"] * row["step"] / row["training_s"] / 1e9)
@@ -167,8 +167,8 @@ def test_mfu_is_the_steps_flops_over_the_devices_peak(tmp_path, monkeypatch):
 def _overflow_on_stage_0_at_step_2(rank: int) -> None:
     """In a stage's process: stage 0's gradients overflow at step 2 only (its own: the last stage's are finite);
     every optimizer step's 'did the weights move' and the scale after it go to ``$FP16_LOG/rank{rank}``."""
-    from raytrain_mgpu.pipeline.steps import PipelineSteps
-    from raytrain_mgpu.runtime.engine_step import OptimizerStep
+    from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+    from raytrain_mgpu.engine.step import OptimizerStep
 
     log = Path(os.environ["FP16_LOG"]) / f"rank{rank}"
     train_step, end_step, steps = PipelineSteps.train_step, OptimizerStep.__call__, []
@@ -196,7 +196,7 @@ def test_fp16_in_a_pipeline_skips_a_step_every_stage_alike_when_one_stage_overfl
     """``16-mixed`` on a 2-stage pipeline (emulated GPUs: the grad scaler on CPU): the last stage scales its loss,
     each stage unscales its own gradients, and the stages agree on an overflow any of them saw: step 2's stage-0
     overflow skips step 2 on both stages and halves both scales, so they stay equal."""
-    from raytrain_mgpu.runtime.devices import EMULATE_ENV
+    from raytrain_mgpu.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, "2")
     monkeypatch.setenv("FP16_LOG", str(tmp_path))
@@ -213,7 +213,7 @@ def test_fp16_in_a_pipeline_skips_a_step_every_stage_alike_when_one_stage_overfl
 def test_fp16_in_a_pipeline_trains_with_a_stage_that_has_no_parameters(monkeypatch):
     """Stage 0 holds only the MLP's Flatten: it has no gradients to check for an overflow, yet the stages' agreement
     is a collective it must take part in (else stage 1 waits forever), and its scaler must record the verdict."""
-    from raytrain_mgpu.runtime.devices import EMULATE_ENV
+    from raytrain_mgpu.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, "2")
     from raytrain_mgpu.models import build_model
@@ -237,7 +237,7 @@ def _probe_steps(rank: int, mode: str) -> None:
     """In a stage's process: each optimizer step's 'did this stage's weights move' to ``$SKIP_LOG/{mode}-rank{rank}``.
     ``mode="nan"``: stage 0's gradients are NaN at step NAN_AT (stage 1's finite, as when stage 0's own backward
     overflows); ``"drop"``: every stage's gradients are dropped before that step's optimizer (a run without it)."""
-    from raytrain_mgpu.runtime.engine_step import OptimizerStep
+    from raytrain_mgpu.engine.step import OptimizerStep
 
     log = Path(os.environ["SKIP_LOG"]) / f"{mode}-rank{rank}"
     end_step = OptimizerStep.__dict__.get("unprobed", OptimizerStep.__call__)  # a later run in this process
@@ -284,7 +284,7 @@ def test_the_runs_end_flushes_rank_0s_events_after_the_last(monkeypatch, tmp_pat
     """``Transport.finish`` flushes rank 0's reporter, once, after its last event (the checkpoint's
     announcement): the driver's last drain then finds it (tests/test_fit.py: what the flush waits for)."""
     from _engine import RecordingSink, make_engine
-    from raytrain_mgpu.runtime.progress import WorkerReporter
+    from raytrain_mgpu.driver.progress import WorkerReporter
 
     sink, flushed = RecordingSink(), []
     monkeypatch.setattr(WorkerReporter, "flush", lambda self, timeout_s=0.0: flushed.append(len(sink.events)))

@@ -20,11 +20,12 @@ import pytest
 import ray.train
 
 from _engine import make_engine
-from raytrain_mgpu.runtime import engine as engine_module
-from raytrain_mgpu.runtime.metrics import EpochMeter
-from raytrain_mgpu.runtime.progress import ProgressPrinter
-from raytrain_mgpu.runtime.run_state import RunState
-from raytrain_mgpu.transports import ray_train, ray_uploads
+from raytrain_mgpu.engine import loop as engine_module
+from raytrain_mgpu.engine.metrics import EpochMeter
+from raytrain_mgpu.driver.progress import ProgressPrinter
+from raytrain_mgpu.engine.run_state import RunState
+from raytrain_mgpu.transports.ray_train import worker as ray_train
+from raytrain_mgpu.transports.ray_train import uploads as ray_uploads
 
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1,
            seed=3, num_workers=1, epochs=1, checkpoint_every_n_steps=5)

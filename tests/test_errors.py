@@ -34,9 +34,9 @@ def _examples() -> dict:
     from raytrain_mgpu.cli import _UsageError
     from raytrain_mgpu.pipeline.executor import PipelineStepError
     from raytrain_mgpu.pipeline.schedule import ScheduleError
-    from raytrain_mgpu.runtime.callbacks import CallbackError
-    from raytrain_mgpu.runtime.engine_step import NonFiniteError
-    from raytrain_mgpu.runtime.faults import CollectiveTimeoutError
+    from raytrain_mgpu.driver.callbacks import CallbackError
+    from raytrain_mgpu.engine.step import NonFiniteError
+    from raytrain_mgpu.transports.ray_train.faults import CollectiveTimeoutError
 
     return {cls: example for example in (
         WorkerError("mymodule.MyError", "it broke", "Traceback ...\nmymodule.MyError: it broke\n",
@@ -125,9 +125,9 @@ def _ray_errors():
 
 
 def _table():
-    from raytrain_mgpu.runtime.callbacks import CallbackError
-    from raytrain_mgpu.runtime.engine_step import NonFiniteError
-    from raytrain_mgpu.runtime.faults import CollectiveTimeoutError
+    from raytrain_mgpu.driver.callbacks import CallbackError
+    from raytrain_mgpu.engine.step import NonFiniteError
+    from raytrain_mgpu.transports.ray_train.faults import CollectiveTimeoutError
 
     return [  # (error, stepped, retried)
         *[(e, True, True) for e in _ray_errors()],                                  # a lost process or node
@@ -160,8 +160,8 @@ def test_ray_trains_controller_asks_the_same_policy(monkeypatch):
     from ray.train.v2._internal.util import construct_user_exception_with_traceback
     from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-    from raytrain_mgpu.runtime.engine_step import NonFiniteError
-    from raytrain_mgpu.transports.ray_train_policy import OneRetryPolicy
+    from raytrain_mgpu.engine.step import NonFiniteError
+    from raytrain_mgpu.transports.ray_train.policy import OneRetryPolicy
 
     def group_error(exc):  # as Ray Train's worker thread wraps a train function's error
         try:
@@ -175,7 +175,7 @@ def test_ray_trains_controller_asks_the_same_policy(monkeypatch):
     assert [policy.make_decision(died) for _ in range(3)] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
     # Ray Train waits 60 s for a worker group's resources, then tries again (for ever, by itself): while
     # placement_timeout_s lasts in all, then not again
-    from raytrain_mgpu.transports import ray_train_policy
+    from raytrain_mgpu.transports.ray_train import policy as ray_train_policy
 
     clock = [1000.0]
     monkeypatch.setattr(ray_train_policy.time, "monotonic", lambda: clock[0])
@@ -190,7 +190,7 @@ def test_ray_trains_controller_asks_the_same_policy(monkeypatch):
 
 
 def test_the_failure_shown_of_several_ranks_is_the_cause_not_the_others_lost_peer():
-    from raytrain_mgpu.runtime.engine_step import NonFiniteError
+    from raytrain_mgpu.engine.step import NonFiniteError
 
     lost_peer = RuntimeError("Connection closed by peer")
     assert root_cause({0: lost_peer, 1: ValueError("bad label 11")})[0] == 1

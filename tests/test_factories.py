@@ -22,7 +22,7 @@ from torch import nn
 import raytrain_mgpu as rtm
 from raytrain_mgpu import api
 from raytrain_mgpu.models import build_model, factory_arguments
-from raytrain_mgpu.planning.preflight import check_model_builds
+from raytrain_mgpu.driver.preflight import check_model_builds
 
 # A test extra, checked without importing it (every pytest process collects this module): skipped where it
 # is missing, a failure on CI (tests/_extras.py). The helper is imported only then: Ray's workers import this

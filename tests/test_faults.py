@@ -22,8 +22,8 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu import api
-from raytrain_mgpu.planning import preflight
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.driver import preflight
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
 from raytrain_mgpu.data.convert import convert_to_parquet
 from raytrain_mgpu.strategies.plan import build_plan
 
@@ -113,7 +113,7 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_resume_would_pick(surviv
     """Checkpoint names are the epoch's (``checkpoint_epoch{E}``, every runner), so the save redone after the
     restart writes the folder the killed one left half-written: what is checked is that the restart did not
     resume from it (Ray Train never registered it) and that its folder ends whole, the redone save's."""
-    from raytrain_mgpu.runtime.engine_checkpoint import checkpoint_name
+    from raytrain_mgpu.engine.checkpoints import checkpoint_name
 
     result, probe, printed = survivor
     half_written = Path((probe / "done-kill_in_save").read_text())
@@ -189,8 +189,8 @@ def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
     monkeypatch.delenv("COORDINATOR_ASKED", raising=False)
     monkeypatch.setattr(coordinator, "get_or_create_autoscaling_coordinator",
                         lambda: monkeypatch.setenv("COORDINATOR_ASKED", "yes"))
-    from raytrain_mgpu.runtime import progress
-    from raytrain_mgpu.transports.ray_train import run_train_workers
+    from raytrain_mgpu.driver import progress
+    from raytrain_mgpu.transports.ray_train.driver import run_train_workers
 
     monkeypatch.setattr(progress, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
     monkeypatch.setattr(progress, "SinkPump", Pump)
@@ -204,7 +204,7 @@ def test_fit_runs_ray_trains_controller_with_a_short_poll_and_keeps_a_users_valu
     """Every report waits for the controller's next poll (wait_until_report_collected): with Ray's
     default 2 s, the README's job ran 37 s instead of 21 s. Ray Train reads the poll from the
     driver's environment when TorchTrainer.fit() starts its controller: checked there."""
-    from raytrain_mgpu.runtime.faults import FIT_POLL_S, POLL_ENV
+    from raytrain_mgpu.transports.ray_train.faults import FIT_POLL_S, POLL_ENV
 
     monkeypatch.delenv(POLL_ENV, raising=False)
     seen = []
@@ -230,8 +230,8 @@ def test_fit_asks_for_ray_trains_autoscaling_coordinator_before_the_controller_s
 def test_fit_turns_the_preemption_watcher_off_only_on_a_ray_this_process_started(
         monkeypatch, storage, started_here, user_value, at_start):
     """Ray Train's preemption watcher is one more actor process starting beside the first steps
-    (runtime/preemption.py); on a Ray this process started no node is drained for preemption."""
-    from raytrain_mgpu.runtime import preemption
+    (transports/preemption.py); on a Ray this process started no node is drained for preemption."""
+    from raytrain_mgpu.transports import preemption
 
     monkeypatch.setattr(preemption, "ray_started_here", lambda: started_here)
     if user_value is None:
@@ -246,7 +246,7 @@ def test_fit_turns_the_preemption_watcher_off_only_on_a_ray_this_process_started
 def test_a_rank_killed_right_after_its_report_resumes_from_that_reports_checkpoint(ray_session, tmp_path,
                                                                                     monkeypatch):
     """Ray Train's default poll (2 s), set by hand as a user's value (``fit`` keeps it:
-    ``runtime/faults.controller_poll``): the shared instance's 0.2 s poll would hide the race. Rank 1
+    ``transports/ray_train/faults.controller_poll``): the shared instance's 0.2 s poll would hide the race. Rank 1
     dies on its first sample of epoch 2, milliseconds after its epoch-1 report returned; a report
     still queued then would die with it and epoch 1's checkpoint, although uploaded, would never be
     registered.
@@ -291,7 +291,7 @@ def test_ray_address_pointing_to_nothing_fails_in_seconds():
     # clock starts after the imports, which take seconds on a loaded machine.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_ADDRESS": dead,
            "RAY_AUTH_MODE": "disabled"}
-    connect = ("import time\nfrom raytrain_mgpu.runtime.cluster import connect\nstart = time.monotonic()\n"
+    connect = ("import time\nfrom raytrain_mgpu.driver.cluster import connect\nstart = time.monotonic()\n"
                "try:\n    connect(None, verbose=False, local_has_gpu_check=False)\n"
                "finally:\n    print(f'{time.monotonic() - start:.3f}', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", connect], cwd=REPO, env=env, capture_output=True, text=True,
@@ -346,7 +346,7 @@ def test_waiting_for_the_report_returns_once_the_controller_took_it_and_not_befo
 
     from ray.train.v2._internal.execution import context as train_context
 
-    from raytrain_mgpu.runtime.faults import wait_until_report_collected
+    from raytrain_mgpu.transports.ray_train.faults import wait_until_report_collected
 
     pending = queue.Queue()
     monkeypatch.setattr(train_context, "get_train_context",

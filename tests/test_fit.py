@@ -52,12 +52,12 @@ def test_two_workers_equal_one_and_resume_continues_exactly(ray_session, storage
     started = time.perf_counter()
     first = rtm.fit(two_cfg.replace(callbacks=[first_events]))
     first_s = time.perf_counter() - started
-    mailboxes = actors_started(ray_session, "_Mailbox")  # the driver's progress mailbox (runtime/progress.py)
+    mailboxes = actors_started(ray_session, "_Mailbox")  # the driver's progress mailbox (driver/progress.py)
     assert [h["epoch"] for h in first.history] == [1, 2]
     started = time.perf_counter()
     resumed = rtm.fit(two_cfg.replace(epochs=3, callbacks=[resumed_events]))
     resume_s = time.perf_counter() - started
-    # A loader run starts no Ray Data actor (transports/ray_train.torch_trainer_class; a ray_data run does: test_ray_ingest.py).
+    # A loader run starts no Ray Data actor (transports/ray_train/driver.torch_trainer_class; a ray_data run does: test_ray_ingest.py).
     assert actors_started(ray_session, "DatasetManager") == managers
     # The resumed run's events (resumed_events below) came through the first run's mailbox, on a channel of its own.
     assert actors_started(ray_session, "_Mailbox") == mailboxes
@@ -143,7 +143,7 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
 
     from ray._private import state
 
-    from raytrain_mgpu.runtime.preemption import WATCHER_ENV
+    from raytrain_mgpu.transports.preemption import WATCHER_ENV
 
     def watchers_started() -> int:  # alive or dead, from the GCS's actor table (as tests/test_ray_ingest.py)
         return sum(actor["ActorClassName"].endswith("PreemptionWatcher") for actor in state.actors().values())
@@ -156,7 +156,7 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
     assert main(["train", "--storage-path", storage]) == 0
     run_s = time.perf_counter() - start
     # On a Ray this process started, no node is drained for preemption: the watcher, an actor process
-    # starting beside the first steps, never ran (runtime/preemption.py).
+    # starting beside the first steps, never ran (engine/preemption.py).
     assert watchers_started() == watchers
     out = capsys.readouterr().out
     assert "global batch 128 = 2 replica(s) x 64 x 1 accumulation step(s)" in out
@@ -251,7 +251,7 @@ def test_cli_pipeline_job_config_trains_resumes_and_loads(ray_session, storage, 
 
 @pytest.mark.quick  # two small actors on the shared Ray
 def test_the_runs_of_one_driver_share_its_progress_mailbox_on_channels_of_their_own(ray_session):
-    from raytrain_mgpu.runtime.progress import ProgressSink
+    from raytrain_mgpu.driver.progress import ProgressSink
 
     ray = ray_session
     first, second = ProgressSink.open(), ProgressSink.open()
@@ -284,7 +284,7 @@ def test_a_workers_events_are_in_the_mailbox_when_its_reporter_is_flushed(ray_se
     """The run's end (``Transport.finish``) flushes rank 0's reporter: the driver's last drain, which is not
     ordered with a worker's sends, then finds the last checkpoint's announcement. Here a mailbox that takes a
     while over each event marks it received in a file: flush returns only after that."""
-    from raytrain_mgpu.runtime.progress import ProgressSink, WorkerReporter
+    from raytrain_mgpu.driver.progress import ProgressSink, WorkerReporter
 
     @ray_session.remote(num_cpus=0)
     class SlowMailbox:

@@ -1,4 +1,4 @@
-"""FLOPs of a training step, the devices' peaks and MFU (raytrain_mgpu/runtime/flops.py); no GPU, no Ray.
+"""FLOPs of a training step, the devices' peaks and MFU (raytrain_mgpu/engine/flops.py); no GPU, no Ray.
 
 The counts are FlopCounterMode's (2 FLOPs a multiply-add, matrix products and convolutions only), so
 they can be checked exactly against the layer shapes; the peaks are looked up by a device name that the
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain_mgpu.runtime import flops
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
-from raytrain_mgpu.runtime.flops import mfu, peak_flops_per_s, step_flops
+from raytrain_mgpu.engine import flops
+from raytrain_mgpu.engine.devices import EMULATE_ENV
+from raytrain_mgpu.engine.flops import mfu, peak_flops_per_s, step_flops
 
 
 def test_linear_layers_count_two_flops_a_multiply_add_forward_and_four_backward():

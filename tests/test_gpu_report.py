@@ -8,7 +8,7 @@ import ray
 import torch
 
 from raytrain_mgpu.bench import gpu_report
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
+from raytrain_mgpu.engine.devices import EMULATE_ENV
 from raytrain_mgpu.strategies import get_strategy
 from raytrain_mgpu.strategies.plan import build_plan
 

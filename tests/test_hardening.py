@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
 from raytrain_mgpu._factory import TRUSTED_MODULES_ENV, load_factory
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import check_data, cifar10
-from raytrain_mgpu.planning.preflight import check_data_fits, check_run_folder
-from raytrain_mgpu.runtime.runlock import LOCK_FILE, RunLock
+from raytrain_mgpu.driver.preflight import check_data_fits, check_run_folder
+from raytrain_mgpu.engine.runlock import LOCK_FILE, RunLock
 
 
 class _Payload:
@@ -299,7 +299,7 @@ def test_credentials_in_uris_are_redacted(text, expected):
 
 def test_banner_and_failure_message_hold_no_secret():
     from raytrain_mgpu.api import _banner
-    from raytrain_mgpu.transports.ray_train import whole_failure
+    from raytrain_mgpu.transports.ray_train.driver import whole_failure
     from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")
@@ -342,9 +342,10 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     import time
     import socket
 
-    from raytrain_mgpu.pipeline import group, runner
-    from raytrain_mgpu.runtime import engine
-    from raytrain_mgpu.runtime.run_folder import RunFolder
+    from raytrain_mgpu.transports.actor_group import group
+    from raytrain_mgpu.transports.actor_group import runner
+    from raytrain_mgpu.engine import loop as engine
+    from raytrain_mgpu.engine.run_folder import RunFolder
     from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.transports.local import run_in_process
 
@@ -418,7 +419,7 @@ def locked_then_trained(tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("locked") / "results")
     cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="locked")
     run_path = f"{storage}/locked"
-    holder = ("import sys\nfrom raytrain_mgpu.runtime.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
+    holder = ("import sys\nfrom raytrain_mgpu.engine.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
               "print('locked', flush=True)\nsys.stdin.readline()\nlock.release()\n")
     owner = subprocess.Popen([sys.executable, "-c", holder, run_path], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)

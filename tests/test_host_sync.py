@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from _engine import RecordingSink, make_engine
-from raytrain_mgpu.runtime.metrics import EpochMeter
+from raytrain_mgpu.engine.metrics import EpochMeter
 
 
 _READS = {"item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -169,7 +169,7 @@ def _watch_the_second_epoch(rank: int) -> None:
     import os
     from pathlib import Path
 
-    from raytrain_mgpu.runtime.engine import Engine
+    from raytrain_mgpu.engine.loop import Engine
 
     original = Engine.train_epoch
 

@@ -133,7 +133,7 @@ def _one_cycle(graph: Dict[str, Set[str]], component: Set[str]) -> List[str]:
 
 # Lowest first. A module may import (at any depth, function bodies included) modules of its
 # own layer and of the layers below, never above. A module belongs to the layer of the
-# longest prefix listed (``runtime.loop`` is a runner, the rest of ``runtime`` is not), so a
+# longest prefix listed, so a
 # new module lands in its package's layer without an edit here.
 LAYERS = [
     # Standard library only: credential redaction, the `module:function` factory loader, size parsing,
@@ -149,25 +149,23 @@ LAYERS = [
     # The config checks a model or dataset name against those registries; everything
     # above reads the config.
     ("config_checks", "config_code", "config_sections", "config"),
-    # What a run needs whatever its strategy: devices, metrics, checkpoints, the run folder,
-    # progress, the run lock, the cluster, fault injection, the optimizer from its section.
-    # planning.preflight sits here, not with planning: runtime.cluster probes the Ray address
-    # with it, and it needs only the run folder and the readers' file headers.
-    ("optim", "runtime", "planning.preflight"),
-    # The pipeline's pure plan (schedules as data, the stage partition): the pipeline
-    # strategies validate a config against it; no actors, no Ray.
-    ("pipeline.schedule", "pipeline.plan"),
+    # The engine: one rank's run, whatever carries it (no Ray, no transport: test_engine_imports_no_ray below),
+    # and the optimizer from its section.
+    ("optim", "engine"),
+    # The pipeline's schedules as data, its partition plan, its executor and point-to-point channels: the
+    # pipeline strategies validate a config against the plan; a stage's step runner runs the executor.
+    ("pipeline",),
     # The worker side of the strategies: the placement and replication steps a Ray Train worker
-    # applies to the model, composed from a strategy class's names for them.
+    # applies to the model, composed from a strategy class's names for them; the step runners.
     ("parallel",),
     # One class per strategy, on the driver: rules, layout, memory model, its runner and its two
-    # worker steps by name (no torch).
+    # worker steps by name (no torch); the run plan, derived once and handed down.
     ("strategies",),
-    # The run plan: derived once from the strategy class on the driver, handed to both runners.
-    ("planning.plan",),
-    # The transports that carry the engine: Ray Train's workers, the driver's own process, the pipeline's
-    # actor group.
-    ("transports", "pipeline"),
+    # The driver's services: checks before Ray, the cluster, the run lock, progress, callbacks, loggers, export.
+    ("driver",),
+    # The transports that carry the engine: Ray Train's workers, the pipeline's actor group, the driver's own
+    # process; their base (rank start, result, retry policy).
+    ("transports",),
     # Choosing and comparing layouts: memory estimates, strategy="auto", compare. Above the
     # runners (it reads their plans), below the api: compare and auto_measure train through
     # the api's fit, which the api passes in.
@@ -216,6 +214,20 @@ def test_import_graph_has_no_cycles(graph):
     for cycle in cycles:
         print("cycle:", " -> ".join(cycle))
     assert not cycles, f"{len(cycles)} import cycle(s): " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_engine_imports_neither_ray_nor_a_transport_nor_the_drivers_services():
+    """engine/ is one rank's run whatever carries it: Ray, the transports and the driver's services come to it
+    through the transport it is handed (every import at any depth counts, function bodies included)."""
+    found = []
+    for name, path in MODULES.items():
+        if not _short(name).startswith("engine"):
+            continue
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            targets = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+            found += [f"{_short(name)} imports {t}" for t in targets
+                      if t == "ray" or t.startswith(("ray.", f"{PACKAGE}.transports", f"{PACKAGE}.driver"))]
+    assert not found, "\n".join(found)
 
 
 def test_layers(graph):
@@ -321,7 +333,7 @@ _CHECKS_WITHOUT_DYNAMO = r"""
 import sys
 import torch
 import raytrain_mgpu as rtm
-from raytrain_mgpu.planning.preflight import check_model_builds
+from raytrain_mgpu.driver.preflight import check_model_builds
 
 cfg = rtm.TrainConfig(model="lenet", dataset="digits", optimizer="adamw")
 check_model_builds(cfg, (1, 8, 8), 10)

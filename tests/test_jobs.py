@@ -119,7 +119,7 @@ def test_submission_without_or_with_a_wrong_token_is_refused(head):
 
 def test_training_against_the_cluster_with_a_wrong_token_is_refused_at_once(head):
     # The check fit runs before ray.init (which would retry for 20 s, then blame the network).
-    probe = f"from raytrain_mgpu.planning.preflight import probe_ray_address; probe_ray_address({head.gcs!r})"
+    probe = f"from raytrain_mgpu.driver.preflight import probe_ray_address; probe_ray_address({head.gcs!r})"
     python = str(Path(RAY).parent / "python")
     assert head.run([python, "-c", probe], timeout_s=120).returncode == 0  # the right token
     wrong = head.run([python, "-c", probe], timeout_s=120, extra_env={"RAY_AUTH_TOKEN": "not-the-token"})

@@ -1,4 +1,4 @@
-"""A stuck rank is named from the ranks' heartbeats (runtime/liveness.py): the judge's rules on beats made here,
+"""A stuck rank is named from the ranks' heartbeats (engine/liveness.py): the judge's rules on beats made here,
 and the position an in-process run's engine keeps. The Ray Train run with a rank stuck for ever, named with the
 default threshold, is tests/test_cluster_failures.py's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime.liveness import POSITION, Beat, Judge, stacks
+from raytrain_mgpu.engine.liveness import POSITION, Beat, Judge, stacks
 
 
 def _beat(rank, step, seq, phase="forward", group="g1", stack=None, step_time_s=0.1, world_size=2):
@@ -95,8 +95,8 @@ def test_an_in_process_run_keeps_its_position_and_whether_it_stepped(storage):
 
 def test_a_rank_that_cannot_write_the_storage_fails_before_its_first_step_naming_node_path_and_cause(storage,
                                                                                                    tmp_path):
-    from raytrain_mgpu.runtime.transport import check_writable
-    from raytrain_mgpu.runtime.run_folder import RunFolder
+    from raytrain_mgpu.transports.base import check_writable
+    from raytrain_mgpu.engine.run_folder import RunFolder
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the run folder's parent should be")  # as a mount point that is not a folder

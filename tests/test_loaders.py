@@ -1,6 +1,6 @@
 """Loader workers (``loader_workers``): the same samples in the same order, so the same weights as 0 workers.
 
-The engine (``runtime/engine.py`` with ``runtime/loaders.py``'s loader) runs here without Ray, in this
+The engine (``engine/loop.py`` with ``engine/loaders.py``'s loader) runs here without Ray, in this
 process (the in-process runner: tests/_reference.train_one_worker), on the digits with a small CNN that has dropout (so a DataLoader that
 drew from the training process's random stream would show) and a seeded augmentation. Then:
 
@@ -29,7 +29,7 @@ from torch.utils.data import DistributedSampler
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.runtime.loaders import train_loader
+from raytrain_mgpu.engine.loaders import train_loader
 
 CPU = torch.device("cpu")
 STEPS_PER_EPOCH = 1438 // 64  # digits' training split in BASE's batches
@@ -98,7 +98,7 @@ class _WhoLoads(torch.utils.data.Dataset):
 @pytest.mark.parametrize("persistent", [True, False])
 def test_loader_workers_load_in_their_own_processes(persistent):
     """The equality tests above pass with no worker at all: this one fails unless loader_workers start."""
-    from raytrain_mgpu.runtime.loaders import test_loader
+    from raytrain_mgpu.engine.loaders import test_loader
 
     cfg = rtm.TrainConfig(loader_workers=2, persistent_workers=persistent).data
     sampler = DistributedSampler(_WhoLoads(), 1, 0, shuffle=True, seed=0, drop_last=True)
@@ -152,7 +152,7 @@ def _load_after_a_group_became_garbage(out: str) -> None:
 def test_a_loader_worker_never_frees_a_process_group_it_inherited(tmp_path):
     """A worker forked while garbage still held a gloo group collected it and ran ``~ProcessGroupGloo`` on threads
     that do not exist in the fork: it hung (a condition variable waited on by them) or aborted. The worker is forked
-    with the parent's objects frozen (``runtime/loaders.worker_context``): its collector never frees them."""
+    with the parent's objects frozen (``engine/loaders.worker_context``): its collector never frees them."""
     import _forkserver
 
     out = tmp_path / "outcome"
@@ -205,7 +205,7 @@ def test_fit_with_a_loader_worker_ends_with_the_local_weights(ray_session, stora
     (``log_every_n_steps`` = its 22 steps), reach the driver's printer and agree with the epoch rows."""
     from test_step_scalars import check_train_scalars
 
-    from raytrain_mgpu.runtime.progress import ProgressPrinter
+    from raytrain_mgpu.driver.progress import ProgressPrinter
 
     received: list = []
     monkeypatch.setattr(ProgressPrinter, "scalars", lambda self, step, values: received.append((step, values)))

@@ -21,12 +21,12 @@ import pytest
 from _extras import require
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime.callbacks import RunEvents, RunInfo
-from raytrain_mgpu.runtime.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RUN_FILE, TENSORBOARD_DIR,
+from raytrain_mgpu.driver.callbacks import RunEvents, RunInfo
+from raytrain_mgpu.driver.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RUN_FILE, TENSORBOARD_DIR,
                                            WANDB_PROJECT, WANDB_RUN_FILE, CsvLogger, MlflowLogger, TensorBoardLogger,
                                            WandbLogger)
-from raytrain_mgpu.runtime.progress import ProgressPrinter
-from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.driver.progress import ProgressPrinter
+from raytrain_mgpu.engine.run_folder import RunFolder
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 fails (disk full, at any stage of the write) leaves the previous checkpoint loadable and says where and why.
 
 The engine's checkpoints go through one of two deliveries: the run folder's (the in-process runner and the
-pipeline's stage actors: ``runtime/transport.FolderTransport``), exercised here in-process, and Ray Train's report
+pipeline's stage actors: ``transports/base.FolderTransport``), exercised here in-process, and Ray Train's report
 (tests/test_wiring.py, tests/test_async_upload.py). The 2-worker skip runs the engine in two local processes
 (gloo, tests/_forkserver.py), as two Ray Train workers run it.
 """
@@ -23,9 +23,9 @@ from torch import nn
 import _forkserver
 import raytrain_mgpu as rtm
 from _reference import steps_trained
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime.engine import NonFiniteError
-from raytrain_mgpu.runtime.run_folder import RunFolder
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.loop import NonFiniteError
+from raytrain_mgpu.engine.run_folder import RunFolder
 
 STEPS_PER_EPOCH = 1438 // 128  # digits, batch 128: 11
 
@@ -83,7 +83,7 @@ def test_ignore_trains_on_but_never_writes_a_checkpoint_of_nan_weights(tmp_path)
 
 def test_a_checkpoint_is_never_written_with_nan_weights_whatever_the_loss_check_says(tmp_path, monkeypatch):
     """The weights' own check: here the loss check is blinded, and the save still refuses (stop)."""
-    monkeypatch.setattr("raytrain_mgpu.runtime.metrics.EpochMeter.loss_not_finite",
+    monkeypatch.setattr("raytrain_mgpu.engine.metrics.EpochMeter.loss_not_finite",
                         lambda self: torch.zeros((), dtype=torch.bool))
     with pytest.raises(NonFiniteError, match=r"the weights are not finite at step 33 \(epoch 3\)"):
         _fit(str(tmp_path))
@@ -117,7 +117,7 @@ def _skip_rank(rank: int, world: int, out: str) -> None:
         if step in (2, 3):
             before[step] = [p.detach().clone() for p in engine.steps.model.parameters()]
 
-    from raytrain_mgpu.runtime import engine as engine_module
+    from raytrain_mgpu.engine import loop as engine_module
 
     engine_module.STEP_EVENTS.append(watch)
     row = engine.train_epoch(0)
@@ -157,9 +157,9 @@ def _failing(function, where: str):
 
 
 STAGES = {  # the checkpoint's write, stage by stage
-    "model and optimizer": ("raytrain_mgpu.runtime.checkpoint.write_files", ckpt_format.write_files),
-    "history": ("raytrain_mgpu.runtime.checkpoint.write_checkpoint", ckpt_format.write_checkpoint),
-    "publish": ("raytrain_mgpu.runtime.run_folder.RunFolder.publish", RunFolder.publish),
+    "model and optimizer": ("raytrain_mgpu.engine.checkpoint_files.write_files", ckpt_format.write_files),
+    "history": ("raytrain_mgpu.engine.checkpoint_files.write_checkpoint", ckpt_format.write_checkpoint),
+    "publish": ("raytrain_mgpu.engine.run_folder.RunFolder.publish", RunFolder.publish),
 }
 
 

@@ -39,10 +39,10 @@ from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import LOSSES, METRICS, Objective, Predictions
 from raytrain_mgpu.optim import build_optimizer
-from raytrain_mgpu.runtime.metrics import EpochMeter
-from raytrain_mgpu.runtime.placement import free_address
-from raytrain_mgpu.runtime.progress import ProgressPrinter
-from raytrain_mgpu.runtime.run_state import EPOCH_KEYS, RunState, epoch_row
+from raytrain_mgpu.engine.metrics import EpochMeter
+from raytrain_mgpu.transports.placement import free_address
+from raytrain_mgpu.driver.progress import ProgressPrinter
+from raytrain_mgpu.engine.run_state import EPOCH_KEYS, RunState, epoch_row
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -355,7 +355,7 @@ INFO_NCE = dict(REGRESSION, model="test_objectives:embedder", loss="test_objecti
 
 
 def _run_loop(rank: int, world: int, fields: dict):
-    """One epoch and one evaluation of the engine every Ray Train worker runs (``runtime/engine.py``, with the
+    """One epoch and one evaluation of the engine every Ray Train worker runs (``engine/loop.py``, with the
     data-parallel step runner), without Ray (tests/_engine.py): ``(row, weights)``."""
     from _engine import make_engine
 

@@ -23,7 +23,7 @@ from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.optim import build_optimizer
-from raytrain_mgpu.planning.preflight import _compare_identity, run_identity
+from raytrain_mgpu.driver.preflight import _compare_identity, run_identity
 
 
 class Net(torch.nn.Sequential):

@@ -8,7 +8,7 @@ waits for every member, messages matched in order without tags) and must end wit
 same weights as without it; with the warm-up skipped, the emulation turns the hang into
 an error naming the ranks. That stage actors on Ray get distinct emulated GPUs is checked on the
 killed runs of ``tests/test_pipeline_step_checkpoints.py`` (use_gpu=True: one run for both).
-Each local rank runs the engine (``runtime/engine.py``) with the stage's step runner, as a stage actor does.
+Each local rank runs the engine (``engine/loop.py``) with the stage's step runner, as a stage actor does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
+from raytrain_mgpu.engine.devices import EMULATE_ENV
 from _pipeline_local import LocalRun, run_local
 
 STEPS = 2

@@ -1,5 +1,5 @@
 """The pipeline's step checkpoints: written by the engine's saver on every stage actor and published in the run
-folder by its transport (``runtime/engine_checkpoint.py``, ``runtime/transport.FolderTransport``).
+folder by its transport (``engine/checkpoints.py``, ``transports/base.FolderTransport``).
 
 Unit tests: a checkpoint is published only once every rank's part is in, ``meta.json`` last (until then it
 is no resume point); a failed write raises at the save and publishes nothing; every rank's partial epoch sums
@@ -28,11 +28,11 @@ import pytest
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime.engine_checkpoint import PARTIALS, Commit, checkpoint_name
-from raytrain_mgpu.runtime.run_folder import RunFolder
-from raytrain_mgpu.runtime.run_state import RunState, checkpoint_meta
-from raytrain_mgpu.runtime.transport import FolderTransport
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.checkpoints import PARTIALS, Commit, checkpoint_name
+from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta
+from raytrain_mgpu.transports.base import FolderTransport
 from _pipeline_reference import train_pipeline, train_unsplit
 
 PIPE = dict(model="mlp", model_kwargs={"widths": [32, 32]}, dataset="_pipe_probe:digits", strategy="pipeline",
@@ -147,8 +147,8 @@ def test_every_ranks_partial_epoch_sums_survive_the_train_state_exactly_and_each
     """2 stages x 2 replicas: the last stages (ranks 1 and 3) measure their replica's loss and metrics; a step
     checkpoint keeps every rank's sums in ``train_state.pt``, in rank order, and a rank resumes its own."""
     from raytrain_mgpu.objectives import Objective
-    from raytrain_mgpu.runtime.engine import _own_partials
-    from raytrain_mgpu.runtime.metrics import EpochMeter
+    from raytrain_mgpu.engine.loop import _own_partials
+    from raytrain_mgpu.engine.metrics import EpochMeter
 
     generator = torch.Generator().manual_seed(0)
     batches = {rank: [(torch.randn(n, 10, generator=generator), torch.randint(0, 10, (n,), generator=generator))
@@ -197,7 +197,7 @@ def _lines(path: Path) -> list:
 @pytest.mark.timeout(600)
 def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_like_an_undisturbed_run(
         ray_session, tmp_path):
-    from raytrain_mgpu.pipeline.runner import run_pipeline
+    from raytrain_mgpu.transports.actor_group.runner import run_pipeline
 
     if ray_session.cluster_resources().get("GPU", 0) < 4:
         pytest.fail("the shared ray_session must emulate at least 4 GPUs (RAYTRAIN_MGPU_EMULATE_GPUS)")

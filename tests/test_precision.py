@@ -4,7 +4,7 @@ On GPUs ``16-mixed`` scales the loss, skips steps whose gradients overflowed, un
 before clipping and carries the scaler's state across a resume. The loop's scaler uses
 the compute device's type, so under GPU emulation (and here) the same code runs on CPU.
 These tests drive one rank's engine in this process (tests/_engine.py, under GPU emulation: ``use_gpu=True``
-computes on CPU): its ``end_step`` (runtime/engine.OptimizerStep) and its save/restore path.
+computes on CPU): its ``end_step`` (engine/loop.OptimizerStep) and its save/restore path.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 
 from _engine import make_engine
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.checkpoint import load_train_state
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
-from raytrain_mgpu.runtime.run_state import RunState
+from raytrain_mgpu.engine.checkpoint_files import load_train_state
+from raytrain_mgpu.engine.devices import EMULATE_ENV
+from raytrain_mgpu.engine.run_state import RunState
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ from torch import nn
 
 from _engine import RecordingSink, make_engine
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
-from raytrain_mgpu.runtime.progress import ProgressPrinter
+from raytrain_mgpu.engine.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
+from raytrain_mgpu.driver.progress import ProgressPrinter
 
 from ray.train.v2.api.preemption import PreemptionInfo
 
@@ -166,14 +166,14 @@ def test_config_defaults_are_rays_and_reach_the_failure_config():
     cfg = TrainConfig(max_preemption_failures=3, preemption_grace_s=2.5)
     assert (TrainConfig().max_preemption_failures, TrainConfig().preemption_grace_s) == (-1, 0.0)
     assert (cfg.max_preemption_failures, cfg.preemption_grace_s) == (3, 2.5)
-    from raytrain_mgpu.transports.ray_train import run_config
+    from raytrain_mgpu.transports.ray_train.driver import run_config
     failure = run_config(cfg).failure_config  # what run_train_workers hands TorchTrainer
     assert (failure.max_preemption_failures, failure.preemption_grace_s) == (3, 2.5)
     assert (failure.max_failures, run_config(cfg).checkpoint_config.num_to_keep) == (
         cfg.max_failures, cfg.num_checkpoints_to_keep)
 
 
-# ---------------------------------------------------------------- spot-watch (runtime/spot_watch.py)
+# ---------------------------------------------------------------- spot-watch (driver/spot_watch.py)
 
 
 def _metadata_server(answers: list):
@@ -210,7 +210,7 @@ def _metadata_server(answers: list):
     (404, "", False), (200, '{"action": "terminate", "time": "2026-11-24T22:20:00Z"}', True),  # AWS instance-action
 ])
 def test_notice_at_url_reads_gcp_and_aws_answers(status, body, notice):
-    from raytrain_mgpu.runtime.spot_watch import notice_at_url
+    from raytrain_mgpu.driver.spot_watch import notice_at_url
 
     server, url, seen = _metadata_server([(status, body)])
     try:
@@ -221,7 +221,7 @@ def test_notice_at_url_reads_gcp_and_aws_answers(status, body, notice):
 
 
 def test_notice_at_an_aws_url_asks_with_an_imdsv2_token():
-    from raytrain_mgpu.runtime.spot_watch import notice_at_url
+    from raytrain_mgpu.driver.spot_watch import notice_at_url
 
     server, url, seen = _metadata_server([(200, '{"action": "stop"}')])
     aws = url.replace("/computeMetadata/v1/instance/preempted", "/latest/meta-data/spot/instance-action")
@@ -236,13 +236,13 @@ def test_notice_at_an_aws_url_asks_with_an_imdsv2_token():
 
 
 def test_notice_at_an_unreachable_url_is_no_notice():
-    from raytrain_mgpu.runtime.spot_watch import notice_at_url
+    from raytrain_mgpu.driver.spot_watch import notice_at_url
 
     assert notice_at_url("http://127.0.0.1:9/", timeout_s=0.5) is False
 
 
 def _fake_drains(monkeypatch) -> list:
-    from raytrain_mgpu.runtime import spot_watch
+    from raytrain_mgpu.driver import spot_watch
 
     drains: list = []
     monkeypatch.setattr(spot_watch, "drain_node", lambda address, node_id, grace_s, message: drains.append(
@@ -253,7 +253,7 @@ def _fake_drains(monkeypatch) -> list:
 def test_watch_drains_its_node_on_sigterm_waits_the_grace_and_restores_the_handler(monkeypatch):
     import signal
 
-    from raytrain_mgpu.runtime.spot_watch import watch
+    from raytrain_mgpu.driver.spot_watch import watch
 
     drains = _fake_drains(monkeypatch)
     before = signal.getsignal(signal.SIGTERM)
@@ -273,7 +273,7 @@ def test_watch_drains_its_node_on_sigterm_waits_the_grace_and_restores_the_handl
 
 
 def test_watch_drains_on_a_metadata_notice(monkeypatch):
-    from raytrain_mgpu.runtime.spot_watch import watch
+    from raytrain_mgpu.driver.spot_watch import watch
 
     drains = _fake_drains(monkeypatch)
     server, url, seen = _metadata_server([(200, "FALSE"), (200, "FALSE"), (200, "TRUE")])
@@ -292,7 +292,7 @@ def test_spot_watch_cli_checks_the_grace(capsys):
 
 
 def _any_rank_worker(rank: int, world: int, out: str) -> None:
-    from raytrain_mgpu.runtime.preemption import AnyRank
+    from raytrain_mgpu.engine.preemption import AnyRank
 
     any_rank = AnyRank()
     # rank 1 alone has a notice at the second check; nobody at the first and the third
@@ -314,7 +314,7 @@ def test_the_ranks_agree_when_only_one_has_the_notice(tmp_path):
 
 
 def test_a_stage_actors_drain_watcher_sees_its_node_drained_without_a_call_per_check():
-    from raytrain_mgpu.runtime.preemption import DrainWatcher
+    from raytrain_mgpu.transports.preemption import DrainWatcher
 
     drains: dict = {}
     polls = []
@@ -348,7 +348,7 @@ def test_a_stage_actors_drain_watcher_sees_its_node_drained_without_a_call_per_c
 def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_failures():
     import ray.exceptions
 
-    from raytrain_mgpu.runtime.preemption import was_preemption
+    from raytrain_mgpu.transports.preemption import was_preemption
     from raytrain_mgpu.transports.retry import Verdict, run_attempts
 
     died = ray.exceptions.RayError("the stage's node went away")

@@ -1,4 +1,4 @@
-"""The step profiler (raytrain_mgpu/runtime/profiling.py) on a tiny CPU loop: which steps a trace holds,
+"""The step profiler (raytrain_mgpu/engine/profiling.py) on a tiny CPU loop: which steps a trace holds,
 one file per rank, a run that ends inside the window, a window never reached. No GPU, no Ray."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from raytrain_mgpu.runtime.profiling import StepProfiler
+from raytrain_mgpu.engine.profiling import StepProfiler
 
 
 def _train(profiler: StepProfiler, steps: int, start: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""``ingest="ray_data"``: the training split streamed by Ray Data (``runtime/ray_ingest.py``).
+"""``ingest="ray_data"``: the training split streamed by Ray Data (``transports/ray_data.py``).
 
 The Ray Data samples of a split are the loader path's, bit for bit (compared sorted by label
 and pixels, since the stream's order is Ray Data's): PNG Parquet in train/test folders
@@ -72,7 +72,7 @@ def loader_samples(data_cfg) -> tuple:
 
 
 def ray_data_samples(data_cfg) -> tuple:
-    from raytrain_mgpu.runtime.ray_ingest import train_dataset
+    from raytrain_mgpu.transports.ray_data import train_dataset
 
     batches = list(train_dataset(data_cfg).iter_torch_batches(batch_size=256, device="cpu"))
     return torch.cat([b["x"] for b in batches]), torch.cat([b["y"] for b in batches])
@@ -81,7 +81,7 @@ def ray_data_samples(data_cfg) -> tuple:
 def actors_started(ray, name: str) -> int:
     """Actors of class ``name`` started on this Ray so far (alive or dead), from the GCS's actor table
     (no dashboard needed). Ray Train's ``DatasetManager``: one per run with ``datasets=``, none for a
-    loader run (``transports/ray_train.torch_trainer_class``). Ray Data's ``FooterReader``: one per execution of a read
+    loader run (``transports/ray_train/driver.torch_trainer_class``). Ray Data's ``FooterReader``: one per execution of a read
     of a few files (``ray_ingest.footer_readers``), 32 without it."""
     from ray._private import state
 
@@ -185,7 +185,7 @@ class FakeShard:
 
 
 def test_shard_loader_gives_the_planned_batches_and_ends_each_stream():
-    from raytrain_mgpu.runtime.ray_ingest import ShardLoader
+    from raytrain_mgpu.engine.stream import ShardLoader
 
     shard = FakeShard(rows=100)  # 12 micro-batches of 8 (4 rows dropped)
     loader = ShardLoader(shard, micro_batch=8, num_batches=12, seed=3, rank=1)
@@ -215,8 +215,8 @@ def test_bad_combinations_are_refused_with_the_fix():
 
 def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_any_bundle(caplog):
     """2 workers x 1 CPU on a 2-CPU machine: Ray Data's read task would wait for a CPU for ever."""
-    from raytrain_mgpu.runtime.cluster import Capacity, NodeType
-    from raytrain_mgpu.runtime.ray_ingest import check_cpus_left
+    from raytrain_mgpu.driver.cluster import Capacity, NodeType
+    from raytrain_mgpu.transports.ray_data import check_cpus_left
     from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", num_workers=2)
@@ -241,7 +241,7 @@ def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_any_bundle(caplog):
 
 
 def test_footer_readers_follow_the_file_count_and_keep_a_users_value(monkeypatch):
-    from raytrain_mgpu.runtime.ray_ingest import FOOTER_ACTORS_ENV, footer_readers
+    from raytrain_mgpu.transports.ray_data import FOOTER_ACTORS_ENV, footer_readers
 
     monkeypatch.delenv(FOOTER_ACTORS_ENV, raising=False)
     for files, actors in ((1, "1"), (3, "1"), (11, "2"), (310, "31")):

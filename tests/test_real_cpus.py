@@ -41,7 +41,7 @@ from _ray_nodes import base_env
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data.convert import convert_to_parquet
-from raytrain_mgpu.runtime.devices import EMULATE_ENV
+from raytrain_mgpu.engine.devices import EMULATE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, epochs=2)

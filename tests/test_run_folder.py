@@ -1,4 +1,4 @@
-"""The run folder both runners share (``runtime/run_folder.py``): paths and URIs, the one
+"""The run folder both runners share (``engine/run_folder.py``): paths and URIs, the one
 checkpoint scanner, the run state, history, and checkpoints published on a filesystem and on
 an object store that cannot rename folders. No Ray."""
 
@@ -11,9 +11,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
-from raytrain_mgpu.runtime.run_state import EPOCH_KEYS, META_KEYS, RunState, checkpoint_meta, epoch_row
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
+from raytrain_mgpu.engine.run_state import EPOCH_KEYS, META_KEYS, RunState, checkpoint_meta, epoch_row
 
 
 def _checkpoint(folder: Path, name: str, epoch: int, step: int, history=None) -> Path:

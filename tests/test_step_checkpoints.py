@@ -1,4 +1,4 @@
-"""Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``runtime/step_checkpoints.py``).
+"""Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``engine/step_checkpoints.py``).
 
 The resume logic in this process: a one-worker run (the in-process runner) fails inside epoch 2, its
 restart resumes from the last step checkpoint and ends bit for bit with the undisturbed run. Through Ray,
@@ -16,8 +16,8 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.runtime.metrics import EpochMeter
-from raytrain_mgpu.runtime.step_checkpoints import ResumableSampler, step_checkpoint_due
+from raytrain_mgpu.engine.metrics import EpochMeter
+from raytrain_mgpu.engine.step_checkpoints import ResumableSampler, step_checkpoint_due
 
 # As in test_faults: no BatchNorm or dropout, so runs that see the same batches agree exactly.
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
@@ -85,7 +85,7 @@ def test_an_in_process_run_failing_mid_epoch_resumes_at_its_last_step_checkpoint
     from the RNG every step, so its restore counts in the weights)."""
     from _reference import train_one_worker
 
-    from raytrain_mgpu.runtime import engine
+    from raytrain_mgpu.engine import loop as engine
 
     common = dict(MLP, model=mlp_with_dropout, model_kwargs={}, dataset="digits", num_workers=1, momentum=0.9,
                   checkpoint_every_n_steps=EVERY)

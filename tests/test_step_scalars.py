@@ -20,9 +20,9 @@ from torch import nn
 import raytrain_mgpu as rtm
 from _engine import RecordingSink, make_engine
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.runtime import step_scalars
-from raytrain_mgpu.runtime.progress import ProgressPrinter
-from raytrain_mgpu.runtime.step_scalars import StepWindow, stage_scalars
+from raytrain_mgpu.engine import step_scalars
+from raytrain_mgpu.driver.progress import ProgressPrinter
+from raytrain_mgpu.engine.step_scalars import StepWindow, stage_scalars
 
 STEPS_PER_EPOCH, ACCUM = 4, 2
 
@@ -114,7 +114,7 @@ def test_the_drivers_pump_merges_a_steps_window_parts_and_passes_whole_sets_on_a
     """A pipeline's first stage sends a window's data wait, its last stage the loss: one step's set, merged.
     Rank 0's stage figures of an epoch come whole at the same step: passed on at once, not held as a part
     (held, they came after the whole run's scalars, and could complete a step's set in a stage's place)."""
-    from raytrain_mgpu.runtime.progress import SinkPump
+    from raytrain_mgpu.driver.progress import SinkPump
 
     received: list = []
     pump = SinkPump(None, SimpleNamespace(scalars=lambda step, values: received.append((step, dict(values)))),

@@ -22,17 +22,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.bench import gpu_report
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime.engine_checkpoint import ASYNC_SHARDED_ENV
-from raytrain_mgpu.runtime import cluster
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.checkpoints import ASYNC_SHARDED_ENV
+from raytrain_mgpu.driver import cluster
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
 from raytrain_mgpu.objectives import Predictions
 from raytrain_mgpu.parallel.steps import DataParallelSteps
 from raytrain_mgpu.parallel.placement import SplitModel, autocast_state, call_with_autocast
-from raytrain_mgpu.runtime.engine import Engine
-from raytrain_mgpu.runtime.transport import Transport
+from raytrain_mgpu.engine.loop import Engine
+from raytrain_mgpu.transports.base import Transport
 
 CPU = torch.device("cpu")
 MULTI_DEVICE = ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2", "fsdp")

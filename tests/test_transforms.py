@@ -12,7 +12,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets, check_data
 from raytrain_mgpu.data.transforms import TransformedDataset, build_transform, sample_seed
-from raytrain_mgpu.runtime.loaders import train_loader
+from raytrain_mgpu.engine.loaders import train_loader
 
 CPU = torch.device("cpu")
 

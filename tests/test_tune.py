@@ -10,7 +10,7 @@ import pytest
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.runtime.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, RunFolder
+from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, RunFolder
 from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search
 
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",
@@ -64,7 +64,7 @@ def test_epochs_reach_tune_once_checkpointed_and_the_last_one_once_fit_has_retur
 
 
 def test_the_cli_refuses_a_metric_the_run_does_not_record_before_ray(capsys, monkeypatch):
-    import raytrain_mgpu.runtime.cluster as cluster
+    import raytrain_mgpu.driver.cluster as cluster
 
     monkeypatch.setattr(cluster, "connect", lambda *a, **k: pytest.fail("tune connected to Ray before refusing"))
     assert main(["tune", "--param", "lr=loguniform:1e-3:1e-1", "--metric", "val_accuracy", "--epochs", "2"]) == 2

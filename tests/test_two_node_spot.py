@@ -67,7 +67,7 @@ K = 5
 # (the GCS's AUTOSCALER_DRAIN_PREEMPTED); a death before it is a lost node, charged to max_failures.
 # So the reclaim, as soon as the save is registered, first moves the deadline to now (a second drain
 # of the node, what `ray drain-node` does), then kills the node: what the cloud does at the deadline.
-_RECLAIM = ("import sys\nfrom raytrain_mgpu.runtime.spot_watch import drain_node\n"
+_RECLAIM = ("import sys\nfrom raytrain_mgpu.driver.spot_watch import drain_node\n"
             "drain_node(sys.argv[1], sys.argv[2], 0.0, 'the spot machine is reclaimed')\n")
 
 

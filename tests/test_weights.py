@@ -1,4 +1,4 @@
-"""Weights in and out (``runtime/weights.py``, ``runtime/export.py``, ``raytrain-mgpu export``), on models we
+"""Weights in and out (``engine/weights.py``, ``driver/export.py``, ``raytrain-mgpu export``), on models we
 did not write: torchvision's resnet18 exported and loaded under a new head, a tiny Hugging Face BERT exported
 with ``save_pretrained`` and read back with ``from_pretrained``; every checkpoint layout this project writes
 (one ``model.pt``, pipeline parts, a sharded DCP folder of FSDP2), run folders (newest, best), ``.pt`` files
@@ -16,9 +16,9 @@ from _extras import importorskip
 from torch import nn
 
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.runtime import checkpoint as ckpt_format
-from raytrain_mgpu.runtime.export import export_checkpoint, export_run
-from raytrain_mgpu.runtime.weights import load_weights, read_weights, trainable_state
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.driver.export import export_checkpoint, export_run
+from raytrain_mgpu.engine.weights import load_weights, read_weights, trainable_state
 
 BEST = {"monitor": "test_loss", "mode": "min", "epoch": 1, "value": 0.25}
 
@@ -318,7 +318,9 @@ def fake_storage(tmp_path, monkeypatch):
     downloads and every write uploads, as on s3:// or gs://."""
     import pyarrow.fs as pafs
 
-    from raytrain_mgpu.runtime import export, run_folder, weights
+    from raytrain_mgpu.driver import export
+    from raytrain_mgpu.engine import run_folder
+    from raytrain_mgpu.engine import weights
 
     remote = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
 

@@ -1,7 +1,7 @@
-"""The fault hooks of ``raytrain_mgpu.runtime.faults`` are applied by the product itself, not by a test.
+"""The fault hooks of ``raytrain_mgpu.transports.ray_train.faults`` are applied by the product itself, not by a test.
 
 ``tests/_probe_data`` only observes and injects faults; these tests look at the Ray Train transport
-(``transports/ray_train.py``) directly, driven by the engine's own save (``engine_checkpoint.Saver``, one
+(``transports/ray_train/worker.py``) directly, driven by the engine's own save (``engine_checkpoint.Saver``, one
 rank's engine in this process: tests/_engine.py), so deleting the stuck-rank decorator or the wait after
 each report fails here (and in the Ray runs of ``test_faults.py`` that rely on them).
 """
@@ -19,9 +19,11 @@ import ray.train
 from ray.train.v2._internal.execution import context as train_context
 
 from _engine import make_engine
-from raytrain_mgpu.runtime import engine_checkpoint, faults
-from raytrain_mgpu.runtime.run_state import RunState
-from raytrain_mgpu.transports import ray_train, ray_uploads
+from raytrain_mgpu.engine import checkpoints as engine_checkpoint
+from raytrain_mgpu.transports.ray_train import faults
+from raytrain_mgpu.engine.run_state import RunState
+from raytrain_mgpu.transports.ray_train import worker as ray_train
+from raytrain_mgpu.transports.ray_train import uploads as ray_uploads
 
 COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long after it was queued
 SMALL = dict(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_samples=64, batch_size=16)
@@ -32,7 +34,7 @@ def test_train_worker_is_wrapped_by_errors_whole_then_name_stuck_ranks():
     assert ray_train.train_worker.__code__ is ray_train.errors_whole(lambda payload: None).__code__
     inner = ray_train.train_worker.__wrapped__
     assert inner.__code__ is faults.name_stuck_ranks(lambda payload: None).__code__
-    assert inner.__wrapped__.__module__ == "raytrain_mgpu.transports.ray_train"
+    assert inner.__wrapped__.__module__ == "raytrain_mgpu.transports.ray_train.worker"
     assert inner.__wrapped__.__name__ == "train_worker"
 
 

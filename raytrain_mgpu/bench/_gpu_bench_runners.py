@@ -179,7 +179,7 @@ def run_plain(work: Workload, precision: str, device: torch.device, epochs: int,
 
 
 def _trace(step: Callable, loader, out_dir: str, device: torch.device) -> Optional[str]:
-    from raytrain_mgpu.runtime.profiling import StepProfiler
+    from raytrain_mgpu.engine.profiling import StepProfiler
 
     profiler = StepProfiler(out_dir, 0, first_step=2, last_step=4, device_type=device.type)  # step 1: warm-up
     try:

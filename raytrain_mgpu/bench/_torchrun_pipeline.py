@@ -50,7 +50,7 @@ class TorchrunPipeline:
     """
 
     def __init__(self, cfg: TrainConfig, counts: List[int], warmup: int, control: Path):
-        from raytrain_mgpu.pipeline.worker import free_address
+        from raytrain_mgpu.transports.actor_group.stage import free_address
 
         self.control = control
         control.mkdir(parents=True)

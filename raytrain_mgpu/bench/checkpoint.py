@@ -4,8 +4,8 @@
 
 One Ray Train worker trains an MLP large enough that its checkpoint upload matters (the default:
 784-4096x6-10, 87 M parameters, a 350 MB checkpoint) on random batches and, every
-``--steps-between`` steps, saves through the engine's own save (``runtime/engine_checkpoint.Saver`` over the
-Ray Train transport, ``transports/ray_train.py``) to ``--storage-path``, with:
+``--steps-between`` steps, saves through the engine's own save (``engine/checkpoints.Saver`` over the
+Ray Train transport, ``transports/ray_train/worker.py``) to ``--storage-path``, with:
 
 - ``sync``: ``CheckpointUploadMode.SYNC``, the upload inside ``ray.train.report`` (what the runner did before);
 - ``async``: ``CheckpointUploadMode.ASYNC``, what the runner does now (the upload in Ray's thread);
@@ -40,10 +40,10 @@ def _train_fn(config: dict) -> None:
 
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.runtime.engine import Engine
+    from raytrain_mgpu.engine.loop import Engine
     from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.transports.local import data_parallel_steps
-    from raytrain_mgpu.transports.ray_train import RayTrainTransport, _context
+    from raytrain_mgpu.transports.ray_train.worker import RayTrainTransport, _context
 
     torch.set_num_threads(config["threads"])
     if config["upload_mb_per_s"]:
@@ -102,7 +102,7 @@ def _run_one(mode: str, args, storage: str, scratch: str, r: int) -> dict:
     from ray.train.torch import TorchTrainer
 
     from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.runtime.faults import controller_poll
+    from raytrain_mgpu.transports.ray_train.faults import controller_poll
 
     name = f"bench-checkpoint-{mode}-r{r}"
     # epochs: never reached, so no save is the run's last (which always uploads synchronously)

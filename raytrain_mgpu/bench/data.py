@@ -7,7 +7,7 @@ here from random images) and an ``ImageFolder`` tree of ``.png`` files (written 
 Parquet rows' bytes, unchanged). Each path delivers the same normalised ``float32`` tensors in
 batches of ``--batch-size`` to a consumer loop that only counts them:
 
-- ``parquet``: ``dataset="parquet"`` through ``runtime/loaders.py``, exactly as a training worker
+- ``parquet``: ``dataset="parquet"`` through ``engine/loaders.py``, exactly as a training worker
   reads it (a ``DistributedSampler`` shuffle, ``prefetch`` of the epoch's rows, ``loader_workers``);
 - ``imagefolder``: ``torchvision.datasets.ImageFolder`` (PIL decode, ``v2.ToImage``, ``ToDtype``,
   ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``, started as ours;
@@ -61,7 +61,7 @@ def _parquet_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
 
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.runtime.loaders import prefetch, train_loader
+    from raytrain_mgpu.engine.loaders import prefetch, train_loader
 
     cfg = TrainConfig(dataset="parquet", data_root=setup.parquet_root, loader_workers=workers, seed=setup.seed).data
     data = build_datasets(cfg)
@@ -81,13 +81,13 @@ def _imagefolder_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2
 
-    from raytrain_mgpu.runtime.loaders import worker_context
+    from raytrain_mgpu.engine.loaders import worker_context
 
     channels = setup.image_shape[0]
     transform = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
                             v2.Normalize([0.5] * channels, [0.5] * channels)])
     dataset = ImageFolder(setup.imagefolder_root, transform=transform, loader=functools.partial(_pil_open, channels=channels))
-    # its workers start as ours do (runtime/loaders.worker_context): the ratio compares the readers alone
+    # its workers start as ours do (engine/loaders.worker_context): the ratio compares the readers alone
     loader = DataLoader(dataset, batch_size=setup.batch_size, shuffle=True, drop_last=True, num_workers=workers,
                         generator=torch.Generator().manual_seed(setup.seed),
                         multiprocessing_context=worker_context() if workers else None)
@@ -102,10 +102,11 @@ def _pil_open(path: str, channels: int):
 
 
 def _ray_data_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
-    """``ingest="ray_data"``: the training worker's own iterator (``runtime/ray_ingest.py``) over the whole
+    """``ingest="ray_data"``: the training worker's own iterator (``transports/ray_data.py``) over the whole
     stream; Ray Data decodes on the Ray instance's CPUs (:func:`_local_ray`): ``workers`` does not apply."""
     from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.runtime.ray_ingest import ShardLoader, train_dataset
+    from raytrain_mgpu.engine.stream import ShardLoader
+    from raytrain_mgpu.transports.ray_data import train_dataset
 
     dataset = train_dataset(TrainConfig(dataset="parquet", data_root=setup.parquet_root, seed=setup.seed).data)
     loader = ShardLoader(dataset.iterator(), setup.batch_size, setup.num_images // setup.batch_size, setup.seed, 0)

@@ -19,10 +19,10 @@ The models: torchvision's ResNet-18 at CIFAR size (3x32x32, 10 classes, batch 25
 datasets are generated up front and held as tensors, so loading is indexing and collating.
 
 A row: samples/s (images or tokens) over the epochs after the first (the first holds CUDA's, cuDNN's
-and the allocator's warm-up), the time a step, MFU (``runtime/flops.py``: FLOPs of a step counted
+and the allocator's warm-up), the time a step, MFU (``engine/flops.py``: FLOPs of a step counted
 by ``FlopCounterMode`` over the device's dense peak for the precision) and the ratio to the plain
 loop's samples/s. ``--tiny`` is a CPU smoke run in seconds (no MFU on a CPU); ``--profile DIR``
-writes a trace of three steps of each plain loop (``runtime/profiling.py``), after its timed epochs.
+writes a trace of three steps of each plain loop (``engine/profiling.py``), after its timed epochs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from raytrain_mgpu.bench._gpu_bench_runners import (Measured, Options, Workload, lightning_module, run_fit,
                                                     run_lightning, run_plain)
-from raytrain_mgpu.runtime import flops
+from raytrain_mgpu.engine import flops
 
 __all__ = ["Sizes", "FULL", "TINY", "workloads", "flops_per_sample", "measure", "rows", "format_row", "report",
            "add_arguments", "run_and_print", "main"]
@@ -144,7 +144,7 @@ def _start_ray() -> bool:
     """Start a local Ray for ``fit-ray`` unless one is connected; True if started here."""
     import ray
 
-    from raytrain_mgpu.runtime import devices
+    from raytrain_mgpu.engine import devices
 
     if ray.is_initialized():
         return False

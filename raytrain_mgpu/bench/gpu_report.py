@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from raytrain_mgpu.runtime import devices
+from raytrain_mgpu.engine import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.strategies import STRATEGIES as _REGISTRY
 from raytrain_mgpu.strategies import get_strategy

@@ -42,7 +42,7 @@ from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.optim import build_optimizer
 from raytrain_mgpu.bench._torchrun_pipeline import TorchrunPipeline, seeded_loader
-from raytrain_mgpu.pipeline.worker import StageWorker
+from raytrain_mgpu.transports.actor_group.stage import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +154,10 @@ class BenchStageWorker(StageWorker):
     def bench_start(self, attempt: str) -> None:
         """Set the engine up for stepping by hand: ``bench_steps`` runs its steps, ``bench_stats`` reads (and restarts)
         the stage's sums; for timing the schedule against torchrun's, step for step, from the driver."""
-        from raytrain_mgpu.pipeline.steps import PipelineSteps
-        from raytrain_mgpu.pipeline.worker import StageTransport
-        from raytrain_mgpu.runtime.engine import Engine
-        from raytrain_mgpu.runtime.metrics import EpochMeter
+        from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+        from raytrain_mgpu.transports.actor_group.stage import StageTransport
+        from raytrain_mgpu.engine.loop import Engine
+        from raytrain_mgpu.engine.metrics import EpochMeter
 
         self.steps = PipelineSteps(self, self.partition)
         self._bench = Engine(self.cfg, self.plan, self.steps, StageTransport(self.cfg, self, attempt, None), self.data)
@@ -180,7 +180,7 @@ class RayPipeline:
     """Our stage actors; timed on the driver, Ray calls included."""
 
     def __init__(self, cfg: TrainConfig):
-        from raytrain_mgpu.pipeline.group import StageGroup
+        from raytrain_mgpu.transports.actor_group.group import StageGroup
         from raytrain_mgpu.strategies.plan import build_plan
         from raytrain_mgpu.pipeline.plan import choose_partition
 

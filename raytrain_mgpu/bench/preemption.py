@@ -4,7 +4,7 @@ timed against a plain step.
     raytrain-mgpu bench-preemption [--workers 2] [--calls 200] [--rounds 3]
 
 The loop checks for a preemption notice every ``CHECK_EVERY_N_STEPS`` optimizer steps
-(``runtime/preemption.py``): each rank reads the notice on its own worker and the ranks agree with
+(``engine/preemption.py``): each rank reads the notice on its own worker and the ranks agree with
 an all-reduce of one number; ``get_preemption_info()`` (a barrier over every rank through Ray
 Train's synchronization actor) only once one has it. Here ``--workers`` Ray Train workers (gloo,
 1 CPU each) run, side by side in one run:
@@ -35,7 +35,8 @@ def _train_fn(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_mgpu.runtime.preemption import AnyRank, _ray_local_notice
+    from raytrain_mgpu.engine.preemption import AnyRank
+    from raytrain_mgpu.transports.preemption import ray_local_notice as _ray_local_notice
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -105,7 +106,7 @@ def add_arguments(parser) -> None:
 
 
 def run_and_print(args) -> int:
-    from raytrain_mgpu.runtime.preemption import CHECK_EVERY_N_STEPS
+    from raytrain_mgpu.engine.preemption import CHECK_EVERY_N_STEPS
 
     print(f"preemption check: {args.workers} Ray Train worker(s), gloo, {args.calls} calls x {args.rounds} "
           f"round(s), {os.cpu_count()} CPU cores")

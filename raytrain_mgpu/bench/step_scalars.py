@@ -60,7 +60,7 @@ def window_cost_s(steps: int = 2000, repeats: int = 5) -> tuple:
     resolve 1 %."""
     import torch
 
-    from raytrain_mgpu.runtime.step_scalars import StepWindow
+    from raytrain_mgpu.engine.step_scalars import StepWindow
 
     window, loss, norm = StepWindow(torch.device("cpu")), torch.tensor(0.5), torch.tensor(1.5)
     per_step, per_read = [], []

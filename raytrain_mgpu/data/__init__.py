@@ -109,7 +109,7 @@ def check_dataset_name(name) -> None:
 
 def check_data_fields(cfg) -> None:
     """The ``TrainConfig`` fields this package reads, checked before Ray starts (``config_checks.validate``):
-    the dataset name, the loader workers (``runtime/loaders.py``) and the transform specs (parsed, not built)."""
+    the dataset name, the loader workers (``engine/loaders.py``) and the transform specs (parsed, not built)."""
     from raytrain_mgpu.data.transforms import check_transform_spec
 
     check_dataset_name(cfg.dataset)

@@ -1,7 +1,7 @@
 """What ``TrainConfig.ingest="ray_data"`` can feed, checked before Ray starts (``config_checks.validate``).
 
 Ray Data streams the ``parquet`` dataset's training split into Ray Train workers
-(``runtime/ray_ingest.py``). Other datasets are map-style readers built inside each worker
+(``transports/ray_data.py``). Other datasets are map-style readers built inside each worker
 (``ray.data.from_torch`` would pull every sample through the driver): convert them with
 ``raytrain-mgpu data convert`` first. Both runners stream: Ray Train workers and the first stage
 of each pipeline replica.
@@ -14,7 +14,7 @@ from raytrain_mgpu._factory import code_name
 __all__ = ["RAY_DATA_DATASETS", "check_ingest"]
 
 RAY_DATA_DATASETS = ("parquet",)
-"""Datasets ``ingest="ray_data"`` reads (``runtime/ray_ingest.py``)."""
+"""Datasets ``ingest="ray_data"`` reads (``transports/ray_data.py``)."""
 
 
 def check_ingest(cfg) -> None:

@@ -11,7 +11,7 @@ How each split is read:
 
 - ``train`` streams: Ray Train's ``DataConfig`` gives each worker an equal share
   (``streaming_split(equal=True)``), read in micro-batches through a local shuffle buffer seeded
-  per epoch and rank and collated on the worker (``runtime/ray_ingest.ShardLoader``, the same
+  per epoch and rank and collated on the worker (``engine/stream.ShardLoader``, the same
   reader as ``ingest="ray_data"``'s Parquet). Every worker reads ``rows // num_workers`` rows an
   epoch, the count the loader path's ``DistributedSampler(drop_last=True)`` gives.
 - ``test`` and ``val`` are read whole by every worker once, at its start (Ray Train hands the
@@ -23,7 +23,7 @@ How each split is read:
 counts the training rows (``Dataset.count()``: metadata only where the source has it) and
 collates two rows for the input shape, on the driver, before any worker starts. The record is
 what the workers get as ``dataset`` and what the run folder keeps (its class, split names and row
-count); the Datasets themselves reach the workers through Ray Train (``runtime/ray_ingest``).
+count); the Datasets themselves reach the workers through Ray Train (``transports/ray_data``).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class RayDataSplits:
     the run folder records: the split names, the training rows, the input shape and classes.
 
     The Datasets stay on the driver: ``datasets`` is not pickled (nor copied) with the config; Ray
-    Train hands them to the workers (``runtime/ray_ingest.trainer_datasets``)."""
+    Train hands them to the workers (``transports/ray_data.trainer_datasets``)."""
 
     def __init__(self, splits: Tuple[str, ...], num_train: int, input_shape: Any, num_classes: Optional[int],
                  datasets: Optional[dict] = None):
@@ -125,7 +125,7 @@ class RayDataSplits:
 
     def __call__(self, cfg: "DataConfig") -> "Datasets":
         """On a training process: the evaluated splits read whole and collated; ``train`` is streamed by the
-        engine's feed (``runtime/engine_data.py``), here only its size. The splits' iterators come from Ray Train
+        engine's feed (``engine/feed.py``), here only its size. The splits' iterators come from Ray Train
         (``ray.train.get_dataset_shard``) or, on a pipeline's stage actor, from its driver (:func:`use_shards`)."""
         from raytrain_mgpu._factory import load_factory
         from raytrain_mgpu.data.base import Datasets
@@ -175,7 +175,7 @@ class _Sized:
         return self.length
 
     def __getitem__(self, index):
-        raise TypeError("the training split of Ray Datasets is streamed (runtime/ray_ingest.py), not indexed")
+        raise TypeError("the training split of Ray Datasets is streamed (transports/ray_data.py), not indexed")
 
 
 def _read_whole(iterator, collate: Callable):

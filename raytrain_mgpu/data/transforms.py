@@ -15,7 +15,7 @@ augmentation in the same epoch whatever the number of workers or loader workers,
 resumed at, and the training process's own random stream is untouched. It costs about 10 us a sample
 (``tests/test_transforms.py`` measures it).
 
-The epoch reaches the dataset through the indices: ``runtime/loaders.py`` hands the DataLoader
+The epoch reaches the dataset through the indices: ``engine/loaders.py`` hands the DataLoader
 ``(epoch, index)`` pairs, which persistent loader workers receive like any index.
 ``set_epoch`` sets the epoch of plain integer indices (evaluation, your own loops).
 """

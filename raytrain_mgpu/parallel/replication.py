@@ -18,7 +18,7 @@ weights one tensor at a time (``set_model_state_dict(broadcast_from_rank0=True)`
 peak at start-up is the shards plus the largest tensor. Checkpoints are sharded: every rank
 writes its own shards of the model and optimizer with ``torch.distributed.checkpoint``
 (``save_sharded``), and a resume on any number of workers reads the pieces its shards cover
-(``load_sharded``); the calls are collective (``runtime/worker_checkpoint.save_and_report``).
+(``load_sharded``); the calls are collective (``engine/checkpoints.Saver``).
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ class FSDPReplication(Replication):
         state = {**state, "state": {key: dict(value) for key, value in state["state"].items()}}
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
-    # Checkpoints: each rank its own shards (DCP), never the full state on one rank (runtime/checkpoint.py).
+    # Checkpoints: each rank its own shards (DCP), never the full state on one rank (engine/checkpoint_files.py).
     sharded_checkpoint = True
 
     def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
@@ -308,7 +308,7 @@ class FSDPReplication(Replication):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from raytrain_mgpu.runtime.checkpoint import check_sharded_metadata
+        from raytrain_mgpu.engine.checkpoint_files import check_sharded_metadata
 
         check_sharded_metadata(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -1,4 +1,4 @@
-"""The data-parallel family's step runner: what a :class:`WorkerStrategy` gives the engine (``runtime/engine.py``).
+"""The data-parallel family's step runner: what a :class:`WorkerStrategy` gives the engine (``engine/loop.py``).
 
 One optimizer step is ``accum`` micro-batches, each forward (under the run's autocast), loss, backward
 (scaled by fp16's grad scaler, divided by ``accum``); gradients are all-reduced only on the last
@@ -14,8 +14,8 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from raytrain_mgpu.parallel.worker import WorkerStrategy
-from raytrain_mgpu.runtime.engine import Steps
-from raytrain_mgpu.runtime.liveness import POSITION
+from raytrain_mgpu.engine.loop import Steps
+from raytrain_mgpu.engine.liveness import POSITION
 
 __all__ = ["DataParallelSteps"]
 
@@ -127,7 +127,7 @@ class DataParallelSteps(Steps):
             return {}
         state = self.strategy.state_dict(self.model)
         if self.save_trainable:  # save="trainable": the frozen weights come back from init_from or the builder
-            from raytrain_mgpu.runtime.weights import trainable_state
+            from raytrain_mgpu.engine.weights import trainable_state
 
             state = trainable_state(state, self.named_model())
         return {"model.pt": state,

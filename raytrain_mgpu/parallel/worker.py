@@ -1,7 +1,7 @@
 """A strategy on the worker: its two steps, applied in one fixed order, behind one interface.
 
 ``strategies/`` describes each strategy on the driver (layout, memory, rules; no torch). On a
-Ray Train worker the loop (``runtime/loop.py``) asks a :class:`WorkerStrategy`, built by
+Ray Train worker the loop (``engine/loop.py``) asks a :class:`WorkerStrategy`, built by
 :func:`raytrain_mgpu.parallel.build_worker` from the description's two steps, as torchtitan
 applies its parallelisms in order:
 

@@ -41,7 +41,7 @@ from torch import nn
 from raytrain_mgpu.batches import detach, to_device
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import HEADER_LEN, Comm, header, parse_header
-from raytrain_mgpu.runtime.liveness import POSITION
+from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.pipeline.schedule import BACKWARD, FORWARD, Action, Order, format_grid, stage_rank
 
 __all__ = ["PipelineExecutor", "PipelineStepError", "StepStats"]

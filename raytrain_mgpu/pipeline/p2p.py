@@ -32,8 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from raytrain_mgpu.runtime import devices
-from raytrain_mgpu.runtime.liveness import POSITION, WAITING
+from raytrain_mgpu.engine import devices
+from raytrain_mgpu.engine.liveness import POSITION, WAITING
 
 __all__ = ["Comm", "StageGroups", "build_groups", "warm_up", "nccl_semantics", "HEADER_LEN", "header",
            "parse_header"]
@@ -110,7 +110,7 @@ class Comm:
         op): a timed ``WorkNCCL.wait`` would block the host until the transfer is done and
         delay the launch of the next kernels, where a plain wait only orders the streams.
         """
-        POSITION.mark(f"{WAITING}: {what}")  # this rank waits for another (runtime/liveness.py)
+        POSITION.mark(f"{WAITING}: {what}")  # this rank waits for another (engine/liveness.py)
         if dist.get_backend() == "nccl":
             work.wait()
             return

@@ -68,8 +68,8 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
     """
     if not cfg.use_gpu:
         return ClusterInfo((cfg.num_workers,), False)
-    from raytrain_mgpu.runtime.cluster import read_capacity
-    from raytrain_mgpu.runtime.worker_nodes import only_nodes_with, requested_keys
+    from raytrain_mgpu.driver.cluster import read_capacity
+    from raytrain_mgpu.driver.worker_nodes import only_nodes_with, requested_keys
 
     capacity = capacity if capacity is not None else read_capacity()
     capacity = only_nodes_with(capacity, requested_keys(cfg))  # the nodes the workers may use (resources_per_worker)
@@ -83,7 +83,7 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
 def _gpu_memory_bytes(cfg, capacity) -> Optional[int]:
     import torch
 
-    from raytrain_mgpu.runtime.devices import EMULATE_ENV, is_emulated
+    from raytrain_mgpu.engine.devices import EMULATE_ENV, is_emulated
 
     budget = getattr(cfg, "memory_budget_bytes", None)
     instead = (f"memory_budget_bytes={budget}" if budget else
@@ -262,7 +262,7 @@ def previous_layout(cfg) -> Optional[dict]:
     runner wrote it (both store the whole config). No Ray: ``fit`` answers a resumed or
     finished ``auto`` run from it before connecting.
     """
-    from raytrain_mgpu.runtime.run_folder import RunFolder
+    from raytrain_mgpu.engine.run_folder import RunFolder
 
     newest = RunFolder.of(cfg).newest_checkpoint()
     saved = newest.meta.get("config", {}) if newest is not None else {}
@@ -311,7 +311,7 @@ def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, r
             fitting.append(candidate)
     if not fitting:
         return name, reason, None
-    from raytrain_mgpu.runtime.run_folder import run_uri
+    from raytrain_mgpu.engine.run_folder import run_uri
 
     report = compare(cfg, strategies=fitting, steps=10, warmup_steps=2, memory_budget_bytes=budget,
                      storage_path=run_uri(cfg.storage_path, f"{cfg.name}-auto-measure"))

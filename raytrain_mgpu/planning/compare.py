@@ -37,7 +37,7 @@ from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, Compare
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
 from raytrain_mgpu._units import parse_bytes
-from raytrain_mgpu.runtime.cluster import keep_ray_started
+from raytrain_mgpu.driver.cluster import keep_ray_started
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)
 from raytrain_mgpu.strategies.plan import build_plan
@@ -109,7 +109,7 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
 def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
     """Mark the rows the cluster can never place as skipped (``capacity``: what it can have,
     so an autoscaling cluster with no GPU node up yet still runs them)."""
-    from raytrain_mgpu.runtime.cluster import check_placeable
+    from raytrain_mgpu.driver.cluster import check_placeable
 
     for row in rows:
         if row.config is None:
@@ -169,7 +169,7 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
     lines go (default: nowhere).
     """
-    from raytrain_mgpu.runtime.cluster import connect, read_capacity
+    from raytrain_mgpu.driver.cluster import connect, read_capacity
     from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.runtime.devices import DeviceAssignment
+    from raytrain_mgpu.engine.devices import DeviceAssignment
     from raytrain_mgpu.strategies._memory import DeviceMemory
 
 

@@ -9,7 +9,7 @@ schedule stay exact at every count because the micro-batch is fixed by the large
     W workers: each takes max x grad_accum_steps / W accumulation micro-steps per optimizer step
 
 so step ``s`` still trains positions ``[s*B, (s+1)*B)`` of the epoch's permutation
-(``runtime/loop.py``), and an epoch has ``N // B`` steps at every count:
+(``engine/loop.py``), and an epoch has ``N // B`` steps at every count:
 ``floor(floor(N / W) / micro) // (max*A/W) = floor(N / (W * micro * max*A/W)) = N // B`` (nested
 floors of positive integers). A ``batch_size`` that some count in ``[min, max]`` cannot split
 is refused before Ray, with the counts that work and the fix.

@@ -25,7 +25,7 @@ class PipelineStrategy(Strategy):
 
     name = "pipeline"
     runner = "actor_group"
-    placement = replication = None  # no Ray Train worker: the stages place themselves (pipeline/worker.py)
+    placement = replication = None  # no Ray Train worker: the stages place themselves (transports/actor_group/stage.py)
     options_used = frozenset({"num_stages", "num_microbatches", "schedule", "balance"})
 
     @classmethod

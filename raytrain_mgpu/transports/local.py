@@ -1,8 +1,8 @@
 """The in-process transport: a run of one worker trains in the driver's own process.
 
-No Ray, no process group, no DDP wrapper: the engine (``runtime/engine.py``) runs here with world size 1,
+No Ray, no process group, no DDP wrapper: the engine (``engine/loop.py``) runs here with world size 1,
 reports straight to the driver's ``RunEvents``, and publishes its checkpoints in the run folder
-(``runtime/transport.FolderTransport``: the same files and names as every transport). It keeps everything
+(``transports/base.FolderTransport``: the same files and names as every transport). It keeps everything
 a run has: the run folder and its lock (``fit``'s), epoch and step checkpoints, resume, ``max_failures``
 restarts from the last checkpoint (``transports/retry.py``), history, progress, loggers, callbacks,
 validation, early stopping, ``keep_best``, a finished run answered from its folder, every precision, GPU
@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from raytrain_mgpu.runtime.transport import FolderTransport
+from raytrain_mgpu.transports.base import FolderTransport
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class LocalTransport(FolderTransport):
 
 def _judge(exc: BaseException):
     """The one retry policy (``transports/retry.py``), told whether the failed attempt took a step."""
-    from raytrain_mgpu.runtime.liveness import POSITION
+    from raytrain_mgpu.engine.liveness import POSITION
     from raytrain_mgpu.transports.retry import verdict
 
     return verdict(exc, stepped=POSITION.stepped)
@@ -133,9 +133,9 @@ def _judge(exc: BaseException):
 def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dict]]:
     """Train ``cfg`` (one worker) in this process; ``(history, last checkpoint, rank 0's start-up times)``."""
     from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.runtime.devices import resolve_devices
-    from raytrain_mgpu.runtime.engine import Engine
-    from raytrain_mgpu.runtime.run_folder import RunFolder
+    from raytrain_mgpu.engine.devices import resolve_devices
+    from raytrain_mgpu.engine.loop import Engine
+    from raytrain_mgpu.engine.run_folder import RunFolder
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
     from raytrain_mgpu.transports.retry import run_attempts
 

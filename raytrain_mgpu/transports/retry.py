@@ -24,7 +24,7 @@ a callback's or logger's error                                 no
 the workers' resources not granted within placement_timeout_s  no
 =============================================================  ===========
 
-Ray Train's controller asks :class:`~raytrain_mgpu.transports.ray_train` 's failure policy, which asks
+Ray Train's controller asks its failure policy (``transports/ray_train/policy.py``), which asks
 :func:`verdict`; the pipeline's actor group and the in-process runner run :func:`run_attempts` with it. The
 verdict on "before the first step" is made where the error was raised (the worker knows whether it stepped),
 carried to the driver on the exception (``errors.crossing``).
@@ -130,9 +130,9 @@ def root_cause(failures: Dict[int, BaseException]) -> Tuple[int, BaseException]:
 def sent_whole(exc: BaseException, rank: int, node: str, pid: int) -> BaseException:
     """A worker's ``exc``, ready for the trip to the driver (``errors.crossing``) with this policy's verdict made
     here, where the original type is known and whether this attempt took a step
-    (``runtime/liveness.POSITION``). Raise what it returns (the same exception when it travels whole)."""
+    (``engine/liveness.POSITION``). Raise what it returns (the same exception when it travels whole)."""
     from raytrain_mgpu.errors import crossing
-    from raytrain_mgpu.runtime.liveness import POSITION
+    from raytrain_mgpu.engine.liveness import POSITION
 
     return crossing(exc, rank, node, pid, retryable=verdict(exc, stepped=POSITION.stepped).retryable)
 

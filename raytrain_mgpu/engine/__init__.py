@@ -1,0 +1,16 @@
+"""The engine: one training run on one rank, whichever transport carries it. No Ray, no transport.
+
+- ``loop.py``             :class:`Engine` and :func:`run_epochs`: the epochs, the steps, evaluation, the epoch row;
+- ``step.py``             the step runner's interface (``Steps``) and the end of every step (``OptimizerStep``);
+- ``checkpoints.py``      what a checkpoint holds and the restore with every RNG (``Saver``, ``read``);
+- ``checkpoint_files.py`` the checkpoint's file format; ``run_folder.py``: ``{storage_path}/{name}`` on any
+                          pyarrow filesystem (publishing, the best copy, pruning, the checkpoint to resume from);
+                          ``runlock.py``: the driver's lock on it (one driver per run folder);
+- ``step_checkpoints.py`` when a step checkpoint is due, and the resumable sampler; ``preemption.py``: the notice's
+                          checkpoint;
+- ``feed.py``             samplers, loaders (``loaders.py``, ``prefetch.py``), data waits, data on the device;
+- ``observe.py``          FLOPs, MFU, the profiler, evaluation every N steps (``flops.py``, ``profiling.py``);
+  ``metrics.py``, ``step_scalars.py``, ``run_state.py``: the epoch's sums, the per-step scalars, the row and meta;
+- ``liveness.py``         each rank's position (a stuck rank is named from it) and the driver's judge;
+- ``devices.py``          every CPU/GPU/backend decision and the GPU emulation; ``weights.py``: weights in.
+"""

@@ -1,0 +1,301 @@
+"""The engine's checkpoints: what every rank writes and reads back, one format and one naming for every
+transport (``engine/checkpoint_files.py`` describes the files).
+
+A save (:class:`Saver`), the same on every rank, whatever carries it:
+
+1. the transport gives this rank a folder (:meth:`Transport.begin`: a Ray Train run's own local folder, or
+   the run folder's temporary one);
+2. the step runner writes this rank's part into it: the whole model and optimizer (a data-parallel rank
+   0: ``model.pt``, ``train_state.pt``), a pipeline stage's (``model-stage{p}.pt``,
+   ``train_state-stage{p}.pt``), or every rank its shards (``sharded/``, fsdp);
+3. one collective gathers every rank's random generators (CPU and every CUDA device), a step checkpoint's
+   partial epoch sums and rank 0's verdict on ``keep_best``;
+4. rank 0 adds the run's common train state (LR schedule, grad scaler, the generators, the partial sums)
+   to ``train_state.pt``, the history to ``history.json`` (after adding the save's time to the row's
+   ``checkpoint_s``) and sends the epoch's row to the driver;
+5. the transport commits it (``meta.json`` last, where the files are published; Ray Train's report).
+
+Names: ``checkpoint_epoch{E:06d}`` after epoch E, ``checkpoint_epoch{E:06d}_step{S:09d}`` for a step
+checkpoint after global step S of the epoch after E: names sort by age, and ``num_checkpoints_to_keep``
+keeps the newest N of both kinds. A restore (:func:`read`) reads ``meta.json``, the history, the model
+(merged from its parts: ``model.pt`` and every ``model-stage{p}.pt``), the common train state and this
+rank's part; checkpoints of the pipeline runner's earlier layout (no common ``train_state.pt``: the LR
+schedule in each stage's part) still resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import NamedTuple, Optional
+
+import torch
+
+from raytrain_mgpu.batches import shape_record
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.metrics import all_gather_objects
+from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta
+from raytrain_mgpu.engine.step import NonFiniteError
+from raytrain_mgpu.engine.step_checkpoints import STEP_IN_EPOCH
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["checkpoint_name", "CHECKPOINT_PREFIX", "PARTIALS", "Restored", "Commit", "read", "build_model",
+           "build_optimizer", "build_scheduler", "load_train_state", "restore_rng", "rng_state", "seed_rank_stream",
+           "Saver"]
+
+CHECKPOINT_PREFIX = "checkpoint_epoch"
+ASYNC_SHARDED_ENV = "RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE"
+"""Set to 1 for DCP's asynchronous save of a sharded (fsdp) checkpoint (the shards copied to host memory, written in
+a thread while training goes on); unset, the save writes before training goes on. Measured on one H200 (docs/
+performance.md): with an fsdp transformer LM and a checkpoint every epoch the asynchronous save stalled training 5.3 s an
+epoch against 2.7 s for the synchronous one (its thread's write outlasted the steps to the next save), so the
+synchronous save is the default. The driver's value reaches every worker (``driver/cluster.worker_env_vars``);
+``jobs/fsdp_checkpoint_stall.py`` measures both."""
+PARTIALS = "epoch_partial_per_rank"
+"""A step checkpoint's train state key: every rank's sums of the unfinished epoch, in rank order."""
+
+
+def checkpoint_name(epochs_done: int, step: Optional[int] = None) -> str:
+    """``checkpoint_epoch{E}`` after epoch E, or a step checkpoint's inside the next epoch."""
+    name = f"{CHECKPOINT_PREFIX}{epochs_done:06d}"
+    return name if step is None else f"{name}_step{step:09d}"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def seed_rank_stream(seed: int, rank: int, step: int = 0) -> None:
+    """Seed this rank's CPU and CUDA generators: distinct per rank, and per step when re-seeding a resume."""
+    torch.manual_seed((seed + 1 + rank) + 1_000_003 * step)
+
+
+def build_model(cfg, steps, data) -> torch.nn.Module:
+    """The initial model, the same on every rank (the run's seed); then each rank's own random stream
+    (with the shared seed every rank would draw the same dropout masks: R copies of one mask)."""
+    from raytrain_mgpu.models import build_model as build
+    from raytrain_mgpu.models.checkpointing import checkpoint_blocks
+
+    torch.manual_seed(cfg.seed)
+    # fsdp's ranks other than 0 build on meta (no memory): rank 0's weights reach their shards.
+    with torch.device("meta") if steps.build_on_meta() else contextlib.nullcontext():
+        model = build(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
+    if cfg.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    steps.checkpointed_blocks = checkpoint_blocks(model, cfg.activation_checkpointing)
+    seed_rank_stream(cfg.seed, steps.ctx.world_rank)
+    return model
+
+
+def build_optimizer(cfg, steps) -> torch.optim.Optimizer:
+    """Over the trainable parameters (frozen ones left out), in ``param_groups``' groups where it names them."""
+    from raytrain_mgpu.optim import build_optimizer as build
+    from raytrain_mgpu.optim import param_groups
+
+    if cfg.param_groups is not None:
+        return build(param_groups(steps.named_model(), cfg.param_groups, cfg.weight_decay), cfg.optim)
+    params = [p for p in steps.parameters() if p.requires_grad]
+    if not params and steps.may_hold_no_parameters:
+        # A pipeline stage of parameter-free blocks (a Flatten, a pooling; balance="time" can choose one): nothing
+        # to step, but the schedule's scheduler, grad scaler and checkpoint all expect an optimizer. An empty
+        # parameter (never a gradient) gives it one that steps nothing.
+        params = [torch.nn.Parameter(torch.zeros(0))]
+    return build(params, cfg.optim)
+
+
+def build_scheduler(cfg, optimizer, steps_per_epoch: int):
+    from raytrain_mgpu.optim import build_scheduler as build
+
+    return build(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class Restored(NamedTuple):
+    """What a rank resumes from: the run state, and (with a checkpoint) the model and train state."""
+
+    state: RunState
+    model_state: Optional[dict] = None
+    train_state: Optional[dict] = None  # the common one with this rank's part (its optimizer) on top
+    source: object = None               # the transport's CheckpointSource (a sharded one is read again)
+    sharded: bool = False
+
+
+def read(cfg, source, steps, rank: int) -> Restored:
+    """This rank's view of the checkpoint ``source`` (a transport's ``CheckpointSource``; None: a new run)."""
+    if source is None:
+        return Restored(RunState())
+    with source.open() as directory:
+        meta = ckpt_format.read_meta(directory)
+        ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
+        sharded = ckpt_format.is_sharded(directory)
+        # a meta model holds no data: rank 0 sends its weights; a sharded one is read once sharded
+        model_state = None if sharded or steps.build_on_meta() else ckpt_format.load_model_state(directory)
+        common = ckpt_format.load_train_state(directory) or {}
+        part = ckpt_format.load_train_state(directory, steps.part) if steps.part else None
+        if steps.part and part is None:
+            raise ValueError(f"checkpoint {directory!r} has no train_state{steps.part}.pt; it was not written by "
+                             f"a run with this layout. Use another `name` for a new run.")
+        history = ckpt_format.read_history(directory)
+    state = RunState.resumed(meta, history, source.path)
+    train_state = {**common, **(part or {})}
+    if PARTIALS not in train_state and meta.get(PARTIALS) is not None:  # the pipeline's earlier layout
+        train_state[PARTIALS] = None  # its partial sums are of another shape: the row counts the rest only
+    if rank == 0:
+        logger.info("resuming %s from epoch %d, step %d", cfg.name, state.epoch, state.step)
+    return Restored(state, model_state, train_state, source, sharded)
+
+
+def load_train_state(steps, optimizer, scheduler, scaler, restored: Restored) -> None:
+    """Optimizer, LR schedule and grad scaler from the checkpoint (a sharded one's model and optimizer shards
+    too: every rank reads the pieces its shards cover)."""
+    train_state = restored.train_state
+    if restored.sharded:  # written by this strategy (check_resumable)
+        with restored.source.open() as directory:
+            steps.load_sharded(optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR))
+    else:
+        steps.load_optimizer(optimizer, train_state)
+    scheduler.load_state_dict(train_state["scheduler"])
+    if "scaler" in train_state:
+        scaler.load_state_dict(train_state["scaler"])
+
+
+def rng_state() -> dict:
+    """This rank's generators as ByteTensors (loadable with ``weights_only=True``)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_rng(restored: Restored, seed: int, ctx, step: int) -> None:
+    """This rank's saved generators, CPU and every CUDA device (once the model is set up: nothing after this
+    draws before training); a different world size (or a checkpoint without them) re-seeds per rank and step."""
+    if restored.train_state is None:
+        return
+    states = restored.train_state.get("rng_per_rank")
+    if not states or len(states) != ctx.world_size:
+        if ctx.world_rank == 0:
+            logger.info("RNG states saved for %s ranks, %d now: re-seeding each rank's stream at step %d",
+                        len(states) if states else "no", ctx.world_size, step)
+        seed_rank_stream(seed, ctx.world_rank, step)
+        return
+    own = states[ctx.world_rank]
+    torch.set_rng_state(own["cpu"])
+    if own["cuda"] and torch.cuda.is_available() and len(own["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(own["cuda"])
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class Commit(NamedTuple):
+    """One rank's finished part of a checkpoint, handed to its transport (``Transport.commit``)."""
+
+    name: str
+    directory: str              # this rank's folder (``Transport.begin``)
+    metrics: dict               # what the rank reports with it (the epoch's row, or where the step stands)
+    meta: Optional[dict]        # rank 0: meta.json, written last by the transport
+    is_best: bool               # keep_best: this epoch is the best so far (the same on every rank)
+    best_model: Optional[dict]  # rank 0 of a sharded run: the gathered model for the best copy
+    writing: object             # a Future while the sharded save still writes (asynchronous), else None
+    step: bool                  # a step checkpoint (inside an epoch)
+    final: bool                 # the run's last save
+
+
+class Saver:
+    """The engine's saves (see the module docstring); ``save`` on every rank at the same points."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        data = engine.data
+        self.shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
+        self.last = time.monotonic()  # this rank's clock of the last checkpoint (checkpoint_every_n_minutes)
+
+    def since_save(self) -> float:
+        return time.monotonic() - self.last
+
+    def save(self, metrics: dict, partial: Optional[dict] = None, send_row: bool = False) -> None:
+        """``metrics``: the epoch's row (``send_row``: rank 0 adds this save's time to its ``checkpoint_s`` and
+        sends it to the driver) or, for a step checkpoint, where it stands with ``partial`` this rank's sums."""
+        e = self.engine
+        cfg, state, steps, transport = e.cfg, e.state, e.steps, e.transport
+        started = time.perf_counter()
+        step, final = partial is not None, state.finished(cfg)
+        is_best = (e.rank == 0 and cfg.keep_best and not step
+                   and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
+        # One collective for all: every rank's random generators and partial sums, rank 0's verdict on keep_best,
+        # and whether every rank's weights are finite (a checkpoint of non-finite weights is never written).
+        gathered = all_gather_objects((rng_state(), partial, is_best, steps.weights_finite()))
+        if not all(finite for *_, finite in gathered):
+            self._not_finite(metrics, [rank for rank, (*_, finite) in enumerate(gathered) if not finite], send_row)
+            return
+        is_best = gathered[0][2]
+        name = checkpoint_name(state.epoch, state.step if step else None)
+        directory = transport.begin(name, metrics, step=step, final=final, sharded=steps.sharded)
+        try:
+            writing, files = None, {}
+            if steps.sharded:  # collective; asynchronous with the upload: training waits for the copy to host only
+                asynchronous = os.environ.get(ASYNC_SHARDED_ENV) == "1" and transport.asynchronous(step, final)
+                writing = steps.write_sharded(e.optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR),
+                                              asynchronous=asynchronous)
+            else:
+                files = steps.checkpoint_files(e.optimizer)
+            best_model = steps.model_state() if steps.sharded and is_best else None  # collective: to rank 0
+            meta = None
+            if e.rank == 0:
+                common = {"scheduler": e.scheduler.state_dict(), "scaler": e.scaler.state_dict(),
+                          "rng_per_rank": [rng for rng, *_ in gathered]}
+                if step:
+                    common[PARTIALS] = [part for _, part, *_ in gathered]
+                files.setdefault("train_state.pt", {}).update(common)
+                extra = {STEP_IN_EPOCH: state.step_in_epoch} if step else {}
+                if steps.sharded:
+                    extra[ckpt_format.SHARDED_KEY] = True
+                meta = checkpoint_meta(cfg, state, self.shape_info, **extra, **steps.meta_extra())
+            _written(directory, name, lambda: ckpt_format.write_files(directory, files))
+            if e.rank == 0:
+                if send_row:
+                    metrics["checkpoint_s"] = metrics.get("checkpoint_s", 0.0) + time.perf_counter() - started
+                _written(directory, name, lambda: ckpt_format.write_checkpoint(directory, meta=None,
+                                                                               history=state.history))
+        except BaseException as exc:
+            transport.abort(exc)
+            raise
+        reported = None
+        if e.rank == 0 and send_row and e.reporter is not None:
+            try:
+                e.reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
+            except BaseException as exc:  # a user's callback raised (in-process): the checkpoint is published first
+                reported = exc
+        transport.commit(Commit(name, directory, metrics, meta, is_best, best_model, writing, step, final))
+        self.last = time.monotonic()
+        if reported is not None:
+            raise reported
+
+    def _not_finite(self, metrics: dict, ranks: list, send_row: bool) -> None:
+        """Weights that are not finite are never checkpointed: ``on_nonfinite="stop"`` (and ``skip``, which should
+        never get here) stops the run; ``ignore`` trains on without this checkpoint, saying so."""
+        e = self.engine
+        if e.cfg.on_nonfinite != "ignore":
+            raise NonFiniteError("the weights are not finite", e.state.epoch + (0 if send_row else 1), e.state.step,
+                                 ranks)
+        if send_row and e.reporter is not None:
+            e.reporter.epoch(metrics)
+        if e.reporter is not None:
+            e.reporter.notice(f"checkpoint at step {e.state.step} not written: the weights are not finite on "
+                              f"rank(s) {', '.join(map(str, ranks))} (on_nonfinite='ignore')")
+
+
+def _written(directory: str, name: str, write) -> None:
+    """``write()`` into ``directory``; a failure (disk full, permission) names the checkpoint, the folder and the
+    cause. Nothing was published yet: the previous checkpoint is untouched and a resume starts from it."""
+    try:
+        write()
+    except OSError as exc:
+        raise OSError(exc.errno, f"writing checkpoint {name} into {directory} failed ({exc.strerror or exc}); the "
+                                 f"previous checkpoint is intact and a run started again resumes from it. Free space "
+                                 f"or fix the folder's permissions.") from exc

@@ -1,0 +1,191 @@
+"""A transport: how one rank's run reaches the outside (the engine's other side, ``engine/loop.py``).
+
+Three carry a run: Ray Train's workers (``transports/ray_train/worker.py``), the pipeline's actor group
+(``transports/actor_group/group.py``) and the driver's own process for a run of one worker (``transports/local.py``).
+On each rank a transport answers the engine:
+
+- ``reporter``: where rank 0's events go (a progress channel to the driver, or the driver's own
+  ``RunEvents``); ``reports_scalars``: which ranks send per-step scalars;
+- ``checkpoint()``: the checkpoint a run resumes from (:class:`CheckpointSource`), or None;
+- ``begin`` / ``commit`` / ``abort``: where a checkpoint's files go (a folder for this rank, then the
+  checkpoint made whole: Ray Train's report, or published in the run folder);
+- ``where()``: this rank's node and GPU ids for the history; ``data_shard()``: its Ray Data stream;
+  ``preemption()``: how it hears of a node's preemption (nothing, where no notice can come).
+
+:class:`FolderTransport` is the checkpoint half that the pipeline's actors and the in-process runner
+share: every rank writes its part into one temporary folder of the run folder; once all are in, rank 0
+writes ``meta.json`` (last: it marks the checkpoint complete), renames the folder to its name, copies a
+new best aside (``best_checkpoint/``) and deletes all but the newest ``num_checkpoints_to_keep``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from typing import Callable, ContextManager, NamedTuple, Optional
+
+from raytrain_mgpu._redact import redact
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, TMP_PREFIX, RunFolder
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Transport", "CheckpointSource", "FolderTransport", "folder_checkpoint", "check_writable"]
+
+
+class CheckpointSource(NamedTuple):
+    """A checkpoint to resume from: its path or URI (``RunState.checkpoint``) and a local copy to read."""
+
+    path: str
+    open: Callable[[], ContextManager[str]]
+
+
+def folder_checkpoint(folder: RunFolder) -> Optional[CheckpointSource]:
+    """The run folder's newest complete checkpoint (``RunFolder.newest_checkpoint``)."""
+    newest = folder.newest_checkpoint()
+    if newest is None:
+        return None
+    return CheckpointSource(newest.uri, lambda: folder.readable(newest.path))
+
+
+class Transport:
+    """The defaults: no events, nothing to resume, no notices (see the module docstring)."""
+
+    reporter = None
+
+    def reports_scalars(self, rank: int, steps) -> bool:
+        return rank == 0 and self.reporter is not None
+
+    def checkpoint(self) -> Optional[CheckpointSource]:
+        return None
+
+    def where(self) -> dict:
+        return {}
+
+    def data_shard(self):
+        raise ValueError("ingest='ray_data' needs Ray: run it with runner='ray'.")
+
+    def preemption(self) -> dict:
+        """``PreemptionCheck``'s keyword arguments; ``enabled=False`` where no notice can come."""
+        return {"enabled": False}
+
+    def asynchronous(self, step: bool, final: bool) -> bool:
+        """Whether a sharded save may go on writing after the save returns."""
+        return False
+
+    def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> str:
+        raise NotImplementedError
+
+    def commit(self, commit) -> None:
+        raise NotImplementedError
+
+    def abort(self, exc: BaseException) -> None:
+        """A save failed between ``begin`` and ``commit`` on this rank."""
+
+    def start_heartbeat(self, rank: int, world_size: int) -> None:
+        """Start this rank's heartbeats to the driver, which names a rank that stops making progress
+        (``engine/liveness.py``; a Ray run's transports); none by default."""
+
+    def check_storage(self) -> None:
+        """Before the first step: this rank's node writes, reads and deletes a small file in the run folder
+        (``RunFolder.check_writable``), so that a node without the storage (a mount missing on a node that joined
+        later, no credentials) fails now, named, not at its first checkpoint. Where the transport has no config
+        (tests' stand-ins), nothing is checked."""
+        from raytrain_mgpu.transports.placement import node_ip
+
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None:
+            check_writable(RunFolder.of(cfg), node_ip())
+
+    def finish(self) -> None:
+        """The run is over (its last epoch checkpointed, or failed): what the transport started for it stops,
+        and the events it sent the driver are delivered before the run returns."""
+        heartbeat = getattr(self, "heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.stop()
+        if self.reporter is not None:
+            self.reporter.flush()
+
+
+class FolderTransport(Transport):
+    """Checkpoints published in the run folder by its ranks (see the module docstring). ``attempt``: a token
+    of this attempt, so that every rank names the same temporary folder; ``barrier``: waits for every rank
+    (a no-op with one); ``rank`` 0 publishes."""
+
+    def __init__(self, cfg, rank: int, attempt: str, reporter=None, barrier: Callable[[], object] = lambda: None):
+        self.cfg, self.rank, self.attempt, self.reporter, self.barrier = cfg, rank, attempt, reporter, barrier
+        self.folder = RunFolder.of(cfg)
+        self._staging: Optional[str] = None
+
+    def checkpoint(self) -> Optional[CheckpointSource]:
+        return folder_checkpoint(self.folder)
+
+    def _temporary(self, name: str) -> str:
+        return self.folder.join(f"{TMP_PREFIX}{name}-{self.attempt}")
+
+    def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> str:
+        if self.folder.is_local:  # written in place; a remote folder gets the files on commit
+            path = self._temporary(name)
+            self.folder.fs.create_dir(path, recursive=True)
+            return path
+        self._staging = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")
+        return self._staging
+
+    def commit(self, commit) -> None:
+        tmp = self._temporary(commit.name)
+        if self._staging is not None:  # this rank's files up to the run folder's temporary folder
+            with self.folder.writable(tmp) as target:
+                shutil.copytree(self._staging, target, dirs_exist_ok=True)
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+        self.barrier()  # every rank's part is there
+        if self.rank != 0:
+            return
+        with self.folder.writable(tmp) as directory:
+            # last: marks it complete
+            ckpt_format.write_checkpoint(directory, meta={**commit.meta, PUBLISHED_KEY: True}, history=None)
+        published = self.folder.publish(tmp, commit.name)
+        if commit.is_best:
+            with self.folder.readable(published.path) as directory:
+                self.folder.save_best(directory)
+        from raytrain_mgpu.engine.checkpoints import CHECKPOINT_PREFIX
+
+        self.folder.prune(CHECKPOINT_PREFIX, self.cfg.num_checkpoints_to_keep)
+        logger.info("checkpoint %s", redact(published.uri))
+        if self.reporter is not None:
+            self.reporter.checkpoint(published.uri)
+
+    def abort(self, exc: BaseException) -> None:
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+
+
+def check_writable(folder: RunFolder, node: str) -> None:
+    """Write, read back and delete a small file in ``folder`` from ``node`` (a rank before its first step), or raise
+    the ``OSError`` that stopped it (of the same type: the retry policy tells a refused mount from a hiccup), naming
+    the node, the path and the cause."""
+    import os
+    import socket
+    import uuid
+
+    try:
+        probe = folder.join(f".reach-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        folder.fs.create_dir(folder.path, recursive=True)
+        with folder.fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        with folder.fs.open_input_stream(probe) as f:
+            if f.read() != b"ok":
+                raise OSError("the file read back differs from the one written")
+        folder.fs.delete_file(probe)
+    except Exception as exc:
+        message = (f"node {node} cannot write and read TrainConfig.storage_path: {folder.display} "
+                   f"({type(exc).__name__}: {exc}). Checkpoints would fail there. Mount the storage on every node at "
+                   f"the same path (NFS, EFS, a shared disk), or use a bucket URI such as s3://bucket/runs that every "
+                   f"node has credentials for.")
+        try:
+            error = type(exc)(message) if isinstance(exc, OSError) else OSError(message)
+        except Exception:  # an OSError type that takes other arguments
+            error = OSError(message)
+        raise error from exc

@@ -1,0 +1,191 @@
+"""The Ray Train transport's driver side: ``fit``'s worker group (:func:`run_train_workers`), Ray Train's trainer with
+the one retry policy in its controller (:func:`torch_trainer_class`), its run config, and the failure ``fit`` raises
+(:func:`whole_failure`). Each worker runs ``worker.train_worker``."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import ray.train
+
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.driver.cluster import worker_runtime_env as _worker_runtime_env
+from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.transports.ray_train.worker import train_worker
+
+__all__ = ["run_train_workers", "run_config", "torch_trainer_class", "whole_failure", "start_timeout_s"]
+
+
+def start_timeout_s() -> float:
+    """How long each of Ray Train's waits for a worker group's resources lasts (its environment variable, as the
+    controller reads it)."""
+    from raytrain_mgpu.transports.ray_train.faults import START_TIMEOUT_ENV
+
+    try:
+        return float(os.environ.get(START_TIMEOUT_ENV, 60.0))
+    except ValueError:
+        return 60.0
+
+
+def torch_trainer_class():
+    """Ray Train's ``TorchTrainer`` with two changes: the one retry policy (``transports/ray_train/policy.py``) in its
+    controller, and no Ray Data actor for a run without ``datasets=``.
+
+    Ray Train 2.60 starts a ``DatasetManager`` actor for every run (its ``DatasetsCallback``), a
+    process of its own that imports Ray Data, datasets or not; only a worker's
+    ``get_dataset_shard`` asks it for anything, which ``ingest="loader"`` (the default) never calls.
+    Measured on the 2-core VM (a 2-worker MLP fit on digits, 3 fits each way, on one Ray): 13.2-13.4 s
+    and 18.6-18.8 CPU-s per fit with it, 11.0-11.3 s and 15.2-16.1 CPU-s without. With datasets
+    (``ingest="ray_data"``) the callback stays. A Ray Train without these hooks gets its own trainer.
+    Tested both ways by counting the actors (tests/test_fit.py, tests/test_ray_ingest.py)."""
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_mgpu.transports.ray_train.policy import OneRetryPolicy
+
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError:  # another Ray Train: its own trainer, unchanged
+        return TorchTrainer
+    if not all(hasattr(TorchTrainer, hook) for hook in ("_create_default_callbacks", "_initialize_and_run_controller")):
+        return TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+        placement_timeout_s = None  # fit's TrainConfig.placement_timeout_s: the policy's bound on the waits
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if OneRetryPolicy is not None and "failure_policy" in controller_init_kwargs:
+                controller_init_kwargs["failure_policy"] = OneRetryPolicy(
+                    self.run_config.failure_config, self.placement_timeout_s, start_timeout_s())
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return Trainer
+
+
+def run_train_workers(cfg: TrainConfig, plan, events):
+    """On the driver: Ray Train's worker group for ``cfg`` (every worker runs :func:`train_worker`); ``(history, the
+    last checkpoint, rank 0's start-up times)``. ``events``: ``fit``'s ``RunEvents``, fed by the progress channel."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    from raytrain_mgpu.engine import devices
+    from raytrain_mgpu.transports import ray_data as ray_ingest
+    from raytrain_mgpu.driver.callbacks import stop_main_thread_on_failure
+    from raytrain_mgpu.transports.ray_train.faults import controller_poll
+    from raytrain_mgpu.transports.preemption import watcher_where_notices_come
+    from raytrain_mgpu.driver.progress import ProgressSink, SinkPump
+
+    RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
+    _start_autoscaling_coordinator()
+    sink = ProgressSink.open()
+    trainer = torch_trainer_class()(
+        train_worker,
+        train_loop_config={"config": cfg, "plan": plan, "sink": sink},
+        # nccl on GPUs; gloo on CPU and under GPU emulation (which records nccl as intended)
+        torch_config=TorchConfig(backend=devices.backend(cfg.use_gpu), timeout_s=int(cfg.collective_timeout_s)),
+        # Elastic (min, max): Ray Train starts with what the cluster has room for and restarts the group from
+        # the latest checkpoint when that changes (checked every elastic_resize_interval_s while it trains).
+        scaling_config=ScalingConfig(num_workers=(plan.min_workers, plan.num_processes) if plan.min_workers
+                                     else plan.num_processes, use_gpu=cfg.use_gpu,
+                                     resources_per_worker=plan.worker_resources, placement_strategy=cfg.placement,
+                                     label_selector=dict(cfg.label_selector) or None,
+                                     elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s),
+        run_config=run_config(cfg),
+        # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
+        **ray_ingest.trainer_datasets(cfg),
+    )
+    trainer.placement_timeout_s = cfg.placement_timeout_s
+    pump = SinkPump(sink, events, stall_timeout_s=cfg.stall_timeout_s)  # every rank's heartbeats judged
+    try:
+        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (transports/ray_train/faults.py),
+        # and each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);
+        # no preemption watcher on a Ray this process started (engine/preemption.py)
+        with stop_main_thread_on_failure(events), pump, controller_poll(min(cfg.placement_timeout_s, 60.0)), \
+                watcher_where_notices_come():
+            result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
+    except BaseException as exc:
+        if pump.failure is not None:  # the run was stopped for it: the callback's error, named
+            raise pump.failure
+        if isinstance(exc, ray.train.TrainingFailedError):
+            raise whole_failure(cfg, exc, pump.stall, plan) from exc
+        raise
+    finally:
+        sink.close()
+    if pump.failure is not None:  # on the last events, after the run ended
+        raise pump.failure
+    if result.checkpoint is None:
+        return [], None, pump.startup
+    folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
+    return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path), pump.startup
+
+
+def _start_autoscaling_coordinator() -> None:
+    """Ray Train's controller starts by creating (get-or-create, by name, on the driver's node) the cluster's
+    autoscaling coordinator actor and waits for it: a new process, spawned after the controller's own, ~0.9 s
+    of every run's start on 2 cores. Created here first (asynchronously: this returns at once), it takes an
+    idle pre-started Ray worker while the controller starts, which then finds it ready. Measured with
+    ``raytrain-mgpu bench-startup``; Ray's own function (an internal module, hence the guard), so the actor
+    is the one Ray Train would create."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator)
+    except ImportError:  # another Ray version: the controller creates it, as without this
+        return
+    get_or_create_autoscaling_coordinator()
+
+
+def run_config(cfg: TrainConfig):
+    """Ray Train's ``RunConfig`` of ``cfg``: where, how many checkpoints, which failures to retry."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(
+        name=cfg.name, storage_path=cfg.storage_path,
+        # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
+        # best (and the latest). keep_best's best is copied aside by the loop (RunFolder.save_best).
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+        # A preemption (a node drained with reason preemption) counts apart from max_failures.
+        failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                     max_preemption_failures=cfg.max_preemption_failures,
+                                     preemption_grace_s=cfg.preemption_grace_s),
+        worker_runtime_env=_worker_runtime_env(*cfg.code_specs()))
+
+
+def whole_failure(cfg: TrainConfig, error: Exception, stall=None, plan=None) -> BaseException:
+    """What ``fit`` raises for Ray Train's ``TrainingFailedError``: the failure that caused it, whole (the type the
+    worker raised, its message, a note with the worker's traceback and where it ran; ``retry.root_cause`` of
+    several ranks'), a :class:`~raytrain_mgpu.errors.StuckRankError` for ranks the driver found stuck, or a
+    :class:`~raytrain_mgpu.errors.PlacementTimeoutError` for resources never granted; noted with where the run's
+    checkpoints are."""
+    from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, worker_note
+    from raytrain_mgpu.driver.cluster import pending_message
+    from raytrain_mgpu.transports.retry import root_cause, unwrap
+
+    failures = getattr(error, "worker_failures", None) or {}
+    controller = getattr(error, "controller_failure", None)
+    if stall is not None:
+        exc = StuckRankError(stall.line, stall.ranks, stall.report)
+    elif type(controller).__name__ == "WorkerGroupStartupTimeoutError" and plan is not None:
+        exc = PlacementTimeoutError(pending_message(list(plan.bundles), f"strategy={cfg.strategy!r}",
+                                                    cfg.placement_timeout_s))
+    elif failures:
+        rank, exc = root_cause(failures)
+        traceback_text = getattr(failures[rank], "_traceback_str", None)
+        if worker_note(exc) is None and not isinstance(exc, WorkerError):  # a WorkerError says where itself
+            add_note(exc, f"raised on rank {rank}")
+        if traceback_text and not getattr(exc, "traceback_text", None):
+            add_note(exc, f"The worker's traceback (rank {rank}):\n{traceback_text.rstrip()}")
+    else:
+        exc = unwrap(controller if isinstance(controller, BaseException) else error)
+    add_note(exc, _failure_note(cfg))
+    return exc
+
+
+def _failure_note(cfg: TrainConfig) -> str:
+    from raytrain_mgpu._redact import redact
+
+    return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in "
+            f"{redact(RunFolder.of(cfg).uri)}; run again with the same name and storage_path to resume.")

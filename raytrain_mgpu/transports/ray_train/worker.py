@@ -1,0 +1,228 @@
+"""The Ray Train transport's worker side: each ``TorchTrainer`` worker runs the engine (``engine/loop.py``); the
+driver's side is ``driver.py``.
+
+:func:`train_worker` is the train function ``fit`` hands Ray Train. On every worker it builds the
+strategy's step runner and :class:`RayTrainTransport`, which carries rank 0's events to the driver
+through the run's progress channel (``driver/progress.py``), resumes from Ray Train's latest
+checkpoint, and delivers each checkpoint with ``ray.train.report`` (``transports/ray_train/uploads.py``:
+rank 0's asynchronous upload, a sharded run's every-rank folders, a step checkpoint reported before its
+write). Ray Train's controller restarts the group after a failure (``max_failures``) or a preemption
+(``max_preemption_failures``) from the latest registered checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Optional
+
+import ray
+import ray.train
+import torch
+from ray.train import CheckpointUploadMode
+
+from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.devices import resolve_devices
+from raytrain_mgpu.transports.ray_train.faults import name_stuck_ranks, wait_until_report_collected
+from raytrain_mgpu.driver.progress import WorkerReporter
+from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.transports.base import CheckpointSource, Transport
+from raytrain_mgpu.transports.ray_train.uploads import Uploads, clean, report, save_best, wait_for_previous
+
+__all__ = ["train_worker", "RayTrainTransport", "errors_whole"]
+
+
+def errors_whole(train_fn):
+    """Decorate a Ray Train worker function: its exception leaves the worker whole (``transports/retry.sent_whole``:
+    noted with the rank and node, the retry policy's verdict on it, a stand-in where it would not unpickle)."""
+    import functools
+
+    @functools.wraps(train_fn)
+    def wrapper(payload: dict):
+        try:
+            return train_fn(payload)
+        except Exception as exc:
+            from raytrain_mgpu.transports.retry import sent_whole
+
+            sent = sent_whole(exc, ray.train.get_context().get_world_rank(), ray.util.get_node_ip_address(),
+                              os.getpid())
+            if sent is exc:
+                raise
+            raise sent from None
+
+    return wrapper
+
+
+@errors_whole
+@name_stuck_ranks
+def train_worker(payload: dict) -> dict:
+    """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": channel}."""
+    entered = time.time()  # the start-up's clock (fit's: TrainResult.startup)
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.engine.loop import Engine
+    from raytrain_mgpu.transports.local import data_parallel_steps
+
+    cfg: TrainConfig = payload["config"]
+    torch.set_num_threads(cfg.cpus_per_worker)
+    ctx = _context(cfg)
+    data = build_datasets(cfg.data)
+    steps = data_parallel_steps(cfg, ctx, data)
+    transport = RayTrainTransport(cfg, ctx, payload.get("sink"))
+    return Engine(cfg, payload["plan"], steps, transport, data).run(entered)
+
+
+def _context(cfg: TrainConfig):
+    from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+    ctx = ray.train.get_context()
+    # GPUs: this worker's ray.get_gpu_ids() through CUDA_VISIBLE_DEVICES (as Ray Train's
+    # get_devices); under emulation the same cuda:k are recorded and the CPU computes.
+    assignment = resolve_devices(cfg.use_gpu, get_strategy(cfg.strategy).devices_per_worker(cfg), ray.get_gpu_ids())
+    return WorkerContext(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
+                         ctx.get_local_world_size(), ctx.get_node_rank(), assignment.compute, assignment)
+
+
+class RayTrainTransport(Transport):
+    """One Ray Train worker's side of the run (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, ctx, sink, sync_uploads: bool = False):
+        """``sync_uploads``: every save uploads inside its report (``bench-checkpoint`` measures what that costs)."""
+        self.cfg, self.ctx, self.rank, self.sync_uploads, self.sink = cfg, ctx, ctx.world_rank, sync_uploads, sink
+        self.reporter = WorkerReporter(sink if self.rank == 0 else None)
+        self.uploads = Uploads.current()
+        self._save: Optional[dict] = None  # the save between begin and commit
+
+    def reports_scalars(self, rank: int, steps) -> bool:
+        return rank == 0 and self.reporter.sink is not None
+
+    def start_heartbeat(self, rank: int, world_size: int) -> None:
+        from raytrain_mgpu.driver.heartbeat import Heartbeat
+
+        self.heartbeat = Heartbeat(self.sink, rank, world_size, _attempt_id, self.cfg.stall_timeout_s).start()
+
+    def checkpoint(self) -> Optional[CheckpointSource]:
+        """Ray Train's latest, unless the run folder holds a newer checkpoint published by another
+        transport (a run trained in the driver's process before, resumed here)."""
+        latest = ray.train.get_checkpoint()
+        newer = RunFolder.of(self.cfg).newest_published(after=latest.path if latest is not None else None)
+        if newer is not None:
+            folder = RunFolder.of(self.cfg)
+            return CheckpointSource(newer.uri, lambda: folder.readable(newer.path))
+        if latest is None:
+            return None
+        return CheckpointSource(latest.path, latest.as_directory)
+
+    def where(self) -> dict:
+        return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+    def data_shard(self):
+        return ray.train.get_dataset_shard("train")
+
+    def preemption(self) -> dict:
+        from raytrain_mgpu.transports.preemption import ray_train_notices
+
+        return ray_train_notices()  # Ray Train's watcher and get_preemption_info
+
+    def asynchronous(self, step: bool, final: bool) -> bool:
+        return not (final or self.sync_uploads)  # the run's last save uploads synchronously: nothing is left to overlap
+
+    def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> Optional[str]:
+        upload = CheckpointUploadMode.ASYNC if self.asynchronous(step, final) else CheckpointUploadMode.SYNC
+        # A step checkpoint uploaded in the background is reported before it is written (uploads.py).
+        first = step and not sharded and upload == CheckpointUploadMode.ASYNC
+        save = self._save = {"upload": upload, "first": first, "sharded": sharded, "directory": None,
+                             "writing": None, "index": None}
+        if self.rank != 0 and not sharded:  # no files: reported without a checkpoint (at commit, or now)
+            if first:
+                ray.train.report(clean(metrics), checkpoint=None)
+            return None
+        if not first:
+            wait_for_previous(self.uploads)  # one upload in flight at most; a failure resumes from it
+        save["directory"] = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after upload
+        if first:  # rank 0: the empty folder reported with a future its upload waits for
+            from concurrent.futures import Future
+
+            wait_for_previous(self.uploads)
+            save["writing"] = Future()
+            try:
+                save["index"] = report(metrics, save["directory"], name, upload, self.uploads, save["writing"])
+            except BaseException:
+                self.abort(None)
+                raise
+        return save["directory"]
+
+    def commit(self, commit) -> None:
+        save, self._save = self._save, None
+        upload, directory = save["upload"], save["directory"]
+        if self.rank != 0 and not save["sharded"]:
+            if not save["first"]:
+                ray.train.report(clean(commit.metrics), checkpoint=None)
+            wait_until_report_collected()  # held until the controller took it: a failure after keeps rank 0's
+            return
+        if self.rank != 0:  # a sharded checkpoint's other ranks: their shards, under rank 0's name
+            try:
+                report(commit.metrics, directory, commit.name, upload, self.uploads, commit.writing)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            if upload == CheckpointUploadMode.SYNC:
+                wait_until_report_collected()
+            return
+        try:
+            ckpt_format.write_checkpoint(directory, meta=commit.meta, history=None)
+            if commit.is_best:
+                # Ray Train prunes by age (its score order would keep the N best, not the last N): a new best's
+                # model is copied aside, one more model write per improvement.
+                save_best(self.cfg, directory, commit.best_model)
+            if save["first"]:
+                save["writing"].set_result(None)  # complete: Ray Train's upload thread copies it from here
+                index = save["index"]
+            else:
+                index = report(commit.metrics, directory, commit.name, upload, self.uploads, commit.writing)
+        except BaseException as exc:
+            save["directory"] = directory
+            self._save = save
+            self.abort(exc)
+            raise
+        if upload == CheckpointUploadMode.ASYNC:
+            self.uploads.announce_when_persisted(index, RunFolder.of(self.cfg), self.reporter)
+            return
+        # Synchronous: uploaded when report returns. A rank 0 that died before the controller took the report
+        # would drop the checkpoint although it is uploaded: wait up to one poll.
+        wait_until_report_collected()
+        self.uploads.flush()  # the asynchronous ones before it, announced in order
+        persisted = ray.train.get_checkpoint()  # the latest reported: this one, in the storage filesystem
+        if persisted is not None:
+            self.reporter.checkpoint(RunFolder.of(self.cfg).uri_of(persisted.path))
+
+    def abort(self, exc: Optional[BaseException]) -> None:
+        save, self._save = self._save, None
+        if not save:
+            return
+        if save["writing"] is not None and save["first"] and not save["writing"].done():
+            # reported already: its upload fails with the write, before it reads the folder
+            save["writing"].set_exception(exc or RuntimeError("the checkpoint was not written"))
+        if save["directory"] is not None:
+            shutil.rmtree(save["directory"], ignore_errors=True)
+
+
+def _attempt_id() -> str:
+    """An id every worker of this worker group shares (its heartbeats' group): rank 0 writes a fresh one into the
+    group's c10d store, which Ray Train makes anew for every group; the others read it (called in the heartbeat
+    thread: the wait for rank 0 keeps no step waiting)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set(_ATTEMPT_KEY, uuid.uuid4().hex)
+    return store.get(_ATTEMPT_KEY).decode()
+
+
+_ATTEMPT_KEY = "raytrain_mgpu/attempt"
