@@ -32,7 +32,7 @@ from raytrain_mgpu.driver.preflight import (check_data_fits, check_model_builds,
                                               check_storage_reachable)
 from raytrain_mgpu.engine.run_folder import RunFolder
 from raytrain_mgpu.engine.run_state import stops_early
-from raytrain_mgpu.engine.runlock import RunLock
+from raytrain_mgpu.driver.runlock import RunLock
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.driver.callbacks import RunEvents, RunInfo, load_callbacks
 from raytrain_mgpu.strategies import get_strategy

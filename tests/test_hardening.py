@@ -20,7 +20,7 @@ from raytrain_mgpu._redact import redact
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import check_data, cifar10
 from raytrain_mgpu.driver.preflight import check_data_fits, check_run_folder
-from raytrain_mgpu.engine.runlock import LOCK_FILE, RunLock
+from raytrain_mgpu.driver.runlock import LOCK_FILE, RunLock, remove_stale_temporaries
 
 
 class _Payload:
@@ -362,13 +362,13 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
                                              "heartbeat": time.time()}))
     with caplog.at_level("WARNING"):
-        assert RunFolder.of(cfg).remove_temporaries() == []
+        assert remove_stale_temporaries(RunFolder.of(cfg)) == []
     assert all(f.is_dir() for f in leftovers) and f"pid {os.getppid()}" in caplog.text
     (run / LOCK_FILE).unlink()
     lock = RunLock.acquire(str(run))  # our own lock, as fit holds it
     try:
         with caplog.at_level("INFO"):
-            assert RunFolder.of(cfg).remove_temporaries() == sorted(f.name for f in leftovers)
+            assert remove_stale_temporaries(RunFolder.of(cfg)) == sorted(f.name for f in leftovers)
         assert "removed 2 temporary checkpoint folder(s) left by a stopped driver" in caplog.text
         assert not any(f.exists() for f in leftovers) and (done / ckpt_format.META_FILE).is_file()
         assert RunFolder.of(cfg).state().checkpoint == str(done)
@@ -419,7 +419,7 @@ def locked_then_trained(tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("locked") / "results")
     cfg = TrainConfig(**TINY_FIT, storage_path=storage, name="locked")
     run_path = f"{storage}/locked"
-    holder = ("import sys\nfrom raytrain_mgpu.engine.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
+    holder = ("import sys\nfrom raytrain_mgpu.driver.runlock import RunLock\nlock = RunLock.acquire(sys.argv[1])\n"
               "print('locked', flush=True)\nsys.stdin.readline()\nlock.release()\n")
     owner = subprocess.Popen([sys.executable, "-c", holder, run_path], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)

@@ -2,7 +2,7 @@
 
 - ``preflight.py``, ``cluster.py``, ``autoscaler_config.py``, ``worker_nodes.py``: checks before Ray is asked for
   anything, connecting to Ray, what the cluster can have, where the workers may go;
-- ``progress.py``: the banner, the epoch lines, the ranks' channel to
+- ``runlock.py``: one driver per run folder; ``progress.py``: the banner, the epoch lines, the ranks' channel to
   the driver; ``heartbeat.py``: the ranks' heartbeats and the driver's answer to a stuck one;
 - ``callbacks.py``, ``loggers.py``: the run's events to the user's callbacks and loggers;
 - ``export.py``: a run's model out; ``spot_watch.py``: the daemon on a spot node that turns a reclaim notice into

@@ -5,7 +5,6 @@
 - ``checkpoints.py``      what a checkpoint holds and the restore with every RNG (``Saver``, ``read``);
 - ``checkpoint_files.py`` the checkpoint's file format; ``run_folder.py``: ``{storage_path}/{name}`` on any
                           pyarrow filesystem (publishing, the best copy, pruning, the checkpoint to resume from);
-                          ``runlock.py``: the driver's lock on it (one driver per run folder);
 - ``step_checkpoints.py`` when a step checkpoint is due, and the resumable sampler; ``preemption.py``: the notice's
                           checkpoint;
 - ``feed.py``             samplers, loaders (``loaders.py``, ``prefetch.py``), data waits, data on the device;

@@ -5,7 +5,7 @@ opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
 
     {run}/run.json                      the run's identity (driver/preflight.py)
     {run}/history.parquet               one row per epoch (written by fit, atomically)
-    {run}/.raytrain-mgpu.lock           the driver's lock (engine/runlock.py)
+    {run}/.raytrain-mgpu.lock           the driver's lock (driver/runlock.py)
     {run}/checkpoint*/meta.json         one per checkpoint, written last: marks it complete (a sharded
                                         one's: with DCP's .metadata and every file it names)
     {run}/checkpoint_manager_snapshot.json   Ray Train's own record of its checkpoints
@@ -283,17 +283,8 @@ class RunFolder:
     def remove_temporaries(self) -> List[str]:
         """Remove the temporary checkpoint folders a killed driver (or attempt) left; returns their names.
 
-        Their names are unique, so nobody would ever reuse or remove them otherwise. Under our
-        own run lock (``fit`` holds it) no other driver writes here, so every one is stale; if
-        the lock names another live driver, its save may be in flight and nothing is removed.
-        """
-        from raytrain_mgpu.engine.runlock import other_live_owner
-
-        owner = other_live_owner(self.uri)
-        if owner is not None:
-            logger.warning("run folder %s is locked by another live driver (host %s, pid %s): its temporary "
-                           "checkpoint folders are left alone", self.display, owner.get("host"), owner.get("pid"))
-            return []
+        Their names are unique, so nobody would ever reuse or remove them otherwise. Call it under this run's lock
+        (``driver/runlock.remove_stale_temporaries``): another live driver's save may be in flight."""
         stale = self._folders(f"{TMP_PREFIX}checkpoint") + self._folders(f"{TMP_PREFIX}{BEST_CHECKPOINT}")
         for entry in stale:
             self.fs.delete_dir(entry.path)

@@ -135,6 +135,7 @@ def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dic
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.engine.devices import resolve_devices
     from raytrain_mgpu.engine.loop import Engine
+    from raytrain_mgpu.driver.runlock import remove_stale_temporaries
     from raytrain_mgpu.engine.run_folder import RunFolder
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
     from raytrain_mgpu.transports.retry import run_attempts
@@ -144,7 +145,7 @@ def run_in_process(cfg, plan, events) -> Tuple[list, Optional[str], Optional[dic
 
     def attempt(_failures: int) -> list:
         entered = time.time()
-        folder.remove_temporaries()  # a killed attempt's (or driver's) half-written checkpoints
+        remove_stale_temporaries(folder)  # a killed attempt's (or driver's) half-written checkpoints
         assignment = resolve_devices(cfg.use_gpu, get_strategy(cfg.strategy).devices_per_worker(cfg))
         ctx = WorkerContext(0, 1, 0, 1, 0, assignment.compute, assignment)
         if assignment.compute[0].type == "cuda":

@@ -95,9 +95,10 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[lis
     notices = [] if notices is None else notices
     from raytrain_mgpu.transports.actor_group.group import StageGroup
     from raytrain_mgpu.driver.progress import ProgressSink, SinkPump
+    from raytrain_mgpu.driver.runlock import remove_stale_temporaries
     from raytrain_mgpu.engine.run_folder import RunFolder
 
-    RunFolder.of(cfg).remove_temporaries()  # a failed attempt's (or killed driver's) half-written checkpoints
+    remove_stale_temporaries(RunFolder.of(cfg))  # a failed attempt's (or killed driver's) half-written checkpoints
     partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
     group, sink = StageGroup(cfg, plan), ProgressSink.open()
     # replica 0's first and last stage send the per-step scalars (one stage: it sends both)

@@ -12,6 +12,7 @@ import ray.train
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.driver.cluster import worker_runtime_env as _worker_runtime_env
 from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.driver.runlock import remove_stale_temporaries
 from raytrain_mgpu.transports.ray_train.worker import train_worker
 
 __all__ = ["run_train_workers", "run_config", "torch_trainer_class", "whole_failure", "start_timeout_s"]
@@ -79,7 +80,7 @@ def run_train_workers(cfg: TrainConfig, plan, events):
     from raytrain_mgpu.transports.preemption import watcher_where_notices_come
     from raytrain_mgpu.driver.progress import ProgressSink, SinkPump
 
-    RunFolder.of(cfg).remove_temporaries()  # e.g. a best-checkpoint copy a killed rank 0 left half-written
+    remove_stale_temporaries(RunFolder.of(cfg))  # e.g. a best-checkpoint copy a killed rank 0 left half-written
     _start_autoscaling_coordinator()
     sink = ProgressSink.open()
     trainer = torch_trainer_class()(

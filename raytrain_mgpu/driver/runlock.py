@@ -20,14 +20,14 @@ import socket
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import List, Optional
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.engine.checkpoint_files import filesystem
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunLock", "LOCK_FILE", "other_live_owner"]
+__all__ = ["RunLock", "LOCK_FILE", "other_live_owner", "remove_stale_temporaries"]
 
 LOCK_FILE = ".raytrain-mgpu.lock"
 HEARTBEAT_S = 30.0
@@ -147,3 +147,15 @@ def _alive(owner: dict) -> bool:
         except PermissionError:  # exists, owned by another user
             return True
     return True
+
+
+def remove_stale_temporaries(folder) -> List[str]:
+    """``folder.remove_temporaries()`` (a ``RunFolder``) unless another live driver holds its lock: under our own
+    lock (``fit`` holds it) no other driver writes there, so every temporary folder is stale; under another's, its
+    save may be in flight and nothing is removed. The removed folders' names."""
+    owner = other_live_owner(folder.uri)
+    if owner is not None:
+        logger.warning("run folder %s is locked by another live driver (host %s, pid %s): its temporary "
+                       "checkpoint folders are left alone", folder.display, owner.get("host"), owner.get("pid"))
+        return []
+    return folder.remove_temporaries()
