@@ -36,7 +36,8 @@ from raytrain_mgpu.driver.runlock import RunLock
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.driver.callbacks import RunEvents, RunInfo, load_callbacks
 from raytrain_mgpu.strategies import get_strategy
-from raytrain_mgpu.transports.local import runner_for
+from raytrain_mgpu.transports import carrier
+from raytrain_mgpu.transports.base import runner_for
 
 logger = logging.getLogger(__name__)
 
@@ -168,23 +169,9 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             events.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         events.banner(_banner(cfg, plan, input_shape, num_classes, runner))
         events.train_start(_run_info(cfg))
-        startup: dict = {}
-        if runner == "local":
-            from raytrain_mgpu.transports.local import run_in_process
-
-            history, checkpoint_path, first = run_in_process(cfg, plan, events)
-            startup = _startup(called, checked, connected, first)
-        elif plan.runner == "actor_group":
-            from raytrain_mgpu.transports.actor_group.runner import run_pipeline
-
-            outcome = run_pipeline(cfg, events, plan)
-            history, checkpoint_path = outcome.history, outcome.checkpoint_path
-            startup = _startup(called, checked, connected, outcome.startup)
-        else:
-            from raytrain_mgpu.transports.ray_train.driver import run_train_workers
-
-            history, checkpoint_path, rank0 = run_train_workers(cfg, plan, events)
-            startup = _startup(called, checked, connected, rank0)
+        # the in-process runner, Ray Train's workers or the pipeline's actor group: one call, one result
+        history, checkpoint_path, rank0 = carrier(runner, plan)(cfg, plan, events)
+        startup = _startup(called, checked, connected, rank0)
         run_path = _run_path(cfg)
         history = _stamp_auto(history, auto_record, run_path)
         _write_history(history, run_path)

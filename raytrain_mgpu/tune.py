@@ -73,7 +73,7 @@ class _ReportEpochs(Callback):
 def in_trial(cfg: TrainConfig) -> bool:
     """Whether ``cfg``'s trials train inside their own process (one worker, nothing only Ray provides)."""
     from raytrain_mgpu.strategies.plan import build_plan
-    from raytrain_mgpu.transports.local import local_refusal
+    from raytrain_mgpu.transports.base import local_refusal
 
     return cfg.runner != "ray" and cfg.strategy != "auto" and local_refusal(cfg.replace(runner="local"),
                                                                            build_plan(cfg)) is None

@@ -21,7 +21,7 @@ from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.transports.base import FolderTransport
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from raytrain_mgpu.strategies.plan import build_plan
-from raytrain_mgpu.transports.local import data_parallel_steps
+from raytrain_mgpu.transports.base import data_parallel_steps
 
 __all__ = ["make_engine", "TestTransport", "RecordingSink"]
 

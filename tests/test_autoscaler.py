@@ -183,7 +183,7 @@ def test_the_pipeline_gets_past_its_checks_at_zero_gpu_nodes(cold, monkeypatch, 
     cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="pipeline", num_stages=4, num_microbatches=4,
                           use_gpu=True, storage_path=storage)
     with pytest.raises(PastTheChecks):
-        run_pipeline(cfg, events=None)
+        run_pipeline(cfg, None, events=None)
     too_many = cfg.replace(strategy="ddp_pipeline", num_workers=9, batch_size=144)  # 36 stage actors, 1 GPU each
     with pytest.raises(ValueError, match=r"needs 36 GPU \(1 per stage actor x 9 replica\(s\) x num_stages=4\), "
                                          r"but this autoscaling cluster can scale to at most 32 GPU"):

@@ -95,7 +95,7 @@ def runs(ray_session, tmp_path_factory):
                       storage_path=f"file://{root}/results", name="pipe", loader_workers=1,
                       train_transform="test_transforms:noise", checkpoint_every_n_steps=EVERY)
     reporter = Reporter()
-    first = run_pipeline(cfg, reporter)
+    first = run_pipeline(cfg, None, reporter)
     assert (root / "probe" / "died").exists()
     run = root / "results" / "pipe"
     # what the first run left (num_checkpoints_to_keep=2: the resume below prunes the step checkpoint)
@@ -178,12 +178,12 @@ def test_not_enough_cpus_for_the_stages_names_the_cluster(ray_session, storage):
     cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=6, schedule="gpipe", storage_path=storage)
     with pytest.raises(ValueError, match=r"strategy='pipeline' needs 6 CPU \(1 per stage actor x 1 replica\(s\) x "
                                          r"num_stages=6\), but the Ray cluster has 4 CPU. Lower num_stages"):
-        run_pipeline(cfg, Reporter())
+        run_pipeline(cfg, None, Reporter())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a 2-stage pipeline needs 2 CUDA GPUs (one per stage)")
 def test_pipeline_on_gpus(ray_session, storage):
     cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, use_gpu=True, epochs=1, storage_path=storage)
-    outcome = run_pipeline(cfg, Reporter())
+    outcome = run_pipeline(cfg, None, Reporter())
     assert all(peak > 0 for peak in outcome.history[-1]["peak_memory_bytes"])

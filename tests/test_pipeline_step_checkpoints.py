@@ -216,7 +216,7 @@ def test_a_stage_killed_mid_epoch_resumes_at_the_last_step_checkpoint_and_ends_l
     killed_cfg = rtm.TrainConfig(**pipe, data_root=str(probe), checkpoint_every_n_steps=EVERY, max_failures=1,
                                  num_checkpoints_to_keep=20, storage_path=storage, name="killed")
     reporter = _Reporter()
-    killed = run_pipeline(killed_cfg, reporter)
+    killed = run_pipeline(killed_cfg, None, reporter)
     assert (probe / "died").exists()
     # The undisturbed run, computed in this process: tests/_pipeline_reference.py does the stages' arithmetic
     # in their order, bit for bit a Ray run's.

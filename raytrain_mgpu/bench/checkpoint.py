@@ -42,7 +42,7 @@ def _train_fn(config: dict) -> None:
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.engine.loop import Engine
     from raytrain_mgpu.strategies.plan import build_plan
-    from raytrain_mgpu.transports.local import data_parallel_steps
+    from raytrain_mgpu.transports.base import data_parallel_steps
     from raytrain_mgpu.transports.ray_train.worker import RayTrainTransport, _context
 
     torch.set_num_threads(config["threads"])

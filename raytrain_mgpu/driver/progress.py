@@ -248,6 +248,36 @@ class WorkerReporter:
         self._send("startup", {"entered": entered, "first_step": first_step})
 
 
+def deliver(kind: str, payload, printer) -> None:
+    """A rank's event (``WorkerReporter``'s kinds) to the driver's ``RunEvents`` (or a printer)."""
+    if kind == "epoch":
+        printer.epoch(payload)
+    elif kind == "scalars":
+        printer.scalars(*payload)
+    elif kind == "checkpoint":
+        printer.checkpoint(payload)
+    elif kind == "notice":
+        printer.banner(payload)
+    elif kind == "step":
+        printer.step(*payload)
+
+
+class DirectSink:
+    """The run's channel where rank 0 is the driver's own process (the in-process runner): ``put.remote(kind,
+    payload)`` hands the event straight to the driver's ``RunEvents``, as the pump would; a callback's error is
+    raised in the rank, which is the driver. ``startup``: the first start-up times."""
+
+    def __init__(self, events):
+        self.events, self.startup = events, None
+        self.put = self
+
+    def remote(self, kind: str, payload) -> None:
+        if kind == "startup":
+            self.startup = self.startup or payload
+        elif kind != "beat":
+            deliver(kind, payload, self.events)
+
+
 class SinkPump:
     """Driver thread: moves events from the sink to the printer (a ``RunEvents``) until stopped.
 
@@ -298,20 +328,14 @@ class SinkPump:
             return
         for kind, payload in events:
             try:
-                if kind == "epoch":
-                    self.printer.epoch(payload)
-                elif kind == "scalars":
+                if kind == "scalars":
                     self._scalars(*payload)
-                elif kind == "checkpoint":
-                    self.printer.checkpoint(payload)
-                elif kind == "notice":
-                    self.printer.banner(payload)
                 elif kind == "startup":
                     self.startup = self.startup or payload
                 elif kind == "beat":
                     self._beat(payload)
                 else:
-                    self.printer.step(*payload)
+                    deliver(kind, payload, self.printer)
             except Exception as exc:  # a callback or logger raised: the run fails with it, never silently
                 self.failure = exc
                 return

@@ -21,9 +21,10 @@ new best aside (``best_checkpoint/``) and deletes all but the newest ``num_check
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
-from typing import Callable, ContextManager, NamedTuple, Optional
+from typing import Callable, ContextManager, NamedTuple, Optional, Protocol
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.engine import checkpoint_files as ckpt_format
@@ -31,7 +32,8 @@ from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, TMP_PREFIX, RunFolder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Transport", "CheckpointSource", "FolderTransport", "folder_checkpoint", "check_writable"]
+__all__ = ["Transport", "CheckpointSource", "FolderTransport", "folder_checkpoint", "check_writable", "Reporter",
+           "RunResult", "rank_devices", "rank_engine", "data_parallel_steps", "runner_for", "local_refusal"]
 
 
 class CheckpointSource(NamedTuple):
@@ -189,3 +191,102 @@ def check_writable(folder: RunFolder, node: str) -> None:
         except Exception:  # an OSError type that takes other arguments
             error = OSError(message)
         raise error from exc
+
+
+# ----------------------------------------------------------------------------- what every transport shares
+
+
+class Reporter(Protocol):
+    """Where rank 0's events go (``Transport.reporter``): ``driver/progress.WorkerReporter``, over the run's
+    channel to the driver or, in the driver's own process, straight to its ``RunEvents`` (``DirectSink``)."""
+
+    def step(self, step: int, total: int, epoch: int = 0) -> None: ...
+    def scalars(self, step: int, values: dict) -> None: ...
+    def epoch(self, row: dict) -> None: ...
+    def checkpoint(self, path: str) -> None: ...
+    def notice(self, line: str) -> None: ...
+    def startup(self, entered: float, first_step: float) -> None: ...
+    def flush(self) -> None: ...
+
+
+class RunResult(NamedTuple):
+    """What a transport's run gives back to ``fit``, whichever carried it."""
+
+    history: list
+    """One row per epoch trained, resumed attempts included."""
+    checkpoint_path: Optional[str]
+    """The last checkpoint (the whole model loads from it), or None."""
+    startup: Optional[dict] = None
+    """Rank 0's start-up times of the first attempt (``WorkerReporter.startup``), or None."""
+
+
+def rank_devices(cfg, num_devices: int, gpu_ids=None):
+    """The first thing every rank does, in the process that computes: its torch threads (``cpus_per_worker``), its
+    devices (``gpu_ids``: the ones Ray gave it; ``engine/devices.resolve_devices``) and CUDA's current device."""
+    import torch
+
+    from raytrain_mgpu.engine.devices import resolve_devices
+
+    torch.set_num_threads(cfg.cpus_per_worker)
+    assignment = resolve_devices(cfg.use_gpu, num_devices, gpu_ids)
+    if assignment.compute[0].type == "cuda":
+        torch.cuda.set_device(assignment.compute[0])
+    return assignment
+
+
+def rank_engine(cfg, plan, ctx, transport, data=None, steps=None):
+    """One rank's engine, whichever transport carries it (``.run(entered)`` trains): its datasets (unless given),
+    its step runner (the data-parallel one unless given: a pipeline stage brings its own)."""
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.engine.loop import Engine
+
+    data = data if data is not None else build_datasets(cfg.data)
+    steps = steps if steps is not None else data_parallel_steps(cfg, ctx, data)
+    return Engine(cfg, plan, steps, transport, data)
+
+
+def data_parallel_steps(cfg, ctx, data):
+    """The data-parallel step runner of ``cfg``'s strategy on the rank ``ctx`` describes."""
+    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.parallel import build_worker
+    from raytrain_mgpu.parallel.steps import DataParallelSteps
+    from raytrain_mgpu.strategies import get_strategy
+
+    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
+    step = None
+    if cfg.train_step is not None:
+        from raytrain_mgpu._factory import load_factory
+
+        step = load_factory(cfg.train_step, "train_step")
+    return DataParallelSteps(strategy, cfg.compile, step)
+
+
+def local_refusal(cfg, plan) -> Optional[str]:
+    """Why ``cfg`` cannot train in the driver's process (None: it can)."""
+    from raytrain_mgpu.strategies import get_strategy
+    from raytrain_mgpu.strategies.elastic import is_elastic
+
+    if plan.runner != "train_workers":
+        return f"strategy={cfg.strategy!r} runs its stages in an actor group of their own"
+    if is_elastic(cfg) or plan.num_processes != 1:
+        return f"num_workers={cfg.num_workers!r} asks for more than one worker process"
+    if cfg.runner == "auto" and (cfg.address is not None or os.environ.get("RAY_ADDRESS")):
+        return "a cluster address is set (address or RAY_ADDRESS): the run belongs on that cluster"
+    if cfg.ingest == "ray_data" or isinstance(cfg.dataset, dict):
+        return "Ray Data streams the training split (ingest='ray_data' or Ray Datasets)"
+    if get_strategy(cfg.strategy).replication == "fully_shard":
+        return f"strategy={cfg.strategy!r} shards over a process group, which one process without Ray does not have"
+    if cfg.sync_batchnorm:
+        return "sync_batchnorm=True needs a process group"
+    return None
+
+
+def runner_for(cfg, plan) -> str:
+    """``"local"`` or ``"ray"`` for ``cfg`` (``TrainConfig.runner``); ValueError where ``local`` cannot be."""
+    why = local_refusal(cfg, plan)
+    if cfg.runner == "local" and why is not None:
+        raise ValueError(f"TrainConfig.runner='local' cannot train this run in the driver's process: {why}. "
+                         f"Set runner='auto' (or 'ray') to train it with Ray.")
+    if cfg.runner == "ray" or why is not None:
+        return "ray"
+    return "local"

@@ -14,24 +14,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import NamedTuple, Optional
+from typing import Optional
 
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
+from raytrain_mgpu.transports.base import RunResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunOutcome", "run_pipeline"]
-
-
-class RunOutcome(NamedTuple):
-    checkpoint_path: Optional[str]
-    """The newest checkpoint folder (the whole model loads from it)."""
-    history: list
-    """Per-epoch metrics, resumed attempts included."""
-    startup: Optional[dict] = None
-    """Rank 0's start-up times (``WorkerReporter.startup``)."""
+__all__ = ["run_pipeline"]
 
 
 def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
@@ -131,9 +123,10 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[lis
         sink.close()
 
 
-def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> RunOutcome:
+def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult:
     """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of ``{storage_path}/{name}``
-    if there is one, restart after failures (``max_failures``). ``events``: ``fit``'s ``RunEvents``."""
+    if there is one, restart after failures (``max_failures``). ``plan``: ``fit``'s (None: built here); ``events``:
+    ``fit``'s ``RunEvents``."""
     from raytrain_mgpu.driver.cluster import check_placeable
     from raytrain_mgpu.transports.preemption import was_preemption
     from raytrain_mgpu.engine.run_folder import RunFolder
@@ -168,4 +161,4 @@ def run_pipeline(cfg: TrainConfig, events, plan: Optional[RunPlan] = None) -> Ru
             raise
         raise failed from exc
     state = RunFolder.of(cfg).state()
-    return RunOutcome(state.checkpoint, state.history, next((s for s in first if s), None))
+    return RunResult(state.history, state.checkpoint, next((s for s in first if s), None))

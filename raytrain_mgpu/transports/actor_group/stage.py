@@ -28,7 +28,7 @@ from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_
 from raytrain_mgpu.pipeline.schedule import build_order, channel_sequences, num_virtual_stages, stage_rank
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.transports.placement import free_address, node_ip, ray_gpu_ids
-from raytrain_mgpu.transports.base import FolderTransport
+from raytrain_mgpu.transports.base import FolderTransport, rank_devices, rank_engine
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,6 @@ class StageWorker:
 
     def __init__(self, cfg: TrainConfig, rank: int, emulate_nccl: Optional[bool] = None,
                  plan: Optional[RunPlan] = None):
-        torch.set_num_threads(cfg.cpus_per_worker)
         self.cfg, self.rank = cfg, rank
         self.emulate_nccl = nccl_semantics(cfg.use_gpu) if emulate_nccl is None else emulate_nccl
         self.num_ranks = cfg.num_stages
@@ -100,7 +99,7 @@ class StageWorker:
         self.is_first = self.prank == stage_rank(0, self.num_ranks)
         self.is_last = self.prank == stage_rank(self.num_stages - 1, self.num_ranks)
         # Ray gives a stage actor one GPU; under emulation it computes on the CPU, cuda:k recorded
-        self.assignment = devices.resolve_devices(cfg.use_gpu, 1, ray_gpu_ids())
+        self.assignment = rank_devices(cfg, 1, ray_gpu_ids())  # the rank start every transport makes
         self.device = self.assignment.compute[0]
         self.peers = [self.replica * self.num_ranks + r for r in range(self.num_ranks)]
         self.data_shard = None  # ingest="ray_data": this replica's Ray Data iterators by split (use_data_shard)
@@ -175,11 +174,10 @@ class StageWorker:
         """Train the run's remaining epochs with the engine (every rank at once); ``attempt``: this attempt's token
         (the checkpoints' temporary folders), ``sink``: the run's progress channel."""
         from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
-        from raytrain_mgpu.engine.loop import Engine
 
         self.steps = PipelineSteps(self, self.partition)
         transport = StageTransport(self.cfg, self, attempt, sink)
-        engine = Engine(self.cfg, self.plan, self.steps, transport, self.data)
+        engine = rank_engine(self.cfg, self.plan, self.ctx, transport, self.data, self.steps)
         try:
             return engine.run()
         except Exception as exc:

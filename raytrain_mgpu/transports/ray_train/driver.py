@@ -13,6 +13,7 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.driver.cluster import worker_runtime_env as _worker_runtime_env
 from raytrain_mgpu.engine.run_folder import RunFolder
 from raytrain_mgpu.driver.runlock import remove_stale_temporaries
+from raytrain_mgpu.transports.base import RunResult
 from raytrain_mgpu.transports.ray_train.worker import train_worker
 
 __all__ = ["run_train_workers", "run_config", "torch_trainer_class", "whole_failure", "start_timeout_s"]
@@ -67,9 +68,9 @@ def torch_trainer_class():
     return Trainer
 
 
-def run_train_workers(cfg: TrainConfig, plan, events):
-    """On the driver: Ray Train's worker group for ``cfg`` (every worker runs :func:`train_worker`); ``(history, the
-    last checkpoint, rank 0's start-up times)``. ``events``: ``fit``'s ``RunEvents``, fed by the progress channel."""
+def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
+    """On the driver: Ray Train's worker group for ``cfg`` (every worker runs :func:`train_worker`). ``events``:
+    ``fit``'s ``RunEvents``, fed by the progress channel."""
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -119,9 +120,10 @@ def run_train_workers(cfg: TrainConfig, plan, events):
     if pump.failure is not None:  # on the last events, after the run ended
         raise pump.failure
     if result.checkpoint is None:
-        return [], None, pump.startup
+        return RunResult([], None, pump.startup)
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
-    return folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path), pump.startup
+    return RunResult(folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path),
+                     pump.startup)
 
 
 def _start_autoscaling_coordinator() -> None:

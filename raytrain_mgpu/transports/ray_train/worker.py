@@ -20,16 +20,14 @@ from typing import Optional
 
 import ray
 import ray.train
-import torch
 from ray.train import CheckpointUploadMode
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu.engine.devices import resolve_devices
 from raytrain_mgpu.transports.ray_train.faults import name_stuck_ranks, wait_until_report_collected
 from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.engine.run_folder import RunFolder
-from raytrain_mgpu.transports.base import CheckpointSource, Transport
+from raytrain_mgpu.transports.base import CheckpointSource, Transport, rank_devices, rank_engine
 from raytrain_mgpu.transports.ray_train.uploads import Uploads, clean, report, save_best, wait_for_previous
 
 __all__ = ["train_worker", "RayTrainTransport", "errors_whole"]
@@ -61,26 +59,20 @@ def errors_whole(train_fn):
 def train_worker(payload: dict) -> dict:
     """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": channel}."""
     entered = time.time()  # the start-up's clock (fit's: TrainResult.startup)
-    from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.engine.loop import Engine
-    from raytrain_mgpu.transports.local import data_parallel_steps
-
     cfg: TrainConfig = payload["config"]
-    torch.set_num_threads(cfg.cpus_per_worker)
     ctx = _context(cfg)
-    data = build_datasets(cfg.data)
-    steps = data_parallel_steps(cfg, ctx, data)
     transport = RayTrainTransport(cfg, ctx, payload.get("sink"))
-    return Engine(cfg, payload["plan"], steps, transport, data).run(entered)
+    return rank_engine(cfg, payload["plan"], ctx, transport).run(entered)
 
 
 def _context(cfg: TrainConfig):
+    """This worker's rank start (``transports/base.rank_devices``) and its ranks, as Ray Train numbers them."""
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
     ctx = ray.train.get_context()
     # GPUs: this worker's ray.get_gpu_ids() through CUDA_VISIBLE_DEVICES (as Ray Train's
     # get_devices); under emulation the same cuda:k are recorded and the CPU computes.
-    assignment = resolve_devices(cfg.use_gpu, get_strategy(cfg.strategy).devices_per_worker(cfg), ray.get_gpu_ids())
+    assignment = rank_devices(cfg, get_strategy(cfg.strategy).devices_per_worker(cfg), ray.get_gpu_ids())
     return WorkerContext(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
                          ctx.get_local_world_size(), ctx.get_node_rank(), assignment.compute, assignment)
 
