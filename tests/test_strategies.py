@@ -30,7 +30,8 @@ from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
 from raytrain_mgpu.objectives import Predictions
 from raytrain_mgpu.parallel.steps import DataParallelSteps
-from raytrain_mgpu.parallel.placement import SplitModel, autocast_state, call_with_autocast
+from raytrain_mgpu.engine.precision import capture as autocast_state
+from raytrain_mgpu.parallel.placement import SplitModel, call_with_autocast
 from raytrain_mgpu.engine.loop import Engine
 from raytrain_mgpu.transports.base import Transport
 

@@ -2,6 +2,7 @@
 
 - ``loop.py``             :class:`Engine` and :func:`run_epochs`: the epochs, the steps, evaluation, the epoch row;
 - ``step.py``             the step runner's interface (``Steps``) and the end of every step (``OptimizerStep``);
+- ``precision.py``        autocast, fp16's grad scaler, their hand-over to replica threads (``Precision``);
 - ``checkpoints.py``      what a checkpoint holds and the restore with every RNG (``Saver``, ``read``);
 - ``checkpoint_files.py`` the checkpoint's file format; ``run_folder.py``: ``{storage_path}/{name}`` on any
                           pyarrow filesystem (publishing, the best copy, pruning, the checkpoint to resume from);

@@ -13,7 +13,7 @@ a pipeline stage actor (``transports/actor_group/group.py``) and, for a run of o
 - checkpoints (``engine/checkpoints.py``): what each rank writes, names, every rank's
   random generators (CPU and every CUDA device), the partial sums of an unfinished epoch, and the
   restore that reads them back;
-- the autocast table and fp16's grad scaler.
+- the run's precision (``engine/precision.py``: autocast, fp16's grad scaler), handed to the step runner.
 
 What differs between strategies is a *step runner* (:class:`Steps`): how one step's micro-batches go
 forward and backward and their gradients meet, and which files this rank's checkpoint part holds
@@ -25,14 +25,14 @@ once and runs in every transport (tests/test_engine.py).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable, Optional
 
 import torch
 
 from raytrain_mgpu.engine.liveness import POSITION
-from raytrain_mgpu.engine.step import (AUTOCAST, STEP_EVENTS, NonFiniteError, OptimizerStep, StepContext,
+from raytrain_mgpu.engine.precision import Precision
+from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerStep, StepContext,
                                                Steps)
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
                                            peak_memory_bytes, reset_peak_memory)
@@ -40,7 +40,7 @@ from raytrain_mgpu.engine.preemption import PreemptionCheck
 from raytrain_mgpu.engine.run_state import RunState, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.engine.step_scalars import StepWindow
 
-__all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS", "AUTOCAST",
+__all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS",
            "NonFiniteError", "StepContext"]
 
 
@@ -85,12 +85,9 @@ class Engine:
         self.ctx = steps.ctx
         self.rank, self.world = self.ctx.world_rank, self.ctx.world_size
         self.reporter = transport.reporter if self.rank == 0 else None  # the run's events come from rank 0
-        dtype = AUTOCAST.get(cfg.precision)
-        device_type = steps.device.type
-        # fp32: no autocast context at all (entering a disabled one costs ~3.5 us a micro-batch on CPU)
-        steps.autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype is not None else (
-            contextlib.nullcontext)
-        steps.autocast_dtype = dtype
+        # the run's precision on this rank's compute device ("cpu" under GPU emulation): its forwards' autocast
+        steps.precision = Precision(cfg.precision, steps.device.type)
+        steps.autocast = steps.precision.autocast
         steps.channels_last = cfg.channels_last
         steps.save_trainable = cfg.save == "trainable"
         self.window: Optional[StepWindow] = None
@@ -143,7 +140,7 @@ class Engine:
         self.optimizer = checkpoints.build_optimizer(cfg, steps)
         self.scheduler = checkpoints.build_scheduler(cfg, self.optimizer, self.feed.steps_per_epoch)
         # fp16 on the compute device's type: "cpu" under GPU emulation, so the scaler runs there too
-        self.scaler = torch.amp.GradScaler(steps.device.type, enabled=cfg.precision == "16-mixed")
+        self.scaler = steps.precision.grad_scaler()
         if restored.train_state is not None:
             checkpoints.load_train_state(steps, self.optimizer, self.scheduler, self.scaler, restored)
         checkpoints.restore_rng(restored, cfg.seed, self.ctx, self.state.step)

@@ -14,10 +14,7 @@ import torch
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.engine.step_scalars import StepWindow
 
-__all__ = ["AUTOCAST", "STEP_EVENTS", "OptimizerStep", "Steps", "StepContext", "NonFiniteError"]
-
-AUTOCAST = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-"""``TrainConfig.precision`` -> the autocast dtype (``32``: no autocast at all)."""
+__all__ = ["STEP_EVENTS", "OptimizerStep", "Steps", "StepContext", "NonFiniteError"]
 
 STEP_EVENTS: List[Callable[[int], None]] = []
 """Called with the global step after every optimizer step, in every process that trains, by

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.nn import parallel as torch_parallel
 
+from raytrain_mgpu.engine.precision import capture, entered
+
 __all__ = ["scatter", "scatter_kwargs", "replicate", "parallel_apply", "gather", "on_cuda"]
 
 
@@ -99,7 +101,7 @@ def parallel_apply(modules: Sequence, inputs: Sequence, kwargs_tup: Optional[Seq
         return torch_parallel.parallel_apply(modules, inputs, kwargs_tup, list(devices))
     kwargs_tup = kwargs_tup if kwargs_tup is not None else ({},) * len(modules)
     grad_enabled = torch.is_grad_enabled()
-    autocast = (torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu"))
+    autocast = capture("cpu")
     results: Dict[int, Any] = {}
 
     def worker(i: int) -> None:
@@ -107,7 +109,7 @@ def parallel_apply(modules: Sequence, inputs: Sequence, kwargs_tup: Optional[Seq
         torch.set_grad_enabled(grad_enabled)
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
         try:
-            with torch.autocast("cpu", dtype=autocast[0], enabled=autocast[1]):
+            with entered(autocast):
                 results[i] = modules[i](*args, **kwargs_tup[i])
         except Exception as exc:  # re-raised in the caller, naming the replica
             results[i] = exc

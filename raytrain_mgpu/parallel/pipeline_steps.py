@@ -72,7 +72,7 @@ class PipelineSteps(Steps):
         self.params = [p for module in self.stages.values() for p in module.parameters()]
         self.executor = PipelineExecutor(self.stages, stage.prank, stage.num_ranks, stage.num_stages,
                                          stage.peers, stage.groups.channels, self.device, stage.comm,
-                                         self.autocast_dtype, objective=self.objective)
+                                         self.precision, objective=self.objective)
 
     def parameters(self) -> list:
         return self.params

@@ -47,6 +47,7 @@ from torch.nn.parallel import parallel_apply
 from raytrain_mgpu.batches import call_model, detach, first_tensor, target_count, to_device
 from raytrain_mgpu.models.partition import blocks_of, plan_partition
 from raytrain_mgpu.objectives import Objective, Predictions, add_pairs, move_pairs
+from raytrain_mgpu.engine.precision import capture, entered
 from raytrain_mgpu.parallel import _dp_ops
 from raytrain_mgpu.parallel.worker import ModelWrapper, explain_ddp_error
 
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from raytrain_mgpu.parallel.worker import WorkerStrategy
 
 __all__ = ["Placement", "PLACEMENTS", "SplitModel", "StandInDataParallel", "AutocastDataParallel",
-           "autocast_state", "call_with_autocast", "place_model", "wrap_data_parallel"]
+           "call_with_autocast", "place_model", "wrap_data_parallel"]
 
 
 class Placement:
@@ -120,15 +121,9 @@ class Keep(Placement):
 # ----------------------------------------------------------------------------- DataParallel
 
 
-def autocast_state(device_type: str) -> Tuple[str, torch.dtype, bool]:
-    """The calling thread's autocast setting for ``device_type``, to hand to worker threads."""
-    return device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
-
-
 def call_with_autocast(module, state: Tuple[str, torch.dtype, bool], *args, **kwargs):
-    """Call ``module`` under the autocast ``state`` captured in another thread."""
-    device_type, dtype, enabled = state
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+    """Call ``module`` under the autocast ``state`` captured in another thread (``engine/precision.capture``)."""
+    with entered(state):
         return module(*args, **kwargs)
 
 
@@ -136,7 +131,7 @@ class AutocastDataParallel(nn.DataParallel):
     """``nn.DataParallel`` whose replica threads use the caller's autocast dtype."""
 
     def parallel_apply(self, replicas, inputs, kwargs) -> List:
-        state = autocast_state(self.src_device_obj.type)
+        state = capture(self.src_device_obj.type)
         calls = [functools.partial(call_with_autocast, replica, state) for replica in replicas]
         return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])  # torch's, CUDA
 
@@ -211,7 +206,7 @@ class BalancedPlacement(Placement):
     def run_step(self, worker: "WorkerStrategy", model: nn.Module, x, y, step_fn, ctx) -> tuple:
         """A user's step on every device's slice (the loss where each slice's outputs are), averaged by targets."""
         devices = list(worker.ctx.devices)
-        state = autocast_state(worker.device.type)
+        state = capture(worker.device.type)
 
         def one(replica, xs, ys):
             loss, _, extras = split_step_output(step_fn(replica, (xs, ys), ctx), xs.device if isinstance(
@@ -235,7 +230,7 @@ class BalancedPlacement(Placement):
     @staticmethod
     def _slice_losses(worker: "WorkerStrategy", model: nn.Module, x, y) -> List[tuple]:
         devices = list(worker.ctx.devices)
-        state = autocast_state(worker.device.type)
+        state = capture(worker.device.type)
         if len(devices) == 1:
             return [call_with_autocast(_slice_loss, state, worker.objective, model, x, y)]
         # CUDA: torch's ops; CPU devices: their stand-ins (same split, one thread per device).

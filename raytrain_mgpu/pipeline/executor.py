@@ -42,6 +42,7 @@ from raytrain_mgpu.batches import detach, to_device
 from raytrain_mgpu.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import HEADER_LEN, Comm, header, parse_header
 from raytrain_mgpu.engine.liveness import POSITION
+from raytrain_mgpu.engine.precision import Precision
 from raytrain_mgpu.pipeline.schedule import BACKWARD, FORWARD, Action, Order, format_grid, stage_rank
 
 __all__ = ["PipelineExecutor", "PipelineStepError", "StepStats"]
@@ -123,11 +124,12 @@ class PipelineExecutor:
 
     def __init__(self, modules: Dict[int, nn.Module], rank: int, num_ranks: int, num_stages: int,
                  peers: Sequence[int], channels: Dict[Channel, Optional[dist.ProcessGroup]],
-                 device: torch.device, comm: Comm, autocast_dtype: Optional[torch.dtype] = None,
+                 device: torch.device, comm: Comm, precision: Optional[Precision] = None,
                  lookahead: int = 2, objective: Optional[Objective] = None):
         self.modules, self.rank, self.num_ranks, self.num_stages = modules, rank, num_ranks, num_stages
         self.peers, self.channels, self.device, self.comm = list(peers), channels, device, comm
-        self.autocast_dtype, self.lookahead = autocast_dtype, lookahead
+        self.precision = precision or Precision("32", device.type)  # its forwards' autocast (engine/precision.py)
+        self.lookahead = lookahead
         self.scaler = None  # fp16's GradScaler (an enabled one), set by the step runner: the last stage scales its loss
         self.objective = objective if objective is not None else Objective()
         self._in_meta: Dict[Tuple[int, int], tuple] = {}   # (stage, rows) -> (shape, dtype) of its input
@@ -198,7 +200,7 @@ class PipelineExecutor:
             if self._scale is not None and x.is_floating_point():
                 x.requires_grad_()
         started = self._clock.start()
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        with self.precision.autocast():
             out = self.modules[stage](x)
             if stage == self.num_stages - 1:
                 y = to_device(self._targets[mb], self.device)
