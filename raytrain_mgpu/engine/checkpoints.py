@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["checkpoint_name", "CHECKPOINT_PREFIX", "PARTIALS", "Restored", "Commit", "read", "build_model",
            "build_optimizer", "build_scheduler", "load_train_state", "restore_rng", "rng_state", "seed_rank_stream",
-           "Saver"]
+           "Saver", "seal"]
 
 CHECKPOINT_PREFIX = "checkpoint_epoch"
 ASYNC_SHARDED_ENV = "RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE"
@@ -288,6 +288,14 @@ class Saver:
         if e.reporter is not None:
             e.reporter.notice(f"checkpoint at step {e.state.step} not written: the weights are not finite on "
                               f"rank(s) {', '.join(map(str, ranks))} (on_nonfinite='ignore')")
+
+
+def seal(directory: str, meta: dict, published: bool = False) -> None:
+    """A checkpoint's last write, every transport's: ``meta.json``, which marks it complete (``published``: put in
+    place in the run folder by this package, not registered by Ray Train: ``RunFolder.newest_checkpoint``)."""
+    from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY
+
+    ckpt_format.write_checkpoint(directory, meta={**meta, PUBLISHED_KEY: True} if published else meta, history=None)
 
 
 def _written(directory: str, name: str, write) -> None:

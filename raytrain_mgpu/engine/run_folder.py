@@ -29,7 +29,7 @@ import json
 import logging
 import tempfile
 import uuid
-from typing import Iterator, List, NamedTuple, Optional
+from typing import Iterator, List, NamedTuple, Optional, Union
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.engine.checkpoint_files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
@@ -148,30 +148,23 @@ class RunFolder:
         infos = self.fs.get_file_info([f"{folder}/{name}" for name in sorted(files)])
         return all(info.type == pafs.FileType.File for info in infos)
 
-    def newest_checkpoint(self) -> Optional[CheckpointInfo]:
-        """The checkpoint a resume starts from: the furthest of Ray Train's latest, where it keeps a record (a
-        folder uploaded by a save that was killed before Ray Train took it is not one), and the checkpoints
-        published in the folder by the other transports (``published`` in ``meta.json``: renamed into place
-        once complete); without either, the furthest complete one."""
+    def newest_checkpoint(self, ray_latest: Union[str, None, type(...)] = ...) -> Optional[CheckpointInfo]:
+        """The checkpoint a resume starts from, the one choice every transport and the driver make: the furthest
+        of Ray Train's latest (a folder uploaded by a save that was killed before Ray Train took it is not one)
+        and the checkpoints published in the folder by the other transports (``published`` in ``meta.json``:
+        renamed into place once complete). ``ray_latest``: Ray Train's latest as a worker has it (its path or URI;
+        None: none yet); left out, the one its snapshot in the folder records, and without either kind the
+        furthest complete checkpoint."""
         found = self.checkpoints()
-        snapshot = self.read_json(self.join(RAY_TRAIN_SNAPSHOT)) or {}
-        latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        if ray_latest is ...:
+            snapshot = self.read_json(self.join(RAY_TRAIN_SNAPSHOT)) or {}
+            latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        else:
+            latest = ray_latest.rstrip("/").rsplit("/", 1)[-1] if ray_latest else None
         candidates = [c for c in found if c.name == latest or c.meta.get(PUBLISHED_KEY)]
-        return candidates[-1] if candidates else (found[-1] if found else None)
-
-    def newest_published(self, after: Optional[str] = None) -> Optional[CheckpointInfo]:
-        """The furthest checkpoint published in the folder (``published``), if it is further than the checkpoint
-        at ``after`` (a path in :attr:`fs`, or a URI: a Ray Train checkpoint's), or ``after`` is None."""
-        found = self.checkpoints()
-        published = [c for c in found if c.meta.get(PUBLISHED_KEY)]
-        if not published:
-            return None
-        if after is not None:
-            name = after.rstrip("/").rsplit("/", 1)[-1]
-            other = next((c for c in found if c.name == name), None)
-            if other is not None and _order(other) >= _order(published[-1]):
-                return None
-        return published[-1]
+        if candidates:
+            return candidates[-1]
+        return found[-1] if found and ray_latest is ... else None
 
     def state(self) -> RunState:
         """Where the run stands: a fresh :class:`RunState`, or the one after the newest checkpoint."""
@@ -250,17 +243,21 @@ class RunFolder:
         for old in self._folders(prefix)[:-keep]:
             self.fs.delete_dir(old.path)
 
-    def save_best(self, directory: str) -> CheckpointInfo:
-        """Copy the model parts, ``meta.json`` and ``history.json`` of the local checkpoint
-        ``directory`` into :data:`BEST_CHECKPOINT` (no train state: it is loaded, not resumed)."""
+    def save_best(self, directory: str, model_state: Optional[dict] = None) -> CheckpointInfo:
+        """The best copy, the one way every transport makes it: the model parts, ``meta.json`` and ``history.json``
+        of the local checkpoint ``directory`` into :data:`BEST_CHECKPOINT` (no train state: it is loaded, not
+        resumed); ``model_state``: a sharded checkpoint's model, gathered, written as ``model.pt`` instead."""
         import shutil
         from pathlib import Path
 
-        from raytrain_mgpu.engine.checkpoint_files import model_part_files
+        from raytrain_mgpu.engine.checkpoint_files import model_part_files, write_files
 
         tmp = self.temporary(BEST_CHECKPOINT)
         with self.writable(tmp) as target:
-            for source in [*model_part_files(directory), Path(directory) / CHECKPOINT_HISTORY_FILE,
+            if model_state is not None:
+                write_files(target, {"model.pt": model_state})
+            parts = model_part_files(directory) if model_state is None else []
+            for source in [*parts, Path(directory) / CHECKPOINT_HISTORY_FILE,
                            Path(directory) / META_FILE]:  # meta.json last: it marks the copy complete
                 shutil.copyfile(source, Path(target) / source.name)
         return self.publish(tmp, BEST_CHECKPOINT)

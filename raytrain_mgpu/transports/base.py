@@ -27,8 +27,8 @@ import tempfile
 from typing import Callable, ContextManager, NamedTuple, Optional, Protocol
 
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, TMP_PREFIX, RunFolder
+from raytrain_mgpu.engine.checkpoints import CHECKPOINT_PREFIX, seal
+from raytrain_mgpu.engine.run_folder import TMP_PREFIX, RunFolder
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +145,11 @@ class FolderTransport(Transport):
         if self.rank != 0:
             return
         with self.folder.writable(tmp) as directory:
-            # last: marks it complete
-            ckpt_format.write_checkpoint(directory, meta={**commit.meta, PUBLISHED_KEY: True}, history=None)
+            seal(directory, commit.meta, published=True)  # last: marks it complete
         published = self.folder.publish(tmp, commit.name)
         if commit.is_best:
             with self.folder.readable(published.path) as directory:
                 self.folder.save_best(directory)
-        from raytrain_mgpu.engine.checkpoints import CHECKPOINT_PREFIX
-
         self.folder.prune(CHECKPOINT_PREFIX, self.cfg.num_checkpoints_to_keep)
         logger.info("checkpoint %s", redact(published.uri))
         if self.reporter is not None:

@@ -38,8 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -48,14 +46,13 @@ from typing import List, Optional
 import ray.train
 from ray.train import CheckpointUploadMode
 
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
 from raytrain_mgpu.transports.ray_train.faults import wait_until_report_collected
 from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.engine.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Uploads", "report", "clean", "wait_for_previous", "save_best"]
+__all__ = ["Uploads", "report", "clean", "wait_for_previous"]
 
 
 def clean(metrics: dict) -> dict:
@@ -90,21 +87,6 @@ def report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMod
                      checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
                      checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True, **extra)
     return index
-
-
-def save_best(cfg, directory: str, model_state: Optional[dict]) -> None:
-    """The best copy (``best_checkpoint/``) from the checkpoint folder, or for a sharded one from the gathered model."""
-    if model_state is None:
-        RunFolder.of(cfg).save_best(directory)
-        return
-    staging = tempfile.mkdtemp(prefix="raytrain-mgpu-best-")
-    try:
-        for name in (ckpt_format.HISTORY_FILE, ckpt_format.META_FILE):
-            shutil.copyfile(os.path.join(directory, name), os.path.join(staging, name))
-        ckpt_format.write_files(staging, {"model.pt": model_state})
-        RunFolder.of(cfg).save_best(staging)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 class Uploads:

@@ -23,12 +23,12 @@ import ray.train
 from ray.train import CheckpointUploadMode
 
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.checkpoints import seal
 from raytrain_mgpu.transports.ray_train.faults import name_stuck_ranks, wait_until_report_collected
 from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.engine.run_folder import RunFolder
 from raytrain_mgpu.transports.base import CheckpointSource, Transport, rank_devices, rank_engine
-from raytrain_mgpu.transports.ray_train.uploads import Uploads, clean, report, save_best, wait_for_previous
+from raytrain_mgpu.transports.ray_train.uploads import Uploads, clean, report, wait_for_previous
 
 __all__ = ["train_worker", "RayTrainTransport", "errors_whole"]
 
@@ -99,13 +99,13 @@ class RayTrainTransport(Transport):
         """Ray Train's latest, unless the run folder holds a newer checkpoint published by another
         transport (a run trained in the driver's process before, resumed here)."""
         latest = ray.train.get_checkpoint()
-        newer = RunFolder.of(self.cfg).newest_published(after=latest.path if latest is not None else None)
-        if newer is not None:
-            folder = RunFolder.of(self.cfg)
-            return CheckpointSource(newer.uri, lambda: folder.readable(newer.path))
-        if latest is None:
+        folder = RunFolder.of(self.cfg)
+        point = folder.newest_checkpoint(ray_latest=latest.path if latest is not None else None)  # the one choice
+        if point is None:
             return None
-        return CheckpointSource(latest.path, latest.as_directory)
+        if latest is not None and point.name == latest.path.rstrip("/").rsplit("/", 1)[-1]:
+            return CheckpointSource(latest.path, latest.as_directory)  # Ray Train's, through its storage
+        return CheckpointSource(point.uri, lambda: folder.readable(point.path))
 
     def where(self) -> dict:
         return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()],
@@ -166,11 +166,11 @@ class RayTrainTransport(Transport):
                 wait_until_report_collected()
             return
         try:
-            ckpt_format.write_checkpoint(directory, meta=commit.meta, history=None)
+            seal(directory, commit.meta)  # meta.json last: Ray Train uploads a complete folder
             if commit.is_best:
                 # Ray Train prunes by age (its score order would keep the N best, not the last N): a new best's
                 # model is copied aside, one more model write per improvement.
-                save_best(self.cfg, directory, commit.best_model)
+                RunFolder.of(self.cfg).save_best(directory, commit.best_model)
             if save["first"]:
                 save["writing"].set_result(None)  # complete: Ray Train's upload thread copies it from here
                 index = save["index"]
