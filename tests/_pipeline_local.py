@@ -77,6 +77,24 @@ def _without_warm_up(skip: bool):
         stage_worker.warm_up = original
 
 
+def _record_epoch_stats() -> dict:
+    """In this (forked) rank process: the stage's last epoch's stats, as its step runner hands them to the engine
+    (``PipelineSteps.epoch_stats``), kept in the dict returned."""
+    from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+
+    last: dict = {}
+    hand_over = PipelineSteps.epoch_stats
+
+    def recording(self) -> dict:
+        stats = hand_over(self)
+        last.clear()
+        last.update(stats)
+        return stats
+
+    PipelineSteps.epoch_stats = recording
+    return last
+
+
 def _rank_main(rank: int, jobs: list, barriers: list, ports: list, storages: list, results) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's dump when a run hangs
     for index, (run, partition) in enumerate(jobs):
@@ -108,10 +126,11 @@ def _rank_main(rank: int, jobs: list, barriers: list, ports: list, storages: lis
             worker.cfg = run.cfg.replace(max_steps=run.num_steps, epochs=epochs,
                                          storage_path=storages[index], name="local")
             sink = _Recorder() if run.record else None
+            last_stats = _record_epoch_stats()
             worker.run(f"local{index}", sink)
             history = worker.history
-            state = worker.model_state() if worker.replica == 0 else {}
-            stats = {**worker.steps.last_stats, **worker.assignment.record(), "rank": worker.rank,
+            state = worker.steps.model_state() if worker.replica == 0 else {}
+            stats = {**last_stats, **worker.assignment.record(), "rank": worker.rank,
                      "prank": worker.prank, "replica": worker.replica, "is_last": worker.is_last,
                      "nccl_semantics": worker.emulate_nccl, "history": history,
                      "events": sink.events if sink is not None else [], "storage": storages[index],

@@ -30,7 +30,7 @@ from raytrain_mgpu.pipeline.plan import choose_partition
 from raytrain_mgpu.pipeline.schedule import BACKWARD, build_order
 from raytrain_mgpu.parallel.pipeline_steps import microbatch_rows
 from raytrain_mgpu.engine.loaders import prefetch, test_loader, train_loader
-from raytrain_mgpu.engine.metrics import EpochMeter, StageTotals
+from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.engine.run_state import add_metric_totals, eval_columns, metric_columns
 from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
 from raytrain_mgpu.strategies.plan import build_plan
@@ -198,3 +198,33 @@ def train_unsplit(cfg: TrainConfig) -> dict:
                 optimizer.zero_grad()
                 scheduler.step()
         return model.state_dict()
+
+
+class StageTotals:
+    """One pipeline rank's sums for an epoch (host floats: the executor times its own steps).
+
+    The last stage's loss and metric sums join them once an epoch (``take``), as ``loss_sum``,
+    ``targets`` and ``metrics`` (``{name: [sum, count]}``); the driver adds them over replicas.
+    """
+
+    def __init__(self):
+        self.steps, self.busy_s, self.schedule_s, self.step_s, self.data_wait_s, self.bytes_sent = 0, 0.0, 0.0, 0.0, 0.0, 0
+        self.loss_sum, self.targets, self.metrics = 0.0, 0.0, {}
+
+    def take(self, meter: EpochMeter) -> None:
+        """The meter's sums (one device read: call once, at the end of the epoch)."""
+        self.loss_sum, self.targets, pairs = meter.split(meter.totals.tolist())
+        self.metrics = {name: list(pair) for name, pair in pairs.items()}
+
+    def add_step(self, stats, step_s: float) -> None:
+        """``stats``: the executor's ``busy_s``, ``wall_s`` and ``bytes_sent`` of one step."""
+        self.steps += 1
+        self.busy_s += stats.busy_s
+        self.schedule_s += stats.wall_s
+        self.bytes_sent += stats.bytes_sent
+        self.step_s += step_s
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "busy_s": self.busy_s, "schedule_s": self.schedule_s, "step_s": self.step_s,
+                "data_wait_s": self.data_wait_s, "bytes_sent": self.bytes_sent, "loss_sum": self.loss_sum,
+                "targets": self.targets, "metrics": self.metrics}

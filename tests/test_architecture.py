@@ -1,6 +1,6 @@
 """Where knowledge lives: a strategy is one class behind one interface, and nothing else names it.
 
-House style rule 12: what makes a strategy what it is (layout, memory model, the options it
+What makes a strategy what it is (layout, memory model, the options it
 reads) lives in its class under ``raytrain_mgpu/strategies/``; ``auto``, ``memory``,
 ``compare``, the runners and the benchmarks ask the class (or the run plan) instead of
 branching on its name. Adding a strategy is one file and one registry line. Pure: no Ray.
@@ -65,7 +65,7 @@ def test_no_module_outside_strategies_names_a_strategy():
     found = [hit for path in _modules_outside_strategies() for hit in _named_strategies(path, names)]
     offending = [f"{where}:{line}: {value!r}" for where, line, value in found if (where, value) not in ALLOWED]
     assert not offending, ("strategy names outside raytrain_mgpu/strategies/ (ask the strategy class or the run "
-                           "plan instead; see house style rule 12):\n" + "\n".join(offending))
+                           "plan instead: what makes a strategy what it is lives in its class):\n" + "\n".join(offending))
     used = {(where, value) for where, _, value in found}
     assert not ALLOWED - used, f"allow-list entries no longer needed: {sorted(ALLOWED - used)}"
 

@@ -1,4 +1,5 @@
-"""Per-step code never syncs host and device (house style 15).
+"""Per-step code never syncs host and device (no ``.item()``, ``.cpu()`` or tensors built from Python numbers on
+the device a step: accumulate on the device, read every N steps).
 
 A ``TorchFunctionMode`` sees every torch call made while it is active, torch's own
 internals included. It records the calls that block the host on a CUDA device: reading

@@ -24,7 +24,7 @@ from raytrain_mgpu.engine.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.engine.prefetch import Prefetcher
 from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
 
-__all__ = ["Feed", "ResidentBatches", "resident_split"]
+__all__ = ["Feed", "ResidentBatches", "resident_split", "steps_per_epoch"]
 
 RESIDENT_SHARE = 0.25  # data_on_device=None: a split up to this share of the GPU's free memory stays on it
 
@@ -60,6 +60,16 @@ class ResidentBatches:
             yield tuple(t.index_select(0, rows) for t in self.tensors)
 
 
+def steps_per_epoch(cfg, num_train: int, num_shards: int, shard_batch: int) -> int:
+    """Full optimizer steps in an epoch of ``num_train`` samples over ``num_shards`` data shards of ``shard_batch``
+    samples a step each (a replica's micro-batch x its accumulation steps), or the error: none fits."""
+    steps = num_train // num_shards // shard_batch
+    if steps == 0:
+        raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
+                         f"({num_train} samples): no full step fits in an epoch. Lower batch_size.")
+    return steps
+
+
 class Feed:
     """This rank's data: ``steps_per_epoch`` and ``accum`` (micro-steps per step), the same on every rank."""
 
@@ -72,10 +82,7 @@ class Feed:
         self.batch = steps.loader_batch(plan)
         self.sampler = ResumableSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
                                         seed=cfg.seed, drop_last=True)
-        self.steps_per_epoch = len(data.train) // num_shards // self.batch // self.accum
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
-                             f"({len(data.train)} samples): no full step fits in an epoch. Lower batch_size.")
+        self.steps_per_epoch = steps_per_epoch(cfg, len(data.train), num_shards, self.batch * self.accum)
         self.loader = None
         if steps.reads_data:
             resident = resident_split(cfg, data.train, steps.device)

@@ -2,7 +2,8 @@
 
 Every process that trains runs an :class:`Engine`: a Ray Train worker (``transports/ray_train/worker.py``),
 a pipeline stage actor (``transports/actor_group/group.py``) and, for a run of one worker, the driver itself
-(``transports/local.py``). The engine owns the run (house style rule 13c):
+(``transports/local.py``). The engine owns the run (a transport only starts processes, carries a rank's report and puts a checkpoint's
+files where they go):
 
 - the epochs (:func:`run_epochs`: train, evaluate when due, record the row, checkpoint) and the
   steps within one (:meth:`Engine.train_epoch`: the counters, ``max_steps``, step checkpoints and
@@ -37,7 +38,7 @@ from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerSte
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
                                            peak_memory_bytes, reset_peak_memory)
 from raytrain_mgpu.engine.preemption import PreemptionCheck
-from raytrain_mgpu.engine.run_state import RunState, epoch_row, eval_columns, stops_early
+from raytrain_mgpu.engine.run_state import RunState, at_max_steps, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.engine.step_scalars import StepWindow
 
 __all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS",
@@ -196,7 +197,7 @@ class Engine:
         context.epoch, self.end_step.epoch = epoch, epoch + 1
         bad = torch.zeros((), dtype=torch.int64, device=steps.device) if watch else None
         for _ in range(done, spe):
-            if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            if at_max_steps(cfg, state.step):
                 break
             started = time.perf_counter()
             POSITION.at_step(state.step)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from raytrain_mgpu.engine.run_state import at_max_steps
 from raytrain_mgpu.engine.step_checkpoints import step_checkpoint_due
 
 __all__ = ["PreemptionCheck", "CHECK_EVERY_N_STEPS", "notice_line", "resume_line", "AnyRank"]
@@ -125,7 +126,7 @@ class PreemptionCheck:
         due = step_checkpoint_due(self.cfg, step, step_in_epoch, steps_per_epoch)
         notice, time_due = self._poll(step)
         # At the epoch's end (or max_steps) the epoch checkpoint is written next: that one is the save.
-        mid_epoch = step_in_epoch < steps_per_epoch and (self.cfg.max_steps is None or step < self.cfg.max_steps)
+        mid_epoch = step_in_epoch < steps_per_epoch and not at_max_steps(self.cfg, step)
         saved = due or ((notice is not None or time_due) and mid_epoch)
         if saved:
             save()

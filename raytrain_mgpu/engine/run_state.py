@@ -16,7 +16,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
 
-__all__ = ["RunState", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
+__all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
            "metric_columns", "eval_columns", "add_metric_totals"]
 
 META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_shape", "num_classes", "config")
@@ -32,6 +32,11 @@ the samples over ``training_s``, the time in steps (the Ray Train runner's rows 
 the epoch's time in checkpoints and evaluation, which training does not include); ``test_*`` are None on epochs without
 evaluation, ``*_accuracy`` without an accuracy metric. Other metrics ``X`` follow as ``train_X``, ``test_X``,
 then a runner's own keys."""
+
+
+def at_max_steps(cfg, step: int) -> bool:
+    """Whether ``step`` global optimizer steps reach ``cfg.max_steps`` (never without one): the one test of it."""
+    return cfg.max_steps is not None and step >= cfg.max_steps
 
 
 @dataclass
@@ -62,8 +67,7 @@ class RunState:
         """All ``cfg.epochs`` done, ``cfg.max_steps`` reached, or stopped early (the loops stop on
         any). Early stopping is read from the history under ``cfg``'s rule, so a run stopped
         early is finished, and raising ``early_stopping_patience`` lets it train on."""
-        return (self.epoch >= cfg.epochs or (cfg.max_steps is not None and self.step >= cfg.max_steps)
-                or stops_early(self.history, cfg))
+        return self.epoch >= cfg.epochs or at_max_steps(cfg, self.step) or stops_early(self.history, cfg)
 
 
 def _value(row: dict, monitor: str) -> Optional[float]:

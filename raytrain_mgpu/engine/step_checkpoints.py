@@ -26,6 +26,8 @@ from typing import Optional
 
 from torch.utils.data import DistributedSampler
 
+from raytrain_mgpu.engine.run_state import at_max_steps
+
 __all__ = ["ResumableSampler", "step_checkpoint_due", "STEP_IN_EPOCH"]
 
 STEP_IN_EPOCH = "step_in_epoch"
@@ -57,4 +59,4 @@ def step_checkpoint_due(cfg, step: int, step_in_epoch: int, steps_per_epoch: int
     """
     every = getattr(cfg, "checkpoint_every_n_steps", None)
     return (every is not None and step % every == 0 and step_in_epoch < steps_per_epoch
-            and (cfg.max_steps is None or step < cfg.max_steps))
+            and not at_max_steps(cfg, step))

@@ -54,7 +54,6 @@ class PipelineSteps(Steps):
         self._targets_spec = None  # the last rank's: how the targets' tensors rebuild a batch's targets
         self._target_shapes = None  # a training step's targets' (shape, dtype)s, once the first has sent them
         self._totals = dict.fromkeys(("steps", "busy_s", "schedule_s", "step_s", "bytes_sent"), 0.0)
-        self.last_stats: dict = {}  # the last epoch's (the tests' local harness reads them)
         self._spans: list = []
         self._scaling = False
 
@@ -221,7 +220,6 @@ class PipelineSteps(Steps):
         self._totals["busy_s"] += busy_of(self._spans)
         self._spans = []
         stats, self._totals = {**self._totals, "prank": self.stage.prank}, dict.fromkeys(self._totals, 0.0)
-        self.last_stats = stats
         return stats
 
     def epoch_columns(self, stats: list) -> dict:
@@ -246,10 +244,14 @@ class PipelineSteps(Steps):
         """Replica 0's stages write their weights (the unsplit model's names) and optimizer; replicas are equal."""
         if self.stage.replica != 0:
             return {}
+        return {f"model{self.part}.pt": self.model_state(), f"train_state{self.part}.pt": {"optimizer": optimizer.state_dict()}}
+
+    def model_state(self) -> dict:
+        """This stage's weights under the unsplit model's names (its part of the whole model)."""
         state = {}
         for module in self.stages.values():
             state.update(module.model_state_dict())
-        return {f"model{self.part}.pt": state, f"train_state{self.part}.pt": {"optimizer": optimizer.state_dict()}}
+        return state
 
     def meta_extra(self) -> dict:
         return {"partition": list(self.partition.counts), "num_stages": self.cfg.num_stages,

@@ -1,6 +1,6 @@
 """The run plan: every number a run's layout is made of, derived once on the driver.
 
-torchtitan's ``ParallelDims`` for this package (house style rule 11): ``fit`` builds a
+torchtitan's ``ParallelDims`` for this package (derive once, pass everywhere): ``fit`` builds a
 :class:`RunPlan` from the validated config and the strategy class, logs it in the banner,
 checks its bundles against the cluster and hands it to the Ray Train workers (the loop's
 payload) and to the pipeline's stage actors. Nobody downstream re-derives a replica count

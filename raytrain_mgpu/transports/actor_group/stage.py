@@ -28,6 +28,7 @@ from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_
 from raytrain_mgpu.pipeline.schedule import build_order, channel_sequences, num_virtual_stages, stage_rank
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.transports.placement import free_address, node_ip, ray_gpu_ids
+from raytrain_mgpu.engine.feed import steps_per_epoch
 from raytrain_mgpu.transports.base import FolderTransport, rank_devices, rank_engine
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 
@@ -150,11 +151,8 @@ class StageWorker:
         self.objective = Objective.of(cfg, self.data.num_classes)
         self.ctx = WorkerContext(self.rank, world, self.prank, self.num_ranks, self.replica, (self.device,),
                                  self.assignment)
-        steps_per_epoch = len(self.data.train) // self.num_replicas // self.plan.replica_batch
-        if steps_per_epoch == 0:
-            raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "
-                             f"({len(self.data.train)} samples): no full step fits in an epoch. Lower batch_size.")
-        return {"rank": self.rank, "steps_per_epoch": steps_per_epoch, "has_val": self.data.val is not None,
+        per_epoch = steps_per_epoch(cfg, len(self.data.train), self.num_replicas, self.plan.replica_batch)
+        return {"rank": self.rank, "steps_per_epoch": per_epoch, "has_val": self.data.val is not None,
                 "node_ip": node_ip(), **self.assignment.record(), "gpu_ids": ray_gpu_ids(),
                 "nccl_semantics": self.emulate_nccl}
 
@@ -193,13 +191,6 @@ class StageWorker:
             raise sent from None
         finally:
             self.history = getattr(engine, "state", None) and engine.state.history
-
-    def model_state(self) -> dict:
-        """This rank's weights under the unsplit model's names (after ``run``)."""
-        state = {}
-        for module in self.steps.stages.values():
-            state.update(module.model_state_dict())
-        return state
 
     def close(self) -> None:
         if dist.is_initialized():
