@@ -204,6 +204,7 @@ SHARED_RAY_TRAIN_ENV = {
 
 
 SPOT = "spot"  # the shared instance's custom resource
+GPU_TYPE = "H100"  # the type its emulated GPUs are named
 
 
 @pytest.fixture(scope="session")
@@ -224,8 +225,10 @@ def ray_session(tmp_path_factory):
     # actor table): Ray Train's PlacementGroupCleaner asks the state API whether the controller lives, and
     # on a Ray without a dashboard that question goes to 127.0.0.1:8265, where another test's Ray may
     # answer "no such actor": the cleaner then removed a live run's placement group (a CI run, 2026-11-25).
-    # its node carries a custom resource, as a cluster.yaml node type's "spot: 1" does (resources_per_worker)
-    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, resources={SPOT: 4}, include_dashboard=True, log_to_driver=False)
+    # its node carries a custom resource, as a cluster.yaml node type's "spot: 4" does (resources_per_worker), and
+    # names its (emulated) GPUs' type, as Ray names a real GPU node's (accelerator_type)
+    ray.init(num_cpus=4, num_gpus=EMULATED_GPUS, resources={SPOT: 4, f"accelerator_type:{GPU_TYPE}": 1},
+             include_dashboard=True, log_to_driver=False)
     os.environ[WATCHER_ENV] = env[WATCHER_ENV]  # after the raylet started: the driver's alone (see above)
     try:
         yield ray

@@ -46,12 +46,16 @@ def test_a_users_exception_that_does_not_unpickle_reaches_the_user_whole_and_is_
 
 
 def test_a_non_finite_loss_fails_the_first_time_with_the_non_finite_error(ray_session, storage, tmp_path):
+    # On the shared instance's emulated GPUs, of the type it names (accelerator_type): the GPU path's placement.
     probe = tmp_path / "probe"
-    cfg = _config(storage, probe, [{"what": "nan", "at": 4}], name="nan", max_failures=2)
+    cfg = _config(storage, probe, [{"what": "nan", "at": 4}], name="nan", max_failures=2, use_gpu=True,
+                  accelerator_type="H100")
     with pytest.raises(NonFiniteError, match=r"the training loss became NaN or infinite at step 4 \(epoch 1\)") as failure:
         rtm.fit(cfg)
     assert failure.value.step == 4 and failure.value.ranks == [0, 1]
     assert _processes(probe) == ["0", "1"]  # the same steps give the same NaN: no restart
+    assigned = [json.loads(p.read_text())["resources"] for p in probe.glob("forward-*.json")]
+    assert all(r.get("GPU") == 1 and r.get("accelerator_type:H100") == 0.001 for r in assigned), assigned
 
 
 def test_what_a_retry_can_fix_is_retried_and_the_workers_take_the_custom_resource(ray_session, storage, tmp_path):
@@ -91,9 +95,9 @@ def test_a_resource_no_node_has_is_refused_before_training_naming_it(ray_session
     with pytest.raises(ValueError, match=r"resources_per_worker asks for the Ray resource 'tpu_v9', which no node of "
                                          r"this cluster has \(custom resources there: spot;"):
         rtm.fit(base.replace(name="tpu", resources_per_worker={"tpu_v9": 1}))
-    with pytest.raises(ValueError, match=r"accelerator_type='H100': no node of this cluster has that GPU type "
-                                         r"\(GPU types there: none"):
-        rtm.fit(base.replace(name="h100", use_gpu=True, accelerator_type="H100"))
+    with pytest.raises(ValueError, match=r"accelerator_type='A100': no node of this cluster has that GPU type "
+                                         r"\(GPU types there: H100;"):
+        rtm.fit(base.replace(name="a100", use_gpu=True, accelerator_type="A100"))
     with pytest.raises(ValueError, match=r"label_selector=\{'zone': 'mars'\} matches no node of this cluster"):
         rtm.fit(base.replace(name="mars", label_selector={"zone": "mars"}))
     assert time.monotonic() - started < 60
