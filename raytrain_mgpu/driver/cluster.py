@@ -19,6 +19,7 @@ import ray
 from raytrain_mgpu.driver import autoscaler_config
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.driver.preflight import probe_ray_address
+from raytrain_mgpu.driver.worker_nodes import RAY_OWN_RESOURCES
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +98,10 @@ class NodeType:
 
     def describe(self) -> str:
         count = "no limit" if self.max_count < 0 else f"up to {self.max_count}"
-        custom = "".join(f", {v:g} {k}" for k, v in self.resources.items() if k not in _RAY_OWN)
+        custom = "".join(f", {v:g} {k}" for k, v in self.resources.items() if k not in RAY_OWN_RESOURCES)
         return f"{self.name}: {_shape(self.resources)}{custom}, {count}"
 
 
-_RAY_OWN = ("CPU", "GPU", "memory", "object_store_memory")  # a config's other resource keys are the user's own
 
 
 @dataclass(frozen=True)

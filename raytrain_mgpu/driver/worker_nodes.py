@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-__all__ = ["check_requested", "label_matches", "requested_keys", "only_nodes_with"]
+__all__ = ["RAY_OWN_RESOURCES", "check_requested", "label_matches", "requested_keys", "only_nodes_with"]
 
-_OWN_KEYS = ("CPU", "GPU", "memory", "object_store_memory")
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Ray's own resource names; a node's (or a node type's) other keys are custom ones, the user's."""
 
 
 def check_requested(bundles: List[dict], what: str, capacity, labels: Optional[dict]) -> None:
@@ -21,7 +22,7 @@ def check_requested(bundles: List[dict], what: str, capacity, labels: Optional[d
     nodes = [n for _, n in capacity.possible_nodes()]
     where = "no node of this cluster" + (" (alive, or of a node type its autoscaler can add)" if capacity.autoscales
                                          else "") + " has"
-    for key in sorted({k for b in bundles for k in b if k not in _OWN_KEYS}):
+    for key in sorted({k for b in bundles for k in b if k not in RAY_OWN_RESOURCES}):
         if any(n.get(key, 0) > 0 for n in nodes):
             continue
         if key.startswith("accelerator_type:"):
@@ -29,7 +30,7 @@ def check_requested(bundles: List[dict], what: str, capacity, labels: Optional[d
             raise ValueError(f"{what}: TrainConfig.accelerator_type={key.split(':', 1)[1]!r}: {where} that GPU type "
                              f"(GPU types there: {', '.join(types) or 'none'}; {capacity.describe()}). Set "
                              f"accelerator_type to one of them, or leave it unset to take any GPU.")
-        custom = sorted({k for n in nodes for k in n if k not in _OWN_KEYS and not k.startswith(("node:", "accelerator"))})
+        custom = sorted({k for n in nodes for k in n if k not in RAY_OWN_RESOURCES and not k.startswith(("node:", "accelerator"))})
         raise ValueError(f"{what}: TrainConfig.resources_per_worker asks for the Ray resource {key!r}, which {where} "
                          f"(custom resources there: {', '.join(custom) or 'none'}; {capacity.describe()}). Check its "
                          f"name, declare it in a node type's resources (cluster.yaml) or `ray start --resources`, or "

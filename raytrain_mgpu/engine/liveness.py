@@ -179,9 +179,10 @@ class Judge:
                 return  # a late beat of a group already failed
             self.group, self.ranks = beat.group, {}  # a new attempt's group: the old one is gone
         seen = self.ranks.get(beat.rank)
-        moved = now if seen is None or seen.beat.position != beat.position else seen.moved
-        stack = beat.stack or (seen.beat.stack if seen is not None and not moved == now else None)
-        beat.stack = stack
+        still = seen is not None and seen.beat.position == beat.position
+        moved = seen.moved if still else now
+        if beat.stack is None and still:  # the stacks of a rank standing still stay until it moves
+            beat.stack = seen.beat.stack
         self.ranks[beat.rank] = _Seen(beat, now, moved)
 
     def stall(self, now: float) -> Optional[Stall]:

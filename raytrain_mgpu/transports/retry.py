@@ -37,7 +37,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "run_attempts"]
+__all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "failure_note", "run_attempts"]
 
 T = TypeVar("T")
 
@@ -135,6 +135,14 @@ def sent_whole(exc: BaseException, rank: int, node: str, pid: int) -> BaseExcept
     from raytrain_mgpu.engine.liveness import POSITION
 
     return crossing(exc, rank, node, pid, retryable=verdict(exc, stepped=POSITION.stepped).retryable)
+
+
+def failure_note(cfg) -> str:
+    """The note every transport adds to the error ``fit`` raises: where the run's checkpoints are, and how to resume."""
+    from raytrain_mgpu.engine.run_folder import RunFolder
+
+    return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in {RunFolder.of(cfg).display}; "
+            f"run again with the same name and storage_path to resume.")
 
 
 def _left(budget: int, used: int) -> bool:

@@ -152,11 +152,10 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
         run_attempts(cfg, attempt, preempted=lambda exc: was_preemption(exc, notices), what="pipeline attempt")
     except Exception as exc:  # the stage's own error, out of Ray's wrapper, with where the checkpoints are
         from raytrain_mgpu.errors import add_note
-        from raytrain_mgpu.transports.retry import unwrap
+        from raytrain_mgpu.transports.retry import failure_note, unwrap
 
         failed = unwrap(exc)
-        add_note(failed, f"training run {cfg.name!r} failed. Checkpoints written so far are kept in "
-                         f"{RunFolder.of(cfg).display}; run again with the same name and storage_path to resume.")
+        add_note(failed, failure_note(cfg))
         if failed is exc:
             raise
         raise failed from exc

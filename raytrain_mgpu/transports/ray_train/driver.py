@@ -165,7 +165,7 @@ def whole_failure(cfg: TrainConfig, error: Exception, stall=None, plan=None) -> 
     checkpoints are."""
     from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, worker_note
     from raytrain_mgpu.driver.cluster import pending_message
-    from raytrain_mgpu.transports.retry import root_cause, unwrap
+    from raytrain_mgpu.transports.retry import failure_note, root_cause, unwrap
 
     failures = getattr(error, "worker_failures", None) or {}
     controller = getattr(error, "controller_failure", None)
@@ -183,12 +183,5 @@ def whole_failure(cfg: TrainConfig, error: Exception, stall=None, plan=None) -> 
             add_note(exc, f"The worker's traceback (rank {rank}):\n{traceback_text.rstrip()}")
     else:
         exc = unwrap(controller if isinstance(controller, BaseException) else error)
-    add_note(exc, _failure_note(cfg))
+    add_note(exc, failure_note(cfg))
     return exc
-
-
-def _failure_note(cfg: TrainConfig) -> str:
-    from raytrain_mgpu._redact import redact
-
-    return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in "
-            f"{redact(RunFolder.of(cfg).uri)}; run again with the same name and storage_path to resume.")
