@@ -1,7 +1,7 @@
 """One rank's engine (``engine/loop.py``) in the test's own process, without Ray: the data-parallel step
 runner every Ray Train worker (and the in-process runner) uses, with a transport that publishes checkpoints in a
 local run folder (``transports/base.FolderTransport``). For tests that drive the loop's parts directly: set
-up, then ``engine.train_epoch(e)``, ``engine.saver.save(...)``, ``engine.evaluate(split)``.
+up, then ``engine.train_epoch(e)``, ``engine.checkpoints.saver.save(...)``, ``engine.evaluate(split)``.
 
 With ``world`` > 1 the caller has made a process group (one process per rank, tests/_forkserver.py).
 """

@@ -131,7 +131,7 @@ def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo
             monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)  # set up as a new run's
             engine = ray_train_engine(dict(epochs=2), rank, 2, state, storage)
             monkeypatch.setattr(ray.train, "get_checkpoint", lambda: latest.get("checkpoint"))
-            engine.saver.save({"epoch": epoch})
+            engine.checkpoints.saver.save({"epoch": epoch})
     assert modes == [ray.train.CheckpointUploadMode.ASYNC, ray.train.CheckpointUploadMode.SYNC, None, None]
 
 

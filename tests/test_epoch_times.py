@@ -21,6 +21,7 @@ import ray.train
 
 from _engine import make_engine
 from raytrain_mgpu.engine import loop as engine_module
+from raytrain_mgpu.engine import checkpoint_manager
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.engine.run_state import RunState
@@ -52,9 +53,10 @@ def test_step_checkpoints_and_the_wait_for_the_last_reports_are_checkpoint_time_
         return SAVE_S
 
     monkeypatch.setattr(EpochMeter, "elapsed", elapsed)
-    monkeypatch.setattr(engine_module, "barrier_s", barrier_s)
+    monkeypatch.setattr(engine_module, "barrier_s", barrier_s)  # the epoch's wait for the last reports
+    monkeypatch.setattr(checkpoint_manager, "barrier_s", barrier_s)  # the wait after each step checkpoint
     engine = make_engine(MLP)
-    monkeypatch.setattr(engine.saver, "save", slow_save)
+    monkeypatch.setattr(engine.checkpoints.saver, "save", slow_save)
     row = engine.train_epoch(0)
     steps = 1438 // 64
     assert saves == [5, 10, 15, 20]  # (the epoch's end is the epoch's checkpoint)
@@ -98,7 +100,7 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
 
     monkeypatch.setattr(strategy, "state_dict", slow_state_dict)
     started = time.perf_counter()
-    engine.saver.save(row, send_row=True)
+    engine.checkpoints.saver.save(row, send_row=True)
     stall = time.perf_counter() - started
     (metrics, history), = reported
     assert 0.25 + SAVE_S <= metrics["checkpoint_s"] <= 0.25 + stall

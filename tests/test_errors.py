@@ -36,7 +36,7 @@ def _examples() -> dict:
     from raytrain_mgpu.pipeline.schedule import ScheduleError
     from raytrain_mgpu.driver.callbacks import CallbackError
     from raytrain_mgpu.engine.step import NonFiniteError
-    from raytrain_mgpu.transports.ray_train.faults import CollectiveTimeoutError
+    from raytrain_mgpu.transports.collective_timeouts import CollectiveTimeoutError
 
     return {cls: example for example in (
         WorkerError("mymodule.MyError", "it broke", "Traceback ...\nmymodule.MyError: it broke\n",
@@ -127,7 +127,7 @@ def _ray_errors():
 def _table():
     from raytrain_mgpu.driver.callbacks import CallbackError
     from raytrain_mgpu.engine.step import NonFiniteError
-    from raytrain_mgpu.transports.ray_train.faults import CollectiveTimeoutError
+    from raytrain_mgpu.transports.collective_timeouts import CollectiveTimeoutError
 
     return [  # (error, stepped, retried)
         *[(e, True, True) for e in _ray_errors()],                                  # a lost process or node

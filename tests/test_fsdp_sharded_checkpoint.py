@@ -282,7 +282,7 @@ def _engine_saves(rank: int, world: int, out: str) -> None:
             os.environ.pop(ASYNC_SHARDED_ENV, None)
         engine.transport.writing = None
         began = time.perf_counter()
-        engine.saver.save({"epoch": 1})  # in the training thread, as after an epoch
+        engine.checkpoints.saver.save({"epoch": 1})  # in the training thread, as after an epoch
         returned = time.perf_counter() - began
         writing = engine.transport.writing
         saves[switch] = {"returned_s": returned, "future": writing is not None,

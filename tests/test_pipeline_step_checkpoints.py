@@ -137,7 +137,7 @@ def test_a_failed_write_raises_at_the_save_and_publishes_nothing(tmp_path, monke
     engine.state.step = engine.state.step_in_epoch = EVERY
     with pytest.raises(OSError, match=rf"writing checkpoint {checkpoint_name(0, EVERY)} into .* failed \(the storage "
                                       r"refused model.pt\); the previous checkpoint is intact"):
-        engine.saver.save({"epoch": 0, "step": EVERY, "step_in_epoch": EVERY}, partial={"totals": torch.zeros(4)})
+        engine.checkpoints.saver.save({"epoch": 0, "step": EVERY, "step_in_epoch": EVERY}, partial={"totals": torch.zeros(4)})
     folder = RunFolder.of(engine.cfg)
     assert folder.checkpoints() == [] and folder.state().checkpoint is None
     assert folder.remove_temporaries() == [f".tmp-{checkpoint_name(0, EVERY)}-test"]

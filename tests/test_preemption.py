@@ -51,15 +51,15 @@ def linear(input_shape, num_classes):
 
 def _loop(sink, get_info, steps_per_epoch=STEPS_PER_EPOCH, enabled=True, **overrides) -> tuple:
     """Rank 0's engine of ``steps_per_epoch`` steps an epoch, its preemption check reading ``get_info``; ``saves``:
-    the (global step, step in epoch) of each step checkpoint it would write (``_save_step``, recorded instead)."""
+    the (global step, step in epoch) of each step checkpoint it would write (the checkpoint manager's ``save_step``, recorded instead)."""
     loop = make_engine(dict(model=linear, dataset="synthetic", input_shape=[1, 4, 4], num_classes=3,
                             num_samples=4 * steps_per_epoch, strategy="ddp", batch_size=4, optimizer="sgd", lr=0.1,
                             epochs=3, **overrides), sink=sink)
-    loop.preemption = get_info.check(loop.cfg, CHECK_EVERY_N_STEPS, enabled)
-    loop.preemption.reporter = loop.reporter
+    loop.checkpoints.triggers = get_info.check(loop.cfg, CHECK_EVERY_N_STEPS, enabled)
+    loop.checkpoints.triggers.reporter = loop.reporter
     saves: list = []
     state = loop.state
-    loop._save_step = lambda meter: saves.append((state.step, state.step_in_epoch))
+    loop.checkpoints.save_step = lambda meter: saves.append((state.step, state.step_in_epoch))
     return loop, state, saves
 
 
@@ -72,7 +72,7 @@ def test_checks_every_n_global_steps_and_saves_once_on_the_first_notice():
         loop.train_epoch(epoch)
         state.epoch = epoch + 1
     assert CHECK_EVERY_N_STEPS == 10 and state.step == 75
-    assert fake.calls == 3 and loop.preemption.checks == 3  # steps 10, 20, 30; none after the notice
+    assert fake.calls == 3 and loop.checkpoints.triggers.checks == 3  # steps 10, 20, 30; none after the notice
     assert fake.agreed == 1  # Ray's barrier only once a rank has the notice
     assert saves == [(30, 5)]  # global step 30 = step 5 of the second epoch
     notices = [payload for kind, payload in sink.events if kind == "notice"]

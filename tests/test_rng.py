@@ -65,7 +65,7 @@ def test_resume_continues_each_ranks_stream(tmp_path):
     loop = _engine(storage)
     torch.manual_seed(123)  # somewhere in the run's stream
     loop.state = RunState(epoch=1, step=2)
-    loop.saver.save({"epoch": 1})
+    loop.checkpoints.saver.save({"epoch": 1})
     draws = torch.rand(5)  # what the run would have drawn next
     torch.manual_seed(999)  # a restart starts from anywhere
     fresh = _engine(storage)  # its set-up builds the model on the run's seed, then restores the stream

@@ -1,4 +1,5 @@
-"""The fault hooks of ``raytrain_mgpu.transports.ray_train.faults`` are applied by the product itself, not by a test.
+"""The fault hooks (``transports/ray_train/faults.py``, ``transports/collective_timeouts.py``, ``transports/retry.errors_whole``)
+are applied by the product itself, not by a test.
 
 ``tests/_probe_data`` only observes and injects faults; these tests look at the Ray Train transport
 (``transports/ray_train/worker.py``) directly, driven by the engine's own save (``engine_checkpoint.Saver``, one
@@ -20,6 +21,8 @@ from ray.train.v2._internal.execution import context as train_context
 
 from _engine import make_engine
 from raytrain_mgpu.engine import checkpoints as engine_checkpoint
+from raytrain_mgpu.transports import collective_timeouts, retry
+from raytrain_mgpu.transports.actor_group.stage import StageWorker
 from raytrain_mgpu.transports.ray_train import faults
 from raytrain_mgpu.engine.run_state import RunState
 from raytrain_mgpu.transports.ray_train import worker as ray_train
@@ -29,13 +32,16 @@ COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long aft
 SMALL = dict(model="mlp", model_kwargs={"widths": [4]}, dataset="digits", num_samples=64, batch_size=16)
 
 
-def test_train_worker_is_wrapped_by_errors_whole_then_name_stuck_ranks():
+@pytest.mark.parametrize("entry, module, name", [
+    (ray_train.train_worker, "raytrain_mgpu.transports.ray_train.worker", "train_worker"),
+    (StageWorker.run, "raytrain_mgpu.transports.actor_group.stage", "run"),
+])
+def test_every_rank_entry_is_wrapped_by_errors_whole_then_name_stuck_ranks(entry, module, name):
     # Each wrapper's code object, whatever function it wraps: only errors_whole and name_stuck_ranks make them.
-    assert ray_train.train_worker.__code__ is ray_train.errors_whole(lambda payload: None).__code__
-    inner = ray_train.train_worker.__wrapped__
-    assert inner.__code__ is faults.name_stuck_ranks(lambda payload: None).__code__
-    assert inner.__wrapped__.__module__ == "raytrain_mgpu.transports.ray_train.worker"
-    assert inner.__wrapped__.__name__ == "train_worker"
+    assert entry.__code__ is retry.errors_whole(lambda *args: None)(lambda: None).__code__
+    inner = entry.__wrapped__
+    assert inner.__code__ is collective_timeouts.name_stuck_ranks(lambda *args: 1.0)(lambda: None).__code__
+    assert inner.__wrapped__.__module__ == module and inner.__wrapped__.__name__ == name
 
 
 def ray_train_engine(fields: dict, rank: int, world: int, state: RunState, storage: str):
@@ -90,7 +96,7 @@ def test_the_last_save_returns_only_after_the_controller_took_the_report(rank, m
     # once and is announced after the controller took it (tests/test_async_upload.py).
     engine = ray_train_engine(dict(epochs=1), rank, 2, RunState(epoch=1, step=2, history=[{"epoch": 1}]), storage)
     start = time.monotonic()
-    engine.saver.save({"train_loss": 1.0})
+    engine.checkpoints.saver.save({"train_loss": 1.0})
     events.append("returned")
     controller.thread.join(timeout=30)
     assert events == ["report", "collected", "returned"]
@@ -139,7 +145,7 @@ def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_w
     engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), rank, 2,
                               RunState(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}]), storage)
     engine.transport.reporter = None  # no announcement of the upload (it would wait for Ray Train's registration)
-    engine.saver.save({"epoch": 1, "step": 32, "step_in_epoch": 10}, partial={"samples": 320})
+    engine.checkpoints.saver.save({"epoch": 1, "step": 32, "step_in_epoch": 10}, partial={"samples": 320})
     events.append("returned")
     controller.thread.join(timeout=30)
     if rank == 0:
@@ -183,7 +189,7 @@ def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, stor
                               RunState(epoch=1, step=10, step_in_epoch=10, history=[]), storage)
     monkeypatch.setattr(engine_checkpoint.ckpt_format, "write_checkpoint", failing_write)
     with pytest.raises(OSError, match="disk full"):
-        engine.saver.save({"epoch": 1, "step": 10}, partial={"samples": 100})
+        engine.checkpoints.saver.save({"epoch": 1, "step": 10}, partial={"samples": 100})
     thread, *_ = uploads
     thread.join(timeout=30)
     (failed,) = uploads[1:]  # the upload waited for the write and failed with it (named, the cause in it)

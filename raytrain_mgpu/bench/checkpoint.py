@@ -71,7 +71,7 @@ def _train_fn(config: dict) -> None:
         if mode != "none":
             state.history.append({"epoch": len(state.history) + 1, "step": state.step})
             state.epoch = len(state.history)
-            engine.saver.save({"step": state.step})
+            engine.checkpoints.saver.save({"step": state.step})
         saves.append(time.perf_counter() - start)
         cycles.append(time.perf_counter() - cycle_start)
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())

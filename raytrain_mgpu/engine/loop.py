@@ -11,9 +11,9 @@ files where they go):
 - the data feed (the resumable sampler, the loaders, the time spent waiting for batches);
 - the epoch row (one all-reduce of every rank's sums, one gather of the small per-rank records)
   and the evaluation's reduction;
-- checkpoints (``engine/checkpoints.py``): what each rank writes, names, every rank's
-  random generators (CPU and every CUDA device), the partial sums of an unfinished epoch, and the
-  restore that reads them back;
+- checkpoints (:class:`~raytrain_mgpu.engine.checkpoint_manager.CheckpointManager`: when, what, the write, the
+  resume choice; ``engine/checkpoints.py``: what each rank writes, names, every rank's random generators, the
+  partial sums of an unfinished epoch, and the restore that reads them back);
 - the run's precision (``engine/precision.py``: autocast, fp16's grad scaler), handed to the step runner.
 
 What differs between strategies is a *step runner* (:class:`Steps`): how one step's micro-batches go
@@ -37,7 +37,7 @@ from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerSte
                                                Steps)
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
                                            peak_memory_bytes, reset_peak_memory)
-from raytrain_mgpu.engine.preemption import PreemptionCheck
+from raytrain_mgpu.engine.checkpoint_manager import CheckpointManager
 from raytrain_mgpu.engine.run_state import RunState, at_max_steps, epoch_row, eval_columns, stops_early
 from raytrain_mgpu.engine.step_scalars import StepWindow
 
@@ -106,17 +106,13 @@ class Engine:
             self.transport.finish()
             raise
         try:
-            run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate, self._end_epoch,
+            run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate, self.checkpoints.save_epoch,
                        has_val=self.data.val is not None)
         finally:
             self.transport.finish()
             self.feed.close()
             self.observer.close()
         return {"epochs": self.state.epoch, "steps": self.state.step}
-
-    def _end_epoch(self, row: dict) -> None:
-        POSITION.mark("checkpoint")
-        self.saver.save(row, send_row=True)
 
     def setup(self, entered: Optional[float] = None) -> None:
         """Everything before the first step: the model (the run's seed, then the resume point's weights), the step
@@ -130,7 +126,8 @@ class Engine:
         cfg, steps = self.cfg, self.steps
         self.transport.check_storage()  # this node reads and writes storage_path, before any step
         model = checkpoints.build_model(cfg, steps, self.data)
-        source = self.transport.checkpoint()
+        self.checkpoints = CheckpointManager(self)  # when, what, the write and the resume choice
+        source = self.checkpoints.source()
         if cfg.init_from is not None and (source is None or cfg.save == "trainable"):
             self._init_from(model)  # a resume of this run wins, but a trainable-only checkpoint needs the rest
         self.observer = Observer(self, model)  # the FLOPs of a step (MFU), counted on the model as built
@@ -154,9 +151,7 @@ class Engine:
         self.end_step = OptimizerStep(cfg, self.optimizer, self.scheduler, steps.clip, self.scaler, self.window,
                                       grad_norm=steps.grad_norm,
                                       agree=steps.agree_found_inf if steps.agrees_on_overflow else None)
-        self.saver = checkpoints.Saver(self)
-        self.preemption = PreemptionCheck(cfg, self.reporter, since_save=self.saver.since_save,
-                                          **self.transport.preemption())
+        self.checkpoints.start()
         steps.step_context = StepContext(self.rank, self.world, steps.device, cfg.precision, steps.objective.loss,
                                          list(steps.objective.names))
         self.observer.start(self.state.step)  # the profiler's window, from here
@@ -187,7 +182,7 @@ class Engine:
         meter.checkpoint_s += barrier_s()
         batches = feed.epoch(epoch)
         done, spe, window = state.step_in_epoch, feed.steps_per_epoch, self.window
-        self.preemption.resumed(state, spe)  # the driver's "resuming at step S", once
+        self.checkpoints.resumed(spe)  # the driver's "resuming at step S", once
         if done:
             meter.resume(_own_partials(self.partials, self.ctx))
         if window is not None:
@@ -218,20 +213,11 @@ class Engine:
             state.step_in_epoch = done
             self.observer.after_step(state.step, meter)  # the profiler's window; evaluation every N steps
             # checkpoint_every_n_steps (or _minutes), or the first preemption notice
-            self.preemption.after_step(state.step, done, spe, lambda: self._save_step(meter))
+            self.checkpoints.after_step(spe, meter)
         state.step_in_epoch = 0
         self.partials = None
         POSITION.mark("epoch end")
         return self._epoch_row(epoch, meter, done, bad)
-
-    def _save_step(self, meter: EpochMeter) -> None:
-        """A step checkpoint; its time is the epoch's ``checkpoint_s``, not training (``training_s``)."""
-        start = time.perf_counter()
-        POSITION.mark("checkpoint")
-        self.saver.save({"epoch": self.state.epoch, "step": self.state.step,
-                         "step_in_epoch": self.state.step_in_epoch}, partial=meter.partial())
-        barrier_s()  # the other ranks' wait for their report to be taken (Ray Train) is checkpoint time too
-        meter.checkpoint_s += time.perf_counter() - start
 
     def _epoch_row(self, epoch: int, meter: EpochMeter, steps_done: int, bad: Optional[torch.Tensor] = None) -> dict:
         steps = self.steps

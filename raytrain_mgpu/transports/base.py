@@ -6,7 +6,8 @@ On each rank a transport answers the engine:
 
 - ``reporter``: where rank 0's events go (a progress channel to the driver, or the driver's own
   ``RunEvents``); ``reports_scalars``: which ranks send per-step scalars;
-- ``checkpoint()``: the checkpoint a run resumes from (:class:`CheckpointSource`), or None;
+- ``registered()``: the checkpoint its own system registered last (Ray Train's), for the checkpoint manager's
+  resume choice (``engine/checkpoint_manager.py``), or None;
 - ``begin`` / ``commit`` / ``abort``: where a checkpoint's files go (a folder for this rank, then the
   checkpoint made whole: Ray Train's report, or published in the run folder);
 - ``where()``: this rank's node and GPU ids for the history; ``data_shard()``: its Ray Data stream;
@@ -24,31 +25,17 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Callable, ContextManager, NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 from raytrain_mgpu._redact import redact
+from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
 from raytrain_mgpu.engine.checkpoints import CHECKPOINT_PREFIX, seal
 from raytrain_mgpu.engine.run_folder import TMP_PREFIX, RunFolder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Transport", "CheckpointSource", "FolderTransport", "folder_checkpoint", "check_writable", "Reporter",
+__all__ = ["Transport", "FolderTransport", "check_writable", "Reporter",
            "RunResult", "rank_devices", "rank_engine", "data_parallel_steps", "runner_for", "local_refusal"]
-
-
-class CheckpointSource(NamedTuple):
-    """A checkpoint to resume from: its path or URI (``RunState.checkpoint``) and a local copy to read."""
-
-    path: str
-    open: Callable[[], ContextManager[str]]
-
-
-def folder_checkpoint(folder: RunFolder) -> Optional[CheckpointSource]:
-    """The run folder's newest complete checkpoint (``RunFolder.newest_checkpoint``)."""
-    newest = folder.newest_checkpoint()
-    if newest is None:
-        return None
-    return CheckpointSource(newest.uri, lambda: folder.readable(newest.path))
 
 
 class Transport:
@@ -59,7 +46,9 @@ class Transport:
     def reports_scalars(self, rank: int, steps) -> bool:
         return rank == 0 and self.reporter is not None
 
-    def checkpoint(self) -> Optional[CheckpointSource]:
+    def registered(self) -> Optional[CheckpointSource]:
+        """The checkpoint this transport's own system registered last (Ray Train's), for the checkpoint manager's
+        resume choice (``engine/checkpoint_manager.py``); None where the run folder alone holds them."""
         return None
 
     def where(self) -> dict:
@@ -119,9 +108,6 @@ class FolderTransport(Transport):
         self.cfg, self.rank, self.attempt, self.reporter, self.barrier = cfg, rank, attempt, reporter, barrier
         self.folder = RunFolder.of(cfg)
         self._staging: Optional[str] = None
-
-    def checkpoint(self) -> Optional[CheckpointSource]:
-        return folder_checkpoint(self.folder)
 
     def _temporary(self, name: str) -> str:
         return self.folder.join(f"{TMP_PREFIX}{name}-{self.attempt}")

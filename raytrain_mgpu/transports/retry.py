@@ -32,12 +32,14 @@ carried to the driver on the exception (``errors.crossing``).
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "failure_note", "run_attempts"]
+__all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "errors_whole", "failure_note", "run_attempts"]
 
 T = TypeVar("T")
 
@@ -135,6 +137,28 @@ def sent_whole(exc: BaseException, rank: int, node: str, pid: int) -> BaseExcept
     from raytrain_mgpu.engine.liveness import POSITION
 
     return crossing(exc, rank, node, pid, retryable=verdict(exc, stepped=POSITION.stepped).retryable)
+
+
+def errors_whole(where: Callable[..., Optional[Tuple[int, str]]]) -> Callable[[Callable], Callable]:
+    """Decorate a rank's entry point (a Ray Train worker function, a pipeline stage's ``run``): its exception
+    leaves the process whole (:func:`sent_whole`). ``where(*args)``: this rank and its node, or None where the
+    error stays in this process (the tests' local stages)."""
+
+    def decorate(entry: Callable) -> Callable:
+        @functools.wraps(entry)
+        def wrapper(*args, **kwargs):
+            try:
+                return entry(*args, **kwargs)
+            except Exception as exc:
+                rank_node = where(*args)
+                sent = exc if rank_node is None else sent_whole(exc, *rank_node, os.getpid())
+                if sent is exc:
+                    raise
+                raise sent from None
+
+        return wrapper
+
+    return decorate
 
 
 def failure_note(cfg) -> str:

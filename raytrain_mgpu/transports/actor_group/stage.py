@@ -11,7 +11,6 @@ B / (D m) rows; replica r's first stage reads positions r, r+D, ... of each epoc
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 from typing import List, Optional
 
@@ -31,6 +30,8 @@ from raytrain_mgpu.transports.placement import free_address, node_ip, ray_gpu_id
 from raytrain_mgpu.engine.feed import steps_per_epoch
 from raytrain_mgpu.transports.base import FolderTransport, rank_devices, rank_engine
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
+from raytrain_mgpu.transports.collective_timeouts import name_stuck_ranks
+from raytrain_mgpu.transports.retry import errors_whole
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,12 @@ class StageWorker:
 
     # ------------------------------------------------------------------ the run
 
+    @errors_whole(lambda self, *args: (self.rank, node_ip()) if _in_ray() else None)
+    @name_stuck_ranks(lambda self, *args: self.cfg.collective_timeout_s)
     def run(self, attempt: str, sink=None) -> dict:
         """Train the run's remaining epochs with the engine (every rank at once); ``attempt``: this attempt's token
-        (the checkpoints' temporary folders), ``sink``: the run's progress channel."""
+        (the checkpoints' temporary folders), ``sink``: the run's progress channel. An error reaches the driver
+        whole, with its verdict (a stuck peer named)."""
         from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
 
         self.steps = PipelineSteps(self, self.partition)
@@ -178,20 +182,16 @@ class StageWorker:
         engine = rank_engine(self.cfg, self.plan, self.ctx, transport, self.data, self.steps)
         try:
             return engine.run()
-        except Exception as exc:
-            import ray
-
-            if not ray.is_initialized():  # the tests' local stages: the error stays in this process
-                raise
-            from raytrain_mgpu.transports.retry import sent_whole
-
-            sent = sent_whole(exc, self.rank, node_ip(), os.getpid())  # to the driver whole, with its verdict
-            if sent is exc:
-                raise
-            raise sent from None
         finally:
             self.history = getattr(engine, "state", None) and engine.state.history
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _in_ray() -> bool:
+    """Whether this stage is a Ray actor (the tests' local stages keep their errors in their process)."""
+    import ray
+
+    return ray.is_initialized()

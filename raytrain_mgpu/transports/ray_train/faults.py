@@ -1,31 +1,6 @@
-"""Two failure modes of Ray Train workers, made visible or closed.
-
-1. Collective timeouts that say which rank is stuck (:func:`name_stuck_ranks`).
-2. A checkpoint lost to a failure right after it was reported
-   (:func:`wait_until_report_collected`).
-
-Collective timeouts
--------------------
-
-When one worker stalls (a hung data read, a rank-dependent branch that skips a
-collective), the others block in their next collective until the process group's timeout
-(``TrainConfig.collective_timeout_s``) and gloo then reports, on the ranks that *waited*:
-
-    RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1800000ms
-    for recv operation to complete
-
-naming neither the stuck rank nor where it runs, and Ray Train shows that error under
-the waiting rank's number. :func:`name_stuck_ranks` wraps the worker function: each rank
-registers its node and PID in the process group's store at start (one store write), and
-a rank whose collective times out checks in and waits a short grace period for the
-others to do the same. Ranks that never check in are the stuck ones; the error names
-them with node and PID, so ``py-spy dump --pid`` on that node shows where they hang.
-
-The store is the c10d TCPStore the process group was created with. Its server runs in a
-background thread of rank 0, so it answers even when rank 0's Python code is the one
-that is stuck. NCCL is different: its watchdog aborts the process on a timeout before
-Python sees an error, so this wrapper only helps for gloo (CPU) groups; for NCCL use
-``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` (the flight recorder names the stuck collective).
+"""A checkpoint lost to a failure right after it was reported, closed (:func:`wait_until_report_collected`), and
+the controller's poll and wait that ``fit`` sets (:func:`controller_poll`). Collective timeouts that name the stuck
+rank are every transport's: ``transports/collective_timeouts.py``.
 
 Reports lost to a failure
 -------------------------
@@ -44,16 +19,14 @@ which is why ``fit`` runs Ray Train's controller with a 0.03 s poll (:func:`cont
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import socket
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CollectiveTimeoutError", "name_stuck_ranks", "wait_until_report_collected", "controller_poll"]
+__all__ = ["wait_until_report_collected", "controller_poll"]
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 FIT_POLL_S = "0.03"
@@ -75,118 +48,6 @@ worker dead after ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S`` (10 min), not afte
 WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 """Ray Train's switch for its preemption watcher, read from the driver's environment when ``fit()``
 starts the controller, as the poll is; fit sets it where no notice can come (``engine/preemption.py``)."""
-
-_WHERE_KEY = "raytrain_mgpu/where/{rank}"
-_CHECKIN_KEY = "raytrain_mgpu/timed_out/{rank}"
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective timed out because the ranks in ``stuck_ranks`` never joined it."""
-
-    def __init__(self, message: str, stuck_ranks: Optional[List[int]] = None):
-        super().__init__(message)
-        self.stuck_ranks = stuck_ranks
-
-    def __reduce__(self):  # Ray pickles it from the worker to the driver (notes and fields in its __dict__)
-        return type(self), (str(self), self.stuck_ranks), self.__dict__
-
-
-def name_stuck_ranks(train_fn: Callable) -> Callable:
-    """Decorate a Ray Train worker function ``f(payload)``; ``payload["config"]`` is the
-    ``TrainConfig`` (for ``collective_timeout_s``)."""
-
-    @functools.wraps(train_fn)
-    def wrapper(payload: dict):
-        store, rank, world_size = _register()
-        try:
-            return train_fn(payload)
-        except RuntimeError as exc:
-            if store is None or world_size < 2 or isinstance(exc, CollectiveTimeoutError) or not _is_timeout(exc):
-                raise
-            timeout_s = float(getattr(payload.get("config"), "collective_timeout_s", 60.0))
-            raise _stuck_rank_error(exc, store, rank, world_size, timeout_s) from exc
-
-    return wrapper
-
-
-def _register():
-    """Record this rank's node and PID in the store; (store, rank, world size) or Nones."""
-    try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 0, 1
-        store = dist.distributed_c10d._get_default_store()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        store.set(_WHERE_KEY.format(rank=rank), f"node {_node_ip()}, pid {os.getpid()}")
-        return store, rank, world_size
-    except Exception as exc:  # a diagnostic aid must never stop training
-        logger.debug("stuck-rank detection disabled: %s", exc)
-        return None, 0, 1
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return socket.gethostname()
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
-
-
-def _grace_s(timeout_s: float) -> float:
-    # Healthy ranks block in the same or the next collective, so they time out within
-    # about one timeout of each other; cap the wait for long timeouts.
-    return min(max(5.0, 0.25 * timeout_s), 60.0)
-
-
-def _stuck_rank_error(exc: RuntimeError, store, rank: int, world_size: int,
-                      timeout_s: float) -> RuntimeError:
-    grace = _grace_s(timeout_s)
-    try:
-        store.set(_CHECKIN_KEY.format(rank=rank), "1")
-        deadline = time.monotonic() + grace
-        while True:
-            missing = [r for r in range(world_size) if not store.check([_CHECKIN_KEY.format(rank=r)])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        where = {r: _where(store, r) for r in missing}
-    except Exception as probe_exc:  # the store is gone too (its host, rank 0, died)
-        return CollectiveTimeoutError(
-            f"a collective on rank {rank} timed out after {timeout_s:g} s (collective_timeout_s) and the "
-            f"stuck rank could not be determined ({type(probe_exc).__name__}: {probe_exc}). Original error: "
-            f"{exc}", None)
-    if not missing:
-        return CollectiveTimeoutError(
-            f"a collective on rank {rank} timed out after {timeout_s:g} s (collective_timeout_s), but every rank "
-            f"reported the same timeout: the ranks waited on each other (mismatched collectives: a rank-dependent "
-            f"branch?) or on a slow network. Original error: {exc}", [])
-    stuck = ", ".join(f"rank {r} ({where[r]})" for r in missing)
-    return CollectiveTimeoutError(
-        f"a collective timed out after {timeout_s:g} s (collective_timeout_s) because {stuck} never joined it: "
-        f"that worker is stuck (a hung data read, a deadlock, a rank-dependent branch that skips a collective) "
-        f"or too slow. `py-spy dump --pid PID` on its node shows where it waits; raise collective_timeout_s "
-        f"if it is only slow. Seen on rank {rank}: {exc}", missing)
-
-
-def _where(store, rank: int) -> str:
-    key = _WHERE_KEY.format(rank=rank)
-    try:
-        if store.check([key]):
-            return store.get(key).decode()
-    except Exception:
-        pass
-    return "location unknown"
-
-
-# ----------------------------------------------------------------------------- reports
-
 
 def wait_until_report_collected(timeout_s: float = 300.0) -> None:
     """Call right after ``ray.train.report`` on every rank: returns once Ray Train's

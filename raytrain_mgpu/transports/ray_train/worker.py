@@ -3,7 +3,7 @@ driver's side is ``driver.py``.
 
 :func:`train_worker` is the train function ``fit`` hands Ray Train. On every worker it builds the
 strategy's step runner and :class:`RayTrainTransport`, which carries rank 0's events to the driver
-through the run's progress channel (``driver/progress.py``), resumes from Ray Train's latest
+through the run's progress channel (``driver/progress.py``), hands the checkpoint manager Ray Train's latest
 checkpoint, and delivers each checkpoint with ``ray.train.report`` (``transports/ray_train/uploads.py``:
 rank 0's asynchronous upload, a sharded run's every-rank folders, a step checkpoint reported before its
 write). Ray Train's controller restarts the group after a failure (``max_failures``) or a preemption
@@ -24,38 +24,24 @@ from ray.train import CheckpointUploadMode
 
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.engine.checkpoints import seal
-from raytrain_mgpu.transports.ray_train.faults import name_stuck_ranks, wait_until_report_collected
+from raytrain_mgpu.transports.collective_timeouts import name_stuck_ranks
+from raytrain_mgpu.transports.ray_train.faults import wait_until_report_collected
+from raytrain_mgpu.transports.retry import errors_whole
 from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.engine.run_folder import RunFolder
-from raytrain_mgpu.transports.base import CheckpointSource, Transport, rank_devices, rank_engine
+from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
+from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
 from raytrain_mgpu.transports.ray_train.uploads import Uploads, clean, report, wait_for_previous
 
-__all__ = ["train_worker", "RayTrainTransport", "errors_whole"]
+__all__ = ["train_worker", "RayTrainTransport"]
 
 
-def errors_whole(train_fn):
-    """Decorate a Ray Train worker function: its exception leaves the worker whole (``transports/retry.sent_whole``:
-    noted with the rank and node, the retry policy's verdict on it, a stand-in where it would not unpickle)."""
-    import functools
-
-    @functools.wraps(train_fn)
-    def wrapper(payload: dict):
-        try:
-            return train_fn(payload)
-        except Exception as exc:
-            from raytrain_mgpu.transports.retry import sent_whole
-
-            sent = sent_whole(exc, ray.train.get_context().get_world_rank(), ray.util.get_node_ip_address(),
-                              os.getpid())
-            if sent is exc:
-                raise
-            raise sent from None
-
-    return wrapper
+def _where(payload: dict) -> tuple:
+    return ray.train.get_context().get_world_rank(), ray.util.get_node_ip_address()
 
 
-@errors_whole
-@name_stuck_ranks
+@errors_whole(_where)
+@name_stuck_ranks(lambda payload: payload["config"].collective_timeout_s)
 def train_worker(payload: dict) -> dict:
     """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": channel}."""
     entered = time.time()  # the start-up's clock (fit's: TrainResult.startup)
@@ -95,17 +81,9 @@ class RayTrainTransport(Transport):
 
         self.heartbeat = Heartbeat(self.sink, rank, world_size, _attempt_id, self.cfg.stall_timeout_s).start()
 
-    def checkpoint(self) -> Optional[CheckpointSource]:
-        """Ray Train's latest, unless the run folder holds a newer checkpoint published by another
-        transport (a run trained in the driver's process before, resumed here)."""
-        latest = ray.train.get_checkpoint()
-        folder = RunFolder.of(self.cfg)
-        point = folder.newest_checkpoint(ray_latest=latest.path if latest is not None else None)  # the one choice
-        if point is None:
-            return None
-        if latest is not None and point.name == latest.path.rstrip("/").rsplit("/", 1)[-1]:
-            return CheckpointSource(latest.path, latest.as_directory)  # Ray Train's, through its storage
-        return CheckpointSource(point.uri, lambda: folder.readable(point.path))
+    def registered(self) -> Optional[CheckpointSource]:
+        latest = ray.train.get_checkpoint()  # read through Ray Train's storage where the manager resumes from it
+        return None if latest is None else CheckpointSource(latest.path, latest.as_directory)
 
     def where(self) -> dict:
         return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()],
