@@ -181,6 +181,10 @@ class TrainConfig:
     """``fsdp``: the workers that shard the model among themselves (HSDP): groups of this many consecutive ranks each hold one sharded copy, and the groups average gradients as DDP replicas do. Set it to the workers of one node so that the all-gathers stay inside nodes and only the gradient all-reduce crosses them. None: one group of all workers (plain FSDP)."""
     cpu_offload: bool = False
     """``fsdp``: keep the parameter shards, their gradients and the optimizer state in host memory (FSDP2's ``CPUOffloadPolicy``): each block is copied to the device for its forward and backward and the optimizer steps on the CPU. The device then holds about two blocks whole, for a slower step (host-device copies, a CPU optimizer)."""
+    tensor_parallel_size: int = 1
+    """``fsdp``, ``ddp``: split each layer's weights over groups of this many consecutive workers (tensor parallel, ``torch.distributed.tensor``): the workers form a 2-D mesh, data parallel x tensor, FSDP shards (or DDP replicates) over the first dimension, and the workers of one group see the same batch (``num_workers / tensor_parallel_size`` replicas split the global batch). Each group must be inside one node. 1: off (docs/strategies.md: Tensor parallel)."""
+    tensor_parallel_plan: Optional[dict] = None
+    """Your tensor-parallel plan: module path (``*`` matches one level, ``layers.*.attn.q``) to style, one of ``colwise``, ``rowwise``, ``sequence_parallel``, ``colwise_gather_output``, ``embedding_rowwise``. None: the model's own (``transformer_lm``'s, or a Hugging Face model's ``_tp_plan``)."""
     activation_checkpointing: int = 0
     """Recompute every k-th block's activations in the backward pass instead of keeping them (k=1: every block; 0: off): less activation memory for one more forward of those blocks, the same gradients. Blocks as ``mp`` and the pipeline split them (an ``nn.Sequential``'s children, or ``blocks()``); every strategy."""
     collective_timeout_s: float = 1800.0

@@ -30,7 +30,8 @@ _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "stat
           "keep_best", "test_every_epoch", "init_strict")
 _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
-                  "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps", "max_skipped_steps")
+                  "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps", "max_skipped_steps",
+                  "tensor_parallel_size")
 _OPTIONAL_POSITIVE_INTS = ("max_steps", "num_samples", "memory_budget_bytes", "early_stopping_patience",
                            "checkpoint_every_n_steps", "shard_group_size", "eval_every_n_steps")
 _NON_EMPTY_STRINGS = ("strategy", "image_column", "label_column")  # model, dataset: _check_code
@@ -155,6 +156,22 @@ def check_fields(cfg) -> None:
     _check_monitor(cfg)
     _check_watching(cfg)
     _check_step_features(cfg)
+    _check_tensor_parallel(cfg)
+
+
+def _check_tensor_parallel(cfg) -> None:
+    """``tensor_parallel_plan``'s shape and styles (whether its paths exist is checked on the model, before Ray)."""
+    from raytrain_mgpu.config_sections import TensorParallelStyle
+
+    plan, styles = cfg.tensor_parallel_plan, typing.get_args(TensorParallelStyle)
+    if plan is not None and not (isinstance(plan, dict) and plan and all(
+            isinstance(k, str) and k.strip() and v in styles for k, v in plan.items())):
+        fail("tensor_parallel_plan", plan, f"must map module paths to styles, one of {list(styles)}",
+             'Write e.g. {"layers.*.attn.q": "colwise", "layers.*.attn.proj": "rowwise"}, or leave it unset.')
+    if cfg.tensor_parallel_size > 1 and isinstance(cfg.num_workers, (list, tuple)):
+        fail("tensor_parallel_size", cfg.tensor_parallel_size, f"needs a fixed number of workers, not the range "
+             f"num_workers={list(cfg.num_workers)} (the mesh is fixed at start)",
+             "Set num_workers to one count (a multiple of tensor_parallel_size), or tensor_parallel_size=1.")
 
 
 def _check_step_features(cfg) -> None:

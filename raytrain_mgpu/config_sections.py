@@ -27,6 +27,11 @@ Runner = Literal["auto", "local", "ray"]  # where a run trains: the driver's pro
 OnNonfinite = Literal["stop", "skip", "ignore"]  # what a non-finite loss does to a run
 SaveWhat = Literal["full", "trainable"]  # what a checkpoint's model part holds
 Compile = Union[bool, Literal["blocks"]]  # torch.compile: off, the whole model, or each block in place
+# A tensor-parallel plan's styles (TrainConfig.tensor_parallel_plan's values; parallel/tensor_parallel.py): torch's
+# ColwiseParallel, RowwiseParallel, SequenceParallel, and Hugging Face's names for Colwise with a gathered output
+# and Rowwise on an embedding.
+TensorParallelStyle = Literal["colwise", "rowwise", "sequence_parallel", "colwise_gather_output",
+                              "embedding_rowwise"]
 
 
 # ----------------------------------------------------------------------------- sections
@@ -114,5 +119,7 @@ class ParallelConfig:
     channels_last: bool
     shard_group_size: Optional[int]
     cpu_offload: bool
+    tensor_parallel_size: int
+    tensor_parallel_plan: Optional[dict]
     activation_checkpointing: int
     collective_timeout_s: float

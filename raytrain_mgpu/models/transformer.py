@@ -38,6 +38,29 @@ class Embedding(nn.Module):
         return self.dropout(self.tokens(ids) + self.positions(positions))
 
 
+class Attention(nn.Module):
+    """Causal self-attention: separate ``q``, ``k``, ``v`` projections and the output ``proj``.
+
+    The head count is read from the projections' output width (``-1`` in the views), not fixed: a
+    tensor-parallel run splits ``q``, ``k``, ``v`` by output features, so each rank computes whole heads
+    of its own (separate projections, not one fused ``qkv``, so each rank's share is its heads' q, k and v).
+    """
+
+    def __init__(self, hidden: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.head_dim, self.dropout = hidden // num_heads, dropout
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # (B, T, H) -> (B, heads, T, H / heads)
+        q, k, v = (p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(attn.transpose(1, 2).reshape(batch, seq, -1))
+
+
 class Block(nn.Module):
     """Pre-LayerNorm causal self-attention and MLP, each with a residual connection."""
 
@@ -47,23 +70,27 @@ class Block(nn.Module):
             raise ValueError(f"model_kwargs hidden={hidden} must be divisible by num_heads={num_heads}. "
                              f"Choose e.g. hidden={num_heads * max(1, hidden // num_heads)}.")
         self.num_heads = num_heads
-        self.dropout = dropout
         self.norm1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
+        self.attn = Attention(hidden, num_heads, dropout)
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, ffn_hidden), nn.GELU(), nn.Linear(ffn_hidden, hidden))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(hidden, dim=2)
-        # (B, T, H) -> (B, heads, T, H / heads)
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, hidden)))
+        x = x + self.drop(self.attn(self.norm1(x)))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Weights saved before the attention's projections were separate (one fused ``qkv``, ``proj`` in the
+        # block) load as they are: the fused rows are q's, k's and v's in that order.
+        for kind in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+            if fused is not None:
+                for name, part in zip("qkv", fused.chunk(3, dim=0)):
+                    state_dict[f"{prefix}attn.{name}.{kind}"] = part
+            if f"{prefix}proj.{kind}" in state_dict:
+                state_dict[f"{prefix}attn.proj.{kind}"] = state_dict.pop(f"{prefix}proj.{kind}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class Head(nn.Module):

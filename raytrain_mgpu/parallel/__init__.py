@@ -29,5 +29,11 @@ def build_worker(strategy: Type["Strategy"], cfg: "ParallelConfig", ctx: "Worker
         raise RuntimeError(f"strategy {strategy.name!r} runs in its own actor group (raytrain_mgpu.pipeline."
                            f"run_pipeline), not in the Ray Train worker loop.")
     # The step names were checked where the class was defined (strategies.base.Strategy.__init_subclass__).
-    return WorkerStrategy(strategy.name, PLACEMENTS[strategy.placement], REPLICATIONS[strategy.replication],
-                          cfg, ctx, objective)
+    replication = REPLICATIONS[strategy.replication]
+    tensor_parallel = cfg.tensor_parallel_size if "tensor_parallel_size" in strategy.options_used else 1
+    if tensor_parallel > 1:
+        from raytrain_mgpu.parallel.tensor_parallel import TENSOR_PARALLEL_REPLICATIONS
+
+        replication = TENSOR_PARALLEL_REPLICATIONS.get(strategy.replication, replication)
+    return WorkerStrategy(strategy.name, PLACEMENTS[strategy.placement], replication, cfg, ctx, objective,
+                          tensor_parallel_size=tensor_parallel)

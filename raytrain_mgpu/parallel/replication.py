@@ -201,25 +201,10 @@ class FSDPReplication(Replication):
         _broadcast_buffers(model, extra, buffers_on)
         return model
 
-    @staticmethod
-    def _shard(model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
+    def _shard(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        world = worker.ctx.world_size
-        shard = worker.cfg.shard_group_size or world
-        if shard < world:  # HSDP: consecutive ranks (a node's workers) shard, the groups replicate (torchtitan's dp_replicate x dp_shard)
-            nodes = [None] * world
-            dist.all_gather_object(nodes, worker.ctx.node_rank)  # once, at set-up
-            spanning = shard_groups_across_nodes(nodes, shard)
-            if spanning and worker.ctx.world_rank == 0:
-                logger.warning("shard_group_size=%d: the shard groups %s span nodes %s, so every all-gather of "
-                               "theirs crosses the network. Set shard_group_size to the workers of one node (and "
-                               "the same number of workers on every node).", shard, spanning,
-                               [sorted({nodes[r] for r in group}) for group in spanning])
-            mesh = init_device_mesh(worker.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(worker.device.type, (world,))
+        mesh = self._mesh(model, worker)
         if worker.cfg.precision == "bf16-mixed":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
@@ -232,6 +217,25 @@ class FSDPReplication(Replication):
                         reshard_after_forward=index < len(units) - 1)
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         return model
+
+    def _mesh(self, model: nn.Module, worker: "WorkerStrategy"):
+        """The mesh FSDP shards over (collective): every worker's, or HSDP's (replicate x shard); with tensor
+        parallel the data dimension of a 2-D mesh, the plan applied (a subclass in ``parallel/tensor_parallel.py``)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = worker.ctx.world_size
+        shard = worker.cfg.shard_group_size or world
+        if shard < world:  # HSDP: consecutive ranks (a node's workers) shard, the groups replicate (torchtitan's dp_replicate x dp_shard)
+            nodes = [None] * world
+            dist.all_gather_object(nodes, worker.ctx.node_rank)  # once, at set-up
+            spanning = shard_groups_across_nodes(nodes, shard)
+            if spanning and worker.ctx.world_rank == 0:
+                logger.warning("shard_group_size=%d: the shard groups %s span nodes %s, so every all-gather of "
+                               "theirs crosses the network. Set shard_group_size to the workers of one node (and "
+                               "the same number of workers on every node).", shard, spanning,
+                               [sorted({nodes[r] for r in group}) for group in spanning])
+            return init_device_mesh(worker.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(worker.device.type, (world,))
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return _no_gradient_sync(model)

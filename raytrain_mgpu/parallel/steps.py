@@ -29,6 +29,7 @@ class DataParallelSteps(Steps):
         self.ctx, self.objective = strategy.ctx, strategy.objective
         self.device = strategy.device
         self.shard = strategy.data_shard()
+        self.counts = strategy.counts_samples  # a tensor group's ranks share a batch: its first counts it
         self.sharded = strategy.sharded_checkpoint
         self.model: Optional[torch.nn.Module] = None
 
@@ -91,9 +92,10 @@ class DataParallelSteps(Steps):
                 POSITION.mark("backward")  # where DDP's all-reduce waits for the other ranks
                 scaler.scale(loss / accum if accum > 1 else loss).backward()
             counted = meter.samples
-            meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
+            if self.counts:
+                meter.add(loss, outputs, y)  # metrics on the outputs, or the sums computed where they live
             del outputs  # not held through the next forward: one micro-batch of outputs less per device
-            if extras:
+            if extras and self.counts:
                 meter.add_extras(extras, meter.samples - counted)
             if window is not None:
                 window.add_loss(loss, meter.samples - counted)  # the samples (targets) the meter counted
@@ -115,8 +117,9 @@ class DataParallelSteps(Steps):
                 else:  # your own step's loss (and outputs, extras) is what evaluation measures too
                     loss, outputs, extras = self.strategy.run_step(self.model, x, y, self.user_step, self.step_context)
             counted = meter.samples
-            meter.add(loss.float(), outputs, y)
-            if extras:
+            if self.counts:
+                meter.add(loss.float(), outputs, y)
+            if extras and self.counts:
                 meter.add_extras(extras, meter.samples - counted)
 
     def memory_devices(self) -> List[torch.device]:

@@ -45,8 +45,9 @@ class WorkerStrategy:
     """One strategy on one worker: ``placement`` then ``replication``."""
 
     def __init__(self, name: str, placement: "Placement", replication: "Replication", cfg: "ParallelConfig",
-                 ctx: "WorkerContext", objective: Optional[Objective] = None):
+                 ctx: "WorkerContext", objective: Optional[Objective] = None, tensor_parallel_size: int = 1):
         self.name, self.placement, self.replication = name, placement, replication
+        self.tensor_parallel_size = tensor_parallel_size  # workers per tensor group (parallel/tensor_parallel.py)
         self.cfg = cfg
         self.ctx = ctx
         self.objective = objective if objective is not None else Objective()  # default: cross-entropy, accuracy
@@ -69,8 +70,14 @@ class WorkerStrategy:
         return self.replication.wrap(model, self)
 
     def data_shard(self) -> Tuple[int, int]:
-        """``(shard index, number of shards)`` for this worker's DistributedSampler."""
-        return self.ctx.world_rank, self.ctx.world_size
+        """``(shard index, number of shards)`` for this worker's DistributedSampler: its tensor group's, whose
+        ranks all read the same batch."""
+        return self.ctx.world_rank // self.tensor_parallel_size, self.ctx.world_size // self.tensor_parallel_size
+
+    @property
+    def counts_samples(self) -> bool:
+        """Whether this rank adds its batches to the epoch's sums: the first of its tensor group (or every rank)."""
+        return self.ctx.world_rank % self.tensor_parallel_size == 0
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Context that skips gradient sync (non-final accumulation micro-steps)."""

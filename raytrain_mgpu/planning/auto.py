@@ -137,13 +137,14 @@ def candidates(info: ClusterInfo, measured: bool = False) -> List[str]:
     return [name for _, _, name in ranked]
 
 
-def plan_config(cfg, name: str, info: ClusterInfo):
+def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = None):
     """``cfg`` for strategy ``name`` laid out on ``info``'s devices, validated (ValueError: why not).
 
     Options the strategy does not read go back to their defaults: the planned config records
     only what the run uses (``num_stages`` is part of a run's identity in ``run.json``, and a
     resumed ``auto`` run re-reads the layout from ``meta.json``), and warns about nothing. The
-    model checks that need its structure (a split over devices or stages) run here, before Ray.
+    model checks that need its structure (a split over devices or stages) run here, before Ray. ``variant``: one
+    of the strategy's ``auto_variants`` over its ``auto_layout``.
     """
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.data import check_data
@@ -160,6 +161,7 @@ def plan_config(cfg, name: str, info: ClusterInfo):
     changes["strategy"] = name
     # Worker, device and stage counts (a split gets at most one part per block of the model).
     changes.update(cls.auto_layout(cfg, info))
+    changes.update(variant or {})
     planned = cfg.replace(**changes)
     input_shape, num_classes = check_data(planned.data)
     cls.check_model(planned, input_shape, num_classes)
@@ -207,6 +209,12 @@ def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] =
     on CPU without a budget the model is taken to fit. The candidates come in the order
     of their classes' ``auto_rank``: the plain model first, the first that fits wins.
     """
+    return _choose(cfg, info, memory_budget_bytes, profile)[:2]
+
+
+def _choose(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] = None,
+            profile: Optional[ModelProfile] = None) -> Tuple[str, str, dict]:
+    """:func:`choose_strategy`'s choice with the variant of its layout (``Strategy.auto_variants``) it needs."""
     from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.strategies import get_strategy
 
@@ -220,20 +228,24 @@ def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] =
         fits = (f"fits one device ({format_bytes(need)} at {build_plan(planned).micro_batch} samples per device"
                 + (f" <= budget {format_bytes(budget)})" if budget else "; no memory budget known on CPU)"))
         reason = get_strategy(first).auto_reason(info)
-        return first, f"{reason}: the model {fits}; {_output_note(profile, cfg)} [{where}]"
+        return first, f"{reason}: the model {fits}; {_output_note(profile, cfg)} [{where}]", {}
     if info.num_devices == 1:
         raise ValueError(_nothing_fits(cfg, profile, budget, [first], info))
     needs = {}
     for name in spread:
-        try:
-            needs[name] = _peak(name, plan_config(cfg, name, info), profile)
-        except ValueError as exc:
-            logger.debug("auto: %s is not possible here: %s", name, exc)
-            continue
-        if needs[name] <= budget:
-            return name, (f"{name}: {first} would need {format_bytes(need)} per device, over the budget "
-                          f"{format_bytes(budget)}; {get_strategy(name).auto_reason(info)} and needs "
-                          f"{format_bytes(needs[name])} [{where}]")
+        for variant in ({}, *get_strategy(name).auto_variants(cfg, info)):
+            try:
+                peak = _peak(name, plan_config(cfg, name, info, variant), profile)
+            except ValueError as exc:
+                logger.debug("auto: %s %s is not possible here: %s", name, variant, exc)
+                continue
+            needs.setdefault(name, peak)
+            if peak <= budget:
+                how = "".join(f", {key}={value}" for key, value in variant.items() if key != "num_workers")
+                return name, (f"{name}{how}: {first} would need {format_bytes(need)} per device, over the budget "
+                              f"{format_bytes(budget)}; {get_strategy(name).auto_reason(info)}"
+                              f"{' (each layer split over a tensor group of one node)' if how else ''} and "
+                              f"needs {format_bytes(peak)} [{where}]"), variant
     raise ValueError(_nothing_fits(cfg, profile, budget, [first, *needs], info))
 
 
@@ -288,8 +300,8 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None, compare=None) -> Tuple
         resolved = cfg.replace(**previous)
     else:
         profile = profile_config(cfg)
-        name, reason = choose_strategy(cfg, info, budget, profile)
-        resolved = plan_config(cfg, name, info)
+        name, reason, variant = _choose(cfg, info, budget, profile)
+        resolved = plan_config(cfg, name, info, variant)
         if getattr(cfg, "auto_measure", False):
             name, reason, measured = _measure(cfg, info, budget, profile, name, reason, compare)
             resolved = measured if measured is not None else resolved

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import List, NamedTuple, Sequence
 
-__all__ = ["DeviceMemory", "split_parts", "whole_model", "replica_on", "data_parallel_node", "fsdp_state_bytes"]
+__all__ = ["DeviceMemory", "split_parts", "whole_model", "replica_on", "data_parallel_node", "fsdp_state_bytes",
+           "tensor_parallel_memory"]
 
 
 class DeviceMemory(NamedTuple):
@@ -103,3 +104,22 @@ def fsdp_state_bytes(profile, workers: int, cpu_offload: bool = False) -> float:
     start_up = profile.param_bytes / workers + largest_block
     steady = profile.state_bytes() / workers + 2 * largest_block
     return max(start_up, steady)
+
+
+def tensor_parallel_memory(profile, cfg, replicas: int, micro_batches: int, sharded: bool) -> List[DeviceMemory]:
+    """Every device of a run whose workers form tensor groups of ``cfg.tensor_parallel_size`` (T): each holds 1/T
+    of every layer, and 1/``replicas`` more of it where FSDP shards over the groups (``sharded``), plus one block
+    gathered over the groups with its gradients (1/T of it); its activations are 1/T of a replica's micro-batch's
+    (sequence parallel splits the rest), the input and the gathered outputs whole."""
+    size = cfg.tensor_parallel_size
+    largest = max(profile.block_param_bytes) / size
+    if sharded and cfg.cpu_offload:
+        fixed = 2 * largest
+    elif sharded:
+        fixed = max(profile.param_bytes / (replicas * size) + largest,
+                    profile.state_bytes() / (replicas * size) + 2 * largest)
+    else:  # replicated over the groups: a whole layer's share on every device
+        fixed = profile.state_bytes() / size
+    share = 1 / (replicas * micro_batches)
+    per_sample = profile.activations() * share / size + (profile.input_bytes + profile.output_bytes) * share
+    return [DeviceMemory(fixed, per_sample)] * cfg.num_workers

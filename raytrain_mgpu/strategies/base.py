@@ -48,7 +48,8 @@ class WorkerContext:
 # a value other than the field's default with a strategy that ignores it gets a warning.
 OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
                    "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
-                   "num_microbatches", "schedule", "shard_group_size", "cpu_offload")
+                   "num_microbatches", "schedule", "shard_group_size", "cpu_offload", "tensor_parallel_size",
+                   "tensor_parallel_plan")
 DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
 
 # The worker steps a strategy may name, without torch (their code: ``raytrain_mgpu/parallel/``, whose
@@ -63,6 +64,34 @@ class Refusal(NamedTuple):
 
     applies: Callable[["TrainConfig"], bool]
     message: str
+
+
+TENSOR_PARALLEL_OPTIONS = frozenset({"tensor_parallel_size", "tensor_parallel_plan"})
+TENSOR_PARALLEL_REFUSALS = (
+    Refusal(lambda cfg: cfg.num_workers % cfg.tensor_parallel_size != 0,
+            "TrainConfig.tensor_parallel_size={cfg.tensor_parallel_size}: must divide num_workers={cfg.num_workers} "
+            "(every group of that many consecutive workers splits each layer; the groups are the data-parallel "
+            "replicas). Set num_workers to a multiple of it, e.g. {cfg.tensor_parallel_size} or "
+            "{cfg.tensor_parallel_size}x2."),
+    Refusal(lambda cfg: cfg.tensor_parallel_size > 1 and cfg.shard_group_size is not None,
+            "TrainConfig.shard_group_size={cfg.shard_group_size} with tensor_parallel_size={cfg.tensor_parallel_size}: "
+            "HSDP and tensor parallel together need a 3-D mesh, which this package does not build. Leave "
+            "shard_group_size unset (FSDP shards over all the tensor groups), or set tensor_parallel_size=1."),
+    Refusal(lambda cfg: cfg.tensor_parallel_size > 1 and cfg.precision == "16-mixed",
+            "TrainConfig.precision='16-mixed' with tensor_parallel_size={cfg.tensor_parallel_size}: the GradScaler's "
+            "overflow check sees only this worker's part of each layer, so workers could disagree on skipping a "
+            "step. Use precision='bf16-mixed'."),
+    Refusal(lambda cfg: cfg.tensor_parallel_size > 1 and cfg.ingest == "ray_data",
+            "TrainConfig.ingest='ray_data' with tensor_parallel_size={cfg.tensor_parallel_size}: Ray Data streams each "
+            "worker a share of its own, and the workers of a tensor group must read the same batches. Use "
+            "ingest='loader'."),
+)
+"""What tensor parallel (``fsdp``, ``ddp``) cannot run, checked by those strategies' ``validate``."""
+
+
+def tensor_parallel_replicas(cfg: "TrainConfig") -> int:
+    """Data-parallel replicas of a run whose workers form tensor groups of ``tensor_parallel_size``."""
+    return cfg.num_workers // cfg.tensor_parallel_size
 
 
 # ``Strategy.auto_rank`` bands: the plain model first; below AUTO_MEASURE_ONLY the strategies the
@@ -178,6 +207,12 @@ class Strategy:
         return {}
 
     @classmethod
+    def auto_variants(cls, cfg: "TrainConfig", info) -> Tuple[dict, ...]:
+        """Further layouts (TrainConfig changes over ``auto_layout``'s) that ``auto`` tries in order when this
+        strategy's own does not fit (fsdp's tensor groups). Default: none."""
+        return ()
+
+    @classmethod
     def auto_rank(cls, info) -> Optional[int]:
         """Where ``strategy="auto"`` tries this strategy on ``info``'s devices, lowest first; None: never.
 
@@ -261,6 +296,14 @@ def data_parallel_workers(cfg: "TrainConfig", num_devices: int) -> int:
     """The most workers (at most ``num_devices``) that split the global batch evenly: 100 samples on 8 GPUs: 5."""
     parts = cfg.batch_size // cfg.grad_accum_steps if cfg.batch_size % cfg.grad_accum_steps == 0 else 1
     return max(w for w in range(1, num_devices + 1) if parts % w == 0)
+
+
+def check_tensor_parallel_model(cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
+    """With ``tensor_parallel_size > 1``: the model (built on ``meta``) has a plan that splits evenly, before Ray."""
+    if cfg.tensor_parallel_size > 1:
+        from raytrain_mgpu.parallel.tensor_parallel import check_model_plan
+
+        check_model_plan(cfg, input_shape, num_classes)
 
 
 def num_blocks(cfg: "TrainConfig") -> int:

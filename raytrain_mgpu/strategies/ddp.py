@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from raytrain_mgpu.strategies._memory import replica_on, whole_model
-from raytrain_mgpu.strategies.base import AUTO_FIRST, Strategy, data_parallel_workers
+from raytrain_mgpu.strategies._memory import replica_on, tensor_parallel_memory, whole_model
+from raytrain_mgpu.strategies.base import (AUTO_FIRST, DDP_OPTIONS, TENSOR_PARALLEL_OPTIONS, TENSOR_PARALLEL_REFUSALS,
+                                           Strategy, check_tensor_parallel_model, data_parallel_workers,
+                                           tensor_parallel_replicas)
 
 
 class DDPStrategy(Strategy):
@@ -12,6 +14,16 @@ class DDPStrategy(Strategy):
     name = "ddp"
     placement, replication = "device", "replicate"
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
+    options_used = DDP_OPTIONS | {"sync_batchnorm"} | TENSOR_PARALLEL_OPTIONS
+    refusals = TENSOR_PARALLEL_REFUSALS
+
+    @classmethod
+    def data_parallel_size(cls, cfg) -> int:
+        return tensor_parallel_replicas(cfg)  # with tensor_parallel_size: DDP over the tensor groups
+
+    @classmethod
+    def check_model(cls, cfg, input_shape, num_classes) -> None:
+        check_tensor_parallel_model(cfg, input_shape, num_classes)
 
     @classmethod
     def auto_layout(cls, cfg, info) -> dict:
@@ -29,6 +41,9 @@ class DDPStrategy(Strategy):
 
     @classmethod
     def device_memory(cls, cfg, profile):
+        if cfg.tensor_parallel_size > 1:
+            return tensor_parallel_memory(profile, cfg, cls.data_parallel_size(cfg), cls.micro_batches_per_step(cfg),
+                                          sharded=False)
         return replicated_memory(cls, cfg, profile)
 
 

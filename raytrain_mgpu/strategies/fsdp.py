@@ -30,8 +30,10 @@ On the worker: placement ``keep`` (where it was built), then replication ``fully
 
 from __future__ import annotations
 
-from raytrain_mgpu.strategies._memory import DeviceMemory, fsdp_state_bytes
-from raytrain_mgpu.strategies.base import Refusal, Strategy, data_parallel_workers
+from raytrain_mgpu.strategies._memory import DeviceMemory, fsdp_state_bytes, tensor_parallel_memory
+from raytrain_mgpu.strategies.base import (TENSOR_PARALLEL_OPTIONS, TENSOR_PARALLEL_REFUSALS, Refusal, Strategy,
+                                           check_tensor_parallel_model, data_parallel_workers,
+                                           tensor_parallel_replicas)
 from raytrain_mgpu.strategies.ddp import replicated_memory
 
 
@@ -41,7 +43,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     placement, replication = "keep", "fully_shard"
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
-    options_used = frozenset({"sync_batchnorm", "shard_group_size", "cpu_offload"})
+    options_used = frozenset({"sync_batchnorm", "shard_group_size", "cpu_offload"}) | TENSOR_PARALLEL_OPTIONS
     refusals = (Refusal(lambda cfg: cfg.shard_group_size is not None and cfg.num_workers % cfg.shard_group_size != 0,
                         "TrainConfig.shard_group_size={cfg.shard_group_size}: must divide num_workers={cfg.num_workers} "
                         "(every group of that many workers holds one sharded copy of the model). Set it to the "
@@ -49,11 +51,28 @@ class FSDPStrategy(Strategy):
                 Refusal(lambda cfg: cfg.precision == "16-mixed",
                         "TrainConfig.precision='16-mixed' with strategy='fsdp': the GradScaler's overflow check sees "
                         "only this worker's shard, so workers could disagree on skipping a step. Use "
-                        "precision='bf16-mixed' (same memory saving, no loss scaling needed)."),)
+                        "precision='bf16-mixed' (same memory saving, no loss scaling needed)."),
+                *TENSOR_PARALLEL_REFUSALS)
+
+    @classmethod
+    def data_parallel_size(cls, cfg) -> int:
+        return tensor_parallel_replicas(cfg)  # a tensor group's workers share one replica's batch
+
+    @classmethod
+    def check_model(cls, cfg, input_shape, num_classes) -> None:
+        check_tensor_parallel_model(cfg, input_shape, num_classes)
 
     @classmethod
     def auto_layout(cls, cfg, info) -> dict:
         return {"num_workers": data_parallel_workers(cfg, info.num_devices)}
+
+    @classmethod
+    def auto_variants(cls, cfg, info) -> tuple:
+        """Tensor groups of 2, 4, 8 devices inside each node: each layer split too, when even its shards (its
+        parameters, gradients and optimizer state, with a block gathered and its activations) do not fit."""
+        node = min(info.devices_per_node)
+        return tuple({"tensor_parallel_size": t, "num_workers": t * data_parallel_workers(cfg, info.num_devices // t)}
+                     for t in (2, 4, 8) if node % t == 0)
 
     @classmethod
     def auto_rank(cls, info):
@@ -65,6 +84,9 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def device_memory(cls, cfg, profile):
+        if cfg.tensor_parallel_size > 1:
+            return tensor_parallel_memory(profile, cfg, cls.data_parallel_size(cfg), cls.micro_batches_per_step(cfg),
+                                          sharded=True)
         replicas = replicated_memory(cls, cfg, profile)
         if cfg.num_workers == 1:
             return replicas  # one worker: nothing to shard over
