@@ -372,6 +372,22 @@ def test_no_module_over_400_lines():
     assert not over, f"modules over {MAX_LINES} lines (split them: a module a reader can hold in mind): {over}"
 
 
+def test_no_folder_holds_more_than_a_fifth_of_the_package():
+    """The folders are the parts a reader looks for; none holds more than a fifth of the lines (bench/ aside: it is
+    outside the training path). A folder past it hides parts that deserve a name of their own."""
+    lines: Dict[str, int] = {}
+    for module, path in MODULES.items():
+        parts = _short(module).split(".")
+        if parts[0] == "bench":
+            continue
+        top = module == PACKAGE or (len(parts) == 1 and path.name != "__init__.py")
+        folder = "(top level)" if top else parts[0]
+        lines[folder] = lines.get(folder, 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    over = {folder: f"{100 * n / total:.1f} %" for folder, n in lines.items() if folder != "(top level)" and n > total / 5}
+    assert not over, f"folders over a fifth of the package's lines: {over}"
+
+
 def test_every_module_opens_with_a_line_on_its_role():
     missing = [_short(name) for name, path in MODULES.items()
                if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()]
