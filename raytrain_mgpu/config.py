@@ -73,7 +73,7 @@ class TrainConfig:
     data_on_device: Optional[bool] = None
     """Keep the training split on the training device and take each batch from it by index (no DataLoader, no copy per step), for a dataset of tensors (a ``TensorDataset``) without a per-sample transform. None: on a GPU when the split takes under a quarter of its free memory; True: wherever it can; False: never. The same samples in the same order either way."""
     ingest: Ingest = "loader"
-    """How the training split reaches the workers (the pipeline's first stages): ``loader`` (a ``DataLoader`` over the map-style dataset, in ``DistributedSampler`` order) or ``ray_data`` (``parquet`` only: Ray Data reads, decodes and normalises on CPU tasks and streams an equal share to each worker; the order is Ray Data's, so 1 vs N workers no longer give equal weights; docs/data.md: Streaming with Ray Data)."""
+    """How the training split reaches the workers (the pipeline's first stages): ``loader`` (a ``DataLoader`` over the map-style dataset, in ``DistributedSampler`` order) or ``ray_data`` (``parquet`` only: Ray Data reads, decodes, normalises and transforms on CPU tasks and streams each worker its share in a planned order, the loader path's steps at any worker count, resumable at a step; docs/data.md: Streaming with Ray Data)."""
 
     # --- parallelism
     strategy: str = "ddp"

@@ -367,14 +367,10 @@ def _check_monitor(cfg) -> None:
 
 
 def _check_validation(cfg) -> None:
-    """``val_fraction``: a fraction of the training split, held out before the loader path shards it."""
+    """``val_fraction``: a fraction of the training split, held out before it is sharded (loader or stream)."""
     if cfg.val_fraction is None:
         return
     check_number(cfg, "val_fraction", 0, 1, low_open=True, fix="Hold out e.g. val_fraction=0.1 of the training split.")
-    if cfg.ingest == "ray_data":
-        fail("val_fraction", cfg.val_fraction, "holds samples out of the loader path's training split, and "
-                                               "ingest='ray_data' streams every training file",
-             "Set ingest='loader', or leave val_fraction unset.")
 
 
 def _check_watching(cfg) -> None:

@@ -620,8 +620,6 @@ def test_a_held_out_splits_rows_reach_the_readers_prefetch_as_the_readers_rows()
 
 @pytest.mark.parametrize("fields, error", [
     (dict(val_fraction=1.0), r"val_fraction=1.0: must be a finite number in \(0, 1\)"),
-    (dict(val_fraction=0.1, ingest="ray_data", dataset="parquet", data_root="/x"),
-     r"val_fraction=0.1: holds samples out of the loader path's training split.*Set ingest='loader'"),
     (dict(val_fraction=0.1, monitor="test_loss"),
      r"monitor='test_loss': ranks epochs on the test split, while val_fraction=0.1 .* Set monitor='val_loss'"),
     (dict(monitor="val_loss"), r"monitor='val_loss': is not a history key of this run \(train_loss, train_accuracy, "

@@ -121,15 +121,21 @@ def test_check_cadence_is_the_global_step_so_every_rank_agrees():
     assert fake.calls == 4  # steps 4, 8, 12, 16
 
 
-def test_a_ray_data_run_never_asks():
-    """ingest='ray_data' cannot resume mid-epoch: no barrier, no save, whatever the notices."""
+def test_a_run_on_a_users_ray_datasets_never_asks_and_a_parquet_stream_does():
+    """A user's own Ray Datasets stream in Ray Data's order and cannot resume mid-epoch: no barrier, no save,
+    whatever the notices. The ``parquet`` stream (a planned order: engine/stream.py) resumes at its step: it asks."""
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits
+
     fake = FakeInfo(notice_at=1)
     cfg = TrainConfig()
-    cfg.ingest = "ray_data"  # the check only reads the field (a real ray_data config needs parquet data)
+    cfg.ingest, cfg.dataset = "ray_data", RayDataSplits(("train", "test"), 100, (4,), 2)  # the check reads these
     check = fake.check(cfg, every=1)
     for step in range(1, 6):
         assert check.after_step(step, step, 10, lambda: pytest.fail("no save")) is False
     assert fake.calls == 0
+    cfg.dataset = "parquet"
+    saves = []
+    assert fake.check(cfg, every=1).after_step(1, 1, 10, lambda: saves.append(1)) is True and saves == [1]
 
 
 def test_notice_and_resume_lines():

@@ -1,11 +1,12 @@
-"""``ingest="ray_data"``: the training split streamed by Ray Data (``transports/ray_data.py``).
+"""``ingest="ray_data"``: the training split streamed by Ray Data (``data/parquet_stream.py``, ``transports/ray_data.py``).
 
-The Ray Data samples of a split are the loader path's, bit for bit (compared sorted by label
-and pixels, since the stream's order is Ray Data's): PNG Parquet in train/test folders
-(``read_parquet``), one PNG file split 90/10 (rows read by number), and ``data convert``'s raw
-output against the original digits. A fit through Ray Data learns, with the loader path's steps
-and full micro-batches, on Ray Train workers and on a pipeline's first stage. Bad
-combinations are refused when the config is built, before Ray.
+Ray Data's free-order read of a split (``transports/ray_data.train_dataset``, the benchmark's baseline) gives
+the loader path's samples, bit for bit (compared sorted by label and pixels): PNG Parquet in train/test
+folders (``read_parquet``), one PNG file split 90/10 (rows read by number), and ``data convert``'s raw output
+against the original digits. A fit through the planned stream, whose samples Ray Data's tasks decode, trains
+the loader path's steps, with full micro-batches, on Ray Train workers and on a pipeline's first stage (the
+order, resumes and transforms: tests/test_stream_resume.py). Bad combinations are refused when the config is
+built, before Ray.
 """
 
 from __future__ import annotations
@@ -99,11 +100,36 @@ def loader_history(common: dict) -> list:
     return train_one_worker({**fields, "num_workers": 1})[3]
 
 
-def assert_read_the_stream(streamed, loaded: list) -> None:
-    """The stream's order is Ray Data's, not the sampler's: the workers (or first stages) that read it
-    train other steps than the loader path would, so the first epoch's loss differs (a run that fell
-    back to the loader gives the loader's loss to ~1e-6)."""
-    assert abs(streamed.history[0]["train_loss"] - loaded[0]["train_loss"]) > 1e-4, (streamed.history, loaded)
+class RecordingTransform:
+    """A user's transform (``train_transform=`` from Python): ``inner`` (else the identity), recording in
+    ``probe`` what kind of Ray process applied it to a sample: ``task-<pid>`` (Ray Data's decode tasks) or
+    ``actor-<pid>`` (a Ray Train worker or a pipeline stage, where the loader path applies it). The shape
+    probe's all-zero input is not recorded."""
+
+    def __init__(self, probe: str, inner=None):
+        self.probe, self.inner = probe, inner
+
+    def __call__(self, x):
+        if bool(x.any()):
+            import ray
+
+            actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+            mark = os.path.join(self.probe, f"{'actor' if actor else 'task'}-{os.getpid()}")
+            if not os.path.exists(mark):
+                open(mark, "w").close()
+        return x if self.inner is None else self.inner(x)
+
+
+def applied_in(probe) -> set:
+    """The kinds of process that applied a :class:`RecordingTransform` (``{"task"}``: Ray Data's tasks only)."""
+    return {name.split("-")[0] for name in os.listdir(probe)}
+
+
+def assert_trained_the_loader_paths_steps(streamed, loaded: list) -> None:
+    """The planned order of a split of one window is the loader path's sampler's: the same steps, so the same
+    losses up to the order of the sums over the replicas."""
+    for row, want in zip(streamed.history, loaded, strict=True):
+        assert row["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4), (streamed.history, loaded)
 
 
 def assert_same_samples(data_cfg) -> int:
@@ -136,14 +162,17 @@ def test_fit_through_ray_data_learns_with_the_loader_paths_steps(ray_session, tm
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
                   batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
-    managers, footers = actors_started(ray_session, "DatasetManager"), actors_started(ray_session, "FooterReader")
-    streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed"))
-    assert actors_started(ray_session, "DatasetManager") == managers + 1  # Ray Train's shard server, for this run only
-    # 3 train files: one footer reader per epoch's listing, not Ray Data's 32 (ray_ingest.footer_readers).
-    assert actors_started(ray_session, "FooterReader") - footers == 2
-    # The same config through the loader (what a 2-worker fit trains: 2 x 32 = 1 x 64): other steps.
+    managers, probe = actors_started(ray_session, "DatasetManager"), tmp_path / "probe"
+    probe.mkdir()
+    streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed",
+                                       train_transform=RecordingTransform(str(probe))))
+    # Each worker streams its own planned share: no dataset for Ray Train to split, no shard server; Ray
+    # Data's tasks decoded and transformed every sample, the workers none.
+    assert actors_started(ray_session, "DatasetManager") == managers
+    assert applied_in(probe) == {"task"}
+    # The same config through the loader (what a 2-worker fit trains: 2 x 32 = 1 x 64): the same steps.
     loaded = loader_history(common)
-    assert_read_the_stream(streamed, loaded)  # the workers read the stream, not the loader
+    assert_trained_the_loader_paths_steps(streamed, loaded)
     steps = 1438 // 2 // 32  # each worker's equal share of rows, in full micro-batches of 64 / 2
     assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded] == [steps, 2 * steps]
     # Every micro-batch held exactly 32 samples: each step had the global batch of 64.
@@ -162,9 +191,13 @@ def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
                   batch_size=64, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2, optimizer="sgd",
                   lr=0.1, storage_path=storage)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
-    streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed"))
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed",
+                                       train_transform=RecordingTransform(str(probe))))
+    assert applied_in(probe) == {"task"}  # the first stage read the stream, decoded by Ray Data's tasks
     loaded = loader_history(common)  # one replica of 2 x 32 micro-batches trains what one rank of 64 does
-    assert_read_the_stream(streamed, loaded)  # the first stage read the stream, not the loader
+    assert_trained_the_loader_paths_steps(streamed, loaded)
     steps = 1438 // 64  # one replica: the whole split (a streaming_split of 1) in batches of 64
     assert [row["step"] for row in streamed.history] == [row["step"] for row in loaded] == [steps, 2 * steps]
     assert streamed.metrics["test_accuracy"] > 0.85
@@ -206,8 +239,9 @@ def test_bad_combinations_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"ingest='ray_data': Ray Data reads Parquet files, and dataset='digits' is "
                                          r"not 'parquet'\. Write it as Parquet \(`raytrain-mgpu data convert"):
         rtm.TrainConfig(dataset="digits", ingest="ray_data")
-    with pytest.raises(ValueError, match=r"train_transform='random_crop_flip' is not applied to Ray Data's stream"):
-        rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", train_transform="random_crop_flip")
+    # transforms and a validation split apply to the stream as to the loader (tests/test_stream_resume.py)
+    rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", train_transform="random_crop_flip",
+                    val_fraction=0.1)
     with pytest.raises(ValueError, match=r"ingest.*is not one of \['loader', 'ray_data'\]"):
         rtm.TrainConfig(ingest="ray")
     assert rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data").data.ingest == "ray_data"

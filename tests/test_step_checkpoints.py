@@ -66,9 +66,8 @@ def test_an_epochs_sums_continue_from_a_partial():
     assert rest.data_wait_s == 0.25 and rest.elapsed() >= first.elapsed()
 
 
-def test_ray_data_refuses_step_checkpoints_with_the_fix():  # the pipeline's: test_pipeline_step_checkpoints
-    with pytest.raises(ValueError, match=r"with ingest='ray_data': a Ray Data stream restarts its epoch"):
-        rtm.TrainConfig(dataset="parquet", data_root="/nonexistent", ingest="ray_data", checkpoint_every_n_steps=5)
+def test_step_checkpoints_are_taken_with_a_parquet_stream_and_refused_at_zero():  # tests/test_stream_resume.py
+    rtm.TrainConfig(dataset="parquet", data_root="/nonexistent", ingest="ray_data", checkpoint_every_n_steps=5)
     with pytest.raises(ValueError, match="checkpoint_every_n_steps=0: must be a positive integer or None"):
         rtm.TrainConfig(checkpoint_every_n_steps=0)
 

@@ -11,9 +11,11 @@ batches of ``--batch-size`` to a consumer loop that only counts them:
   reads it (a ``DistributedSampler`` shuffle, ``prefetch`` of the epoch's rows, ``loader_workers``);
 - ``imagefolder``: ``torchvision.datasets.ImageFolder`` (PIL decode, ``v2.ToImage``, ``ToDtype``,
   ``Normalize``) in a ``DataLoader`` with ``shuffle=True`` and the same ``num_workers``, started as ours;
-- ``ray_data`` (with ``--ray-data``): ``ingest="ray_data"``, a training worker's Ray Data iterator
-  over the whole split (read and decoded by Ray Data's tasks on a local Ray's CPUs; loader workers
-  do not apply, so its rows repeat one configuration at each count).
+- ``ray_data`` and ``ray_data_free`` (with ``--ray-data``): ``ingest="ray_data"``'s stream of one training
+  worker (read and decoded by Ray Data's tasks on a local Ray's CPUs; loader workers do not apply, so
+  their rows repeat one configuration at each count): the planned order a training worker reads
+  (``data/parquet_stream.py``), and Ray Data's own order (``read_parquet``, a seeded file shuffle, a
+  local shuffle buffer: ``transports/ray_data.train_dataset``), the cost of the plan beside it.
 
 An epoch is timed from the start of its iterator (worker start-up and the prefetch included) to
 its last batch, ``--epochs`` epochs per round after a warm-up epoch, ``--rounds`` rounds interleaved.
@@ -102,8 +104,28 @@ def _pil_open(path: str, channels: int):
 
 
 def _ray_data_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
-    """``ingest="ray_data"``: the training worker's own iterator (``transports/ray_data.py``) over the whole
-    stream; Ray Data decodes on the Ray instance's CPUs (:func:`_local_ray`): ``workers`` does not apply."""
+    """``ingest="ray_data"``: one training worker's stream in its planned order (``engine/stream.py``,
+    ``data/parquet_stream.py``); Ray Data decodes on the Ray instance's CPUs (:func:`_local_ray`): ``workers``
+    does not apply."""
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.data.parquet_stream import stream_source
+    from raytrain_mgpu.engine.stream import PlannedSampler, PlannedStream
+
+    train = build_datasets(TrainConfig(dataset="parquet", data_root=setup.parquet_root, seed=setup.seed).data).train
+    source = stream_source(train)
+    sampler = PlannedSampler(train, source.run_starts(), num_replicas=1, rank=0, seed=setup.seed)
+    loader = PlannedStream(sampler, setup.batch_size, len(train) // setup.batch_size, source)
+
+    def epoch(e: int) -> Iterable:
+        sampler.set_epoch(e)
+        return loader
+    return epoch
+
+
+def _ray_data_free_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
+    """Ray Data's own order over the whole split (``transports/ray_data.train_dataset``, through the local
+    shuffle buffer of a user's Ray Datasets): what the planned order costs against."""
     from raytrain_mgpu.config import TrainConfig
     from raytrain_mgpu.engine.stream import ShardLoader
     from raytrain_mgpu.transports.ray_data import train_dataset
@@ -122,7 +144,8 @@ PATHS: List[Tuple[str, EpochFunction]] = [
     ("imagefolder", _imagefolder_epochs),
 ]
 """The paths timed side by side; ``imagefolder`` is the reference of the ratios."""
-RAY_DATA_PATH: Tuple[str, EpochFunction] = ("ray_data", _ray_data_epochs)
+RAY_DATA_PATHS: List[Tuple[str, EpochFunction]] = [("ray_data", _ray_data_epochs),
+                                                    ("ray_data_free", _ray_data_free_epochs)]
 """Timed too with ``--ray-data`` (it starts a local Ray, a few seconds)."""
 
 
@@ -264,7 +287,7 @@ def run_and_print(args) -> int:
         print(f"bench-data: {num_images} PNG images {'x'.join(map(str, shape))} from {args.data_root or 'random images'}"
               f", batch {args.batch_size}, {os.cpu_count()} CPU cores; fastest and median epoch of {args.rounds} "
               f"round(s) x {args.epochs} epoch(s); the same files as Parquet rows and as an ImageFolder tree", flush=True)
-        paths = PATHS + ([RAY_DATA_PATH] if args.ray_data else [])
+        paths = PATHS + (RAY_DATA_PATHS if args.ray_data else [])
         with _local_ray(args.ray_data):
             print(report(run(setup, args.loader_workers, args.epochs, args.rounds, paths)))
     return 0

@@ -1,25 +1,26 @@
 """What ``TrainConfig.ingest="ray_data"`` can feed, checked before Ray starts (``config_checks.validate``).
 
-Ray Data streams the ``parquet`` dataset's training split into Ray Train workers
-(``transports/ray_data.py``). Other datasets are map-style readers built inside each worker
-(``ray.data.from_torch`` would pull every sample through the driver): convert them with
-``raytrain-mgpu data convert`` first. Both runners stream: Ray Train workers and the first stage
-of each pipeline replica.
+Ray Data streams the ``parquet`` dataset's training split to each Ray Train worker, or the first stage
+of each pipeline replica, in a planned order (``engine/stream.py``, ``data/parquet_stream.py``): with the
+loader path's transforms, validation split, step checkpoints and preemption. Other datasets are map-style
+readers built inside each worker (``ray.data.from_torch`` would pull every sample through the driver):
+convert them with ``raytrain-mgpu data convert`` first. A user's own Ray Datasets stream in Ray Data's
+order (``data/ray_datasets.py``): :func:`resumes_mid_epoch` tells them apart.
 """
 
 from __future__ import annotations
 
 from raytrain_mgpu._factory import code_name
 
-__all__ = ["RAY_DATA_DATASETS", "check_ingest"]
+__all__ = ["RAY_DATA_DATASETS", "check_ingest", "resumes_mid_epoch"]
 
 RAY_DATA_DATASETS = ("parquet",)
 """Datasets ``ingest="ray_data"`` reads (``transports/ray_data.py``)."""
 
 
 def check_ingest(cfg) -> None:
-    """``cfg.ingest`` against the dataset and the transforms (both runners stream: Ray Train workers and
-    the pipeline's first stages)."""
+    """``cfg.ingest`` against the dataset (both runners stream: Ray Train workers and the pipeline's first
+    stages)."""
     from raytrain_mgpu.data.ray_datasets import RayDataSplits
 
     if cfg.ingest != "ray_data" or isinstance(cfg.dataset, RayDataSplits):  # the user's own Ray Datasets
@@ -29,8 +30,12 @@ def check_ingest(cfg) -> None:
         raise ValueError(f"TrainConfig.ingest='ray_data': Ray Data reads Parquet files, and dataset={name!r} is not "
                          f"'parquet'. Write it as Parquet (`raytrain-mgpu data convert --dataset {name} --out DIR`) "
                          f"and set dataset='parquet', data_root=DIR; or set ingest='loader'.")
-    if cfg.train_transform is not None:
-        raise ValueError(f"TrainConfig.ingest='ray_data': train_transform={code_name(cfg.train_transform)!r} is "
-                         f"not applied to Ray Data's stream yet (its seed is per epoch and sample; the stream has "
-                         f"neither). "
-                         f"Set ingest='loader' to augment, or leave train_transform unset.")
+
+
+def resumes_mid_epoch(cfg) -> bool:
+    """Whether ``cfg``'s training split can resume inside an epoch (a step, time-based or preemption checkpoint):
+    the loader path and the planned ``parquet`` stream can; a user's own Ray Datasets, streamed in Ray Data's
+    order, cannot."""
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits, is_ray_datasets
+
+    return not (is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits))

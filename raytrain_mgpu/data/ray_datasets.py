@@ -11,9 +11,10 @@ How each split is read:
 
 - ``train`` streams: Ray Train's ``DataConfig`` gives each worker an equal share
   (``streaming_split(equal=True)``), read in micro-batches through a local shuffle buffer seeded
-  per epoch and rank and collated on the worker (``engine/stream.ShardLoader``, the same
-  reader as ``ingest="ray_data"``'s Parquet). Every worker reads ``rows // num_workers`` rows an
-  epoch, the count the loader path's ``DistributedSampler(drop_last=True)`` gives.
+  per epoch and rank and collated on the worker (``engine/stream.ShardLoader``), in Ray Data's
+  order (``ingest="ray_data"``'s Parquet streams in a planned order instead: ``data/parquet_stream.py``).
+  Every worker reads ``rows // num_workers`` rows an epoch, the count the loader path's
+  ``DistributedSampler(drop_last=True)`` gives.
 - ``test`` and ``val`` are read whole by every worker once, at its start (Ray Train hands the
   datasets it does not split to each worker whole), and collated in one call; evaluation then
   shards them exactly as the loader path does (each sample once over the ranks). They must fit in
@@ -67,8 +68,11 @@ def check_fields(cfg) -> None:
                              f"{fix}, and leave {name} unset.")
     if cfg.checkpoint_every_n_steps is not None:
         raise ValueError(f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with Ray Datasets: a "
-                         f"step checkpoint would have to keep the stream's position, which Ray Data does not give. "
-                         f"Leave it unset (checkpoints at epoch ends), or hand the data over as a dataset factory.")
+                         f"step checkpoint would have to keep the stream's position, and a Ray Dataset streams in Ray "
+                         f"Data's order, which a restart does not repeat. Write the data as Parquet "
+                         f"(Dataset.write_parquet) and stream it with dataset='parquet', ingest='ray_data' (a planned "
+                         f"order that resumes at its step), hand it over as a dataset factory, or leave "
+                         f"checkpoint_every_n_steps unset (checkpoints at epoch ends).")
 
 
 def take(cfg) -> Any:

@@ -83,22 +83,37 @@ class Feed:
         self.sampler = ResumableSampler(data.train, num_replicas=num_shards, rank=shard, shuffle=True,
                                         seed=cfg.seed, drop_last=True)
         self.steps_per_epoch = steps_per_epoch(cfg, len(data.train), num_shards, self.batch * self.accum)
-        self.loader = None
+        self.loader, self._streams = None, False
         if steps.reads_data:
             resident = resident_split(cfg, data.train, steps.device)
             self.loader = (ResidentBatches(resident, self.sampler, self.batch) if resident is not None
                            else train_loader(cfg.data, data.train, self.sampler, self.batch, steps.device))
-            if cfg.ingest == "ray_data":  # Ray Data streams each replica an equal share instead
-                from raytrain_mgpu.engine.stream import ShardLoader
-                from raytrain_mgpu._factory import load_factory
-
-                collate = None if cfg.collate is None else load_factory(cfg.collate, "collate")
-                self.loader = ShardLoader(transport.data_shard(), self.batch, self.steps_per_epoch * self.accum,
-                                          cfg.seed, shard, collate)
-                self.sampler = self.loader.sampler  # set_epoch seeds the stream's local shuffle; no rows to prefetch
+            if cfg.ingest == "ray_data":  # Ray Data streams each replica its share instead
+                self.loader = self._stream(cfg, data, transport, shard, num_shards)
         self.eval_loaders = {split: test_loader(cfg.data, dataset, shard, num_shards, plan.replica_batch, steps.device)
                              for split, dataset in (("test", data.test), ("val", data.val)) if dataset is not None}
         self._open: Optional[Prefetcher] = None
+
+    def _stream(self, cfg, data, transport, shard: int, num_shards: int):
+        """The ``parquet`` split in its planned order (the positions the loader path's sampler would give, read
+        and decoded by Ray Data's tasks: ``data/parquet_stream.py``), or a user's Ray Dataset in Ray Data's order
+        (the transport's shard)."""
+        from raytrain_mgpu.data.parquet_stream import stream_source
+        from raytrain_mgpu.engine import stream
+
+        source = stream_source(data.train)
+        if source is not None:
+            self.sampler = stream.PlannedSampler(data.train, source.run_starts(), num_replicas=num_shards,
+                                                 rank=shard, seed=self.cfg.seed)
+            self._streams = True  # the rows come from Ray Data: none to prefetch here
+            return stream.PlannedStream(self.sampler, self.batch, self.steps_per_epoch * self.accum, source)
+        from raytrain_mgpu._factory import load_factory
+
+        collate = None if cfg.collate is None else load_factory(cfg.collate, "collate")
+        loader = stream.ShardLoader(transport.data_shard(), self.batch, self.steps_per_epoch * self.accum, cfg.seed,
+                                    shard, collate)
+        self.sampler, self._streams = loader.sampler, True  # set_epoch seeds the stream's local shuffle
+        return loader
 
     def resume_at(self, epoch: int, step_in_epoch: int) -> None:
         """A step checkpoint's epoch goes on after the positions it had trained."""
@@ -112,7 +127,8 @@ class Feed:
             self._open = None
         if self.loader is None:
             return None
-        prefetch(self.data.train, self.sampler)  # Parquet: load exactly this rank's rows once, before the loader forks
+        if not self._streams:  # Parquet: load exactly this rank's rows once, before the loader forks
+            prefetch(self.data.train, self.sampler)
         batches = iter(self.loader)
         if self.steps.read_ahead:  # a pipeline's first stage: loading runs in its bubble, not before its step
             batches = self._open = Prefetcher(batches)
@@ -145,3 +161,4 @@ class Feed:
         if self._open is not None:
             self._open.close()
             self._open = None
+        getattr(self.loader, "close", lambda: None)()  # a stream's Ray Data execution, where an epoch stopped early

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from raytrain_mgpu.data.ingest import resumes_mid_epoch
 from raytrain_mgpu.engine.run_state import at_max_steps
 from raytrain_mgpu.engine.step_checkpoints import step_checkpoint_due
 
@@ -100,11 +101,10 @@ class PreemptionCheck:
         minutes = getattr(cfg, "checkpoint_every_n_minutes", None)
         self.interval_s = None if minutes is None or since_save is None else minutes * 60.0
         self.since_save = since_save
-        # A Ray Data stream restarts its epoch on resume (config_checks refuses checkpoint_every_n_steps
-        # with it): a step checkpoint could not continue mid-epoch, so such a run does not ask. Nor does a
+        # A user's own Ray Datasets stream in Ray Data's order and restart their epoch on resume: a step checkpoint
+        # could not continue mid-epoch, so such a run does not ask (data/ingest.resumes_mid_epoch). Nor does a
         # transport where no notice can come (``enabled=False``: the in-process runner).
-        self.enabled = (enabled and getattr(cfg, "ingest", None) != "ray_data" and get_info is not None
-                        and local_notice is not None)
+        self.enabled = (enabled and resumes_mid_epoch(cfg) and get_info is not None and local_notice is not None)
         self.get_info, self.local_notice = get_info, local_notice
         self.any_rank = any_rank or AnyRank()
         self.notice = None  # the first notice of this attempt; no check after it

@@ -142,11 +142,6 @@ class Strategy:
             if refusal.applies(cfg):
                 raise ValueError(refusal.message.format(cfg=cfg))
         check_batch_divisible(cfg, cls.data_parallel_size(cfg))
-        if cfg.checkpoint_every_n_steps is not None and cfg.ingest == "ray_data":
-            raise ValueError(
-                f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with ingest='ray_data': a "
-                f"Ray Data stream restarts its epoch on resume, so a step checkpoint could not continue where it "
-                f"stopped. Leave checkpoint_every_n_steps unset, or use ingest='loader'.")
         if cfg.compile == "blocks" and cls.placement in ("data_parallel", "balanced"):
             raise ValueError(
                 f"TrainConfig.compile='blocks' with strategy={cls.name!r}: DataParallel copies the model onto each "

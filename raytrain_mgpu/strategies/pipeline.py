@@ -45,11 +45,6 @@ class PipelineStrategy(Strategy):
     def validate(cls, cfg: "TrainConfig") -> None:
         check_schedule(cfg.schedule, cfg.num_stages, cfg.num_microbatches)
         cls._check_batch(cfg)
-        if cfg.checkpoint_every_n_steps is not None and cfg.ingest == "ray_data":
-            raise ValueError(
-                f"TrainConfig.checkpoint_every_n_steps={cfg.checkpoint_every_n_steps} with ingest='ray_data': a "
-                f"Ray Data stream restarts its epoch on resume, so a step checkpoint could not continue where it "
-                f"stopped. Leave checkpoint_every_n_steps unset, or use ingest='loader'.")
         if cfg.grad_accum_steps != 1:
             raise ValueError(
                 f"TrainConfig.grad_accum_steps={cfg.grad_accum_steps}: a pipeline already accumulates gradients "

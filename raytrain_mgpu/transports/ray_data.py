@@ -1,40 +1,21 @@
-"""``ingest="ray_data"``: the training split streamed by Ray Data into the Ray Train workers,
-or into the first stage of each pipeline replica (:func:`replica_shards`, the same equal split).
-The user's own Ray Datasets (``data/ray_datasets.py``) take the same path on Ray Train workers, with
-their ``collate`` in ``engine/stream.ShardLoader``.
+"""``ingest="ray_data"`` on the Ray side: what the driver hands Ray Train, the CPUs Ray Data needs beside
+the training processes, and Ray Data's free-order read of the ``parquet`` split (:func:`train_dataset`, the
+baseline ``raytrain-mgpu bench data`` times the planned order against).
 
-Driver (:func:`trainer_datasets`): the ``parquet`` dataset's training split as a Ray Dataset,
-handed to ``TorchTrainer(datasets={"train": ds}, dataset_config=DataConfig(...))``. Ray Train
-splits it with ``streaming_split(num_workers, equal=True)``: every worker gets the same number
-of rows, ``len(train) // num_workers``, the same count the loader path's
-``DistributedSampler(drop_last=True)`` gives each replica.
+The ``parquet`` split is streamed by each worker itself, in a planned order (``engine/stream.py``: decided by
+the seed, the epoch and the row groups, split over the replicas as ``DistributedSampler`` splits the loader
+path's), from Ray Data's read and decode tasks (``data/parquet_stream.py``): Ray Train gets no dataset for it,
+and a resume, at any worker count, continues the epoch at its step.
 
-- Files split into ``train/`` and ``test/`` (or ``train*``/``test*`` files; what
-  ``raytrain-mgpu data convert`` writes): ``ray.data.read_parquet`` of the train files, from a
-  local path, ``file://`` or ``s3://``/``gs://``.
-- One set of files split 90/10 by global row (``data/parquet.py``): the training rows are read
-  by number, a block of consecutive rows per task, with the reader's own row-group reads, so
-  exactly the loader path's rows train.
+A user's own Ray Datasets (``data/ray_datasets.py``) go to Ray Train as ``datasets=`` with a ``DataConfig``
+that splits ``train`` (``streaming_split(num_workers, equal=True)``: every worker ``len(train) // num_workers``
+rows, the count the loader path's ``DistributedSampler(drop_last=True)`` gives); the worker reads its share in
+Ray Data's order (``engine/stream.ShardLoader``, with the user's ``collate``).
 
-Either way the image column is decoded (PNG/JPEG), reshaped (raw bytes, lists) and normalised
-in ``map_batches`` on Ray Data's CPU tasks, by the loader path's own functions
-(``ParquetTable.to_pixels``/``pixels`` and its ``PixelNormaliser``): the same rows give
-bit-identical tensors. Evaluation keeps the map-style test split (exact, every sample once).
-
-Worker (``engine/stream.ShardLoader``, handed the shard by the transport): ``iter_torch_batches(batch_size=
-micro_batch, drop_last=True)``, taken as ``(x, y)``; ``len()`` is the planned micro-batches of
-an epoch, the same on every rank, so each optimizer step has exactly ``batch_size`` samples
-over the replicas and every rank reports the same number of times.
-
-What streaming changes, against the loader path:
-- Order: rows reach a worker in the order Ray Data's parallel read tasks finish, then through a
-  local shuffle buffer (``SHUFFLE_BUFFER_BATCHES`` micro-batches, seeded by seed, epoch and
-  rank) and, for ``read_parquet``, a file order shuffled per epoch (``FileShuffleConfig``,
-  seeded, reseeded each epoch). The samples of a step are not the ``DistributedSampler``'s, so a
-  run is not bit-reproducible and 1 vs N workers do not give equal weights. A global
-  ``ds.random_shuffle()`` per epoch would move every row through the object store: not done.
-- Resume: an interrupted epoch restarts from its beginning with a fresh stream (the checkpoint
-  is taken at epoch ends, so no sample position is lost, but none is kept either).
+:func:`train_dataset`, Ray Data's own order: ``read_parquet`` of split files (``FileShuffleConfig``, seeded and
+reseeded each epoch), or the 90/10 split's rows read by number in blocks; decoded (PNG/JPEG), reshaped and
+normalised in ``map_batches`` by the loader path's functions (``ParquetTable.to_pixels``/``pixels``, its
+``PixelNormaliser``): the same rows give bit-identical tensors, in an order that is Ray Data's scheduling's.
 """
 
 from __future__ import annotations
@@ -53,11 +34,10 @@ if TYPE_CHECKING:
     from raytrain_mgpu.config_sections import DataConfig
     from raytrain_mgpu.data.parquet_table import ParquetTable
 
-__all__ = ["trainer_datasets", "replica_shards", "train_dataset", "check_cpus_left"]
+__all__ = ["trainer_datasets", "train_dataset", "check_cpus_left"]
 
 logger = logging.getLogger(__name__)
 
-"""Micro-batches of rows a worker's local shuffle buffer holds (``local_shuffle_buffer_size``)."""
 ROWS_PER_READ_TASK = 1024
 """Rows one map task reads by number (the 90/10 split's path)."""
 FOOTER_ACTORS_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
@@ -72,27 +52,20 @@ FILES_PER_FOOTER_ACTOR = 10
 
 
 def trainer_datasets(cfg: "TrainConfig") -> dict:
-    """``TorchTrainer`` keyword arguments: none for ``ingest="loader"``; for ``"ray_data"`` the
-    training split as ``datasets={"train": ...}`` and the ``DataConfig`` that splits it equally."""
-    if cfg.ingest != "ray_data":
+    """``TorchTrainer`` keyword arguments: a user's own Ray Datasets as ``datasets=`` with the ``DataConfig``
+    that splits ``train``; nothing otherwise (the ``parquet`` stream is made by each worker, in its planned
+    order: ``data/parquet_stream.py``)."""
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits
+
+    if cfg.ingest != "ray_data" or not isinstance(cfg.dataset, RayDataSplits):
         return {}
     from ray.train import DataConfig
 
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits
-
-    if isinstance(cfg.dataset, RayDataSplits):  # the user's own: the evaluated splits go to every worker whole
-        datasets = cfg.dataset.datasets
-        if datasets is None:
-            raise ValueError(f"TrainConfig.dataset={cfg.dataset!r} arrived without its Ray Datasets (they stay in "
-                             f"the driver that read them). Pass the dict of Ray Datasets to fit in this process.")
-        return {"datasets": dict(datasets), "dataset_config": DataConfig(datasets_to_split=["train"])}
-    return {"datasets": {"train": train_dataset(cfg.data)}, "dataset_config": DataConfig(datasets_to_split=["train"])}
-
-
-def replica_shards(cfg: "TrainConfig", num_replicas: int) -> list:
-    """The pipeline runner's split: one ``DataIterator`` per replica (``streaming_split(equal=True)``,
-    as Ray Train's ``DataConfig``), for that replica's first stage; a fresh split per attempt."""
-    return train_dataset(cfg.data).streaming_split(num_replicas, equal=True)
+    datasets = cfg.dataset.datasets  # the evaluated splits go to every worker whole
+    if datasets is None:
+        raise ValueError(f"TrainConfig.dataset={cfg.dataset!r} arrived without its Ray Datasets (they stay in "
+                         f"the driver that read them). Pass the dict of Ray Datasets to fit in this process.")
+    return {"datasets": dict(datasets), "dataset_config": DataConfig(datasets_to_split=["train"])}
 
 
 def check_cpus_left(cfg: "TrainConfig", plan, capacity=None) -> None:

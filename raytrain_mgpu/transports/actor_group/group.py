@@ -87,17 +87,14 @@ class StageGroup:
         return self.call("setup", address, port, partition)
 
     def _give_data_shards(self) -> None:
-        """``ingest="ray_data"``: each replica's actors get its share of a fresh equal split (the
-        first stage reads it; ``transports/ray_data.py``). An attempt after a failure splits anew."""
-        if self.cfg.ingest != "ray_data":
-            return
+        """A user's own Ray Datasets: each replica's actors get its share of a fresh equal split of ``train`` (the
+        first stage reads it) and the evaluated splits whole. An attempt after a failure splits anew. (The
+        ``parquet`` stream is made by each first stage itself: ``data/parquet_stream.py``.)"""
         from raytrain_mgpu.data.ray_datasets import RayDataSplits, driver_shards
-        from raytrain_mgpu.transports.ray_data import replica_shards
 
-        if isinstance(self.cfg.dataset, RayDataSplits):  # the user's own: train streamed, the evaluated splits whole
-            shards = driver_shards(self.cfg, self.plan.replicas)
-        else:
-            shards = [{"train": shard} for shard in replica_shards(self.cfg, self.plan.replicas)]
+        if self.cfg.ingest != "ray_data" or not isinstance(self.cfg.dataset, RayDataSplits):
+            return
+        shards = driver_shards(self.cfg, self.plan.replicas)
         wait_all([actor.use_data_shard.remote(shards[rank // self.cfg.num_stages])
                   for rank, actor in enumerate(self.actors)])  # rank = replica * stages + stage
 
