@@ -245,6 +245,8 @@ _MODULE_COMMANDS = {
                          "check and ray.train.get_preemption_info() against a small DDP step"),
     "bench-checkpointing": ("raytrain_mgpu.bench.activation_checkpointing", "what activation checkpointing "
                             "saves and costs: a transformer LM's step with and without it"),
+    "bench-tensor-parallel": ("raytrain_mgpu.bench.tensor_parallel", "tensor parallel against fsdp alone: per-rank "
+                              "parameters, peak memory and step time of a transformer LM on local gloo ranks"),
     "bench-startup": ("raytrain_mgpu.bench.startup", "seconds to the first step: fit in-process and through Ray "
                       "against a hand-written Ray Train loop, each in a fresh process"),
     "bench-gpu": ("raytrain_mgpu.bench.gpu_bench", "fit against a plain PyTorch loop (and Lightning where installed) "

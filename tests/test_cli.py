@@ -77,6 +77,20 @@ def test_data_convert_writes_parquet_that_trains(tmp_path, capsys):
     assert (tuple(shape), classes) == ((1, 8, 8), 10)
 
 
+def test_bench_tensor_parallel_is_a_command_that_prints_a_row_per_layout(monkeypatch, capsys):
+    # Its options load with the command; the measurement (local gloo ranks, minutes) is faked here.
+    from raytrain_mgpu.bench import tensor_parallel
+
+    assert _build_parser().parse_args(["bench-tensor-parallel", "--steps", "2"]).steps == 2
+    measured = []
+    monkeypatch.setattr(tensor_parallel, "measure", lambda strategy, world, tp, fields, steps: measured.append(
+        (strategy, world, tp, fields["model_kwargs"]["num_layers"], steps)) or [(2**20, 2**30, 0.25)] * world)
+    assert main(["bench-tensor-parallel", "--layers", "2", "--steps", "3"]) == 0
+    assert measured == [("fsdp", world, tp, 2, 3) for world, tp in tensor_parallel.LAYOUTS]
+    out = capsys.readouterr().out
+    assert "| fsdp 2 x tensor 2 | 4 | 1.00 MiB | 1024 MiB | 250 ms |" in out and out.count("\n") == 2 + 4
+
+
 def test_version_prints_the_package_version(capsys):
     import raytrain_mgpu
 

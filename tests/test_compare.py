@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -140,6 +142,74 @@ def test_compare_checks_its_input_before_starting_ray(monkeypatch):
             parse_bytes(endless)
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+
+
+LM = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24, num_samples=96,
+          model_kwargs={"num_layers": 2, "hidden": 16, "num_heads": 4}, batch_size=8)
+
+
+def test_compare_lists_fsdp_with_the_tensor_groups_auto_tries_each_with_its_estimate(monkeypatch, tmp_path):
+    # The whole of compare but the training: Ray is not connected (a CPU cluster of 4 is read), and each run's
+    # `fit` returns one epoch's history at once.
+    from types import SimpleNamespace
+
+    from raytrain_mgpu.driver import cluster
+    from raytrain_mgpu.planning import compare as planning_compare
+    from raytrain_mgpu.planning.auto import ClusterInfo, layout_label, layouts
+    from raytrain_mgpu.planning.memory import profile_config
+
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: False)
+    monkeypatch.setattr(cluster, "read_capacity", lambda: cluster.Capacity(({"CPU": 4.0},)))
+    trained = []
+
+    def fit(run_cfg, stream=None):
+        trained.append(run_cfg)
+        return SimpleNamespace(history=[dict(step=run_cfg.max_steps, step_time_s=0.1, samples_per_s=80.0,
+                                             peak_memory_bytes=[1] * run_cfg.num_workers, train_loss=3.0,
+                                             test_loss=3.0)])
+
+    cfg = rtm.TrainConfig(**LM, num_workers=4, storage_path=str(tmp_path))
+    report = planning_compare.compare(cfg, strategies=["ddp", "fsdp"], steps=1, warmup_steps=0, fit=fit,
+                                      out_dir=str(tmp_path / "out"))
+    tensor = ["fsdp, tensor_parallel_size=2", "fsdp, tensor_parallel_size=4"]
+    assert [r.label for r in report.measured()] == [REFERENCE, "ddp", "fsdp", *tensor], report.rows
+    assert [layout_label("fsdp", v) for v in layouts(cfg, "fsdp", ClusterInfo((4,), False))] == ["fsdp", *tensor]
+    rows = {r.label: r for r in report.rows}
+    assert [rows[label].layout for label in tensor] == ["4 workers, 2 tensor group(s) of 2",
+                                                        "4 workers, 1 tensor group(s) of 4"]
+    assert [(c.name, c.strategy, c.num_workers, c.tensor_parallel_size) for c in trained[-2:]] == [
+        ("fsdp-tensor_parallel_size-2", "fsdp", 4, 2), ("fsdp-tensor_parallel_size-4", "fsdp", 4, 4)]
+    profile = profile_config(cfg)
+    peaks = [rows[label].estimated_peak_bytes for label in ("fsdp", *tensor)]
+    assert peaks == [max(d.at(8) for d in device_memory("fsdp", rows[label].config, profile))
+                     for label in ("fsdp", *tensor)]
+    assert len(set(peaks)) == 3  # each layout its own estimate: 1/T of each layer
+    assert "fsdp, tensor_parallel_size=4" in report.table()
+    # A model without a tensor-parallel plan: its tensor groups are said to be impossible once, with the fix.
+    from raytrain_mgpu.planning.compare import _plan
+
+    mlp = rtm.TrainConfig(model="mlp", dataset="synthetic", input_shape=[1, 4, 4], num_classes=4, num_workers=4)
+    skipped = [r for r in _plan(mlp, ["fsdp"], ClusterInfo((4,), False)) if r.status == "skipped"]
+    assert [r.label for r in skipped] == ["fsdp, tensor_parallel_size=2"]
+    assert "model MLP has no tensor-parallel plan" in skipped[0].reason and "tensor_parallel_plan" in skipped[0].reason
+
+
+def test_compare_skips_tensor_groups_the_clusters_nodes_cannot_hold(monkeypatch):
+    # auto's layouts for one node of 2 GPUs, placed on a cluster of two 1-GPU nodes: fsdp over both runs, its
+    # tensor group of 2 is skipped with the reason, before Ray is asked for anything.
+    from raytrain_mgpu.driver import cluster
+    from raytrain_mgpu.planning.auto import ClusterInfo
+    from raytrain_mgpu.planning.compare import _plan, _skip_unplaceable
+
+    cfg = rtm.TrainConfig(**LM, use_gpu=True)
+    rows = _plan(cfg, ["fsdp"], ClusterInfo((2,), True))
+    node = {"CPU": 8.0, "GPU": 1.0}
+    _skip_unplaceable(rows, True, cluster.Capacity((node, node)))
+    status = {r.label: (r.status, r.reason) for r in rows}
+    assert status["fsdp"] == ("ok", "")
+    assert status["fsdp, tensor_parallel_size=2"][0] == "skipped"
+    assert re.search(r"strategy='fsdp' \(2 workers, 1 tensor group\(s\) of 2\): TrainConfig.tensor_parallel_size=2:"
+                     r" .* at most 1 worker", status["fsdp, tensor_parallel_size=2"][1])
 
 
 # ----------------------------------------------------------------------------- the report (pure)

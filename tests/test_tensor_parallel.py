@@ -276,6 +276,61 @@ def test_a_model_tensor_parallel_cannot_split_is_refused_before_ray(monkeypatch,
         rtm.fit(cfg)
 
 
+GPU_NODE = {"CPU": 8.0, "GPU": 1.0}
+
+
+def _capacity(alive, node_types=(), unknown=""):
+    from raytrain_mgpu.driver.cluster import Capacity, NodeType
+
+    return Capacity(tuple(alive), tuple(NodeType(*t) for t in node_types), node_types_unknown=unknown)
+
+
+def test_tensor_groups_no_node_can_hold_are_refused_naming_the_nodes_sizes_and_the_fix(caplog):
+    """Known capacity, no Ray: a group of T workers needs a node with T of their GPUs, and all the groups need nodes
+    that hold them whole; an autoscaler's node types count, and unknown node types leave it to the workers' check."""
+    from raytrain_mgpu.driver.cluster import check_placeable
+
+    def check(num_workers, group, capacity):
+        check_placeable([{"CPU": 1, "GPU": 1}] * num_workers, True, "strategy='fsdp'", capacity, group_size=group)
+
+    ones = _capacity([GPU_NODE, GPU_NODE])
+    check(2, 1, ones)  # no tensor parallel: one GPU a node places 2 workers
+    with pytest.raises(ValueError, match=r"strategy='fsdp': TrainConfig.tensor_parallel_size=2: a tensor group's 2 "
+                                         r"workers must share a node .* hold at most 1 worker\(s\) of \{'CPU': 1, "
+                                         r"'GPU': 1\} \(2 node\(s\) 1 each: node 0: 8 CPU, 1 GPU; node 1: 8 CPU, 1 GPU"
+                                         r"\), .* Set tensor_parallel_size=1 or fewer workers, or use nodes with a "
+                                         r"multiple of 2 GPUs"):
+        check(2, 2, ones)
+    threes = [{"CPU": 8.0, "GPU": 3.0}] * 2  # 6 GPUs, but whole groups of 2 take only 4 of them
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: .* at most 3 worker\(s\) .* \(2 node\(s\) 3 each"
+                                         r".* no placement keeps 6 workers in whole groups of 2\. Set tensor_parallel_size=1 or "
+                                         r"num_workers=4"):
+        check(6, 2, _capacity(threes))
+    with caplog.at_level("WARNING", logger="raytrain_mgpu.driver.worker_nodes"):
+        check(6, 2, _capacity(threes + threes[:1]))  # 3 nodes: a placement exists, but Ray may split a group
+    assert "some nodes hold [3] worker(s)" in caplog.text
+    autoscaling = [{"CPU": 4.0}]  # the head, no GPU node up
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4: .* at most 1 worker.*\(8 node\(s\) 1 each: node types "
+                                         r"gpu1: 8 CPU, 1 GPU, up to 8.* Set tensor_parallel_size=1"):
+        check(4, 4, _capacity(autoscaling, [("gpu1", GPU_NODE, 8)]))
+    check(4, 4, _capacity(autoscaling, [("gpu1", GPU_NODE, 8), ("gpu4", {"CPU": 32.0, "GPU": 4.0}, 1)]))
+    check(2, 2, _capacity([GPU_NODE, GPU_NODE, GPU_NODE], unknown="no monitor here"))  # the workers will tell
+
+
+def test_fit_refuses_tensor_groups_that_would_span_nodes_before_ray_train_asks_for_workers(monkeypatch, tmp_path):
+    from raytrain_mgpu import api
+    from raytrain_mgpu.driver import cluster
+
+    monkeypatch.setattr(api, "connect", lambda *a, **k: False)  # "connected" to the cluster read_capacity fakes
+    monkeypatch.setattr(cluster, "read_capacity", lambda: _capacity([{"CPU": 2.0}, GPU_NODE, GPU_NODE]))
+    monkeypatch.setattr(api, "carrier", lambda *a: pytest.fail("the run started"))
+    cfg = rtm.TrainConfig(**{**LM, "num_workers": 2, "tensor_parallel_size": 2, "use_gpu": True,
+                             "storage_path": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"strategy='fsdp': TrainConfig.tensor_parallel_size=2: .* at most 1 worker"
+                                         r".*Set tensor_parallel_size=1"):
+        rtm.fit(cfg)
+
+
 def test_the_cli_takes_the_tensor_parallel_size_and_a_plan_and_refuses_a_bad_size(capsys):
     from raytrain_mgpu.cli import _build_parser, config_from_args, main
 

@@ -7,6 +7,7 @@
 - ``_torchrun_pipeline.py`` its torchrun + ``torch.distributed.pipelining`` ranks;
 - ``checkpoint.py``        ``bench-checkpoint``: the training stall per checkpoint, synchronous vs asynchronous upload;
 - ``preemption.py``        ``bench-preemption``: what the preemption check costs against a small DDP step;
+- ``tensor_parallel.py``   ``bench-tensor-parallel``: fsdp with and without tensor groups on local gloo ranks;
 - ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of docs/performance.md;
 - ``gpu_bench.py``         ``bench-gpu``: samples/s and MFU of a plain loop, ``fit`` and Lightning on one GPU
   (ResNet-18 at CIFAR size, a transformer LM; fp32 and bf16);

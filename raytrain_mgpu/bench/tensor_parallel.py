@@ -1,7 +1,7 @@
 """Tensor parallel against fsdp alone: per-rank parameters, peak memory and step time of a transformer LM.
 
-    python -m raytrain_mgpu.bench.tensor_parallel [--layers 4] [--hidden 256] [--vocab 8192] [--seq-len 64]
-                                                  [--batch 8] [--steps 6]
+    raytrain-mgpu bench-tensor-parallel [--layers 4] [--hidden 256] [--vocab 8192] [--seq-len 64] [--batch 8]
+                                        [--steps 6]
 
 Local gloo ranks on this machine's CPU (no Ray), one torch thread each; each layout builds the model as a Ray Train
 worker does (the strategy's ``setup_model``) and takes AdamW steps on the same global batch: ``fsdp`` on 2 and 4
@@ -82,25 +82,40 @@ def measure(strategy: str, world: int, tensor_parallel: int, fields: dict, steps
     return [(int(a), int(b), float(c)) for a, b, c in rows]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, default in (("layers", 4), ("hidden", 256), ("vocab", 8192), ("seq-len", 64), ("batch", 8),
-                          ("steps", 6)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    args = parser.parse_args(argv)
+_OPTIONS = (("--layers", 4, "transformer blocks"), ("--hidden", 256, "hidden size (8 heads)"),
+            ("--vocab", 8192, "vocabulary size"), ("--seq-len", 64, "tokens per sample"),
+            ("--batch", 8, "global batch, samples per step"),
+            ("--steps", 6, "timed steps per layout, after one warm-up"))
+
+
+def add_arguments(parser) -> None:
+    for flag, default, text in _OPTIONS:
+        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+
+
+def run_and_print(args) -> int:
+    """One Markdown row per layout of ``LAYOUTS`` (docs/strategies.md's table)."""
+    from raytrain_mgpu.strategies.fsdp import FSDPStrategy
+
     fields = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[args.seq_len],
                   num_classes=args.vocab, batch_size=args.batch, optimizer="adamw", lr=1e-3,
                   model_kwargs={"num_layers": args.layers, "hidden": args.hidden, "num_heads": 8})
     print("| layout | ranks | parameters per rank | peak RSS per rank (max) | step (median of ranks) |")
     print("|---|---|---|---|---|")
-    from raytrain_mgpu.strategies.fsdp import FSDPStrategy
-
     strategy = FSDPStrategy.name
     for world, tensor_parallel in LAYOUTS:
         rows = measure(strategy, world, tensor_parallel, fields, args.steps)
         name = strategy if tensor_parallel == 1 else f"{strategy} {world // tensor_parallel} x tensor {tensor_parallel}"
         print(f"| {name} | {world} | {max(r[0] for r in rows) / 2**20:.2f} MiB | "
-              f"{max(r[1] for r in rows) / 2**20:.0f} MiB | {statistics.median(r[2] for r in rows) * 1000:.0f} ms |")
+              f"{max(r[1] for r in rows) / 2**20:.0f} MiB | {statistics.median(r[2] for r in rows) * 1000:.0f} ms |",
+              flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_and_print(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

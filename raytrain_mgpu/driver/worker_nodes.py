@@ -1,13 +1,19 @@
 """Workers go where the user says: custom resources (``resources_per_worker``), a GPU type (``accelerator_type``)
 and node labels (``label_selector``), checked against what the cluster has or can add before anything is asked of
 Ray (``driver/cluster.check_placeable`` calls :func:`check_requested`): a request no node can ever satisfy would
-otherwise leave a placement group pending for ever."""
+otherwise leave a placement group pending for ever. A tensor group's workers go to one node (its every layer
+communicates): :func:`check_groups_within_nodes` refuses groups that no placement keeps on one node."""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Dict, List, Optional
 
-__all__ = ["RAY_OWN_RESOURCES", "check_requested", "label_matches", "requested_keys", "only_nodes_with"]
+__all__ = ["RAY_OWN_RESOURCES", "check_requested", "check_groups_within_nodes", "label_matches", "requested_keys",
+           "only_nodes_with"]
+
+logger = logging.getLogger(__name__)
 
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 """Ray's own resource names; a node's (or a node type's) other keys are custom ones, the user's."""
@@ -41,6 +47,42 @@ def check_requested(bundles: List[dict], what: str, capacity, labels: Optional[d
             raise ValueError(f"{what}: TrainConfig.label_selector={labels!r} matches no node of this cluster (their "
                              f"labels: {alive}). Check the labels (`ray start --labels`, a node type's labels in "
                              f"cluster.yaml), or leave label_selector unset.")
+
+
+def _workers_held(node: Dict[str, float], bundle: dict) -> int:
+    """How many workers of ``bundle`` one node of ``node``'s resources holds."""
+    return min((int(node.get(key, 0) / amount + 1e-9) for key, amount in bundle.items() if amount > 0), default=0)
+
+
+def check_groups_within_nodes(bundles: List[dict], group_size: int, what: str, capacity) -> None:
+    """Every ``group_size`` consecutive workers (a tensor group: Ray Train numbers a node's workers consecutively)
+    must share a node. Refused where no placement on the nodes the cluster has, or its node types can add, holds all
+    ``bundles`` in whole groups: every node too small for a group, or too few whole groups in all. Where the node
+    types are not known here, or a node holds a count Ray may split, the workers' check at set-up refuses a group
+    that spans nodes (``parallel/tensor_parallel.py``)."""
+    if group_size <= 1 or not bundles or getattr(capacity, "node_types_unknown", ""):
+        return
+    held = [_workers_held(node, bundles[0]) for _, node in capacity.possible_nodes(unlimited=len(bundles))]
+    whole = sum(n // group_size * group_size for n in held)
+    if whole >= len(bundles):
+        uneven = sorted({n for n in held if n % group_size})
+        if uneven:
+            logger.warning("%s: tensor_parallel_size=%d, and some nodes hold %s worker(s) of %s: where Ray puts a "
+                           "count that is not a multiple of %d on a node, a group spans two nodes and the workers "
+                           "refuse it at set-up (%s)", what, group_size, uneven, bundles[0], group_size,
+                           capacity.describe())
+        return
+    key = "GPU" if bundles[0].get("GPU", 0) else "CPU"
+    smaller = [t for t in range(group_size - 1, 0, -1)
+               if len(bundles) % t == 0 and sum(n // t * t for n in held) >= len(bundles)]
+    sizes = "; ".join(f"{count} node(s) {n} each" for n, count in sorted(Counter(held).items(), reverse=True) if n)
+    fewer = f"num_workers={whole}" if whole else "fewer workers"
+    raise ValueError(
+        f"{what}: TrainConfig.tensor_parallel_size={group_size}: a tensor group's {group_size} workers must share a "
+        f"node (every layer communicates within it), but the nodes hold at most {max(held, default=0)} worker(s) of "
+        f"{bundles[0]} ({sizes or 'no node'}: {capacity.describe()}), so no placement keeps {len(bundles)} workers in "
+        f"whole groups of {group_size}. Set tensor_parallel_size={smaller[0] if smaller else 1} or {fewer}, or use "
+        f"nodes with a multiple of {group_size} {key}s each (a node type of them in the cluster config).")
 
 
 def _alive_labels() -> List[Dict[str, str]]:

@@ -29,7 +29,7 @@ from raytrain_mgpu.planning.memory import (ModelProfile, device_memory, format_b
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClusterInfo", "cluster_info", "candidates", "plan_config", "choose_strategy", "resolve_auto"]
+__all__ = ["ClusterInfo", "cluster_info", "candidates", "layouts", "plan_config", "choose_strategy", "resolve_auto"]
 
 @dataclass(frozen=True)
 class ClusterInfo:
@@ -172,8 +172,22 @@ def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = Non
     return planned
 
 
+def layouts(cfg, name: str, info: ClusterInfo) -> Tuple[dict, ...]:
+    """The layouts of strategy ``name`` that ``auto`` tries and ``compare`` lists, in order: its own (``{}``), then
+    its ``auto_variants`` (``fsdp``'s tensor groups), each a change over its ``auto_layout`` for :func:`plan_config`."""
+    from raytrain_mgpu.strategies import get_strategy
+
+    return ({}, *get_strategy(name).auto_variants(cfg, info))
+
+
+def layout_label(name: str, variant: dict) -> str:
+    """``"fsdp"``, ``"fsdp, tensor_parallel_size=2"``: the strategy and what a variant changes beside the counts."""
+    return "".join([name, *(f", {key}={value}" for key, value in variant.items() if key != "num_workers")])
+
+
 def describe_layout(cfg) -> str:
-    """``"2 workers"``, ``"1 worker x 2 devices"``, ``"2 stages x 4 micro-batches"``."""
+    """``"2 workers"``, ``"1 worker x 2 devices"``, ``"2 stages x 4 micro-batches"``, ``"4 workers, 2 tensor groups
+    of 2"``."""
     from raytrain_mgpu.strategies.plan import build_plan
 
     plan = build_plan(cfg)
@@ -181,6 +195,8 @@ def describe_layout(cfg) -> str:
         prefix = f"{plan.replicas} x " if plan.replicas > 1 else ""
         return f"{prefix}{cfg.num_stages} stages, {cfg.num_microbatches} micro-batches"
     workers = f"{cfg.num_workers} worker{'s' if cfg.num_workers > 1 else ''}"
+    if plan.tensor_group_size > 1:
+        return f"{workers}, {cfg.num_workers // plan.tensor_group_size} tensor group(s) of {plan.tensor_group_size}"
     return f"{workers} x {plan.devices_per_worker} devices" if plan.devices_per_worker > 1 else workers
 
 
@@ -233,7 +249,7 @@ def _choose(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] = None,
         raise ValueError(_nothing_fits(cfg, profile, budget, [first], info))
     needs = {}
     for name in spread:
-        for variant in ({}, *get_strategy(name).auto_variants(cfg, info)):
+        for variant in layouts(cfg, name, info):
             try:
                 peak = _peak(name, plan_config(cfg, name, info, variant), profile)
             except ValueError as exc:
@@ -241,11 +257,11 @@ def _choose(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] = None,
                 continue
             needs.setdefault(name, peak)
             if peak <= budget:
-                how = "".join(f", {key}={value}" for key, value in variant.items() if key != "num_workers")
-                return name, (f"{name}{how}: {first} would need {format_bytes(need)} per device, over the budget "
+                label = layout_label(name, variant)
+                return name, (f"{label}: {first} would need {format_bytes(need)} per device, over the budget "
                               f"{format_bytes(budget)}; {get_strategy(name).auto_reason(info)}"
-                              f"{' (each layer split over a tensor group of one node)' if how else ''} and "
-                              f"needs {format_bytes(peak)} [{where}]"), variant
+                              f"{' (each layer split over a tensor group of one node)' if label != name else ''} "
+                              f"and needs {format_bytes(peak)} [{where}]"), variant
     raise ValueError(_nothing_fits(cfg, profile, budget, [first, *needs], info))
 
 

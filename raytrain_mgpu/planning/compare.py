@@ -5,8 +5,9 @@
 
 One Ray connection for all runs; the strategies run one after another, each a fresh run
 (its own name under ``<storage>/compare-<time>/runs``) laid out on the devices the
-cluster has (:func:`raytrain_mgpu.planning.auto.plan_config`); those that cannot run here are
-reported with the reason. Each run trains ``warmup_steps`` and then ``steps`` optimizer
+cluster has (:func:`raytrain_mgpu.planning.auto.plan_config`), in every layout ``auto`` tries for it (``fsdp``
+also with tensor groups of a node's devices, its ``auto_variants``: one row each, with its memory estimate);
+those that cannot run here are reported with the reason. Each run trains ``warmup_steps`` and then ``steps`` optimizer
 steps. The worker loop reports per epoch, so the warm-up is rounded up to whole epochs
 and throughput is measured over the epochs after it.
 
@@ -27,12 +28,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from typing import Callable, List, Optional, Sequence
 
 from raytrain_mgpu._factory import code_name
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.planning.auto import ClusterInfo, candidates, cluster_info, describe_layout, plan_config
+from raytrain_mgpu.planning.auto import (ClusterInfo, candidates, cluster_info, describe_layout, layout_label, layouts,
+                                         plan_config)
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
@@ -78,13 +81,15 @@ def _run_settings(planned, num_train: int, steps: int, warmup_steps: int, storag
     warm = math.ceil(warmup_steps / per_epoch) * per_epoch
     total = warm + steps
     epochs = max(planned.epochs, math.ceil(total / per_epoch))
-    name = label.replace(" ", "-")
+    name = re.sub(r"[^\w.-]+", "-", label)  # "fsdp, tensor_parallel_size=2": fsdp-tensor_parallel_size-2
     return planned.replace(name=name, storage_path=storage, max_steps=total, epochs=epochs, max_failures=0,
                            num_checkpoints_to_keep=1, eval_every_epochs=epochs + 1), warm
 
 
 def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
-    """One row per run: the single-device reference first, then each name laid out on ``info``."""
+    """One row per run: the single-device reference first, then each name in each layout ``auto`` tries for it
+    (:func:`~raytrain_mgpu.planning.auto.layouts`: its own, then e.g. ``fsdp``'s tensor groups), laid out on
+    ``info``."""
     from dataclasses import replace
 
     one_device = replace(info, devices_per_node=(1,))
@@ -92,18 +97,26 @@ def _plan(cfg, names: List[str], info: ClusterInfo) -> List[RunRow]:
     reference = plan_config(cfg, first, one_device)
     rows = [RunRow(REFERENCE, first, describe_layout(reference), config=reference, num_processes=1)]
     for name in names:
-        try:
-            candidate = plan_config(cfg, name, info)
-        except ValueError as exc:
-            rows.append(RunRow(name, name, status="skipped", reason=str(exc)))
-            continue
-        if candidate == reference:  # e.g. ddp laid out on one worker
-            rows.append(RunRow(name, name, describe_layout(candidate), status="skipped",
-                               reason=f"the same run as '{REFERENCE}'"))
-            continue
-        rows.append(RunRow(name, name, describe_layout(candidate), config=candidate,
-                           num_processes=build_plan(candidate).num_processes))
+        for variant in layouts(cfg, name, info):
+            row = _row(cfg, name, variant, info, reference)
+            if variant and row.status == "skipped" and any(r.strategy == name and r.reason == row.reason for r in rows):
+                continue  # e.g. a model without a tensor-parallel plan: said once, not once per group size
+            rows.append(row)
     return rows
+
+
+def _row(cfg, name: str, variant: dict, info: ClusterInfo, reference) -> RunRow:
+    """Strategy ``name`` in layout ``variant`` on ``info``: a row to run, or skipped with the reason."""
+    label = layout_label(name, variant)
+    try:
+        candidate = plan_config(cfg, name, info, variant)
+    except ValueError as exc:
+        return RunRow(label, name, status="skipped", reason=str(exc))
+    if candidate == reference:  # e.g. ddp laid out on one worker
+        return RunRow(label, name, describe_layout(candidate), status="skipped",
+                      reason=f"the same run as '{REFERENCE}'")
+    return RunRow(label, name, describe_layout(candidate), config=candidate,
+                  num_processes=build_plan(candidate).num_processes)
 
 
 def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
@@ -114,9 +127,10 @@ def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
     for row in rows:
         if row.config is None:
             continue
+        plan = build_plan(row.config)
         try:
-            check_placeable(list(build_plan(row.config).bundles), use_gpu,
-                            f"strategy={row.strategy!r} ({row.layout})", capacity, labels=row.config.label_selector)
+            check_placeable(list(plan.bundles), use_gpu, f"strategy={row.strategy!r} ({row.layout})", capacity,
+                            labels=row.config.label_selector, group_size=plan.tensor_group_size)
         except ValueError as exc:
             row.status, row.reason, row.config = "skipped", str(exc), None
 

@@ -52,6 +52,10 @@ class RunPlan:
     ``replicas``, ``num_processes`` and ``micro_batches_per_step`` are then those of the max count
     (which fixes the micro-batch), ``bundles`` those of the min (what must be free to start)."""
 
+    tensor_group_size: int = 1
+    """Consecutive workers that split every layer between them (``tensor_parallel_size``), so must share a node
+    (checked against the cluster before start); 1: no tensor parallel."""
+
     @property
     def worker_counts(self) -> Tuple[int, ...]:
         """Every data-parallel world size the run may train with (one for a fixed count)."""
@@ -93,6 +97,7 @@ class RunPlan:
 def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
     """The plan of ``cfg`` (validated, strategy resolved: not ``auto``)."""
     from raytrain_mgpu.strategies import get_strategy
+    from raytrain_mgpu.strategies.base import tensor_group_size
     from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
 
     cls = get_strategy(cfg.strategy)
@@ -113,4 +118,4 @@ def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
                    devices_per_worker=cls.devices_per_worker(cfg),
                    worker_resources=cls.worker_resources(cfg), bundles=bundles, global_batch=cfg.batch_size,
                    micro_batches_per_step=micro_steps, steps_per_epoch=steps,
-                   min_workers=low if elastic else None)
+                   min_workers=low if elastic else None, tensor_group_size=tensor_group_size(cls, cfg))
