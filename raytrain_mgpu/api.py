@@ -161,7 +161,8 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         if runner == "ray":
             if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
                 check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}",
-                                labels=cfg.label_selector, group_size=plan.tensor_group_size)
+                                labels=cfg.label_selector, group_size=plan.tensor_group_size,
+                                groups_may_span=cfg.tensor_parallel_across_nodes)
             ray_data.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
             check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what every runner reports to

@@ -185,6 +185,8 @@ class TrainConfig:
     """``fsdp``, ``ddp``: split each layer's weights over groups of this many consecutive workers (tensor parallel, ``torch.distributed.tensor``): the workers form a 2-D mesh, data parallel x tensor, FSDP shards (or DDP replicates) over the first dimension, and the workers of one group see the same batch (``num_workers / tensor_parallel_size`` replicas split the global batch). Each group must be inside one node. 1: off (docs/strategies.md: Tensor parallel)."""
     tensor_parallel_plan: Optional[dict] = None
     """Your tensor-parallel plan: module path (``*`` matches one level, ``layers.*.attn.q``) to style, one of ``colwise``, ``rowwise``, ``sequence_parallel``, ``colwise_gather_output``, ``embedding_rowwise``. None: the model's own (``transformer_lm``'s, or a Hugging Face model's ``_tp_plan``)."""
+    tensor_parallel_across_nodes: bool = False
+    """Let a tensor group span nodes (an inter-node link fast enough for every layer's collectives, which you have measured): where the nodes cannot hold the groups whole, the driver and the workers warn instead of refusing."""
     activation_checkpointing: int = 0
     """Recompute every k-th block's activations in the backward pass instead of keeping them (k=1: every block; 0: off): less activation memory for one more forward of those blocks, the same gradients. Blocks as ``mp`` and the pipeline split them (an ``nn.Sequential``'s children, or ``blocks()``); every strategy."""
     collective_timeout_s: float = 1800.0

@@ -27,7 +27,7 @@ __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_n
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "channels_last", "verbose",
-          "keep_best", "test_every_epoch", "init_strict")
+          "keep_best", "test_every_epoch", "init_strict", "tensor_parallel_across_nodes")
 _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
                   "epochs", "batch_size", "grad_accum_steps", "base_batch_size", "lr_step_epochs",
                   "num_checkpoints_to_keep", "eval_every_epochs", "log_every_n_steps", "max_skipped_steps",

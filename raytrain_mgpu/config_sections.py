@@ -121,5 +121,6 @@ class ParallelConfig:
     cpu_offload: bool
     tensor_parallel_size: int
     tensor_parallel_plan: Optional[dict]
+    tensor_parallel_across_nodes: bool
     activation_checkpointing: int
     collective_timeout_s: float

@@ -315,6 +315,45 @@ def test_tensor_groups_no_node_can_hold_are_refused_naming_the_nodes_sizes_and_t
         check(4, 4, _capacity(autoscaling, [("gpu1", GPU_NODE, 8)]))
     check(4, 4, _capacity(autoscaling, [("gpu1", GPU_NODE, 8), ("gpu4", {"CPU": 32.0, "GPU": 4.0}, 1)]))
     check(2, 2, _capacity([GPU_NODE, GPU_NODE, GPU_NODE], unknown="no monitor here"))  # the workers will tell
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raytrain_mgpu.driver.worker_nodes"):  # the user forces it: warned
+        check_placeable([{"CPU": 1, "GPU": 1}] * 2, True, "strategy='fsdp'", ones, group_size=2, groups_may_span=True)
+    assert "must share a node" in caplog.text and "tensor_parallel_across_nodes=True: training anyway" in caplog.text
+
+
+def _spanning_rank(rank: int, world: int, across: bool, out: str) -> None:
+    """Rank ``rank`` of a tensor group of 2 whose ranks sit on two nodes; what its set-up did, in ``out``."""
+    import logging
+
+    from _reference import build_rank_model
+    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.parallel import build_worker
+    from raytrain_mgpu.strategies import WorkerContext, get_strategy
+
+    cfg = TrainConfig(**{**LM, "num_workers": 2, "tensor_parallel_size": 2, "tensor_parallel_across_nodes": across})
+    ctx = WorkerContext(rank, world, 0, 1, rank, (torch.device("cpu"),))  # node rank = rank: one worker a node
+    logging.getLogger("raytrain_mgpu.parallel.tensor_parallel").addHandler(
+        logging.FileHandler(os.path.join(out, f"log-{rank}.txt")))
+    strategy = build_worker(get_strategy("fsdp"), cfg.parallel, ctx)
+    try:
+        strategy.setup_model(build_rank_model(cfg, strategy, (8,), 24))
+        outcome = "trained"
+    except ValueError as exc:
+        outcome = str(exc)
+    with open(os.path.join(out, f"outcome-{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_a_tensor_group_across_nodes_is_refused_at_set_up_or_warned_where_forced(tmp_path, across):
+    _forkserver.start_gloo_ranks(_spanning_rank, (across, str(tmp_path)), nprocs=2)
+    outcomes = [(tmp_path / f"outcome-{rank}.txt").read_text() for rank in range(2)]
+    if not across:  # every rank refuses alike, naming the groups, their nodes and the fix
+        assert all(o.startswith("TrainConfig.tensor_parallel_size=2: the tensor groups [[0, 1]] span nodes [[0, 1]]")
+                   and "Give every node a multiple of 2 workers" in o for o in outcomes), outcomes
+        return
+    assert outcomes == ["trained", "trained"]
+    assert "tensor_parallel_across_nodes=True: training anyway" in (tmp_path / "log-0.txt").read_text()
 
 
 def test_fit_refuses_tensor_groups_that_would_span_nodes_before_ray_train_asks_for_workers(monkeypatch, tmp_path):

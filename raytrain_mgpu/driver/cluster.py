@@ -318,7 +318,8 @@ def pending_message(bundles: List[dict], what: str, timeout_s: float) -> str:
 
 
 def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Optional[Capacity] = None,
-                    labels: Optional[dict] = None, group_size: int = 1) -> None:
+                    labels: Optional[dict] = None, group_size: int = 1,
+                    groups_may_span: bool = False) -> None:
     """Raise ValueError if ``bundles`` can never be placed on this cluster (``capacity``: read if not given) on nodes
     that carry ``labels`` (a Ray label selector), with every ``group_size`` consecutive workers on one node."""
     from raytrain_mgpu.driver.worker_nodes import check_groups_within_nodes, check_requested, only_nodes_with
@@ -336,7 +337,7 @@ def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Opt
         _check_autoscaling(bundles, use_gpu, what, capacity)
     else:
         _check_alive(bundles, use_gpu, what, list(capacity.alive))
-    check_groups_within_nodes(bundles, group_size, what, capacity)
+    check_groups_within_nodes(bundles, group_size, what, capacity, groups_may_span)
 
 
 def worker_runtime_env(*specs: str) -> dict:

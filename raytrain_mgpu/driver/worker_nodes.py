@@ -54,12 +54,14 @@ def _workers_held(node: Dict[str, float], bundle: dict) -> int:
     return min((int(node.get(key, 0) / amount + 1e-9) for key, amount in bundle.items() if amount > 0), default=0)
 
 
-def check_groups_within_nodes(bundles: List[dict], group_size: int, what: str, capacity) -> None:
+def check_groups_within_nodes(bundles: List[dict], group_size: int, what: str, capacity,
+                              may_span: bool = False) -> None:
     """Every ``group_size`` consecutive workers (a tensor group: Ray Train numbers a node's workers consecutively)
     must share a node. Refused where no placement on the nodes the cluster has, or its node types can add, holds all
     ``bundles`` in whole groups: every node too small for a group, or too few whole groups in all. Where the node
     types are not known here, or a node holds a count Ray may split, the workers' check at set-up refuses a group
-    that spans nodes (``parallel/tensor_parallel.py``)."""
+    that spans nodes (``parallel/tensor_parallel.py``). ``may_span`` (``tensor_parallel_across_nodes``): the refusal
+    is a warning."""
     if group_size <= 1 or not bundles or getattr(capacity, "node_types_unknown", ""):
         return
     held = [_workers_held(node, bundles[0]) for _, node in capacity.possible_nodes(unlimited=len(bundles))]
@@ -77,12 +79,15 @@ def check_groups_within_nodes(bundles: List[dict], group_size: int, what: str, c
                if len(bundles) % t == 0 and sum(n // t * t for n in held) >= len(bundles)]
     sizes = "; ".join(f"{count} node(s) {n} each" for n, count in sorted(Counter(held).items(), reverse=True) if n)
     fewer = f"num_workers={whole}" if whole else "fewer workers"
-    raise ValueError(
+    message = (
         f"{what}: TrainConfig.tensor_parallel_size={group_size}: a tensor group's {group_size} workers must share a "
         f"node (every layer communicates within it), but the nodes hold at most {max(held, default=0)} worker(s) of "
         f"{bundles[0]} ({sizes or 'no node'}: {capacity.describe()}), so no placement keeps {len(bundles)} workers in "
         f"whole groups of {group_size}. Set tensor_parallel_size={smaller[0] if smaller else 1} or {fewer}, or use "
         f"nodes with a multiple of {group_size} {key}s each (a node type of them in the cluster config).")
+    if not may_span:
+        raise ValueError(message)
+    logger.warning("%s (tensor_parallel_across_nodes=True: training anyway, groups across nodes)", message)
 
 
 def _alive_labels() -> List[Dict[str, str]]:

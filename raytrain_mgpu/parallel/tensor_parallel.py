@@ -165,11 +165,15 @@ def tensor_parallel_mesh(model: nn.Module, worker: "WorkerStrategy"):
     nodes = [None] * world
     dist.all_gather_object(nodes, worker.ctx.node_rank)  # once, at set-up
     spanning = shard_groups_across_nodes(nodes, size)
-    if spanning:  # every layer's collectives would cross the network: refused on every rank alike
-        raise ValueError(f"TrainConfig.tensor_parallel_size={size}: the tensor groups {spanning} span nodes "
-                         f"{[sorted({nodes[r] for r in g}) for g in spanning]}, so every layer would communicate "
-                         f"across the network. Give every node a multiple of {size} workers (e.g. placement="
-                         f"'STRICT_PACK' on one node), or lower tensor_parallel_size.")
+    if spanning:  # every layer's collectives would cross the network: refused on every rank alike (or warned)
+        message = (f"TrainConfig.tensor_parallel_size={size}: the tensor groups {spanning} span nodes "
+                   f"{[sorted({nodes[r] for r in g}) for g in spanning]}, so every layer would communicate across "
+                   f"the network. Give every node a multiple of {size} workers (e.g. placement='STRICT_PACK' on one "
+                   f"node), or lower tensor_parallel_size.")
+        if not worker.cfg.tensor_parallel_across_nodes:
+            raise ValueError(message)
+        if worker.ctx.world_rank == 0:
+            logger.warning("%s (tensor_parallel_across_nodes=True: training anyway)", message)
     mesh = init_device_mesh(worker.device.type, (world // size, size), mesh_dim_names=("data", "tensor"))
     source, _, plan = model_plan(model, worker.cfg.tensor_parallel_plan)
     if worker.ctx.world_rank == 0:

@@ -130,7 +130,8 @@ def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
         plan = build_plan(row.config)
         try:
             check_placeable(list(plan.bundles), use_gpu, f"strategy={row.strategy!r} ({row.layout})", capacity,
-                            labels=row.config.label_selector, group_size=plan.tensor_group_size)
+                            labels=row.config.label_selector, group_size=plan.tensor_group_size,
+                            groups_may_span=row.config.tensor_parallel_across_nodes)
         except ValueError as exc:
             row.status, row.reason, row.config = "skipped", str(exc), None
 

@@ -49,7 +49,7 @@ class WorkerContext:
 OPTIONAL_FIELDS = ("gpus_per_worker", "output_device", "balance", "find_unused_parameters", "static_graph",
                    "bucket_cap_mb", "gradient_as_bucket_view", "sync_batchnorm", "num_stages",
                    "num_microbatches", "schedule", "shard_group_size", "cpu_offload", "tensor_parallel_size",
-                   "tensor_parallel_plan")
+                   "tensor_parallel_plan", "tensor_parallel_across_nodes")
 DDP_OPTIONS = frozenset({"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"})
 
 # The worker steps a strategy may name, without torch (their code: ``raytrain_mgpu/parallel/``, whose
@@ -66,7 +66,7 @@ class Refusal(NamedTuple):
     message: str
 
 
-TENSOR_PARALLEL_OPTIONS = frozenset({"tensor_parallel_size", "tensor_parallel_plan"})
+TENSOR_PARALLEL_OPTIONS = frozenset({"tensor_parallel_size", "tensor_parallel_plan", "tensor_parallel_across_nodes"})
 TENSOR_PARALLEL_REFUSALS = (
     Refusal(lambda cfg: cfg.num_workers % cfg.tensor_parallel_size != 0,
             "TrainConfig.tensor_parallel_size={cfg.tensor_parallel_size}: must divide num_workers={cfg.num_workers} "
