@@ -158,17 +158,20 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             check_run_folder(cfg, data_info)
             plan = build_plan(cfg, data_info["train_split_size"])
             runner = runner_for(cfg, plan)  # Ray is up already; the run itself may still need none of it
+        ingest_line = None  # where Ray Data's tasks run, for a stream (the banner's line)
         if runner == "ray":
             if plan.runner == "train_workers":  # the pipeline runner checks its stage actors, the fix in its terms
                 check_placeable(list(plan.bundles), cfg.use_gpu, f"strategy={cfg.strategy!r}",
                                 labels=cfg.label_selector, group_size=plan.tensor_group_size,
                                 groups_may_span=cfg.tensor_parallel_across_nodes)
-            ray_data.check_cpus_left(cfg, plan)  # Ray Data's tasks need a CPU beside the bundles
+            ingest_line = ray_data.check_cpus_left(cfg, plan)  # Ray Data's tasks need CPUs beside the bundles
             check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what every runner reports to
         if auto_record:
             events.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         events.banner(_banner(cfg, plan, input_shape, num_classes, runner))
+        if ingest_line:
+            events.banner(ingest_line)
         events.train_start(_run_info(cfg))
         # the in-process runner, Ray Train's workers or the pipeline's actor group: one call, one result
         history, checkpoint_path, rank0 = carrier(runner, plan)(cfg, plan, events)

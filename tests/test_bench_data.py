@@ -54,3 +54,25 @@ def test_another_path_joins_the_table(tmp_path):
     results = bench.run(setup, [0, 2], epochs=1, paths=[("constant", constant)])
     assert set(results) == {("constant", 0), ("constant", 2)}
     assert "constant" in bench.report(results) and results[("constant", 0)][0] > 0
+
+
+def test_training_rows_aggregate_the_ranks_as_the_epoch_row_does():
+    """Samples over the mean rank's time; every rank's wait over every rank's time; the fastest epoch's share."""
+    from raytrain_mgpu.bench import data_stream
+
+    rank0 = [(100, 2.0, 0.5), (100, 1.0, 0.1)]  # (samples, seconds, waiting) of 2 timed epochs
+    rank1 = [(100, 2.0, 1.5), (100, 1.0, 0.3)]
+    best, share, median = data_stream._figures([rank0, rank1])
+    assert (best, share) == (200 / 1.0, 0.4 / 2.0) and median == (200 / 2.0 + 200 / 1.0) / 2
+    assert data_stream._timed_epoch([(torch.zeros(3, 1), None)] * 2, step_s=0.0)[0] == 6
+
+
+def test_the_command_times_training_workers_of_each_ingest(ray_session, capsys):
+    """On the shared Ray: 1 and 2 workers of each ingest, and the planned order against Ray Data's own."""
+    assert main(["bench-data", "--num-images", "64", "--image-size", "8", "--batch-size", "16", "--loader-workers", "0",
+                 "--epochs", "1", "--rounds", "1", "--train-workers", "1", "2", "--step-ms", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\s+([12])\s+(loader|ray_data|ray_data_free)\s+(\d+)\s+(\d+)\s+([\d.]+)$", out, re.M)
+    assert sorted((w, p) for w, p, *_ in rows) == [(w, p) for w in "12" for p in ("loader", "ray_data", "ray_data_free")]
+    assert all(int(best) > 0 and 0 < float(share) <= 1 for *_, best, _, share in rows), out
+    assert re.findall(r"^planned order vs Ray Data's own, ([12]) worker\(s\): [\d.]+x", out, re.M) == ["1", "2"]

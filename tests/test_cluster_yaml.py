@@ -9,7 +9,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from ray._private.label_utils import validate_node_label_syntax
 from ray.autoscaler._private.util import prepare_config, validate_config
+
+from raytrain_mgpu.data.parquet_stream import INGEST_LABEL, placement
 
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
 
@@ -53,7 +56,7 @@ def test_ray_validator_accepts_it_and_rejects_unknown_keys_and_fractional_resour
             pytest.fail(f"the validator accepted a config with an {what}")
 
 
-def test_head_trains_nothing_and_gpu_workers_scale_from_zero(raw):
+def test_head_trains_nothing_and_gpu_workers_scale_from_zero_beside_one_cpu_ingest_node(raw):
     types = raw["available_node_types"]
     head = types[raw["head_node_type"]]
     assert head["resources"] == {"CPU": 0}
@@ -61,7 +64,7 @@ def test_head_trains_nothing_and_gpu_workers_scale_from_zero(raw):
     for name, node_type in workers.items():
         resources = node_type["resources"]
         assert all(isinstance(v, int) and not isinstance(v, bool) for v in resources.values()), name
-        assert node_type["min_workers"] == 0, name
+        assert node_type["min_workers"] == (1 if name == "cpu" else 0), name  # the streams' CPU node stays up
         assert set(node_type["node_config"]) <= EC2_RUN_INSTANCES_KEYS, name
         gpu_types = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
         assert len(gpu_types) == (1 if resources.get("GPU", 0) >= 1 else 0), name  # each GPU type names its GPU
@@ -74,8 +77,21 @@ def test_head_trains_nothing_and_gpu_workers_scale_from_zero(raw):
     markets = {t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on-demand")
                for t in workers.values()}
     assert markets == {"on-demand", "spot"}
+    assert workers["cpu"]["node_config"].get("InstanceMarketOptions") is None  # the streams' node is not reclaimed
     assert raw["idle_timeout_minutes"] > 0
     assert all(1 <= t["max_workers"] <= raw["max_workers"] for t in workers.values())
+
+
+def test_the_cpu_type_is_where_a_parquet_streams_tasks_run_and_no_gpu_type_is(raw):
+    """Its label is the one the stream's placement looks for (a valid Ray label), and a cluster of its nodes and
+    GPU nodes streams on it alone, with all of its CPUs."""
+    types = raw["available_node_types"]
+    validate_node_label_syntax(types["cpu"]["labels"])
+    assert [name for name, t in types.items() if t.get("labels", {}).get(INGEST_LABEL[0]) == INGEST_LABEL[1]] == ["cpu"]
+    nodes = [{"Alive": True, "Resources": {k: float(v) for k, v in t["resources"].items()}, "Labels": t.get("labels", {})}
+             for t in types.values()]
+    where = placement(nodes, held_cpus=4)  # 4 GPU workers of 1 CPU on a GPU node
+    assert where.label_selector == dict([INGEST_LABEL]) and where.cpus == types["cpu"]["resources"]["CPU"]
 
 
 def test_installs_this_project_with_token_auth_and_a_private_dashboard(raw):

@@ -44,5 +44,5 @@ def test_a_collective_timeout_names_the_rank_that_never_joined_it(tmp_path):
     _forkserver.start_processes(_rank, (free_address()[1], str(tmp_path)), nprocs=2)
     error = (tmp_path / "error-0.txt").read_text()
     assert error.startswith("CollectiveTimeoutError: a collective timed out after 2 s"), error
-    assert f"because rank 1 (node 127.0.0.1, pid " in error and "never joined it" in error, error
+    assert "because rank 1 (node 127.0.0.1, pid " in error and "never joined it" in error, error
     assert not (tmp_path / "error-1.txt").exists()

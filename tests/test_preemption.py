@@ -122,8 +122,9 @@ def test_check_cadence_is_the_global_step_so_every_rank_agrees():
 
 
 def test_a_run_on_a_users_ray_datasets_never_asks_and_a_parquet_stream_does():
-    """A user's own Ray Datasets stream in Ray Data's order and cannot resume mid-epoch: no barrier, no save,
-    whatever the notices. The ``parquet`` stream (a planned order: engine/stream.py) resumes at its step: it asks."""
+    """A user's own Ray Datasets that are not materialized stream in Ray Data's order and cannot resume mid-epoch: no
+    barrier, no save, whatever the notices. The ``parquet`` stream (a planned order: engine/stream.py) resumes at its
+    step: it asks (a materialized split does too: tests/test_ray_datasets.py)."""
     from raytrain_mgpu.data.ray_datasets import RayDataSplits
 
     fake = FakeInfo(notice_at=1)

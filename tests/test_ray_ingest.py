@@ -11,7 +11,9 @@ built, before Ray.
 
 from __future__ import annotations
 
+import io
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -172,8 +174,12 @@ def test_fit_through_ray_data_with_random_crops_and_flips_on_2_workers_ends_with
     managers, probe = actors_started(ray_session, "DatasetManager"), tmp_path / "probe"
     probe.mkdir()
     crop_flip = build_transform("random_crop_flip", (1, 8, 8), "train_transform")[0]  # the package's recipe
+    printed = io.StringIO()
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="streamed",
-                                       train_transform=RecordingTransform(str(probe), crop_flip)))
+                                       train_transform=RecordingTransform(str(probe), crop_flip)), stream=printed)
+    # the banner says where Ray Data's tasks run: the shared instance's CPUs the 2 workers leave (no ingest node)
+    assert re.search(r"^ingest: Ray Data's tasks on \d+ CPU beside the training processes' 2 ", printed.getvalue(),
+                     re.M), printed.getvalue()
     # Each worker streams its own planned share: no dataset for Ray Train to split, no shard server; Ray
     # Data's tasks decoded and transformed every sample, the workers none.
     assert actors_started(ray_session, "DatasetManager") == managers

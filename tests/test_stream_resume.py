@@ -6,12 +6,13 @@ share starts at its step. With the shared Ray (a local Ray Data execution in thi
 exactly the loader path's samples, transformed and held out alike, in the sampler's order. Through Ray Train
 (the few runs the guarantees need): a stream killed after step 35 resumes at its step-30 checkpoint and ends
 with the loader path's weights (a split of one window: the loader path's order), so with the uninterrupted run's;
-2 workers end with 1 worker's.
+2 workers end with 1 worker's; one run resumes twice, at a time-based checkpoint and at a preemption notice's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -139,6 +140,23 @@ def test_the_stream_gives_the_loader_paths_samples_in_the_planned_order_transfor
 # ----------------------------------------------------------------------------- through Ray Train
 
 
+def wait_until_registered(run: Path, step: int, timeout_s: float = 60) -> None:
+    """Until Ray Train has registered a checkpoint of ``step`` (or later) in ``run`` (its latest: an upload still under
+    way when its rank dies is lost by design: docs/reliability.md), at most ``timeout_s``."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            snapshot = json.loads((run / "checkpoint_manager_snapshot.json").read_text())
+            name = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
+            if json.loads((run / name / "meta.json").read_text())["step"] >= step:
+                return
+        except (OSError, ValueError, KeyError, TypeError):  # not written yet, or being replaced
+            pass
+        time.sleep(0.1)
+
+
 class _DieOnce(nn.Module):
     """Inside a Ray actor, records each training forward (``forwards-<pid>``) and SIGKILLs its process on the
     ``after_forwards``-th, once per probe folder (``died``): a worker lost in the middle of a step. It waits first
@@ -150,16 +168,6 @@ class _DieOnce(nn.Module):
         self.probe, self.after_forwards, self.forwards = Path(probe), after_forwards, 0
         self.run, self.registered = Path(run), registered
 
-    def _registered_step(self) -> int:
-        import json
-
-        try:
-            snapshot = json.loads((self.run / "checkpoint_manager_snapshot.json").read_text())
-            name = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
-            return json.loads((self.run / name / "meta.json").read_text())["step"]
-        except (OSError, ValueError, KeyError, TypeError):  # not written yet, or being replaced
-            return -1
-
     def forward(self, x):
         import ray
 
@@ -168,9 +176,7 @@ class _DieOnce(nn.Module):
             with open(self.probe / f"forwards-{os.getpid()}", "a") as record:
                 record.write(f"{time.time()}\n")
             if self.forwards == self.after_forwards and not (self.probe / "died").exists():
-                deadline = time.monotonic() + 60
-                while self._registered_step() < self.registered and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                wait_until_registered(self.run, self.registered)
                 (self.probe / "died").write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
         return x
@@ -189,9 +195,9 @@ def _stream_fields(data_root: str, probe: Path, **overrides) -> dict:
     (probe / "transform").mkdir(parents=True, exist_ok=True)
     crop_flip = RecordingTransform(str(probe / "transform"),
                                    v2.Compose([v2.RandomCrop((8, 8), padding=4), v2.RandomHorizontalFlip()]))
-    return dict(model=mlp_dying_once, model_kwargs={"probe": str(probe), "after_forwards": 10**9}, dataset="parquet",
-                data_root=data_root, train_transform=crop_flip, val_fraction=0.1, batch_size=64,
-                optimizer="sgd", lr=0.1, momentum=0.9, seed=3, epochs=2, **{"num_workers": 1, **overrides})
+    return {**dict(model=mlp_dying_once, model_kwargs={"probe": str(probe), "after_forwards": 10**9},
+                   dataset="parquet", data_root=data_root, train_transform=crop_flip, val_fraction=0.1, batch_size=64,
+                   optimizer="sgd", lr=0.1, momentum=0.9, seed=3, epochs=2, num_workers=1), **overrides}
 
 
 def applied_in(probe: Path) -> set:
@@ -260,3 +266,97 @@ def test_two_workers_killed_mid_epoch_resume_on_one_worker_from_a_second_driver_
     assert len(resumed.read_text().split()) == 1 + 2 * STEPS_PER_EPOCH - 30  # the FLOPs count's, then steps 31-40
     assert [row["step"] for row in result.history] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     _assert_weights(result, want, rtol=1e-4)
+
+
+class _Disturbances(nn.Module):
+    """Inside a Ray Train worker, records each training forward (``forwards-<pid>``, the FLOPs count's first) and
+    acts once where ``script`` says: ``[(turn, forward, action, arg), ...]``, ``turn`` the worker process's place
+    among the run's (0 for the first attempt's: one worker at a time), ``forward`` its count of forwards. Actions:
+    ``("sleep", s)``; ``("kill", step)``: SIGKILL once Ray Train registered a checkpoint of ``step``;
+    ``("notice", None)``: this worker's preemption info, as Ray Train's watcher hands it to the workers of a node
+    drained for preemption (``mark_preempt``), with a deadline 10 minutes away; ``("reclaim", step)``: once a
+    checkpoint of ``step`` is registered, the same notice with a deadline of now (a second drain, as the cloud
+    reclaims the node), then wait for Ray Train to tear the worker down."""
+
+    def __init__(self, probe: str, run: str, script: list):
+        super().__init__()
+        self.probe, self.run = Path(probe), run
+        self.script = {(turn, forward): (action, arg) for turn, forward, action, arg in script}
+
+    def forward(self, x):
+        import ray
+
+        if self.training and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            mine = self.probe / f"forwards-{os.getpid()}"
+            turn = sum(1 for path in self.probe.glob("forwards-*") if path != mine)
+            with open(mine, "a") as record:
+                record.write(f"{time.time()}\n")
+            action = self.script.get((turn, len(mine.read_text().split())))
+            if action is not None:
+                self._act(*action)
+        return x
+
+    def _act(self, action: str, arg) -> None:
+        import ray
+        from ray.train.v2._internal.execution.context import get_train_context
+        from ray.train.v2.api.preemption import PreemptionInfo
+
+        if action == "sleep":
+            time.sleep(arg)
+            return
+        if action in ("kill", "reclaim"):
+            wait_until_registered(Path(self.run), arg)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        node = ray.get_runtime_context().get_node_id()
+        deadline_ms = int(time.time() * 1000) + (600_000 if action == "notice" else 0)
+        get_train_context().preemption_context.preemption_info = PreemptionInfo(deadline_ms, {node: [0]})
+        if action == "reclaim":
+            time.sleep(120)  # torn down by Ray Train at the deadline
+
+
+def mlp_disturbed(input_shape, num_classes, probe: str, run: str, script: list) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes),
+                         _Disturbances(probe, run, script))
+
+
+INTERVAL_S = 6.0  # checkpoint_every_n_minutes=0.1: ten steps here take under a second unless made to (a slow start
+# that makes the check at step 10 find one due only adds a checkpoint there)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_stream_resumes_at_a_time_based_checkpoint_then_at_a_preemption_notices_and_ends_like_the_loader_path(
+        ray_session, tmp_path, storage):
+    """PNG Parquet, 1 worker, 3 epochs of 20 steps, ``checkpoint_every_n_minutes=0.1`` and no step checkpoints.
+    Step 25 takes 6.5 s, so the check at step 30 finds the time-based checkpoint due: it saves step 30; the
+    worker is SIGKILLed in step 36 and ``max_failures=1`` restarts it there. The restarted worker gets a preemption
+    notice in step 45 (Ray Train's preemption info, deadline far): the check at step 50 saves step 50 and the
+    driver prints the notice; once that is registered the deadline moves to now, Ray Train tears the group down and
+    restarts it (a preemption: not counted against ``max_failures``) at step 50. Each attempt trains exactly its
+    steps and the run ends with the loader path's uninterrupted weights."""
+    import io
+
+    from _reference import train_one_worker
+
+    root, probe = _png_parquet(tmp_path), tmp_path / "probe"
+    reference = _stream_fields(root, tmp_path / "unused", ingest="loader", epochs=3)
+    want, _, _, loaded = train_one_worker(reference)
+    run = f"{storage}/stream-time-notice"
+    script = [(0, 1 + 25, "sleep", INTERVAL_S + 0.5), (0, 1 + 36, "kill", 30),  # forward 1: the FLOPs count's
+              (1, 1 + 45 - 30, "notice", None), (1, 1 + 56 - 30, "reclaim", 50)]
+    fields = {**_stream_fields(root, probe, ingest="ray_data", epochs=3, checkpoint_every_n_minutes=INTERVAL_S / 60,
+                               max_failures=1),
+              "model": mlp_disturbed, "model_kwargs": {"probe": str(probe), "run": run, "script": script}}
+    output = io.StringIO()
+    result = rtm.fit(rtm.TrainConfig(**fields, name="stream-time-notice", storage_path=storage), stream=output)
+    assert _forwards(probe) == [1 + 36, 1 + 56 - 30, 1 + 60 - 50]
+    printed = output.getvalue()
+    assert re.search(r"preempted \(node [0-9a-f]{12}, deadline in \d+ s\): saved step 50", printed), printed
+    assert "resuming at step 30 (10/20 steps of epoch 2 done)" in printed, printed
+    assert "resuming at step 50 (10/20 steps of epoch 3 done)" in printed, printed
+    assert [(row["step"], row["attempt"]) for row in result.history] == [(20, 0), (40, 1), (60, 2)]
+    _assert_weights(result, want, rtol=1e-6)
+    for row, reference_row in zip(result.history, loaded, strict=True):
+        for key in ("train_loss", "val_loss", "test_accuracy"):
+            assert row[key] == pytest.approx(reference_row[key], rel=1e-6), key

@@ -23,7 +23,6 @@ from _engine import make_engine
 from raytrain_mgpu.engine import checkpoints as engine_checkpoint
 from raytrain_mgpu.transports import collective_timeouts, retry
 from raytrain_mgpu.transports.actor_group.stage import StageWorker
-from raytrain_mgpu.transports.ray_train import faults
 from raytrain_mgpu.engine.run_state import RunState
 from raytrain_mgpu.transports.ray_train import worker as ray_train
 from raytrain_mgpu.transports.ray_train import uploads as ray_uploads

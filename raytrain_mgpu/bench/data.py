@@ -22,6 +22,11 @@ its last batch, ``--epochs`` epochs per round after a warm-up epoch, ``--rounds`
 A path's figure is its fastest epoch (on a shared machine other processes only ever add time; the
 median is printed beside it). :data:`PATHS` lists the paths; another ingest adds
 an entry (name, epoch function).
+
+With ``--train-workers 1 2``, a second table: training workers (Ray actors of 1 CPU each, a sleep for a step)
+fed by the loader path, the planned stream and Ray Data's own order, with the epoch row's samples/s and
+``data_wait_share``, and the planned order against Ray Data's own (``bench/data_stream.py``). Its local Ray
+declares the machine's CPUs, or one more than the most workers where that is more.
 """
 
 from __future__ import annotations
@@ -150,13 +155,13 @@ RAY_DATA_PATHS: List[Tuple[str, EpochFunction]] = [("ray_data", _ray_data_epochs
 
 
 @contextlib.contextmanager
-def _local_ray(needed: bool):
-    """A local Ray for the ``ray_data`` path, unless one is connected; shut down after the timing."""
+def _local_ray(needed: bool, num_cpus: Optional[int] = None):
+    """A local Ray for the ``ray_data`` paths, unless one is connected; shut down after the timing."""
     import ray
 
     started = needed and not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         yield
@@ -269,6 +274,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-data", action="store_true", help="also time ingest='ray_data' (Ray Data's tasks decode "
                                                                 "on a local Ray's CPUs; loader workers do not apply)")
+    parser.add_argument("--train-workers", type=int, nargs="*", default=[],
+                        help="also time training workers (Ray actors of 1 CPU) fed by each ingest: samples/s and "
+                             "data_wait_share, per worker count (e.g. 1 2)")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="a training worker's step (a sleep, as a GPU step "
+                                                                   "leaves the host waiting), with --train-workers")
 
 
 def run_and_print(args) -> int:
@@ -288,6 +298,21 @@ def run_and_print(args) -> int:
               f", batch {args.batch_size}, {os.cpu_count()} CPU cores; fastest and median epoch of {args.rounds} "
               f"round(s) x {args.epochs} epoch(s); the same files as Parquet rows and as an ImageFolder tree", flush=True)
         paths = PATHS + (RAY_DATA_PATHS if args.ray_data else [])
-        with _local_ray(args.ray_data):
-            print(report(run(setup, args.loader_workers, args.epochs, args.rounds, paths)))
+        workers = args.train_workers
+        # the workers' CPUs and at least one for Ray Data's tasks (more than a 2-core machine has: said below)
+        cpus = max(os.cpu_count() or 1, max(workers) + 1) if workers else None
+        with _local_ray(args.ray_data or bool(workers), cpus):
+            print(report(run(setup, args.loader_workers, args.epochs, args.rounds, paths)), flush=True)
+            if workers:
+                _print_training_rows(setup, workers, args.epochs, args.step_ms)
     return 0
+
+
+def _print_training_rows(setup: Setup, workers: List[int], epochs: int, step_ms: float) -> None:
+    import ray
+
+    from raytrain_mgpu.bench import data_stream
+
+    print(f"\ntraining workers on a Ray of {ray.cluster_resources().get('CPU', 0):g} CPU ({os.cpu_count()} cores): "
+          f"fastest of {epochs} epoch(s) after a warm-up", flush=True)
+    print(data_stream.report(data_stream.run(setup, workers, epochs, step_ms), step_ms))

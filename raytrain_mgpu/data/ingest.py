@@ -4,8 +4,9 @@ Ray Data streams the ``parquet`` dataset's training split to each Ray Train work
 of each pipeline replica, in a planned order (``engine/stream.py``, ``data/parquet_stream.py``): with the
 loader path's transforms, validation split, step checkpoints and preemption. Other datasets are map-style
 readers built inside each worker (``ray.data.from_torch`` would pull every sample through the driver):
-convert them with ``raytrain-mgpu data convert`` first. A user's own Ray Datasets stream in Ray Data's
-order (``data/ray_datasets.py``): :func:`resumes_mid_epoch` tells them apart.
+convert them with ``raytrain-mgpu data convert`` first. A user's own Ray Datasets stream in the planned
+order where the training split is materialized, else in Ray Data's order (``data/ray_datasets.py``):
+:func:`resumes_mid_epoch` tells them apart.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def check_ingest(cfg) -> None:
 
 def resumes_mid_epoch(cfg) -> bool:
     """Whether ``cfg``'s training split can resume inside an epoch (a step, time-based or preemption checkpoint):
-    the loader path and the planned ``parquet`` stream can; a user's own Ray Datasets, streamed in Ray Data's
-    order, cannot."""
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits, is_ray_datasets
+    the loader path, the planned ``parquet`` stream and a user's materialized Ray Dataset can; a user's Ray Dataset
+    that streams in Ray Data's order cannot."""
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits, is_ray_datasets, planned
 
-    return not (is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits))
+    if is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits):
+        return planned(cfg.dataset)
+    return True

@@ -21,13 +21,21 @@ rank's share reads each row group it touches once (the planned order keeps a win
 and the decode, the costly part on images, is spread over tasks of :data:`DECODE_ROWS` rows. A read task of
 its own per decode block would read every touched row group once per block: ``READ_ROWS / DECODE_ROWS``
 times the bytes.
+
+Where the tasks run (:func:`placement`, asked again at each epoch's start, so a CPU ingest node that comes up or
+goes away is followed from the next epoch): on the CPU ingest nodes where the cluster has one up (nodes labelled
+:data:`INGEST_LABEL`: cluster.yaml's ``cpu`` type), and the training processes keep every CPU of their own nodes;
+elsewhere on the CPUs beside the training processes' placement group (Ray schedules no task of the stream into
+it). Ray Data is told the same: every task of the dataset carries the label selector
+(``ExecutionOptions.label_selector``), and its resource limit is the CPUs the stream may use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -35,7 +43,7 @@ import torch
 from raytrain_mgpu.data.parquet import ParquetImageDataset
 from raytrain_mgpu.data.transforms import TransformedDataset
 
-__all__ = ["ParquetStream", "stream_source", "READ_ROWS", "DECODE_ROWS"]
+__all__ = ["ParquetStream", "stream_source", "READ_ROWS", "DECODE_ROWS", "INGEST_LABEL", "Placement", "placement"]
 
 READ_ROWS = 8192
 """Indices of the rank's share one read task takes (one pass over the row groups they are in)."""
@@ -44,6 +52,50 @@ DECODE_ROWS = 256
 READ_CPUS = 0.5
 """A read task's CPU request: reading encoded bytes waits on storage more than it computes. Unequal to the
 decode task's 1 CPU on purpose: Ray Data fuses map tasks of equal requests into one task."""
+INGEST_LABEL = ("ray-subcluster", "ingest")
+"""The node label (key, value) of CPU ingest nodes. The key is Ray Data's own for a dataset's part of the cluster:
+its resource accounting and autoscaling requests go by the value of it."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one epoch's stream runs its read and decode tasks."""
+
+    label_selector: Optional[dict]
+    """Ray's label selector for every task of the stream; None: any node."""
+    cpus: float
+    """The CPUs its tasks may use: the ingest nodes', or those beside the training processes."""
+    ingest_nodes: int
+    """CPU ingest nodes up."""
+
+    def describe(self) -> str:
+        if self.label_selector:
+            return (f"{self.ingest_nodes} CPU ingest node(s) ({self.cpus:g} CPU, label "
+                    f"{INGEST_LABEL[0]}={INGEST_LABEL[1]}); the training processes keep their nodes' CPUs")
+        return f"{self.cpus:g} CPU beside the training processes"
+
+
+def placement(nodes: List[dict], held_cpus: float) -> Placement:
+    """The stream's :class:`Placement` on a cluster of ``nodes`` (``ray.nodes()``'s entries: ``Alive``,
+    ``Resources``, ``Labels``) whose training processes hold ``held_cpus`` CPUs in their placement group."""
+    alive = [n for n in nodes if n.get("Alive", True)]
+    key, value = INGEST_LABEL
+    ingest = [n for n in alive if (n.get("Labels") or {}).get(key) == value and n["Resources"].get("CPU", 0) > 0]
+    if ingest:
+        return Placement({key: value}, sum(n["Resources"]["CPU"] for n in ingest), len(ingest))
+    total = sum(n["Resources"].get("CPU", 0) for n in alive)
+    return Placement(None, max(total - held_cpus, 0.0), 0)
+
+
+def _current_placement() -> Placement:
+    """:func:`placement` on the connected cluster, for this process's training placement group (a Ray Train
+    worker's, a pipeline stage's; none in a process outside one, e.g. ``bench-data``'s)."""
+    import ray
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    held = sum(bundle.get("CPU", 0) for bundle in group.bundle_specs) if group is not None else 0.0
+    return placement(ray.nodes(), held)
 
 
 def stream_source(dataset) -> Optional["ParquetStream"]:
@@ -83,7 +135,7 @@ class ParquetStream:
         import ray.data
 
         indices = np.asarray(indices, np.int64)
-        with _preserving_order():
+        with _stream_context(_current_placement()):
             blocks = [indices[start:start + READ_ROWS] for start in range(0, len(indices), READ_ROWS)]
             dataset = ray.data.from_numpy(blocks or [indices])  # column "data": one read task a block
             dataset = dataset.map_batches(functools.partial(_read, stream=self), batch_size=None,
@@ -100,18 +152,23 @@ class ParquetStream:
 
 
 @contextlib.contextmanager
-def _preserving_order():
-    """Datasets made here keep their blocks' order (a Dataset copies the current ``DataContext`` when made);
-    the process's context is left as it was."""
+def _stream_context(where: Placement):
+    """Datasets made here keep their blocks' order, and run every task (``from_numpy``'s too) where ``where``
+    says, planning with its CPUs (a Dataset copies the current ``DataContext`` when made); the process's context
+    is left as it was."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
-    saved = context.execution_options.preserve_order, context.enable_progress_bars
-    context.execution_options.preserve_order, context.enable_progress_bars = True, False
+    options = context.execution_options
+    saved = options.preserve_order, options.label_selector, options.resource_limits, context.enable_progress_bars
+    options.preserve_order, context.enable_progress_bars = True, False
+    options.label_selector = where.label_selector or options.label_selector  # else the user's own, if any
+    if where.cpus >= 1:  # fewer: left to Ray Data (the driver refused or warned: transports/ray_data.check_cpus_left)
+        options.resource_limits = options.resource_limits.copy(cpu=where.cpus)
     try:
         yield
     finally:
-        context.execution_options.preserve_order, context.enable_progress_bars = saved
+        options.preserve_order, options.label_selector, options.resource_limits, context.enable_progress_bars = saved
 
 
 def _read(batch: dict, stream: ParquetStream) -> dict:

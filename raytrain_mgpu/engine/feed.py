@@ -96,12 +96,14 @@ class Feed:
 
     def _stream(self, cfg, data, transport, shard: int, num_shards: int):
         """The ``parquet`` split in its planned order (the positions the loader path's sampler would give, read
-        and decoded by Ray Data's tasks: ``data/parquet_stream.py``), or a user's Ray Dataset in Ray Data's order
-        (the transport's shard)."""
+        and decoded by Ray Data's tasks: ``data/parquet_stream.py``), a user's materialized Ray Dataset in the same
+        order (its rows by position: ``data/ray_datasets.PlannedRows``), or another Ray Dataset of theirs in Ray
+        Data's order (the transport's shard)."""
         from raytrain_mgpu.data.parquet_stream import stream_source
+        from raytrain_mgpu.data.ray_datasets import PlannedRows
         from raytrain_mgpu.engine import stream
 
-        source = stream_source(data.train)
+        source = data.train if isinstance(data.train, PlannedRows) else stream_source(data.train)
         if source is not None:
             self.sampler = stream.PlannedSampler(data.train, source.run_starts(), num_replicas=num_shards,
                                                  rank=shard, seed=self.cfg.seed)

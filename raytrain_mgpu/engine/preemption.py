@@ -101,9 +101,10 @@ class PreemptionCheck:
         minutes = getattr(cfg, "checkpoint_every_n_minutes", None)
         self.interval_s = None if minutes is None or since_save is None else minutes * 60.0
         self.since_save = since_save
-        # A user's own Ray Datasets stream in Ray Data's order and restart their epoch on resume: a step checkpoint
-        # could not continue mid-epoch, so such a run does not ask (data/ingest.resumes_mid_epoch). Nor does a
-        # transport where no notice can come (``enabled=False``: the in-process runner).
+        # A user's own Ray Dataset that is not materialized streams in Ray Data's order and restarts its epoch on
+        # resume: a step checkpoint could not continue mid-epoch, so such a run does not ask
+        # (data/ingest.resumes_mid_epoch). Nor does a transport where no notice can come (``enabled=False``: the
+        # in-process runner).
         self.enabled = (enabled and resumes_mid_epoch(cfg) and get_info is not None and local_notice is not None)
         self.get_info, self.local_notice = get_info, local_notice
         self.any_rank = any_rank or AnyRank()

@@ -9,9 +9,10 @@ and a step checkpoint's resume starts the replica's share ``step_in_epoch * B / 
 (``engine/step_checkpoints.ResumableSampler``), also at another worker count. The samples come from Ray Data's CPU
 tasks in that order (``data/parquet_stream.py``).
 
-The user's own Ray Datasets stream in Ray Data's order (:class:`ShardLoader`, over the shard the transport hands
-over: ``Transport.data_shard``), through a local shuffle buffer: no step checkpoints there
-(``data/ray_datasets.check_fields``).
+A user's own materialized Ray Dataset streams in the same planned order, its rows taken by position from its
+blocks (``data/ray_datasets.PlannedRows``). Another Ray Dataset of theirs streams in Ray Data's order
+(:class:`ShardLoader`, over the equal share the transport hands over: ``Transport.data_shard``), through a local
+shuffle buffer: no checkpoints inside an epoch there (``data/ray_datasets.check_fields``).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class PlannedStream:
 
 
 class ShardLoader:
-    """This worker's micro-batches of one epoch from its Ray Data shard, as ``(x, y)`` tensors.
+    """This worker's micro-batches of one epoch from its Ray Data shard, in Ray Data's order (a user's Ray Dataset
+    that is not materialized, collated by their ``collate``; ``bench-data``'s free-order baseline: ``(x, y)``).
 
     ``len()`` is the planned number of micro-batches (the same on every rank). The stream is read
     to its end with the last of them (under one micro-batch is left); an epoch that stops early

@@ -8,9 +8,10 @@ path's), from Ray Data's read and decode tasks (``data/parquet_stream.py``): Ray
 and a resume, at any worker count, continues the epoch at its step.
 
 A user's own Ray Datasets (``data/ray_datasets.py``) go to Ray Train as ``datasets=`` with a ``DataConfig``
-that splits ``train`` (``streaming_split(num_workers, equal=True)``: every worker ``len(train) // num_workers``
-rows, the count the loader path's ``DistributedSampler(drop_last=True)`` gives); the worker reads its share in
-Ray Data's order (``engine/stream.ShardLoader``, with the user's ``collate``).
+that splits what ``ray_datasets.datasets_to_split`` names: nothing for a materialized ``train`` (each worker
+reads its planned positions of the whole split), else ``train`` (``streaming_split(num_workers, equal=True)``:
+every worker ``len(train) // num_workers`` rows, the count the loader path's ``DistributedSampler(drop_last=True)``
+gives, read in Ray Data's order: ``engine/stream.ShardLoader``, with the user's ``collate``).
 
 :func:`train_dataset`, Ray Data's own order: ``read_parquet`` of split files (``FileShuffleConfig``, seeded and
 reseeded each epoch), or the 90/10 split's rows read by number in blocks; decoded (PNG/JPEG), reshaped and
@@ -24,7 +25,7 @@ import contextlib
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ def trainer_datasets(cfg: "TrainConfig") -> dict:
     """``TorchTrainer`` keyword arguments: a user's own Ray Datasets as ``datasets=`` with the ``DataConfig``
     that splits ``train``; nothing otherwise (the ``parquet`` stream is made by each worker, in its planned
     order: ``data/parquet_stream.py``)."""
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits
+    from raytrain_mgpu.data.ray_datasets import RayDataSplits, datasets_to_split
 
     if cfg.ingest != "ray_data" or not isinstance(cfg.dataset, RayDataSplits):
         return {}
@@ -65,24 +66,38 @@ def trainer_datasets(cfg: "TrainConfig") -> dict:
     if datasets is None:
         raise ValueError(f"TrainConfig.dataset={cfg.dataset!r} arrived without its Ray Datasets (they stay in "
                          f"the driver that read them). Pass the dict of Ray Datasets to fit in this process.")
-    return {"datasets": dict(datasets), "dataset_config": DataConfig(datasets_to_split=["train"])}
+    return {"datasets": dict(datasets), "dataset_config": DataConfig(datasets_to_split=datasets_to_split(cfg.dataset))}
 
 
-def check_cpus_left(cfg: "TrainConfig", plan, capacity=None) -> None:
-    """Ray Data's read and decode tasks need a CPU that the training bundles do not hold. On a
-    cluster that cannot grow, a run without one would wait for ever (the bundles placed, the first
-    read task pending): refused here, before any bundle is placed, with the numbers and the fix. An
-    autoscaling cluster can add a CPU node, so there it is a warning."""
+def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Optional[str]:
+    """Where Ray Data's read and decode tasks run, as the start banner's line (None: nothing streams).
+
+    The ``parquet`` stream runs them on the cluster's CPU ingest nodes where one is up (``data/parquet_stream
+    .placement``): the training processes keep their nodes' CPUs. Elsewhere they need CPUs that the training
+    bundles do not hold, shared by the streams (one per reading process). On a cluster that cannot grow, a run
+    without one would wait for ever (the bundles placed, the first read task pending): refused here, before any
+    bundle is placed, with the numbers and the fix. An autoscaling cluster can add a CPU node, so there it is a
+    warning. ``nodes``: ``ray.nodes()``'s entries (read here unless given; a given ``capacity`` alone stands
+    for its alive nodes, without labels)."""
     if cfg.ingest != "ray_data":
-        return
+        return None
+    from raytrain_mgpu.data.parquet_stream import placement
     from raytrain_mgpu.driver.cluster import read_capacity
 
+    if nodes is None:
+        nodes = _alive_nodes() if capacity is None else [{"Resources": dict(n)} for n in capacity.alive]
     capacity = capacity if capacity is not None else read_capacity()
     bundles = plan.bundles  # the run plan's: every process of either runner
     held = sum(bundle.get("CPU", 0) for bundle in bundles)
+    where = placement(nodes, held)
+    if where.label_selector and cfg.dataset == "parquet":  # a user's own Ray Datasets run where they say
+        return f"ingest: Ray Data's tasks on {where.describe()}"
     total = capacity.max_total("CPU", unlimited=len(bundles) + 1)
+    streams = plan.replicas if plan.runner == "actor_group" else plan.num_processes  # the reading processes
     if total - held >= 1:
-        return
+        spare = total - held
+        return (f"ingest: Ray Data's tasks on {'up to ' if capacity.autoscales else ''}{spare:g} CPU beside the "
+                f"training processes' {held:g} ({spare / streams:.3g} per stream, {streams} stream(s))")
     message = (f"ingest='ray_data': the training processes hold {held:g} of the cluster's {total:g} CPU "
                f"({len(bundles)} x {bundles[0].get('CPU', 0):g}), so Ray Data's read and decode tasks would wait "
                f"for a CPU for ever. Leave at least 1 CPU free: lower num_workers"
@@ -90,8 +105,14 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None) -> None:
                + " or cpus_per_worker, or add a CPU node.")
     if capacity.autoscales:
         logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
-        return
+        return "ingest: Ray Data's tasks wait for a CPU node to be added (see the warning above)"
     raise ValueError(message)
+
+
+def _alive_nodes() -> list:
+    import ray
+
+    return [node for node in ray.nodes() if node.get("Alive")]
 
 
 def train_dataset(data_cfg: "DataConfig", transform=None):
