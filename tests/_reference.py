@@ -85,6 +85,23 @@ def one_worker_weights(**fields) -> dict:
     return {k: v.clone() for k, v in _CACHE[key].items()}
 
 
+def plain_weights(cfg, batches, input_shape: tuple, num_classes: int) -> dict:
+    """``cfg``'s model (seeded as a run) after one optimizer step on each ``(x, y)`` of ``batches`` in this process,
+    cross-entropy on the whole batch: what a data- or tensor-parallel group of ranks must end with."""
+    from torch.nn import functional as F
+
+    from raytrain_mgpu.models import build_model
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, input_shape, num_classes, cfg.model_kwargs)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    for x, y in batches:
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
 def build_rank_model(cfg, strategy, input_shape, num_classes):
     """The engine's initial model (``engine/checkpoints.build_model``) for ``strategy``'s rank."""
     from raytrain_mgpu.engine.checkpoints import build_model

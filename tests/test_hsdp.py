@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import _forkserver
 from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.models import build_model
+from _reference import plain_weights
 from raytrain_mgpu.optim import build_optimizer
 
 WORLD, SHARD, STEPS, BATCH = 4, 2, 3, 16
@@ -75,16 +75,10 @@ def test_hsdp_shards_inside_groups_replicates_across_them_and_trains_like_one_pr
         assert fact["local"] == [16 // SHARD, 8], fact  # half of the (16, 8) weight: sharded over 2, not 4
         assert fact["shard_group"] == [SHARD * (rank // SHARD) + i for i in range(SHARD)], fact  # its node's ranks
     cfg = TrainConfig(**{**CFG, "strategy": "ddp", "num_workers": 1, "shard_group_size": None})
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, (8,), 4, cfg.model_kwargs)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    for x, y in _batches():
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    reference = plain_weights(cfg, _batches(), (8,), 4)
     trained = torch.load(tmp_path / "weights.pt", weights_only=True)
-    assert trained.keys() == model.state_dict().keys()
-    for key, value in model.state_dict().items():
+    assert trained.keys() == reference.keys()
+    for key, value in reference.items():
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 

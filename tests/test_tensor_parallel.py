@@ -161,21 +161,12 @@ def _mlp_batches() -> list:
 
 
 def test_a_users_plan_splits_a_model_that_has_none_and_trains_like_one_process(tmp_path):
-    from torch.nn import functional as F
-
-    from raytrain_mgpu.models import build_model
-    from raytrain_mgpu.optim import build_optimizer
+    from _reference import plain_weights
 
     _forkserver.start_gloo_ranks(_user_plan_rank, (str(tmp_path),), nprocs=2)
     cfg = rtm.TrainConfig(**{**MLP_PLAN, "tensor_parallel_size": 1, "tensor_parallel_plan": None})
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, (8,), 4, cfg.model_kwargs)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    for x, y in _mlp_batches():
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    _assert_close(torch.load(tmp_path / "weights.pt", weights_only=True), model.state_dict(), rtol=1e-5)
+    _assert_close(torch.load(tmp_path / "weights.pt", weights_only=True), plain_weights(cfg, _mlp_batches(), (8,), 4),
+                  rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- a Hugging Face model's own plan
