@@ -101,3 +101,23 @@ def test_config_accepts_auto_and_a_budget_with_units():
     assert cfg.name == "lenet-digits-auto" and cfg.memory_budget_bytes == 4 * MiB
     with pytest.raises(ValueError, match=r"TrainConfig.memory_budget_bytes='lots' is not a size"):
         rtm.TrainConfig(strategy="auto", memory_budget_bytes="lots")
+
+
+def test_a_resumed_run_keeps_the_tensor_groups_it_started_with(tmp_path):
+    """auto chose fsdp with tensor groups (plain fsdp did not fit): the resume keeps the groups, not plain fsdp."""
+    checkpoint = tmp_path / "lm-run" / "checkpoint_epoch000001"
+    checkpoint.mkdir(parents=True)
+    lm = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24,
+              model_kwargs={"num_layers": 2, "hidden": 16, "num_heads": 4}, name="lm-run", storage_path=str(tmp_path))
+    started = rtm.TrainConfig(**lm, strategy="fsdp", num_workers=2, tensor_parallel_size=2)
+    (checkpoint / "meta.json").write_text(json.dumps({"strategy": "fsdp", "config": started.to_dict()}))
+    resolved, _ = resolve_auto(rtm.TrainConfig(**lm), ClusterInfo((2,), False))
+    assert (resolved.strategy, resolved.num_workers, resolved.tensor_parallel_size) == ("fsdp", 2, 2)
+
+
+def test_fsdp_offers_no_tensor_groups_where_the_cluster_has_no_device():
+    from raytrain_mgpu.planning.auto import layouts
+
+    cfg = rtm.TrainConfig(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24)
+    assert layouts(cfg, "fsdp", ClusterInfo((0,), True)) == ({},)  # GPUs asked for, none there: no bare max() error
+    assert {"tensor_parallel_size": 2, "num_workers": 2} in layouts(cfg, "fsdp", ClusterInfo((2,), True))

@@ -303,3 +303,16 @@ def test_a_materialized_dataset_killed_mid_epoch_resumes_at_its_step_checkpoint_
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=key)
     for row, reference_row in zip(result.history, reference, strict=True):  # the resumed epoch's sums continued
         assert row["train_loss"] == pytest.approx(reference_row["train_loss"], rel=1e-6)
+
+
+def test_a_materialized_splits_planned_order_does_not_depend_on_its_blocks():
+    """Over 8,192 rows the planned order is cut into windows: of fixed runs of positions, not of the blocks, so a
+    resume whose Dataset holds the same rows in other blocks (another driver) continues the same order."""
+    from raytrain_mgpu.data.ray_datasets import PlannedRows
+    from raytrain_mgpu.engine.stream import planned_order
+
+    one, other = PlannedRows(None, None, [5000, 5000]), PlannedRows(None, None, [3000, 6000, 1000])
+    assert one.run_starts() == other.run_starts()
+    orders = [planned_order(10_000, seed=3, epoch=1, run_starts=rows.run_starts()) for rows in (one, other)]
+    assert torch.equal(*orders) and sorted(orders[0].tolist()) == list(range(10_000))
+    assert not torch.equal(orders[0], torch.randperm(10_000, generator=torch.Generator().manual_seed(4)))  # windows

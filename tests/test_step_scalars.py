@@ -40,21 +40,20 @@ def _engine(monkeypatch, log_every_n_steps: int, sink) -> tuple:
     assert engine.feed.steps_per_epoch == STEPS_PER_EPOCH and engine.feed.accum == ACCUM
     strategy, optimizer = engine.steps.strategy, engine.optimizer
     seen = {"losses": [], "lrs": [], "norms": []}
-    compute_loss, clip = strategy.compute_loss, torch.nn.utils.clip_grad_norm_
+    compute_loss, clip = strategy.compute_loss, torch.nn.utils.clip_grads_with_norm_
 
     def recorded_loss(*args):
         loss, outputs = compute_loss(*args)
         seen["losses"].append(loss.item())
         return loss, outputs
 
-    def recorded_clip(*args, **kwargs):  # just before each optimizer step
-        norm = clip(*args, **kwargs)
-        seen["norms"].append(norm.item())
+    def recorded_clip(parameters, max_norm, norm, *args, **kwargs):  # just before each optimizer step
+        clip(parameters, max_norm, norm, *args, **kwargs)
+        seen["norms"].append(norm.item())  # the total norm the clip used
         seen["lrs"].append(optimizer.param_groups[0]["lr"])
-        return norm
 
     monkeypatch.setattr(strategy, "compute_loss", recorded_loss)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded_clip)
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", recorded_clip)
     return engine, seen
 
 

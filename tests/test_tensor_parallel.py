@@ -229,7 +229,7 @@ def _run_hf(fields: dict, storage: str) -> None:
     ({"use_gpu": True, "precision": "16-mixed", "strategy": "ddp"},
      r"precision='16-mixed' with tensor_parallel_size=2: the GradScaler's overflow check"),
     ({"dataset": "parquet", "data_root": "/tmp/none.parquet", "ingest": "ray_data"},
-     r"ingest='ray_data' with tensor_parallel_size=2: Ray Data streams each worker a share of its own"),
+     r"ingest='ray_data' with tensor_parallel_size=2: the workers of a tensor group must read the same batches"),
     ({"tensor_parallel_plan": {"1.0": "columns"}}, r"tensor_parallel_plan=\{'1.0': 'columns'\}: must map module paths "
                                                    r"to styles, one of \['colwise', 'rowwise'"),
 ])
@@ -450,4 +450,17 @@ def test_a_ray_train_fit_with_tensor_groups_on_emulated_gpus_ends_with_one_worke
     model = result.load_model()
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     weights, _ = _one_process(fields, epochs=1)
+    _assert_close(model.state_dict(), weights)
+
+
+def test_gradient_clipping_with_tensor_groups_clips_by_the_whole_models_norm(tmp_path):
+    """``grad_clip_norm`` sees every parameter's gradient, whether the plan split it (a DTensor on the 2-D mesh) or
+    left it whole (``transformer_lm``'s position embedding: FSDP's shard over ``data`` alone): the same clipped steps
+    as one process."""
+    fields = {**LM, "tensor_parallel_size": 2, "grad_clip_norm": 0.05, "epochs": 1}
+    _run(fields, 2, str(tmp_path), "clip")
+    model = _result(fields, str(tmp_path), "clip").load_model()
+    weights, _ = _one_process(fields)
+    unclipped, _ = _one_process({**fields, "grad_clip_norm": None})
+    assert any((weights[k] - unclipped[k]).abs().max() > 1e-3 for k in weights)  # the clip bit
     _assert_close(model.state_dict(), weights)

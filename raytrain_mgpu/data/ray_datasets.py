@@ -155,7 +155,8 @@ class RayDataSplits:
     The Datasets stay on the driver: ``datasets`` is not pickled (nor copied) with the config; Ray
     Train hands them to the workers (``transports/ray_data.trainer_datasets``). ``block_rows``: a materialized
     training split's blocks' row counts (a list: the run folder's record leaves it out, so a resume may bring the
-    same rows in other blocks), None where it streams in Ray Data's order."""
+    same rows in other blocks: the planned order does not depend on them), None where it streams in Ray Data's
+    order."""
 
     def __init__(self, splits: Tuple[str, ...], num_train: int, input_shape: Any, num_classes: Optional[int],
                  datasets: Optional[dict] = None, block_rows: Optional[list] = None):
@@ -234,10 +235,14 @@ class _Sized:
         raise TypeError("the training split of Ray Datasets is streamed (transports/ray_data.py), not indexed")
 
 
+RUN_ROWS = 256
+"""Consecutive positions of a materialized split that the planned order keeps together (``PlannedRows.run_starts``)."""
+
+
 class PlannedRows:
     """A materialized training split by position: sample ``i`` is row ``i`` of its blocks in order. The source a
     ``engine/stream.PlannedStream`` reads a rank's planned positions from (as ``data/parquet_stream.ParquetStream``
-    for Parquet): :meth:`run_starts` (the blocks, which the planned order's windows keep whole) and :meth:`batches`.
+    for Parquet): :meth:`run_starts` (runs of positions the planned order's windows keep whole) and :meth:`batches`.
 
     ``iterator``: the whole split's ``DataIterator`` (Ray Train's unsplit dataset shard, or the pipeline driver's);
     its blocks' references are taken once, on first use (``DataIterator.materialize``: the blocks themselves stay in
@@ -259,7 +264,10 @@ class PlannedRows:
         raise TypeError("the training split of Ray Datasets is streamed by position (PlannedRows.batches)")
 
     def run_starts(self) -> list:
-        return self.starts[:-1].tolist()
+        """Runs of :data:`RUN_ROWS` consecutive positions, which the planned order's windows keep together (a window
+        touches few blocks): fixed by the split's size alone, not by its blocks, so a resume whose Dataset holds the
+        same rows in other blocks (another driver, another cluster) continues the same order."""
+        return list(range(0, len(self), RUN_ROWS))
 
     def _blocks(self) -> list:
         """The split's block references, in order; the same row counts the driver counted, or the error."""

@@ -20,6 +20,30 @@ from raytrain_mgpu.engine.liveness import POSITION
 __all__ = ["DataParallelSteps"]
 
 
+def total_norm(grads: list) -> torch.Tensor:
+    """The gradients' total 2-norm, also where they are DTensors on different meshes (tensor parallel: a planned
+    layer's on the ``(data, tensor)`` mesh, a layer the plan left whole on ``data`` alone), which one norm over all
+    of them refuses: each mesh's norm, made whole (a collective on that mesh), then combined."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = _by_mesh(grads, lambda grad: grad)
+    if len(meshes) == 1:  # one mesh (fsdp, ddp) or none: torch's own
+        return torch.nn.utils.get_total_norm(grads)
+    norms = [torch.nn.utils.get_total_norm(group) for group in meshes.values()]
+    return torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+
+
+def _by_mesh(items: list, tensor_of: Callable) -> dict:
+    """``items`` grouped by the device mesh of ``tensor_of(item)`` (None for a plain tensor), in order."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for item in items:
+        tensor = tensor_of(item)
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(item)
+    return groups
+
+
 class DataParallelSteps(Steps):
     """``strategy`` on this rank (its placement, then its replication) as the engine's step runner."""
 
@@ -65,7 +89,7 @@ class DataParallelSteps(Steps):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
-        return torch.nn.utils.get_total_norm(grads)
+        return total_norm(grads)
 
     def load_optimizer(self, optimizer, train_state: dict) -> None:
         self.strategy.load_optimizer_state_dict(self.model, optimizer, train_state["optimizer"])
@@ -102,7 +126,11 @@ class DataParallelSteps(Steps):
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip this worker's model's gradients to ``max_norm``; their total norm (on the device, unread)."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = total_norm([p.grad for p in params])
+        for group in _by_mesh(params, lambda p: p.grad).values():  # one mesh at a time (a foreach op spans one)
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+        return norm
 
     def evaluate(self, loader, meter) -> None:
         from raytrain_mgpu.batches import move_batch

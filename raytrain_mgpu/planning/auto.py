@@ -295,7 +295,7 @@ def previous_layout(cfg) -> Optional[dict]:
     newest = RunFolder.of(cfg).newest_checkpoint()
     saved = newest.meta.get("config", {}) if newest is not None else {}
     keys = ("strategy", "num_workers", "gpus_per_worker", "num_stages", "num_microbatches", "schedule",
-            "balance", "placement")
+            "balance", "placement", "tensor_parallel_size")
     layout = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in keys}
     return layout if layout.get("strategy") else None
 

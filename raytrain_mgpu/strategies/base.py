@@ -82,9 +82,9 @@ TENSOR_PARALLEL_REFUSALS = (
             "overflow check sees only this worker's part of each layer, so workers could disagree on skipping a "
             "step. Use precision='bf16-mixed'."),
     Refusal(lambda cfg: cfg.tensor_parallel_size > 1 and cfg.ingest == "ray_data",
-            "TrainConfig.ingest='ray_data' with tensor_parallel_size={cfg.tensor_parallel_size}: Ray Data streams each "
-            "worker a share of its own, and the workers of a tensor group must read the same batches. Use "
-            "ingest='loader'."),
+            "TrainConfig.ingest='ray_data' with tensor_parallel_size={cfg.tensor_parallel_size}: the workers of a "
+            "tensor group must read the same batches, and a stream shared by a group is not tested yet. Use "
+            "ingest='loader' (a Ray Dataset: write it to Parquet, then dataset='parquet')."),
 )
 """What tensor parallel (``fsdp``, ``ddp``) cannot run, checked by those strategies' ``validate``."""
 

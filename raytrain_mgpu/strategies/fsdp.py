@@ -71,6 +71,8 @@ class FSDPStrategy(Strategy):
         """Tensor groups of 2, 4, 8 devices inside each node: each layer split too, when even its shards (its
         parameters, gradients and optimizer state, with a block gathered and its activations) do not fit."""
         node = min(info.devices_per_node)
+        if not node:  # no device to split a layer over
+            return ()
         return tuple({"tensor_parallel_size": t, "num_workers": t * data_parallel_workers(cfg, info.num_devices // t)}
                      for t in (2, 4, 8) if node % t == 0)
 
