@@ -256,7 +256,9 @@ def test_two_workers_killed_mid_epoch_resume_on_one_worker_from_a_second_driver_
     want, _, _, _ = train_one_worker(_stream_fields(root, tmp_path / "unused", ingest="loader"))
     fields = _stream_fields(root, probe, ingest="ray_data", checkpoint_every_n_steps=10, num_workers=2)
     fields["model_kwargs"].update(after_forwards=36, run=f"{storage}/stream-two", registered=30)
-    with pytest.raises(Exception, match="died"):  # no retry left: the run fails, its checkpoints kept
+    # No retry left: the run fails, its checkpoints kept. The error is the killed worker's death or the survivor's
+    # lost peer (gloo's "Connection reset by peer"), whichever Ray Train reports first: the note is in both.
+    with pytest.raises(Exception, match=r"training run 'stream-two' failed\. Checkpoints written so far are kept"):
         rtm.fit(rtm.TrainConfig(**fields, name="stream-two", storage_path=storage))
     assert (probe / "died").exists()
     before = set(probe.glob("forwards-*"))
