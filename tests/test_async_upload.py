@@ -5,8 +5,8 @@ One Ray run with step checkpoints every 5 steps and two faults (``_probe_data``'
 restart: rank 0, its uploads slowed, is SIGKILLed in the middle of its third upload (step 15's); in the
 restarted group, rank 1 is SIGKILLed inside epoch 2, in step 35, once step 30's checkpoint is registered.
 Checked over all of its processes: batches were trained during the uploads, uploads ran one at a time in
-report order, the driver's ``on_checkpoint`` got persisted, loadable checkpoints once each and in order, the
-first restart resumed from the last complete checkpoint (not the half-written one) and the second from the
+report order, the driver's ``on_checkpoint`` (told by Ray Train's controller) got persisted, loadable checkpoints
+once each and in order, the first restart resumed from the last complete checkpoint (not the half-written one) and the second from the
 step checkpoint inside the epoch, each restarted rank trained exactly the rest after it (a reclaimed node
 cost at most K steps), and the run ended with the weights and the epoch rows of the undisturbed run (2 ddp
 replicas emulated in the test's process, ``tests/_reference.py``: bit for bit what a 2-worker fit trains).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,67 +47,56 @@ UPLOAD_S = 0.5
 # ---------------------------------------------------------------------------- no Ray
 
 
-class _Reporter:
-    sink = "the driver's"  # a WorkerReporter that reaches a driver (rank 0's)
+class _Sink:
+    """The run's progress channel: what is put in, and a drain that hands it out ``late`` drains later."""
 
-    def __init__(self):
-        self.paths = []
+    def __init__(self, late: int = 0):
+        self.events, self.late = [], late
+        self.put = SimpleNamespace(remote=lambda kind, payload: self.events.append((kind, payload)))
+        self.drain = SimpleNamespace(remote=self._drain)
 
-    def checkpoint(self, path):
-        self.paths.append(path)
-
-
-@pytest.fixture
-def fake_ray(monkeypatch):
-    """Ray Train's latest checkpoint as a settable path; reports collected at once. Returns
-    (latest, uploads, reporter, folder)."""
-    latest = {"path": None}
-    monkeypatch.setattr(ray.train, "get_checkpoint",
-                        lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
-    monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
-    return latest, ray_uploads.Uploads(owner=None), _Reporter(), RunFolder("/storage/run")
+    def _drain(self):
+        self.late -= 1
+        if self.late >= 0:
+            return []
+        events, self.events = self.events, []
+        return events
 
 
-def test_announcements_follow_the_uploads_in_order_even_when_ray_registers_two_at_once(fake_ray):
-    latest, uploads, reporter, folder = fake_ray
-    for name in ("checkpoint_a", "checkpoint_b", "checkpoint_c"):
-        uploads.announce_when_persisted(uploads.add(name), folder, reporter)
-    assert not uploads.wait_persisted(timeout_s=0.1)  # nothing uploaded yet: a new save would wait
-    time.sleep(0.1)
-    assert reporter.paths == []
-    latest["path"] = "/storage/run/checkpoint_a"
-    assert uploads.wait_persisted(0, timeout_s=5) and not uploads.wait_persisted(timeout_s=0.1)
-    latest["path"] = "/storage/run/checkpoint_c"  # b and c registered between two polls
-    done = threading.Thread(target=uploads.flush)
-    done.start()
-    done.join(timeout=10)
-    assert not done.is_alive()
-    assert reporter.paths == ["/storage/run/checkpoint_a", "/storage/run/checkpoint_b", "/storage/run/checkpoint_c"]
+def test_ray_trains_controller_announces_each_registered_checkpoint_by_its_storage_uri():
+    from raytrain_mgpu.transports.ray_train.driver import run_config
+
+    cfg = rtm.TrainConfig(storage_path="s3://bucket/runs", name="r")
+    sink = _Sink()
+    (announcer,) = run_config(cfg, sink).callbacks  # what run_train_workers hands Ray Train's controller
+    announcer.after_report(None, [{"epoch": 1}], None)  # a report without a checkpoint: nothing to tell
+    announcer.after_report(None, [{"epoch": 1}], SimpleNamespace(path="bucket/runs/r/checkpoint_epoch000001"))
+    assert sink.events == [("checkpoint", "s3://bucket/runs/r/checkpoint_epoch000001")]
+    local = run_config(rtm.TrainConfig(storage_path="/tmp/runs", name="r"), sink).callbacks[0]
+    local.after_report(None, [{}], SimpleNamespace(path="/tmp/runs/r/checkpoint_epoch000002"))
+    assert sink.events[-1] == ("checkpoint", "/tmp/runs/r/checkpoint_epoch000002")
 
 
-def test_an_upload_the_announcer_never_saw_as_latest_is_announced_once_a_later_synchronous_one_is(fake_ray):
-    """The race a CI run hung in: a slow announcer looks only after the run's last (synchronous)
-    save has replaced the latest checkpoint; it must count as persisted, not wait for ever."""
-    latest, uploads, reporter, folder = fake_ray
-    uploads.announce_when_persisted(uploads.add("checkpoint_async"), folder, reporter)
-    uploads.add("checkpoint_last")  # the synchronous save, reported before the announcer looked again
-    latest["path"] = "/storage/run/checkpoint_last"
-    assert uploads.flush(timeout_s=10)
-    assert reporter.paths == ["/storage/run/checkpoint_async"]
+def test_the_driver_waits_for_the_last_announcement_a_bounded_time(monkeypatch):
+    """The controller's announcement is not ordered with the run's end: after the run, the driver drains until
+    the last checkpoint's is delivered (on_checkpoint called), and gives up with a warning after the bound."""
+    from raytrain_mgpu.driver import progress
 
-
-def test_a_stuck_announcement_delays_the_end_of_a_run_by_the_flush_timeout_only(monkeypatch):
-    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)  # never persisted
-    uploads = ray_uploads.Uploads(owner=None)
-    uploads.announce_when_persisted(uploads.add("checkpoint_a"), RunFolder("/storage/run"), _Reporter())
+    monkeypatch.setattr(progress.ray, "get", lambda events, timeout=None: events)
+    seen = []
+    sink = _Sink(late=3)  # delivered at the fourth drain
+    pump = progress.SinkPump(sink, SimpleNamespace(checkpoint=seen.append), stall_timeout_s=0)
+    sink.put.remote("checkpoint", "/runs/r/checkpoint_epoch000002")
+    assert pump.wait_for_checkpoint("/runs/r/checkpoint_epoch000002", timeout_s=30)
+    assert seen == ["/runs/r/checkpoint_epoch000002"]
     started = time.monotonic()
-    assert not uploads.flush(timeout_s=0.3)
+    assert not pump.wait_for_checkpoint("/runs/r/checkpoint_epoch000003", timeout_s=0.3)  # never announced
     assert time.monotonic() - started < 5
 
 
 def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo_group):
-    """Nothing is left to overlap with: the train function must not return with an upload
-    unannounced. Any other save is asynchronous. The engine's saves of epochs 1 and 2 of 2 on ranks 0 and 1,
+    """Nothing is left to overlap with: the train function must not return before its last checkpoint is
+    registered. Any other save is asynchronous. The engine's saves of epochs 1 and 2 of 2 on ranks 0 and 1,
     through the Ray Train transport (Ray Train's calls faked, tests/test_wiring.py)."""
     from test_wiring import ray_train_engine
 
@@ -125,6 +113,7 @@ def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
     monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: None))
     for rank in (0, 1):
         for epoch in (1, 2):
             state = RunState(epoch=epoch, step=10 * epoch, history=[{"epoch": e} for e in range(1, epoch + 1)])

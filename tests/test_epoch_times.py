@@ -72,25 +72,33 @@ def test_step_checkpoints_and_the_wait_for_the_last_reports_are_checkpoint_time_
     assert row["eval_s"] == 0.0  # train_epoch's row; run_epochs times the evaluation
 
 
-def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_driver_before_the_report(
+def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_driver_before_the_upload(
         monkeypatch, storage):
+    """The save's own time is added to the epoch's row, written into the checkpoint's history and sent to the
+    driver, all before Ray Train's upload may read the folder (the checkpoint is reported before its write: the
+    metrics Ray Train gets are the row without this save's time)."""
     from test_wiring import ray_train_engine
 
     order, reported = [], []
 
-    def report(metrics, checkpoint=None, **upload):
+    def report(metrics, checkpoint=None, checkpoint_upload_fn=None, **upload):  # Ray Train's upload deferred
         order.append("report")
-        history = json.loads((Path(checkpoint.path) / "history.json").read_text())
-        reported.append((dict(metrics), history))
+        reported.append((dict(metrics), checkpoint, checkpoint_upload_fn))
+
+    def upload(checkpoint, name):  # Ray Train's upload thread, once the write lets it
+        order.append("upload")
+        return json.loads((Path(checkpoint.path) / "history.json").read_text())
 
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(ray.train, "get_context",
+                        lambda: SimpleNamespace(get_storage=lambda: SimpleNamespace(persist_current_checkpoint=upload)))
     monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
     monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
     row = {"epoch": 1, "checkpoint_s": 0.25, "eval_s": 0.0}  # 0.25 s of the epoch's step checkpoints
     engine = ray_train_engine(dict(epochs=3), 0, 1, RunState(epoch=1, step=10, history=[row]), storage)
     engine.reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])))
-    engine.transport.reporter = None  # no announcement of the upload (it would wait for Ray Train's registration)
+    engine.transport.reporter = SimpleNamespace(flush=lambda: order.append("flushed"))
     strategy = engine.steps.strategy
     state_dict = strategy.state_dict
 
@@ -102,10 +110,13 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
     started = time.perf_counter()
     engine.checkpoints.saver.save(row, send_row=True)
     stall = time.perf_counter() - started
-    (metrics, history), = reported
-    assert 0.25 + SAVE_S <= metrics["checkpoint_s"] <= 0.25 + stall
-    assert history[-1]["checkpoint_s"] == metrics["checkpoint_s"]  # the checkpoint's history holds it too
-    assert order == [("row", metrics["checkpoint_s"]), "report"]  # the progress line first, with it
+    (metrics, checkpoint, upload_when_written), = reported
+    assert metrics["checkpoint_s"] == 0.25  # reported before the write
+    history = upload_when_written(checkpoint, "checkpoint_epoch000001")
+    assert 0.25 + SAVE_S <= history[-1]["checkpoint_s"] <= 0.25 + stall  # the checkpoint's history holds it
+    assert engine.state.history[-1]["checkpoint_s"] == history[-1]["checkpoint_s"]  # and the run's row
+    # the progress line, with it, and every event in the driver's mailbox before the upload (and the announcement)
+    assert order == ["report", ("row", history[-1]["checkpoint_s"]), "flushed", "upload"], order
 
 
 def test_the_progress_line_says_where_the_epochs_time_went():

@@ -299,7 +299,7 @@ def test_credentials_in_uris_are_redacted(text, expected):
 
 def test_banner_and_failure_message_hold_no_secret():
     from raytrain_mgpu.api import _banner
-    from raytrain_mgpu.transports.ray_train.driver import whole_failure
+    from raytrain_mgpu.transports.retry import whole_failure
     from raytrain_mgpu.strategies.plan import build_plan
 
     cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")

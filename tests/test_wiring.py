@@ -102,15 +102,30 @@ def test_the_last_save_returns_only_after_the_controller_took_the_report(rank, m
     assert time.monotonic() - start >= COLLECT_AFTER_S
 
 
+class _Reporter:
+    """Rank 0's reporter: its flush (every event it sent is in the driver's mailbox) recorded."""
+
+    def __init__(self, events: list):
+        self.events, self.sink = events, "the driver's"
+
+    def flush(self):
+        self.events.append("flushed")
+
+    def epoch(self, metrics):
+        self.events.append("epoch row")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_written(rank, monkeypatch, tmp_path,
-                                                                                      storage, gloo_group):
-    """A step checkpoint (background upload) is reported before its write (after the save's one gather, which
-    checks that every rank's weights are finite), so the other ranks' wait for the controller overlaps rank 0's
-    write (issue 24); Ray Train's upload of rank 0's folder waits until it is complete; the other ranks still
-    return only once the controller holds their report (rank 0's is queued after the upload, and waited for
-    before its next save)."""
+@pytest.mark.parametrize("kind", ["step", "epoch"])
+def test_a_checkpoint_uploaded_in_the_background_is_reported_before_its_write_and_uploaded_only_once_written(
+        kind, rank, monkeypatch, tmp_path, storage, gloo_group):
+    """A step or epoch checkpoint (background upload) is reported before its write (after the save's one gather,
+    which checks that every rank's weights are finite), so the other ranks' wait for the controller overlaps
+    rank 0's write; Ray Train's upload of rank 0's folder waits until it is complete and rank 0's events (the
+    epoch's row) are in the driver's mailbox, so the controller's announcement comes after them; the other ranks
+    still return only once the controller holds their report (rank 0's is queued after the upload, and waited
+    for before its next save)."""
     events: list = []
     controller = _Controller(events)
     uploaded: list = []
@@ -124,6 +139,7 @@ def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_w
 
         def upload_then_queue():  # Ray Train's upload thread: the upload, then the report is queued
             uploaded.append(sorted(p.name for p in checkpoint_upload_fn(checkpoint, "ckpt").iterdir()))
+            events.append("uploaded")
             controller.results.put((metrics, checkpoint))
 
         threading.Thread(target=upload_then_queue, daemon=True).start()
@@ -140,18 +156,24 @@ def test_a_step_checkpoint_is_reported_before_its_write_and_uploaded_only_once_w
     monkeypatch.setattr(engine_checkpoint, "all_gather_objects", gather)
     monkeypatch.setattr(ray_train.tempfile, "tempdir", str(tmp_path))  # the folder outlives the upload here
 
-    # 10 steps into epoch 2 of 2: a step checkpoint, uploaded in the background
-    engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), rank, 2,
-                              RunState(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}]), storage)
-    engine.transport.reporter = None  # no announcement of the upload (it would wait for Ray Train's registration)
-    engine.checkpoints.saver.save({"epoch": 1, "step": 32, "step_in_epoch": 10}, partial={"samples": 320})
+    if kind == "step":  # 10 steps into epoch 2 of 2: a step checkpoint
+        state, args = RunState(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}]), dict(partial={"samples": 320})
+    else:  # the end of epoch 1 of 2
+        state, args = RunState(epoch=1, step=22, history=[{"epoch": 1}]), dict(send_row=True)
+    engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), rank, 2, state, storage)
+    if rank == 0:
+        engine.transport.reporter = engine.reporter = _Reporter(events)
+    engine.checkpoints.saver.save({"epoch": 1, "step": state.step}, **args)
     events.append("returned")
     controller.thread.join(timeout=30)
     if rank == 0:
         assert events[:2] == ["gather", ("report", [])], events  # an empty folder: reported before the write
         assert uploaded == [["history.json", "meta.json", "model.pt", "train_state.pt"]]  # uploaded complete
-        # Its report reaches the controller after the upload; rank 0 waits for it before its next save.
-        assert events[2:] == ["returned", "collected"], events
+        # The epoch's row, then every event in the mailbox, then the upload; its report reaches the controller
+        # after the upload, and rank 0 waits for it before its next save.
+        row = ["epoch row"] if kind == "epoch" else []
+        assert [e for e in events[2:] if e != "returned"] == [*row, "flushed", "uploaded", "collected"], events
+        assert events.index("flushed") < events.index("returned") < events.index("collected"), events
     else:
         assert events[:2] == ["gather", ("report", None)], events
         assert events[2:] == ["collected", "returned"], events

@@ -300,6 +300,7 @@ class SinkPump:
         self._partial: dict = {}  # step -> [values, sources so far]
         self.failure: Optional[BaseException] = None
         self.startup: Optional[dict] = None  # rank 0's first ``WorkerReporter.startup``
+        self.checkpoints: list = []  # the checkpoints announced, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-mgpu-progress", daemon=True)
 
@@ -314,6 +315,19 @@ class SinkPump:
         for step in sorted(self._partial):  # a set a rank never completed (it failed): what arrived
             if self.failure is None:
                 self._call(self.printer.scalars, step, self._partial.pop(step)[0])
+
+    def wait_for_checkpoint(self, path: str, timeout_s: float = 30.0) -> bool:
+        """After the pump stopped: drain until ``path``'s announcement is delivered (it comes from Ray Train's
+        controller, a process whose sends are not ordered with the run's end), or a callback failed; False
+        after ``timeout_s`` (the checkpoint is registered either way: only its ``on_checkpoint`` is missing)."""
+        deadline = time.monotonic() + timeout_s
+        while path not in self.checkpoints and self.failure is None:
+            if time.monotonic() > deadline:
+                logger.warning("checkpoint %s registered but not announced after %.0f s", path, timeout_s)
+                return False
+            time.sleep(0.02)
+            self._pump()
+        return True
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -335,6 +349,8 @@ class SinkPump:
                 elif kind == "beat":
                     self._beat(payload)
                 else:
+                    if kind == "checkpoint":
+                        self.checkpoints.append(payload)
                     deliver(kind, payload, self.printer)
             except Exception as exc:  # a callback or logger raised: the run fails with it, never silently
                 self.failure = exc

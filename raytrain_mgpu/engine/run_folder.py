@@ -102,11 +102,14 @@ class RunFolder:
     def join(self, *names: str) -> str:
         return "/".join([self.path, *names])
 
+    @property
+    def scheme(self) -> Optional[str]:
+        """The storage URI's scheme (``s3``, ``gs``, ...), None for a local path."""
+        return self.uri.split("://", 1)[0] if "://" in self.uri else None
+
     def uri_of(self, path: str) -> str:
         """The path or URI a user (and ``TrainResult.load_model``) opens for ``path`` of :attr:`fs`."""
-        if "://" not in self.uri:
-            return path
-        return f"{self.uri.split('://', 1)[0]}://{path}"
+        return f"{self.scheme}://{path}" if self.scheme else path
 
     def _exists(self, path: str, directory: bool = False) -> bool:
         import pyarrow.fs as pafs

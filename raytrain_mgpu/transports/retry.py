@@ -39,7 +39,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "errors_whole", "failure_note", "run_attempts"]
+__all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "errors_whole", "failure_note", "whole_failure",
+           "run_attempts"]
 
 T = TypeVar("T")
 
@@ -167,6 +168,33 @@ def failure_note(cfg) -> str:
 
     return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in {RunFolder.of(cfg).display}; "
             f"run again with the same name and storage_path to resume.")
+
+
+def whole_failure(cfg, error: BaseException, failures: Optional[Dict[int, BaseException]] = None, stall=None,
+                  placement: Optional[str] = None) -> BaseException:
+    """What ``fit`` raises for a failed run, every transport's: the failure that caused it, whole (the type the
+    worker raised, its message, its notes: the worker's traceback and where it ran), chosen by :func:`root_cause`
+    among several ranks' ``failures``; a :class:`~raytrain_mgpu.errors.StuckRankError` for the ranks the driver
+    found stuck (``stall``: the heartbeats' verdict); a :class:`~raytrain_mgpu.errors.PlacementTimeoutError` with
+    the ``placement`` message for resources never granted; else ``error`` out of Ray's wrappers. Noted with where
+    the run's checkpoints are (:func:`failure_note`)."""
+    from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, worker_note
+
+    if stall is not None:
+        exc = StuckRankError(stall.line, stall.ranks, stall.report)
+    elif placement is not None:
+        exc = PlacementTimeoutError(placement)
+    elif failures:
+        rank, exc = root_cause(failures)
+        traceback_text = getattr(failures[rank], "_traceback_str", None)  # Ray Train's copy of the worker's
+        if worker_note(exc) is None and not isinstance(exc, WorkerError):  # a WorkerError says where itself
+            add_note(exc, f"raised on rank {rank}")
+        if traceback_text and not getattr(exc, "traceback_text", None):
+            add_note(exc, f"The worker's traceback (rank {rank}):\n{traceback_text.rstrip()}")
+    else:
+        exc = unwrap(error)
+    add_note(exc, failure_note(cfg))
+    return exc
 
 
 def _left(budget: int, used: int) -> bool:

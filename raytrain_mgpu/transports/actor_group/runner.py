@@ -151,11 +151,9 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
     try:
         run_attempts(cfg, attempt, preempted=lambda exc: was_preemption(exc, notices), what="pipeline attempt")
     except Exception as exc:  # the stage's own error, out of Ray's wrapper, with where the checkpoints are
-        from raytrain_mgpu.errors import add_note
-        from raytrain_mgpu.transports.retry import failure_note, unwrap
+        from raytrain_mgpu.transports.retry import whole_failure
 
-        failed = unwrap(exc)
-        add_note(failed, failure_note(cfg))
+        failed = whole_failure(cfg, exc)
         if failed is exc:
             raise
         raise failed from exc

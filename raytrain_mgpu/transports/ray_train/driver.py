@@ -16,7 +16,7 @@ from raytrain_mgpu.driver.runlock import remove_stale_temporaries
 from raytrain_mgpu.transports.base import RunResult
 from raytrain_mgpu.transports.ray_train.worker import train_worker
 
-__all__ = ["run_train_workers", "run_config", "torch_trainer_class", "whole_failure", "start_timeout_s"]
+__all__ = ["run_train_workers", "run_config", "torch_trainer_class", "start_timeout_s"]
 
 
 def start_timeout_s() -> float:
@@ -96,7 +96,7 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
                                      resources_per_worker=plan.worker_resources, placement_strategy=cfg.placement,
                                      label_selector=dict(cfg.label_selector) or None,
                                      elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s),
-        run_config=run_config(cfg),
+        run_config=run_config(cfg, sink),
         # ingest="ray_data": datasets= and dataset_config= (equal split); Ray Data needs CPUs the workers leave
         **ray_ingest.trainer_datasets(cfg),
     )
@@ -113,7 +113,7 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
         if pump.failure is not None:  # the run was stopped for it: the callback's error, named
             raise pump.failure
         if isinstance(exc, ray.train.TrainingFailedError):
-            raise whole_failure(cfg, exc, pump.stall, plan) from exc
+            raise _whole(cfg, exc, pump.stall, plan) from exc
         raise
     finally:
         sink.close()
@@ -122,8 +122,11 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
     if result.checkpoint is None:
         return RunResult([], None, pump.startup)
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
-    return RunResult(folder.checkpoint_history(result.checkpoint.path), folder.uri_of(result.checkpoint.path),
-                     pump.startup)
+    last = folder.uri_of(result.checkpoint.path)
+    pump.wait_for_checkpoint(last)  # the controller's announcement is not ordered with the run's end
+    if pump.failure is not None:
+        raise pump.failure
+    return RunResult(folder.checkpoint_history(result.checkpoint.path), last, pump.startup)
 
 
 def _start_autoscaling_coordinator() -> None:
@@ -141,9 +144,12 @@ def _start_autoscaling_coordinator() -> None:
     get_or_create_autoscaling_coordinator()
 
 
-def run_config(cfg: TrainConfig):
-    """Ray Train's ``RunConfig`` of ``cfg``: where, how many checkpoints, which failures to retry."""
+def run_config(cfg: TrainConfig, sink=None):
+    """Ray Train's ``RunConfig`` of ``cfg``: where, how many checkpoints, which failures to retry; the driver told
+    of each checkpoint through ``sink`` (the run's progress channel)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    from raytrain_mgpu.transports.ray_train.policy import CheckpointAnnouncer
 
     return RunConfig(
         name=cfg.name, storage_path=cfg.storage_path,
@@ -154,34 +160,18 @@ def run_config(cfg: TrainConfig):
         failure_config=FailureConfig(max_failures=cfg.max_failures,
                                      max_preemption_failures=cfg.max_preemption_failures,
                                      preemption_grace_s=cfg.preemption_grace_s),
-        worker_runtime_env=_worker_runtime_env(*cfg.code_specs()))
+        worker_runtime_env=_worker_runtime_env(*cfg.code_specs()),
+        callbacks=[] if sink is None else [CheckpointAnnouncer(sink, RunFolder.of(cfg).scheme)])
 
 
-def whole_failure(cfg: TrainConfig, error: Exception, stall=None, plan=None) -> BaseException:
-    """What ``fit`` raises for Ray Train's ``TrainingFailedError``: the failure that caused it, whole (the type the
-    worker raised, its message, a note with the worker's traceback and where it ran; ``retry.root_cause`` of
-    several ranks'), a :class:`~raytrain_mgpu.errors.StuckRankError` for ranks the driver found stuck, or a
-    :class:`~raytrain_mgpu.errors.PlacementTimeoutError` for resources never granted; noted with where the run's
-    checkpoints are."""
-    from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, worker_note
+def _whole(cfg: TrainConfig, error, stall, plan) -> BaseException:
+    """``retry.whole_failure`` of Ray Train's ``TrainingFailedError``: its workers' failures, or its controller's
+    (a worker group whose resources were never granted: what is pending, and the fix)."""
     from raytrain_mgpu.driver.cluster import pending_message
-    from raytrain_mgpu.transports.retry import failure_note, root_cause, unwrap
+    from raytrain_mgpu.transports.retry import whole_failure
 
-    failures = getattr(error, "worker_failures", None) or {}
     controller = getattr(error, "controller_failure", None)
-    if stall is not None:
-        exc = StuckRankError(stall.line, stall.ranks, stall.report)
-    elif type(controller).__name__ == "WorkerGroupStartupTimeoutError" and plan is not None:
-        exc = PlacementTimeoutError(pending_message(list(plan.bundles), f"strategy={cfg.strategy!r}",
-                                                    cfg.placement_timeout_s))
-    elif failures:
-        rank, exc = root_cause(failures)
-        traceback_text = getattr(failures[rank], "_traceback_str", None)
-        if worker_note(exc) is None and not isinstance(exc, WorkerError):  # a WorkerError says where itself
-            add_note(exc, f"raised on rank {rank}")
-        if traceback_text and not getattr(exc, "traceback_text", None):
-            add_note(exc, f"The worker's traceback (rank {rank}):\n{traceback_text.rstrip()}")
-    else:
-        exc = unwrap(controller if isinstance(controller, BaseException) else error)
-    add_note(exc, failure_note(cfg))
-    return exc
+    placement = (pending_message(list(plan.bundles), f"strategy={cfg.strategy!r}", cfg.placement_timeout_s)
+                 if type(controller).__name__ == "WorkerGroupStartupTimeoutError" else None)
+    return whole_failure(cfg, controller if isinstance(controller, BaseException) else error,
+                         getattr(error, "worker_failures", None), stall, placement)

@@ -1,4 +1,5 @@
-"""The one retry policy (``transports/retry.py``) inside Ray Train's controller.
+"""What runs inside Ray Train's controller: the one retry policy (``transports/retry.py``), and the driver told of
+each checkpoint registered (:class:`CheckpointAnnouncer`).
 
 Ray Train's controller retries every worker-group failure while ``max_failures`` lasts, and a worker group that
 did not start (its placement group pending) without limit. :class:`OneRetryPolicy` is its default policy (the
@@ -6,7 +7,7 @@ two budgets, preemptions apart) asking :func:`~raytrain_mgpu.transports.retry.ve
 cannot fix (a non-finite loss, a config error reaching a worker, the user's code failing before any step) ends
 the run the first time, and a group whose resources were not granted within ``placement_timeout_s`` in all is not
 waited for again (Ray Train waits 60 s a try, then tries again, an elastic run with another worker count). Light on
-purpose: the controller unpickles it, and
+purpose: the controller unpickles both, and
 imports this module without torch.
 """
 
@@ -20,12 +21,27 @@ from raytrain_mgpu.transports.retry import unwrap, verdict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OneRetryPolicy"]
+__all__ = ["OneRetryPolicy", "CheckpointAnnouncer"]
 
 try:
     from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 except ImportError:  # another Ray Train: its own policy stays
     DefaultFailurePolicy = FailureDecision = None
+from ray.train import UserCallback
+
+
+class CheckpointAnnouncer(UserCallback):
+    """Tells the driver (its ``on_checkpoint``, through the run's progress channel ``sink``) of each checkpoint
+    Ray Train registers: called in the controller once every rank's report is in and the upload is done, in
+    report order, once each. ``scheme``: the storage URI's (``s3``, ...; None for a local path), which Ray Train's
+    paths leave out."""
+
+    def __init__(self, sink, scheme: Optional[str]):
+        self.sink, self.scheme = sink, scheme
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if checkpoint is not None:  # fire and forget: the driver waits for the last one (driver.py)
+            self.sink.put.remote("checkpoint", f"{self.scheme}://{checkpoint.path}" if self.scheme else checkpoint.path)
 
 
 if DefaultFailurePolicy is not None:

@@ -5,8 +5,8 @@ driver's side is ``driver.py``.
 strategy's step runner and :class:`RayTrainTransport`, which carries rank 0's events to the driver
 through the run's progress channel (``driver/progress.py``), hands the checkpoint manager Ray Train's latest
 checkpoint, and delivers each checkpoint with ``ray.train.report`` (``transports/ray_train/uploads.py``:
-rank 0's asynchronous upload, a sharded run's every-rank folders, a step checkpoint reported before its
-write). Ray Train's controller restarts the group after a failure (``max_failures``) or a preemption
+asynchronous uploads reported before their write, a sharded run's every-rank folders); Ray Train's controller
+tells the driver of each one registered (``policy.CheckpointAnnouncer``). Ray Train's controller restarts the group after a failure (``max_failures``) or a preemption
 (``max_preemption_failures``) from the latest registered checkpoint.
 """
 
@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future
 from typing import Optional
 
 import ray
@@ -103,24 +104,16 @@ class RayTrainTransport(Transport):
 
     def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> Optional[str]:
         upload = CheckpointUploadMode.ASYNC if self.asynchronous(step, final) else CheckpointUploadMode.SYNC
-        # A step checkpoint uploaded in the background is reported before it is written (uploads.py).
-        first = step and not sharded and upload == CheckpointUploadMode.ASYNC
-        save = self._save = {"upload": upload, "first": first, "sharded": sharded, "directory": None,
-                             "writing": None, "index": None}
-        if self.rank != 0 and not sharded:  # no files: reported without a checkpoint (at commit, or now)
-            if first:
-                ray.train.report(clean(metrics), checkpoint=None)
+        save = self._save = {"upload": upload, "files": self.rank == 0 or sharded, "directory": None, "writing": None}
+        if not save["files"]:  # reported now, without a checkpoint: Ray Train's report is a barrier (uploads.py)
+            ray.train.report(clean(metrics), checkpoint=None)
             return None
-        if not first:
-            wait_for_previous(self.uploads)  # one upload in flight at most; a failure resumes from it
+        wait_for_previous(self.uploads)  # one upload in flight at most; a failure resumes from it
         save["directory"] = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after upload
-        if first:  # rank 0: the empty folder reported with a future its upload waits for
-            from concurrent.futures import Future
-
-            wait_for_previous(self.uploads)
+        if upload == CheckpointUploadMode.ASYNC:  # reported before the write, its upload waiting for commit
             save["writing"] = Future()
             try:
-                save["index"] = report(metrics, save["directory"], name, upload, self.uploads, save["writing"])
+                report(metrics, save["directory"], name, upload, self.uploads, save["writing"])
             except BaseException:
                 self.abort(None)
                 raise
@@ -128,53 +121,32 @@ class RayTrainTransport(Transport):
 
     def commit(self, commit) -> None:
         save, self._save = self._save, None
-        upload, directory = save["upload"], save["directory"]
-        if self.rank != 0 and not save["sharded"]:
-            if not save["first"]:
-                ray.train.report(clean(commit.metrics), checkpoint=None)
-            wait_until_report_collected()  # held until the controller took it: a failure after keeps rank 0's
-            return
-        if self.rank != 0:  # a sharded checkpoint's other ranks: their shards, under rank 0's name
+        if save["files"]:
             try:
-                report(commit.metrics, directory, commit.name, upload, self.uploads, commit.writing)
-            except BaseException:
-                shutil.rmtree(directory, ignore_errors=True)
+                if self.rank == 0:
+                    seal(save["directory"], commit.meta)  # meta.json last: Ray Train uploads a complete folder
+                    if commit.is_best:
+                        # Ray Train prunes by age (its score order would keep the N best, not the last N): a new
+                        # best's model is copied aside, one more model write per improvement.
+                        RunFolder.of(self.cfg).save_best(save["directory"], commit.best_model)
+                    if self.reporter is not None:  # the epoch's row reaches the driver before the controller's announcement
+                        self.reporter.flush()
+                if save["writing"] is not None:
+                    save["writing"].set_result(commit.writing)  # Ray Train's upload thread copies it from here
+                    return
+                report(commit.metrics, save["directory"], commit.name, save["upload"], self.uploads, commit.writing)
+            except BaseException as exc:
+                self._save = save
+                self.abort(exc)
                 raise
-            if upload == CheckpointUploadMode.SYNC:
-                wait_until_report_collected()
-            return
-        try:
-            seal(directory, commit.meta)  # meta.json last: Ray Train uploads a complete folder
-            if commit.is_best:
-                # Ray Train prunes by age (its score order would keep the N best, not the last N): a new best's
-                # model is copied aside, one more model write per improvement.
-                RunFolder.of(self.cfg).save_best(directory, commit.best_model)
-            if save["first"]:
-                save["writing"].set_result(None)  # complete: Ray Train's upload thread copies it from here
-                index = save["index"]
-            else:
-                index = report(commit.metrics, directory, commit.name, upload, self.uploads, commit.writing)
-        except BaseException as exc:
-            save["directory"] = directory
-            self._save = save
-            self.abort(exc)
-            raise
-        if upload == CheckpointUploadMode.ASYNC:
-            self.uploads.announce_when_persisted(index, RunFolder.of(self.cfg), self.reporter)
-            return
-        # Synchronous: uploaded when report returns. A rank 0 that died before the controller took the report
-        # would drop the checkpoint although it is uploaded: wait up to one poll.
+        # Held until the controller took the report: a failure after it keeps the checkpoint (faults.py).
         wait_until_report_collected()
-        self.uploads.flush()  # the asynchronous ones before it, announced in order
-        persisted = ray.train.get_checkpoint()  # the latest reported: this one, in the storage filesystem
-        if persisted is not None:
-            self.reporter.checkpoint(RunFolder.of(self.cfg).uri_of(persisted.path))
 
     def abort(self, exc: Optional[BaseException]) -> None:
         save, self._save = self._save, None
         if not save:
             return
-        if save["writing"] is not None and save["first"] and not save["writing"].done():
+        if save["writing"] is not None and not save["writing"].done():
             # reported already: its upload fails with the write, before it reads the folder
             save["writing"].set_exception(exc or RuntimeError("the checkpoint was not written"))
         if save["directory"] is not None:
