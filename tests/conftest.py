@@ -241,18 +241,6 @@ def ray_session(tmp_path_factory):
                 os.environ[key] = value
 
 
-@pytest.fixture(autouse=True)
-def _fresh_checkpoint_uploads():
-    """Each test starts with no checkpoint-upload tracker. A worker's tracker lives as long as its Ray
-    Train context (``transports/ray_train/uploads.Uploads.current``); the unit tests that drive the Ray Train
-    transport run outside one, so they would share a tracker and one would wait for ever for another's
-    checkpoint to be persisted (it did, once a test order put test_wiring first)."""
-    module = sys.modules.get("raytrain_mgpu.transports.ray_train.uploads")
-    if module is not None:
-        module.Uploads._current = None
-    yield
-
-
 @pytest.fixture
 def storage(tmp_path):
     """A fresh storage_path per test."""

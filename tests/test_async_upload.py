@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,6 +93,24 @@ def test_the_driver_waits_for_the_last_announcement_a_bounded_time(monkeypatch):
     started = time.monotonic()
     assert not pump.wait_for_checkpoint("/runs/r/checkpoint_epoch000003", timeout_s=0.3)  # never announced
     assert time.monotonic() - started < 5
+
+
+def test_a_save_waits_for_the_previous_upload_then_for_the_controller_to_take_its_report(monkeypatch):
+    """One upload in flight at most, and a failure after the wait resumes from the previous checkpoint."""
+    latest, collected = {"path": None}, []
+    monkeypatch.setattr(ray.train, "get_checkpoint",
+                        lambda: None if latest["path"] is None else SimpleNamespace(path=latest["path"]))
+    monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: collected.append("collected"))
+    ray_uploads.wait_for_previous(None)  # a rank's first save: nothing to wait for
+    waiting = threading.Thread(target=ray_uploads.wait_for_previous, args=("checkpoint_b",), daemon=True)
+    waiting.start()
+    waiting.join(timeout=0.3)
+    latest["path"] = "/storage/run/checkpoint_a/"  # an older one persisted: still waiting
+    waiting.join(timeout=0.3)
+    assert waiting.is_alive() and collected == ["collected"]
+    latest["path"] = "/storage/run/checkpoint_b/"
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and collected == ["collected", "collected"]
 
 
 def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo_group):

@@ -38,14 +38,16 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future
-from typing import List, Optional
+from typing import Optional
 
 import ray.train
 from ray.train import CheckpointUploadMode
 
 from raytrain_mgpu.transports.ray_train.faults import wait_until_report_collected
 
-__all__ = ["Uploads", "report", "clean", "wait_for_previous"]
+__all__ = ["report", "clean", "wait_for_previous"]
+
+POLL_S = 0.02
 
 
 def clean(metrics: dict) -> dict:
@@ -53,20 +55,30 @@ def clean(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if v is not None}
 
 
-def wait_for_previous(uploads: "Uploads") -> None:
-    """Rank 0, before it reports: the previous upload, if still running (one in flight at most), and its
-    report taken by the controller. A failure from here on resumes from it, at worst."""
-    uploads.wait_persisted()
+def wait_for_previous(name: Optional[str]) -> None:
+    """Before a rank reports its next checkpoint: the previous one it reported (``name``), if still uploading
+    (one in flight at most; a failed upload fails training, in Ray Train's upload thread), and its report taken
+    by the controller; a failure from here on resumes from it, at worst. It is persisted once
+    ``ray.train.get_checkpoint()`` (set by Ray Train after the upload, just before the report is queued for the
+    controller) names it."""
+    while name is not None and not _persisted(name):
+        time.sleep(POLL_S)  # Ray Train's upload thread sets it; it offers no event to wait on
     wait_until_report_collected()
 
 
-def report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMode, uploads: "Uploads",
+def _persisted(name: str) -> bool:
+    try:
+        latest = ray.train.get_checkpoint()
+    except RuntimeError:  # outside a Ray Train worker (a unit test): nothing to wait for
+        return True
+    return latest is not None and os.path.basename(latest.path.rstrip("/")) == name
+
+
+def report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMode,
            writing: Optional[Future] = None) -> None:
-    """Report ``directory`` as the checkpoint ``name`` (Ray Train copies every rank's folder into it), added to
-    ``uploads`` first: once Ray names it latest, the ones before are persisted. ``writing``: done once the folder
-    is complete; its result may be DCP's asynchronous save, still writing into it. Ray Train's upload waits for
+    """Report ``directory`` as the checkpoint ``name`` (Ray Train copies every rank's folder into it).
+    ``writing``: done once the folder is complete; its result may be DCP's asynchronous save, still writing into it. Ray Train's upload waits for
     both (an error there fails training at once, as a failed upload does)."""
-    uploads.add(name)
     extra = {}
     if writing is not None:
         storage = ray.train.get_context().get_storage()
@@ -81,57 +93,3 @@ def report(metrics: dict, directory: str, name: str, upload: CheckpointUploadMod
     ray.train.report(clean(metrics),
                      checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name,
                      checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True, **extra)
-
-
-class Uploads:
-    """This rank's checkpoint uploads, in report order (Ray Train runs one at a time).
-
-    A checkpoint is persisted once ``ray.train.get_checkpoint()`` (set by Ray Train after the upload, just
-    before the report is queued for the controller) names it or a later one of ours: ``names`` holds every
-    checkpoint this rank reported, synchronous ones included.
-    """
-
-    _current: Optional["Uploads"] = None
-    POLL_S = 0.02
-
-    def __init__(self, owner):
-        self.owner = owner
-        self.names: List[str] = []
-
-    @classmethod
-    def current(cls) -> "Uploads":
-        """This worker's tracker (a new one for a new Ray Train context: a restarted attempt)."""
-        owner = _train_context()
-        if cls._current is None or cls._current.owner is not owner:
-            cls._current = cls(owner)
-        return cls._current
-
-    def add(self, name: str) -> None:
-        """A checkpoint about to be reported (either upload mode)."""
-        self.names.append(name)
-
-    def _persisted(self) -> bool:
-        """Whether the newest checkpoint this rank reported is persisted."""
-        try:
-            latest = ray.train.get_checkpoint()
-        except RuntimeError:  # outside a Ray Train worker (a unit test): nothing to wait for
-            return True
-        return latest is not None and os.path.basename(latest.path.rstrip("/")) == self.names[-1]
-
-    def wait_persisted(self, timeout_s: Optional[float] = None) -> bool:
-        """Block until the newest checkpoint this rank reported is persisted; False after ``timeout_s``."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.names and not self._persisted():
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(self.POLL_S)  # the upload thread sets it; Ray Train offers no event to wait on
-        return True
-
-
-def _train_context():
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context()
-    except Exception:  # not in a Ray Train worker (unit tests)
-        return None

@@ -32,7 +32,7 @@ from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.engine.run_folder import RunFolder
 from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
 from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
-from raytrain_mgpu.transports.ray_train.uploads import Uploads, clean, report, wait_for_previous
+from raytrain_mgpu.transports.ray_train.uploads import clean, report, wait_for_previous
 
 __all__ = ["train_worker", "RayTrainTransport"]
 
@@ -71,7 +71,7 @@ class RayTrainTransport(Transport):
         """``sync_uploads``: every save uploads inside its report (``bench-checkpoint`` measures what that costs)."""
         self.cfg, self.ctx, self.rank, self.sync_uploads, self.sink = cfg, ctx, ctx.world_rank, sync_uploads, sink
         self.reporter = WorkerReporter(sink if self.rank == 0 else None)
-        self.uploads = Uploads.current()
+        self.last: Optional[str] = None  # the checkpoint this rank reported last (uploads.wait_for_previous)
         self._save: Optional[dict] = None  # the save between begin and commit
 
     def reports_scalars(self, rank: int, steps) -> bool:
@@ -108,12 +108,13 @@ class RayTrainTransport(Transport):
         if not save["files"]:  # reported now, without a checkpoint: Ray Train's report is a barrier (uploads.py)
             ray.train.report(clean(metrics), checkpoint=None)
             return None
-        wait_for_previous(self.uploads)  # one upload in flight at most; a failure resumes from it
+        wait_for_previous(self.last)  # one upload in flight at most; a failure resumes from it
+        self.last = name
         save["directory"] = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after upload
         if upload == CheckpointUploadMode.ASYNC:  # reported before the write, its upload waiting for commit
             save["writing"] = Future()
             try:
-                report(metrics, save["directory"], name, upload, self.uploads, save["writing"])
+                report(metrics, save["directory"], name, upload, save["writing"])
             except BaseException:
                 self.abort(None)
                 raise
@@ -134,7 +135,7 @@ class RayTrainTransport(Transport):
                 if save["writing"] is not None:
                     save["writing"].set_result(commit.writing)  # Ray Train's upload thread copies it from here
                     return
-                report(commit.metrics, save["directory"], commit.name, save["upload"], self.uploads, commit.writing)
+                report(commit.metrics, save["directory"], commit.name, save["upload"], commit.writing)
             except BaseException as exc:
                 self._save = save
                 self.abort(exc)
