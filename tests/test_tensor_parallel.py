@@ -125,6 +125,31 @@ def test_a_tensor_parallel_checkpoint_resumes_at_another_shape_with_the_uninterr
     _assert_close(result.load_model().state_dict(), weights)
 
 
+def test_a_sharded_checkpoint_resumed_by_a_layout_that_reads_whole_state_is_refused_naming_the_fix(tmp_path):
+    """ddp with tensor groups writes every rank's shards; the same run resumed with tensor_parallel_size=1 (plain
+    ddp, which reads the whole state) is refused with the two ways out, not a bare NotImplementedError."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+    from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
+    from raytrain_mgpu.engine.checkpoints import read
+    from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta
+
+    written = rtm.TrainConfig(**{**LM, "strategy": "ddp", "tensor_parallel_size": 2})
+    folder = tmp_path / "checkpoint_epoch000001"
+    (folder / ckpt_format.SHARDED_DIR).mkdir(parents=True)
+    ckpt_format.write_checkpoint(str(folder), meta=checkpoint_meta(written, RunState(epoch=1), {}), history=[])
+    resumed = rtm.TrainConfig(**{**LM, "strategy": "ddp", "tensor_parallel_size": 1})
+    source = CheckpointSource(str(folder), lambda: contextlib.nullcontext(str(folder)))
+    whole = SimpleNamespace(sharded=False, build_on_meta=lambda: False, part=None)  # plain ddp's step runner
+    with pytest.raises(ValueError, match=r"holds every rank's shards \(strategy='ddp' with tensor_parallel_size=2\), "
+                                         r"which this run's layout \(tensor_parallel_size=1\) saves and reads whole. "
+                                         r"Resume with tensor_parallel_size=2, or start a new run \(another `name`\) "
+                                         r"from its weights: init_from="):
+        read(resumed, source, whole, 0)
+
+
 def _user_plan_rank(rank: int, world: int, out: str) -> None:
     from torch.nn import functional as F
 

@@ -134,6 +134,14 @@ def read(cfg, source, steps, rank: int) -> Restored:
         meta = ckpt_format.read_meta(directory)
         ckpt_format.check_resumable(meta, cfg.model, cfg.strategy, directory)
         sharded = ckpt_format.is_sharded(directory)
+        if sharded and not steps.sharded:
+            written = (meta.get("config") or {}).get("tensor_parallel_size", 1)
+            raise ValueError(
+                f"checkpoint {directory!r} holds every rank's shards (strategy={meta.get('strategy')!r} with "
+                f"tensor_parallel_size={written}), which this run's layout (tensor_parallel_size="
+                f"{getattr(cfg, 'tensor_parallel_size', 1)}) saves and reads whole. Resume with "
+                f"tensor_parallel_size={written}, or start a new run (another `name`) from its weights: "
+                f"init_from={source.path!r}.")
         # a meta model holds no data: rank 0 sends its weights; a sharded one is read once sharded
         model_state = None if sharded or steps.build_on_meta() else ckpt_format.load_model_state(directory)
         common = ckpt_format.load_train_state(directory) or {}
