@@ -30,7 +30,7 @@ def build_worker(strategy: Type["Strategy"], cfg: "ParallelConfig", ctx: "Worker
                            f"run_pipeline), not in the Ray Train worker loop.")
     # The step names were checked where the class was defined (strategies.base.Strategy.__init_subclass__).
     replication = REPLICATIONS[strategy.replication]
-    tensor_parallel = cfg.tensor_parallel_size if "tensor_parallel_size" in strategy.options_used else 1
+    tensor_parallel = strategy.tensor_group_size(cfg)  # the run plan's rule
     if tensor_parallel > 1:
         from raytrain_mgpu.parallel.tensor_parallel import TENSOR_PARALLEL_REPLICATIONS
 

@@ -94,13 +94,6 @@ def tensor_parallel_replicas(cfg: "TrainConfig") -> int:
     return cfg.num_workers // cfg.tensor_parallel_size
 
 
-def tensor_group_size(strategy, cfg) -> int:
-    """Workers per tensor group of ``strategy`` (a class) with ``cfg`` (a TrainConfig or its parallel section): its
-    ``tensor_parallel_size`` where the strategy reads that option, else 1 (the run plan's ``tensor_group_size``; a
-    worker applies the same rule in ``parallel.build_worker``, below the strategies)."""
-    return cfg.tensor_parallel_size if "tensor_parallel_size" in strategy.options_used else 1
-
-
 # ``Strategy.auto_rank`` bands: the plain model first; below AUTO_MEASURE_ONLY the strategies the
 # memory estimate tries when it does not fit one device; from AUTO_MEASURE_ONLY up, timed only.
 AUTO_FIRST, AUTO_MEASURE_ONLY = 0, 10
@@ -191,6 +184,13 @@ class Strategy:
     @classmethod
     def devices_per_worker(cls, cfg: "TrainConfig") -> int:
         return 1
+
+    @classmethod
+    def tensor_group_size(cls, cfg) -> int:
+        """Workers per tensor group with ``cfg`` (a TrainConfig or its parallel section): its
+        ``tensor_parallel_size`` where this strategy reads that option, else 1 (the run plan's, and the worker's
+        in ``parallel.build_worker``)."""
+        return cfg.tensor_parallel_size if "tensor_parallel_size" in cls.options_used else 1
 
     @classmethod
     def bundles(cls, cfg: "TrainConfig") -> List[dict]:

@@ -97,7 +97,6 @@ class RunPlan:
 def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
     """The plan of ``cfg`` (validated, strategy resolved: not ``auto``)."""
     from raytrain_mgpu.strategies import get_strategy
-    from raytrain_mgpu.strategies.base import tensor_group_size
     from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
 
     cls = get_strategy(cfg.strategy)
@@ -118,4 +117,4 @@ def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
                    devices_per_worker=cls.devices_per_worker(cfg),
                    worker_resources=cls.worker_resources(cfg), bundles=bundles, global_batch=cfg.batch_size,
                    micro_batches_per_step=micro_steps, steps_per_epoch=steps,
-                   min_workers=low if elastic else None, tensor_group_size=tensor_group_size(cls, cfg))
+                   min_workers=low if elastic else None, tensor_group_size=cls.tensor_group_size(cfg))
