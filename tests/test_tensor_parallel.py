@@ -292,6 +292,19 @@ def test_a_model_tensor_parallel_cannot_split_is_refused_before_ray(monkeypatch,
         rtm.fit(cfg)
 
 
+def test_a_plan_that_leaves_attention_whole_is_not_held_to_the_head_count():
+    """3 heads do not split over 2 ranks, but a user's plan that splits only the MLPs does not split them."""
+    from raytrain_mgpu.parallel.tensor_parallel import check_model_plan
+
+    fields = {**LM, "model_kwargs": {"num_layers": 2, "hidden": 18, "num_heads": 3}, "num_workers": 2,
+              "tensor_parallel_size": 2}
+    mlp_only = rtm.TrainConfig(**fields, tensor_parallel_plan={"*.mlp.0": "colwise", "*.mlp.2": "rowwise"})
+    check_model_plan(mlp_only, (8,), 24)  # accepted
+    with_attention = rtm.TrainConfig(**fields, tensor_parallel_plan={"*.mlp.0": "colwise", "*.attn.q": "colwise"})
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan: (Block|Attention).num_heads=3 heads do not split"):
+        check_model_plan(with_attention, (8,), 24)
+
+
 GPU_NODE = {"CPU": 8.0, "GPU": 1.0}
 
 

@@ -116,29 +116,45 @@ def _split_sizes(module: nn.Module, name: Optional[str]) -> Dict[str, int]:
 
 
 def check_split(model: nn.Module, names: dict, size: int, source: str) -> None:
-    """Every path of the plan names a module, and what it splits (features, heads) divides by ``size``."""
+    """Every path of the plan names a module, and what it splits (features, and the heads of the attention it
+    splits) divides by ``size``."""
     modules = dict(model.named_modules())
+    split = []
     for path, name in names.items():
-        matched = [m for n, m in modules.items() if _matches(path, n)]
+        matched = [n for n in modules if _matches(path, n)]
         if not matched:
             raise ValueError(f"{source}: path {path!r} names no module of {type(model).__name__}. Use paths of "
                              f"model.named_modules(), '*' for one level (e.g. 'layers.*.mlp.up').")
-        for module in matched:
-            for what, value in _split_sizes(module, name).items():
+        split += matched
+        for n in matched:
+            for what, value in _split_sizes(modules[n], name).items():
                 if value % size:
                     raise ValueError(f"{source}: {path} has {what}={value}, which tensor_parallel_size={size} does "
                                      f"not divide. Set tensor_parallel_size to a divisor of {value}.")
-    heads = {}  # split with q, k, v: this package's blocks' num_heads, a Hugging Face model's config's
-    for module in modules.values():
-        config = getattr(module, "config", None)
-        heads.update({f"{type(module).__name__}.num_heads": module.num_heads}
-                     if isinstance(getattr(module, "num_heads", None), int) else {})
-        heads.update({f"config.{k}": getattr(config, k) for k in ("num_attention_heads", "num_key_value_heads")
-                      if isinstance(getattr(config, k, None), int)})
-    for what, value in heads.items():
+    for what, value in _split_heads(modules, split).items():
         if value % size:
             raise ValueError(f"{source}: {what}={value} heads do not split over tensor_parallel_size={size} (each "
                              f"rank computes whole heads). Set tensor_parallel_size to a divisor of {value}.")
+
+
+def _split_heads(modules: dict, split: list) -> Dict[str, int]:
+    """The head counts a plan splits: where a split module's path names attention (``attn``, ``self_attn``,
+    ``attention``), the ``num_heads`` of the modules above it (this package's blocks) and a Hugging Face model's
+    config's. A plan that leaves attention whole (an MLP-only plan) splits no heads."""
+    heads = {}
+    for name in split:
+        atoms = name.split(".")
+        if not any("attn" in atom.lower() or "attention" in atom.lower() for atom in atoms):
+            continue
+        for i in range(len(atoms)):
+            owner = modules.get(".".join(atoms[:i]))
+            if isinstance(getattr(owner, "num_heads", None), int):
+                heads[f"{type(owner).__name__}.num_heads"] = owner.num_heads
+        for module in modules.values():
+            config = getattr(module, "config", None)
+            heads.update({f"config.{k}": getattr(config, k) for k in ("num_attention_heads", "num_key_value_heads")
+                          if isinstance(getattr(config, k, None), int)})
+    return heads
 
 
 def check_model_plan(cfg, input_shape: tuple, num_classes: int) -> None:
