@@ -367,3 +367,21 @@ def test_trainable_state_keeps_trainable_parameters_and_every_buffer():
     with pytest.raises(ValueError, match=r"none of the model's parameter names \(e.g. conv1.weight, .*\) is in the "
                                          r"state \(module.conv1.weight, .*pass the state dict of this model, unwrapped"):
         trainable_state({f"module.{k}": v for k, v in model.state_dict().items()}, model)
+
+
+def test_a_checkpoint_whose_optimizer_state_does_not_fit_the_model_is_refused_naming_init_from(tmp_path):
+    """The model's parameters changed since the checkpoint was written (its weights still load, e.g. through a
+    load hook): torch's bare error on the optimizer state becomes one that names the way to keep the weights."""
+    import raytrain_mgpu as rtm
+    from raytrain_mgpu.engine.run_folder import RunFolder
+
+    fields = dict(model="mlp", model_kwargs={"widths": [8]}, dataset="digits", num_samples=64, batch_size=32,
+                  num_workers=1, runner="local", storage_path=str(tmp_path), name="changed")
+    rtm.fit(rtm.TrainConfig(**fields, epochs=1))
+    checkpoint = RunFolder(str(tmp_path / "changed")).newest_checkpoint().uri
+    state = torch.load(os.path.join(checkpoint, "train_state.pt"), weights_only=False)
+    state["optimizer"]["param_groups"][0]["params"] = state["optimizer"]["param_groups"][0]["params"][:-1]
+    torch.save(state, os.path.join(checkpoint, "train_state.pt"))
+    with pytest.raises(ValueError, match=r"its optimizer state does not fit this model's parameters .*Start a new run "
+                                         r"\(another `name`\) from its weights: init_from='.*checkpoint_epoch000001'"):
+        rtm.fit(rtm.TrainConfig(**fields, epochs=2))

@@ -167,7 +167,14 @@ def load_train_state(steps, optimizer, scheduler, scaler, restored: Restored) ->
         with restored.source.open() as directory:
             steps.load_sharded(optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR))
     else:
-        steps.load_optimizer(optimizer, train_state)
+        try:
+            steps.load_optimizer(optimizer, train_state)
+        except ValueError as exc:  # torch: the saved groups' parameter counts are not this optimizer's
+            raise ValueError(
+                f"checkpoint {restored.state.checkpoint!r}: its optimizer state does not fit this model's parameters "
+                f"({exc}): the model's parameters changed since it was written (e.g. transformer_lm's attention, "
+                f"once one fused qkv, now q/k/v). Start a new run (another `name`) from its weights: "
+                f"init_from={restored.state.checkpoint!r}.") from exc
     scheduler.load_state_dict(train_state["scheduler"])
     if "scaler" in train_state:
         scaler.load_state_dict(train_state["scaler"])
