@@ -76,6 +76,8 @@ def test_ray_trains_controller_announces_each_registered_checkpoint_by_its_stora
     local = run_config(rtm.TrainConfig(storage_path="/tmp/runs", name="r"), sink).callbacks[0]
     local.after_report(None, [{}], SimpleNamespace(path="/tmp/runs/r/checkpoint_epoch000002"))
     assert sink.events[-1] == ("checkpoint", "/tmp/runs/r/checkpoint_epoch000002")
+    gone = SimpleNamespace(put=SimpleNamespace(remote=lambda *event: 1 / 0))  # the driver's mailbox is gone
+    run_config(cfg, gone).callbacks[0].after_report(None, [{}], SimpleNamespace(path="bucket/runs/r/c"))  # no raise
 
 
 def test_the_driver_waits_for_the_last_announcement_a_bounded_time(monkeypatch):

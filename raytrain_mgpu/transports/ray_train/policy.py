@@ -40,8 +40,12 @@ class CheckpointAnnouncer(UserCallback):
         self.sink, self.scheme = sink, scheme
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if checkpoint is not None:  # fire and forget: the driver waits for the last one (driver.py)
+        if checkpoint is None:
+            return
+        try:  # fire and forget: the driver waits for the last one (driver.py)
             self.sink.put.remote("checkpoint", f"{self.scheme}://{checkpoint.path}" if self.scheme else checkpoint.path)
+        except Exception:  # progress never fails training (the controller would fail the run)
+            logger.exception("could not tell the driver of checkpoint %s", checkpoint.path)
 
 
 if DefaultFailurePolicy is not None:
