@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,7 +130,6 @@ def test_a_sharded_checkpoint_resumed_by_a_layout_that_reads_whole_state_is_refu
     """ddp with tensor groups writes every rank's shards; the same run resumed with tensor_parallel_size=1 (plain
     ddp, which reads the whole state) is refused with the two ways out, not a bare NotImplementedError."""
     import contextlib
-    from types import SimpleNamespace
 
     from raytrain_mgpu.engine import checkpoint_files as ckpt_format
     from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
@@ -449,6 +449,16 @@ def test_auto_chooses_tensor_groups_when_a_layer_does_not_fit_even_sharded(tmp_p
     assert name == "fsdp" and reason.startswith("fsdp, tensor_parallel_size=2: ddp would need"), reason
     resolved, record = resolve_auto(cfg.replace(memory_budget_bytes=budget), info)
     assert (resolved.strategy, resolved.num_workers, resolved.tensor_parallel_size) == ("fsdp", 4, 2)
+    timed = []  # auto_measure times fsdp too: it fits with tensor groups, although not without
+
+    def compare(cfg, strategies, **run):
+        from raytrain_mgpu.planning.compare_report import Recommendation
+
+        timed.extend(strategies)
+        return SimpleNamespace(recommendation=Recommendation(None, None, "nothing measured here"), paths={})
+
+    resolved, record = resolve_auto(cfg.replace(memory_budget_bytes=budget, auto_measure=True), info, compare=compare)
+    assert "fsdp" in timed and resolved.tensor_parallel_size == 2, (timed, record)
 
 
 def test_transformer_lm_weights_saved_with_the_fused_qkv_layout_still_load_and_compute_the_same():

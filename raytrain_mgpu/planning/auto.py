@@ -326,17 +326,20 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None, compare=None) -> Tuple
 
 
 def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, reason: str, compare) -> tuple:
-    """Time the strategies the estimate lets fit in a short compare run: ``(name, reason, config)``."""
+    """Time the strategies the estimate lets fit in one of their layouts (``fsdp`` with tensor groups too) in a
+    short compare run: ``(name, reason, config)``."""
     if compare is None:
         raise TypeError("resolve_auto: TrainConfig.auto_measure=True needs compare= (raytrain_mgpu.api.compare)")
-    fitting = []
+    fitting = []  # the strategies one of whose layouts fits (compare times each of their layouts)
     for candidate in candidates(info, measured=True):
-        try:
-            planned = plan_config(cfg, candidate, info)
-        except ValueError:
-            continue
-        if budget is None or _peak(candidate, planned, profile) <= budget:
-            fitting.append(candidate)
+        for variant in layouts(cfg, candidate, info):
+            try:
+                planned = plan_config(cfg, candidate, info, variant)
+            except ValueError:
+                continue
+            if budget is None or _peak(candidate, planned, profile) <= budget:
+                fitting.append(candidate)
+                break
     if not fitting:
         return name, reason, None
     from raytrain_mgpu.engine.run_folder import run_uri
