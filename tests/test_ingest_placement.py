@@ -41,6 +41,11 @@ def test_the_tasks_go_to_the_cpu_ingest_nodes_that_are_up_else_beside_the_traini
     assert placement([gpu_node, node(16, labels=INGEST, alive=False), node(0, labels=INGEST)], 8) == Placement(
         None, 40.0, 0)
     assert placement([node(2)], held_cpus=2).cpus == 0  # nothing beside: the driver refuses such a run
+    # a CPU-only run's workers on an ingest node: its CPUs they hold are not the stream's; one left with less
+    # than a CPU takes no task (the tasks go beside the training processes instead)
+    shared = [dict(node(4), NodeID="a"), dict(node(16, labels=INGEST), NodeID="b")]
+    assert placement(shared, held_cpus=6, held_by_node={"b": 6}) == Placement(INGEST, 10.0, 1)
+    assert placement(shared, held_cpus=16, held_by_node={"b": 16}) == Placement(None, 4.0, 0)
 
 
 def test_the_banner_says_where_the_tasks_run_and_each_streams_share_and_a_run_with_no_cpu_is_refused():
@@ -57,9 +62,14 @@ def test_the_banner_says_where_the_tasks_run_and_each_streams_share_and_a_run_wi
         check_cpus_left(cfg, build_plan(cfg), laptop)
     # ... unless a CPU ingest node is up: the stream decodes there
     nodes = [node(2), node(16, labels=INGEST)]
-    assert check_cpus_left(cfg, build_plan(cfg), laptop, nodes) == (
+    with_ingest = Capacity(alive=({"CPU": 2.0}, {"CPU": 16.0}))
+    assert check_cpus_left(cfg, build_plan(cfg), with_ingest, nodes) == (
         "ingest: Ray Data's tasks on 1 CPU ingest node(s) (16 CPU, label ray-subcluster=ingest); the training "
         "processes keep their nodes' CPUs")
+    # a CPU-only run whose workers take every CPU, the ingest node's too: refused, ingest node or not
+    busy = cfg.replace(num_workers=18, batch_size=126)  # a CPU each
+    with pytest.raises(ValueError, match=r"the training processes hold 18 of the cluster's 18 CPU"):
+        check_cpus_left(busy, build_plan(busy), with_ingest, nodes)
 
 
 def test_the_stream_dataset_carries_the_placement_and_leaves_the_process_context_as_it_was():

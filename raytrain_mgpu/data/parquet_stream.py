@@ -75,14 +75,18 @@ class Placement:
         return f"{self.cpus:g} CPU beside the training processes"
 
 
-def placement(nodes: List[dict], held_cpus: float) -> Placement:
-    """The stream's :class:`Placement` on a cluster of ``nodes`` (``ray.nodes()``'s entries: ``Alive``,
-    ``Resources``, ``Labels``) whose training processes hold ``held_cpus`` CPUs in their placement group."""
+def placement(nodes: List[dict], held_cpus: float, held_by_node: Optional[dict] = None) -> Placement:
+    """The stream's :class:`Placement` on a cluster of ``nodes`` (``ray.nodes()``'s entries: ``Alive``, ``NodeID``,
+    ``Resources``, ``Labels``) whose training processes hold ``held_cpus`` CPUs in their placement group,
+    ``held_by_node`` of them on each node (``{NodeID: CPUs}``; a CPU-only run's workers may sit on an ingest node:
+    those CPUs are not the stream's, and ingest nodes left with less than one CPU take no task)."""
     alive = [n for n in nodes if n.get("Alive", True)]
     key, value = INGEST_LABEL
-    ingest = [n for n in alive if (n.get("Labels") or {}).get(key) == value and n["Resources"].get("CPU", 0) > 0]
-    if ingest:
-        return Placement({key: value}, sum(n["Resources"]["CPU"] for n in ingest), len(ingest))
+    held_by_node = held_by_node or {}
+    free = {id(n): n["Resources"].get("CPU", 0) - held_by_node.get(n.get("NodeID"), 0) for n in alive}
+    ingest = [n for n in alive if (n.get("Labels") or {}).get(key) == value and free[id(n)] > 0]
+    if sum(free[id(n)] for n in ingest) >= 1:
+        return Placement({key: value}, sum(free[id(n)] for n in ingest), len(ingest))
     total = sum(n["Resources"].get("CPU", 0) for n in alive)
     return Placement(None, max(total - held_cpus, 0.0), 0)
 
@@ -91,11 +95,17 @@ def _current_placement() -> Placement:
     """:func:`placement` on the connected cluster, for this process's training placement group (a Ray Train
     worker's, a pipeline stage's; none in a process outside one, e.g. ``bench-data``'s)."""
     import ray
-    from ray.util import get_current_placement_group
+    from ray.util import get_current_placement_group, placement_group_table
 
     group = get_current_placement_group()
-    held = sum(bundle.get("CPU", 0) for bundle in group.bundle_specs) if group is not None else 0.0
-    return placement(ray.nodes(), held)
+    if group is None:
+        return placement(ray.nodes(), 0.0)
+    held_by_node: dict = {}
+    on_nodes = placement_group_table(group).get("bundles_to_node_id", {})
+    for index, bundle in enumerate(group.bundle_specs):
+        node_id = on_nodes.get(index)
+        held_by_node[node_id] = held_by_node.get(node_id, 0) + bundle.get("CPU", 0)
+    return placement(ray.nodes(), sum(held_by_node.values()), held_by_node)
 
 
 def stream_source(dataset) -> Optional["ParquetStream"]:

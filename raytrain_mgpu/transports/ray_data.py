@@ -74,8 +74,9 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Opti
 
     The ``parquet`` stream runs them on the cluster's CPU ingest nodes where one is up (``data/parquet_stream
     .placement``): the training processes keep their nodes' CPUs. Elsewhere they need CPUs that the training
-    bundles do not hold, shared by the streams (one per reading process). On a cluster that cannot grow, a run
-    without one would wait for ever (the bundles placed, the first read task pending): refused here, before any
+    bundles do not hold, shared by the streams (one per reading process). Either way the cluster must have a CPU
+    the bundles do not hold (a CPU-only run's workers may take an ingest node's). On a cluster that cannot grow,
+    a run without one would wait for ever (the bundles placed, the first read task pending): refused here, before any
     bundle is placed, with the numbers and the fix. An autoscaling cluster can add a CPU node, so there it is a
     warning. ``nodes``: ``ray.nodes()``'s entries (read here unless given; a given ``capacity`` alone stands
     for its alive nodes, without labels)."""
@@ -90,23 +91,23 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Opti
     bundles = plan.bundles  # the run plan's: every process of either runner
     held = sum(bundle.get("CPU", 0) for bundle in bundles)
     where = placement(nodes, held)
-    if where.label_selector and cfg.dataset == "parquet":  # a user's own Ray Datasets run where they say
-        return f"ingest: Ray Data's tasks on {where.describe()}"
     total = capacity.max_total("CPU", unlimited=len(bundles) + 1)
     streams = plan.replicas if plan.runner == "actor_group" else plan.num_processes  # the reading processes
-    if total - held >= 1:
-        spare = total - held
-        return (f"ingest: Ray Data's tasks on {'up to ' if capacity.autoscales else ''}{spare:g} CPU beside the "
-                f"training processes' {held:g} ({spare / streams:.3g} per stream, {streams} stream(s))")
-    message = (f"ingest='ray_data': the training processes hold {held:g} of the cluster's {total:g} CPU "
-               f"({len(bundles)} x {bundles[0].get('CPU', 0):g}), so Ray Data's read and decode tasks would wait "
-               f"for a CPU for ever. Leave at least 1 CPU free: lower num_workers"
-               + (" or num_stages" if plan.runner == "actor_group" else "")
-               + " or cpus_per_worker, or add a CPU node.")
-    if capacity.autoscales:
-        logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
-        return "ingest: Ray Data's tasks wait for a CPU node to be added (see the warning above)"
-    raise ValueError(message)
+    if total - held < 1:
+        message = (f"ingest='ray_data': the training processes hold {held:g} of the cluster's {total:g} CPU "
+                   f"({len(bundles)} x {bundles[0].get('CPU', 0):g}), so Ray Data's read and decode tasks would "
+                   f"wait for a CPU for ever. Leave at least 1 CPU free: lower num_workers"
+                   + (" or num_stages" if plan.runner == "actor_group" else "")
+                   + " or cpus_per_worker, or add a CPU node.")
+        if capacity.autoscales:
+            logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
+            return "ingest: Ray Data's tasks wait for a CPU node to be added (see the warning above)"
+        raise ValueError(message)
+    if where.label_selector and cfg.dataset == "parquet":  # the package's stream (a user's Datasets run anywhere)
+        return f"ingest: Ray Data's tasks on {where.describe()}"
+    spare = total - held
+    return (f"ingest: Ray Data's tasks on {'up to ' if capacity.autoscales else ''}{spare:g} CPU beside the "
+            f"training processes' {held:g} ({spare / streams:.3g} per stream, {streams} stream(s))")
 
 
 def _alive_nodes() -> list:
