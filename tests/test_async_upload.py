@@ -97,6 +97,17 @@ def test_the_driver_waits_for_the_last_announcement_a_bounded_time(monkeypatch):
     assert time.monotonic() - started < 5
 
 
+def test_the_driver_waits_for_no_announcement_of_a_checkpoint_an_earlier_fit_registered():
+    """A resumed fit that registered no checkpoint of its own (every save skipped) ends with the one it resumed
+    from: its announcement came in the earlier fit, and this one does not wait for it."""
+    from raytrain_mgpu.transports.ray_train.driver import _registered_before
+
+    assert _registered_before("/runs/r/checkpoint_epoch000003", {"resumed_from": "/runs/r/checkpoint_epoch000003/"})
+    assert not _registered_before("/runs/r/checkpoint_epoch000004", {"resumed_from": "s3://b/r/checkpoint_epoch000003"})
+    assert not _registered_before("/runs/r/checkpoint_epoch000001", {"resumed_from": None})  # a new run
+    assert not _registered_before("/runs/r/checkpoint_epoch000001", None)  # no start-up event
+
+
 def test_a_save_waits_for_the_previous_upload_then_for_the_controller_to_take_its_report(monkeypatch):
     """One upload in flight at most, and a failure after the wait resumes from the previous checkpoint."""
     latest, collected = {"path": None}, []

@@ -290,3 +290,15 @@ def test_the_runs_end_flushes_rank_0s_events_after_the_last(monkeypatch, tmp_pat
     monkeypatch.setattr(WorkerReporter, "flush", lambda self, timeout_s=0.0: flushed.append(len(sink.events)))
     make_engine({**DP, "storage_path": str(tmp_path), "name": "flushed"}, sink=sink, setup=False).run()
     assert sink.events[-1][0] == "checkpoint" and flushed == [len(sink.events)]
+
+
+def test_rank_0_tells_the_driver_the_checkpoint_it_resumed_from(tmp_path):
+    """In its start-up event (the Ray Train driver then knows a last checkpoint no save of this fit registered)."""
+    from _engine import RecordingSink, make_engine
+
+    fields = {**DP, "storage_path": str(tmp_path), "name": "resumed"}
+    first, again = RecordingSink(), RecordingSink()
+    make_engine({**fields, "epochs": 1}, sink=first, setup=False).run()
+    make_engine({**fields, "epochs": 2}, sink=again, setup=False).run()
+    assert first.of("startup")[0]["resumed_from"] is None
+    assert again.of("startup")[0]["resumed_from"].rstrip("/").endswith("checkpoint_epoch000001")

@@ -242,10 +242,10 @@ class WorkerReporter:
         """One line for the driver to print as it is (a preemption, a resume: ``engine/preemption.py``)."""
         self._send("notice", line)
 
-    def startup(self, entered: float, first_step: float) -> None:
-        """When (``time.time()``) the train function was entered and its first step began: the driver
-        keeps the first attempt's (``TrainResult.startup``)."""
-        self._send("startup", {"entered": entered, "first_step": first_step})
+    def startup(self, entered: float, first_step: float, resumed_from: Optional[str] = None) -> None:
+        """When (``time.time()``) the train function was entered and its first step began, and the checkpoint it
+        resumed from: the driver keeps the first attempt's (``TrainResult.startup``)."""
+        self._send("startup", {"entered": entered, "first_step": first_step, "resumed_from": resumed_from})
 
 
 def deliver(kind: str, payload, printer) -> None:

@@ -156,7 +156,7 @@ class Engine:
                                          list(steps.objective.names))
         self.observer.start(self.state.step)  # the profiler's window, from here
         if self.reporter is not None:
-            self.reporter.startup(entered, time.time())
+            self.reporter.startup(entered, time.time(), self.state.checkpoint)
 
     def _init_from(self, model: torch.nn.Module) -> None:
         """``init_from``'s weights into the model as built (every rank that holds weights: fsdp's rank 0 sends

@@ -5,6 +5,7 @@ the one retry policy in its controller (:func:`torch_trainer_class`), its run co
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import ray
 import ray.train
@@ -123,7 +124,8 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
         return RunResult([], None, pump.startup)
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
     last = folder.uri_of(result.checkpoint.path)
-    pump.wait_for_checkpoint(last)  # the controller's announcement is not ordered with the run's end
+    if not _registered_before(result.checkpoint.path, pump.startup):  # this fit's: its announcement may be on its way
+        pump.wait_for_checkpoint(last)  # the controller's sends are not ordered with the run's end
     if pump.failure is not None:
         raise pump.failure
     return RunResult(folder.checkpoint_history(result.checkpoint.path), last, pump.startup)
@@ -175,3 +177,10 @@ def _whole(cfg: TrainConfig, error, stall, plan) -> BaseException:
                  if type(controller).__name__ == "WorkerGroupStartupTimeoutError" else None)
     return whole_failure(cfg, controller if isinstance(controller, BaseException) else error,
                          getattr(error, "worker_failures", None), stall, placement)
+
+
+def _registered_before(path: str, startup: Optional[dict]) -> bool:
+    """Whether the run's last checkpoint is the one its first attempt resumed from (this fit registered none, e.g.
+    every save skipped for non-finite weights): announced by an earlier ``fit``, not by this one's controller."""
+    resumed = (startup or {}).get("resumed_from")
+    return bool(resumed) and os.path.basename(resumed.rstrip("/")) == os.path.basename(path.rstrip("/"))
