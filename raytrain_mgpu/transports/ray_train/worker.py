@@ -6,8 +6,9 @@ strategy's step runner and :class:`RayTrainTransport`, which carries rank 0's ev
 through the run's progress channel (``driver/progress.py``), hands the checkpoint manager Ray Train's latest
 checkpoint, and delivers each checkpoint with ``ray.train.report`` (``transports/ray_train/uploads.py``:
 asynchronous uploads reported before their write, a sharded run's every-rank folders); Ray Train's controller
-tells the driver of each one registered (``policy.CheckpointAnnouncer``). Ray Train's controller restarts the group after a failure (``max_failures``) or a preemption
-(``max_preemption_failures``) from the latest registered checkpoint.
+tells the driver of each one registered (``policy.CheckpointAnnouncer``). Ray Train's controller restarts the
+group after a failure (``max_failures``) or a preemption (``max_preemption_failures``) from the latest registered
+checkpoint.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class RayTrainTransport(Transport):
                         # Ray Train prunes by age (its score order would keep the N best, not the last N): a new
                         # best's model is copied aside, one more model write per improvement.
                         RunFolder.of(self.cfg).save_best(save["directory"], commit.best_model)
-                    if self.reporter is not None:  # the epoch's row reaches the driver before the controller's announcement
+                    if self.reporter is not None:  # the epoch's row in the driver's mailbox before the announcement
                         self.reporter.flush()
                 if save["writing"] is not None:
                     save["writing"].set_result(commit.writing)  # Ray Train's upload thread copies it from here
