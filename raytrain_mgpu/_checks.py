@@ -3,10 +3,11 @@ that ``config_checks`` and ``config_code`` share."""
 
 from __future__ import annotations
 
+import difflib
 import math
-from typing import Any
+from typing import Any, Iterable
 
-__all__ = ["fail", "is_int", "is_number", "check_number"]
+__all__ = ["fail", "is_int", "is_number", "check_number", "did_you_mean"]
 
 
 def fail(name: str, value: Any, rule: str, fix: str) -> None:
@@ -34,3 +35,18 @@ def check_number(cfg, name: str, low: float, high: float = math.inf, low_open: b
         fail(name, value, rule, fix)
     if value < low or (low_open and value == low) or value > high or (high_open and value == high):
         fail(name, value, rule, fix)
+
+
+def did_you_mean(name: Any, valid: Iterable[str], hints: Any = None) -> str:
+    """``" Did you mean 'batch_size'?"`` for the valid name closest to ``name`` (difflib's ratio, case and
+    ``-``/``_`` ignored), or ``""`` when none is close. ``hints``: ``{wrong: right}`` for names no spelling
+    distance finds (``"fp16"`` -> ``"16-mixed"``)."""
+    if not isinstance(name, (str, int, float)) or isinstance(name, bool):
+        return ""
+    text = str(name)
+    if hints and text in hints:
+        return f" Did you mean {hints[text]!r}?"
+    valid = [str(v) for v in valid]
+    folded = {v.lower().replace("-", "_"): v for v in valid}
+    close = difflib.get_close_matches(text.lower().replace("-", "_"), list(folded), n=1, cutoff=0.6)
+    return f" Did you mean {folded[close[0]]!r}?" if close else ""

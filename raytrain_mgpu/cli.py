@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 
+from raytrain_mgpu import _yaml
 from raytrain_mgpu.config import TrainConfig
 
 
@@ -91,11 +92,11 @@ def _parse_value(kind: str):
         if kind in ("range", "window") and dash and low.strip().isdigit() and high.strip().isdigit():
             return int(low), int(high)  # --num-workers 1-4: an elastic (min, max); --profile-steps 10-15
         try:
-            value = yaml.safe_load(text)
+            value = _yaml.load(text)  # --lr 1e-3 is 0.001, --monitor None is None
         except yaml.YAMLError as exc:  # argparse turns this into one usage error
             raise argparse.ArgumentTypeError(f"{text!r} is not a YAML value ({' '.join(str(exc).split())})")
         if kind == "str" and value is not None:
-            return text  # keep "32", "none"-like strings literally
+            return text  # keep "32", "none"-like strings literally (None and null are None)
         return value
     return parse
 
@@ -189,8 +190,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="a searched field, e.g. lr=loguniform:1e-4:1e-1, batch_size=grid:32,64, "
                            "optimizer=choice:sgd,adamw, uniform:LOW:HIGH, randint:LOW:HIGH (repeatable)")
     tune.add_argument("--samples", type=int, default=8, help="trials (a grid runs each of its values this often)")
-    tune.add_argument("--metric", default="val_accuracy", help="history key that ranks the trials, with --mode "
-                                                               "(the config's: min for losses, max for accuracy)")
+    tune.add_argument("--metric", help="history key that ranks the trials (default: --monitor if set, else "
+                                       "val_accuracy with --val-fraction, test_accuracy without; a loss for data "
+                                       "without classes); maximised for accuracy, minimised for a loss unless "
+                                       "--mode says otherwise")
     tune.add_argument("--scheduler", choices=("asha", "none"), default="asha",
                       help="asha: stop trials early on the metric of each epoch; none: train every trial fully")
 
@@ -306,7 +309,7 @@ def _tune(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     from raytrain_mgpu.tune import search
 
-    search(cfg, args.param, args.samples, args.metric, cfg.mode, args.scheduler, stream=sys.stdout)
+    search(cfg, args.param, args.samples, args.metric, None, args.scheduler, stream=sys.stdout)
     return 0
 
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Tuple, Union
 from raytrain_mgpu.config_checks import validate, warn_unused
 from raytrain_mgpu.config_sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
                                            LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
-                                           OnNonfinite, Precision, Runner, SaveWhat, Schedule)
+                                           OnNonfinite, Precision, Resume, Runner, SaveWhat, Schedule)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
 from raytrain_mgpu._factory import CODE_FIELDS
 
@@ -200,7 +200,9 @@ class TrainConfig:
     seed: int = 0
     """Seeds initial weights, shuffling and synthetic data."""
     name: Optional[str] = None
-    """Run name; a run started again with the same name and ``storage_path`` resumes."""
+    """Run name; a run started again with the same name and ``storage_path`` resumes (``resume``). None: ``<model>-<dataset>-<strategy>``."""
+    resume: Resume = "auto"
+    """A run started again under its name: ``auto`` resumes from its newest checkpoint if it has one (a finished run started with settings that would change its training is refused, naming them), ``never`` refuses a folder that holds checkpoints (a script that must start fresh), ``must`` refuses one that holds none (a script that must continue)."""
     storage_path: str = "~/raytrain_results"
     """Where checkpoints and history go: a shared folder or a ``s3://``/``gs://`` URI for multi-node."""
     max_failures: int = 0
@@ -239,8 +241,8 @@ class TrainConfig:
     # --- checkpoints: the best one and early stopping
     monitor: Optional[str] = None
     """History key that ranks epochs, e.g. ``val_loss`` or ``val_accuracy`` with a validation split, else ``test_loss`` or ``test_accuracy`` (measured on evaluated epochs only); None: no best tracking."""
-    mode: MonitorMode = "min"
-    """``min``: a lower ``monitor`` is better (losses); ``max``: higher is better (accuracy)."""
+    mode: MonitorMode = "auto"
+    """How ``monitor`` ranks epochs: ``auto`` follows the key (accuracy and top5 maximised; losses, ``mae`` and ``mse`` minimised; your metric function says with a ``higher_is_better`` attribute); ``max``: higher is better; ``min``: lower is better."""
     keep_best: bool = False
     """Keep the checkpoint of the best ``monitor`` besides the last ``num_checkpoints_to_keep`` (``TrainResult.best_checkpoint_path``, ``load_model(best=True)``)."""
     early_stopping_patience: Optional[int] = None
@@ -307,13 +309,14 @@ class TrainConfig:
         """
         import yaml
 
+        from raytrain_mgpu import _yaml
         from raytrain_mgpu._factory import check_file_factories
 
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file.")
         try:
-            values = yaml.safe_load(path.read_text())
+            values = _yaml.load(path.read_text())  # YAML 1.2's numbers: lr: 1e-3 is 0.001
         except yaml.YAMLError as exc:
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
         if values is None:

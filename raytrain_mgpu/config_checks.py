@@ -23,7 +23,8 @@ from raytrain_mgpu.config_code import (check_callbacks, check_code_choices, chec
                                        is_code)
 from raytrain_mgpu._units import parse_bytes
 
-__all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
+__all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices", "better_mode",
+           "monitor_mode"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "channels_last", "verbose",
@@ -343,6 +344,40 @@ def monitor_keys(cfg) -> tuple:
                  for name in ["loss", *names])
 
 
+# Which way is better for the built-in names of a history key's last part (``test_accuracy`` -> accuracy).
+_HIGHER_IS_BETTER = {"loss": False, "accuracy": True, "top5": True, "mae": False, "mse": False, "perplexity": False}
+
+
+def better_mode(key: str, metrics=None, mode: str = "auto") -> str:
+    """``"max"`` or ``"min"``: how history key ``key`` ranks epochs or trials. ``mode`` ``"min"``/``"max"`` is the
+    user's word; ``"auto"`` follows the metric: accuracy and top5 are maximised, losses and errors minimised, and a
+    metric function of the user's says so itself with a ``higher_is_better`` attribute (torchmetrics' name).
+    ``metrics``: the run's ``TrainConfig.metrics``, where ``key`` may name one of them."""
+    if mode in ("min", "max"):
+        return mode
+    name = key.split("_", 1)[1] if key.split("_", 1)[0] in ("train", "val", "test") and "_" in key else key
+    if name in _HIGHER_IS_BETTER and not any(function_name(m) == name and is_factory(m) for m in metrics or ()):
+        return "max" if _HIGHER_IS_BETTER[name] else "min"
+    for entry in metrics or ():
+        if is_factory(entry) and function_name(entry) == name:
+            from raytrain_mgpu._factory import load_factory
+
+            higher = getattr(load_factory(entry, "metrics"), "higher_is_better", None)
+            if isinstance(higher, bool):
+                return "max" if higher else "min"
+            raise ValueError(f"TrainConfig.mode='auto': cannot tell whether a higher {key} is better: your metric "
+                             f"{function_name(entry)!r} does not say. Set mode='max' or mode='min', or give the "
+                             f"function the attribute higher_is_better = True (or False).")
+    raise ValueError(f"TrainConfig.mode='auto': {key!r} is not a loss or a metric of this run, so which way is "
+                     f"better is not known. Set mode='max' or mode='min'.")
+
+
+def monitor_mode(cfg) -> str:
+    """``cfg.mode`` for ``cfg.monitor``, ``"auto"`` resolved (:func:`better_mode`); a config or a namespace of its
+    fields (a run folder's recorded config)."""
+    return better_mode(cfg.monitor, getattr(cfg, "metrics", None), getattr(cfg, "mode", "auto") or "auto")
+
+
 def _check_monitor(cfg) -> None:
     """``monitor`` names an epoch-row key; ``keep_best`` and ``early_stopping_patience`` need it."""
     monitor = cfg.monitor
@@ -350,7 +385,8 @@ def _check_monitor(cfg) -> None:
         for name in ("keep_best", "early_stopping_patience"):
             if getattr(cfg, name) not in (False, None):
                 fail(name, getattr(cfg, name), "needs monitor, the history key that ranks epochs",
-                     "Set monitor, e.g. monitor='test_loss' (with mode='min') or 'test_accuracy' (mode='max').")
+                     "Set monitor, e.g. monitor='test_loss' or 'test_accuracy' (mode follows it: min for losses, max for "
+                     "accuracy).")
         return
     valid = monitor_keys(cfg)
     if not isinstance(monitor, str) or monitor not in valid:
@@ -360,6 +396,7 @@ def _check_monitor(cfg) -> None:
         fail("monitor", monitor, f"ranks epochs on the test split, while val_fraction={cfg.val_fraction} holds out a "
                                  f"validation split for that: the best epoch's test score would be chosen by the "
                                  f"test split itself, so biased", f"Set monitor='val_{monitor[len('test_'):]}'.")
+    monitor_mode(cfg)  # mode="auto" on a metric of the user's that does not say which way is better: refused now
     if monitor.startswith(("test_", "val_")) and cfg.eval_every_epochs > cfg.epochs:
         fail("monitor", monitor, f"is measured on evaluated epochs only, and eval_every_epochs="
                                  f"{cfg.eval_every_epochs} > epochs={cfg.epochs} evaluates only the last one",

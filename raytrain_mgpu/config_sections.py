@@ -21,11 +21,12 @@ Balance = Union[Literal["params", "time"], Tuple[int, ...]]  # a tuple: block co
 Loss = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "smooth_l1"]  # or a "module:function"
 Metric = Literal["accuracy", "top5", "mae", "mse"]  # TrainConfig.metrics lists these or "module:function"s
 Logger = Literal["tensorboard", "mlflow", "csv", "wandb"]  # TrainConfig.loggers is a list of these
-MonitorMode = Literal["min", "max"]
+MonitorMode = Literal["auto", "min", "max"]  # auto: follows the metric (config_checks.better_mode)
 Ingest = Literal["loader", "ray_data"]  # how the training split reaches the workers
 Runner = Literal["auto", "local", "ray"]  # where a run trains: the driver's process, or Ray
 OnNonfinite = Literal["stop", "skip", "ignore"]  # what a non-finite loss does to a run
 SaveWhat = Literal["full", "trainable"]  # what a checkpoint's model part holds
+Resume = Literal["auto", "never", "must"]  # what a run started again under its name does (driver/preflight.py)
 Compile = Union[bool, Literal["blocks"]]  # torch.compile: off, the whole model, or each block in place
 # A tensor-parallel plan's styles (TrainConfig.tensor_parallel_plan's values; parallel/tensor_parallel.py): torch's
 # ColwiseParallel, RowwiseParallel, SequenceParallel, and Hugging Face's names for Colwise with a gathered output

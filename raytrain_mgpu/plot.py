@@ -216,6 +216,7 @@ def _finished(path: str) -> bool:
     # the stored config's own stopping rule, early stopping included (a run stopped early is finished)
     return state.finished(SimpleNamespace(epochs=config["epochs"], max_steps=config.get("max_steps"),
                                           monitor=config.get("monitor"), mode=config.get("mode", "min"),
+                                          metrics=config.get("metrics"),
                                           early_stopping_patience=config.get("early_stopping_patience")))
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.driver.callbacks import Callback
 
-__all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "TRIAL_CPUS"]
+__all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "default_metric", "TRIAL_CPUS"]
 
 TRIAL_CPUS = 0.01
 """A trial's process only waits on its ``fit`` (Tune refuses a request of nothing)."""
@@ -125,8 +125,9 @@ _PARAM = re.compile(r"^(?P<name>\w+)=(?P<kind>grid|choice|uniform|loguniform|ran
 def parse_param(text: str):
     """``name=kind:values`` (``lr=loguniform:1e-4:1e-1``, ``batch_size=grid:32,64``, ``optimizer=choice:sgd,adamw``,
     ``uniform:lo:hi``, ``randint:lo:hi``) as ``(name, Tune search space)``; errors name the fix."""
-    import yaml
     from ray import tune
+
+    from raytrain_mgpu import _yaml
 
     match = _PARAM.match(text.strip())
     fix = ("Write NAME=KIND:VALUES with KIND one of grid, choice (comma-separated values), uniform, loguniform, "
@@ -137,7 +138,7 @@ def parse_param(text: str):
     if name not in TrainConfig.field_names():
         raise ValueError(f"--param {text!r}: {name!r} is not a TrainConfig field. {fix}")
     if kind in ("grid", "choice"):
-        options = [yaml.safe_load(v) for v in values.split(",")]
+        options = [_yaml.load(v) for v in values.split(",")]  # grid:1e-3,5e-4 as numbers
         return name, tune.grid_search(options) if kind == "grid" else tune.choice(options)
     bounds = values.split(":")
     try:
@@ -152,19 +153,39 @@ def parse_param(text: str):
     return name, (tune.loguniform if kind == "loguniform" else tune.uniform)(low, high)
 
 
-def search(cfg: TrainConfig, params: Sequence[str], samples: int, metric: str, mode: str,
-           scheduler: str = "asha", stream=None):
-    """``raytrain-mgpu tune``: ``samples`` trials of ``cfg`` over ``params`` (:func:`parse_param` texts), ASHA
+def default_metric(cfg: TrainConfig) -> str:
+    """The key trials are ranked by when none is named: ``cfg.monitor``, else the evaluated split's accuracy where
+    the run records it (a registry dataset's classes, or ``accuracy`` in ``metrics``), else its loss. The validation
+    split where ``val_fraction`` holds one out (trials must not be chosen by the test split), else the test split:
+    a key every run of ``cfg`` has."""
+    if cfg.monitor is not None:
+        return cfg.monitor
+    split = "val" if cfg.val_fraction is not None or (isinstance(cfg.dataset, dict) and "val" in cfg.dataset) else "test"
+    from raytrain_mgpu._factory import is_factory
+
+    accuracy = "accuracy" in cfg.metrics if cfg.metrics is not None else (
+        isinstance(cfg.dataset, str) and not is_factory(cfg.dataset))
+    return f"{split}_{'accuracy' if accuracy else 'loss'}"
+
+
+def search(cfg: TrainConfig, params: Sequence[str], trials: int = 8, metric: Optional[str] = None,
+           mode: Optional[str] = None, scheduler: str = "asha", stream=None):
+    """``raytrain-mgpu tune``: ``trials`` trials of ``cfg`` over ``params`` (:func:`parse_param` texts), ASHA
     stopping trials early on ``metric`` per epoch (``scheduler="none"``: every trial trains every epoch);
-    prints the trials table and the best values. Returns Ray Tune's ``ResultGrid``."""
-    from raytrain_mgpu.config_checks import monitor_keys
+    prints the trials table and the best values. Returns Ray Tune's ``ResultGrid``.
+
+    ``metric`` None: :func:`default_metric`. ``mode`` None: ``cfg.mode``, which by default follows the metric
+    (accuracy maximised, a loss minimised: ``config_checks.better_mode``)."""
+    from raytrain_mgpu.config_checks import better_mode, monitor_keys
 
     space = dict(parse_param(p) for p in params)  # bad input fails before Ray
+    metric = metric or default_metric(cfg)
     if metric not in monitor_keys(cfg):
         raise ValueError(f"--metric {metric!r}: not a history key of this run ({', '.join(monitor_keys(cfg))}). "
-                         f"Pick one of them, e.g. val_accuracy with val_fraction set.")
-    if not samples >= 1:
-        raise ValueError(f"--samples {samples}: at least 1 trial. Set --samples 8, say.")
+                         f"Pick one of them, or leave --metric out for {default_metric(cfg)}.")
+    mode = better_mode(metric, cfg.metrics, mode or cfg.mode)
+    if not trials >= 1:
+        raise ValueError(f"--trials {trials}: at least 1 trial. Set --trials 8, say.")
     from ray import tune
 
     from raytrain_mgpu.driver.cluster import connect
@@ -172,14 +193,15 @@ def search(cfg: TrainConfig, params: Sequence[str], samples: int, metric: str, m
     connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)  # a local Ray for the CLI, as fit starts one
     asha = tune.schedulers.ASHAScheduler(max_t=cfg.epochs, grace_period=1) if scheduler == "asha" else None
     tuner = tune.Tuner(trainable(cfg), param_space=space,
-                       tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=samples, scheduler=asha,
+                       tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=trials, scheduler=asha,
                                                    max_concurrent_trials=max_concurrent_trials(cfg)),
                        run_config=tune.RunConfig(storage_path=cfg.storage_path, name=f"{cfg.name}-tune", verbose=0))
     results = tuner.fit()
     if stream is not None:
         stream.write(trials_table(results, list(space), metric) + "\n")
         best = results.get_best_result()
-        stream.write(f"best: {best.config} {metric}={best.metrics.get(metric)}\n")
+        stream.write(f"best ({'highest' if mode == 'max' else 'lowest'} {metric}): {best.config} "
+                     f"{metric}={best.metrics.get(metric)}\n")
     return results
 
 

@@ -82,7 +82,7 @@ def test_a_run_stopped_early_is_finished_until_patience_is_raised():
     (dict(monitor="test_loss", early_stopping_patience=0), r"early_stopping_patience=0: must be a positive integer"),
     (dict(monitor="val_loss"), r"monitor='val_loss': is not a history key of this run \(train_loss, "
                                r"train_accuracy, test_loss, test_accuracy\)"),
-    (dict(monitor="test_loss", mode="lowest"), r"mode='lowest': is not one of \['min', 'max'\]"),
+    (dict(monitor="test_loss", mode="lowest"), r"mode='lowest': is not one of \['auto', 'min', 'max'\]"),
     (dict(monitor="test_loss", keep_best="yes"), r"keep_best='yes': must be true or false"),
     (dict(monitor="test_loss", epochs=3, eval_every_epochs=5),
      r"monitor='test_loss': is measured on evaluated epochs only, and eval_every_epochs=5 > epochs=3.*"

@@ -69,7 +69,35 @@ def test_the_cli_refuses_a_metric_the_run_does_not_record_before_ray(capsys, mon
     monkeypatch.setattr(cluster, "connect", lambda *a, **k: pytest.fail("tune connected to Ray before refusing"))
     assert main(["tune", "--param", "lr=loguniform:1e-3:1e-1", "--metric", "val_accuracy", "--epochs", "2"]) == 2
     assert "--metric 'val_accuracy': not a history key of this run (train_loss, train_accuracy, test_loss, " \
-           "test_accuracy). Pick one of them, e.g. val_accuracy with val_fraction set." in capsys.readouterr().err
+           "test_accuracy). Pick one of them, or leave --metric out for test_accuracy." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, metric, mode", [
+    ({}, "test_accuracy", "max"),  # tune's defaults: a key every run has, and accuracy is maximised
+    ({"val_fraction": 0.1}, "val_accuracy", "max"),
+    ({"monitor": "test_loss"}, "test_loss", "min"),
+    ({"metrics": ["mae"], "dataset": "synthetic"}, "test_loss", "min"),  # no accuracy recorded: the loss
+    ({"mode": "min", "val_fraction": 0.1}, "val_accuracy", "min"),  # the user's word wins
+])
+def test_tune_ranks_by_a_key_every_run_has_and_its_mode_follows_the_key(monkeypatch, changes, metric, mode):
+    import raytrain_mgpu.driver.cluster as cluster
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def tuner(trainable, param_space, tune_config, run_config):
+        seen.update(metric=tune_config.metric, mode=tune_config.mode)
+        raise Stop
+
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: False)
+    monkeypatch.setattr("ray.tune.Tuner", tuner)
+    monkeypatch.setattr("raytrain_mgpu.tune.trainable", lambda cfg: None)
+    monkeypatch.setattr("raytrain_mgpu.tune.max_concurrent_trials", lambda cfg: 1)
+    with pytest.raises(Stop):
+        search(rtm.TrainConfig(**changes), ["lr=grid:0.05,0.000001"])
+    assert seen == {"metric": metric, "mode": mode}
 
 
 @pytest.mark.ray
@@ -79,7 +107,8 @@ def test_asha_over_a_grid_stops_the_hopeless_trial_and_returns_the_best(ray_sess
     # stops it there. Each trial has one worker, so it trains inside its trial actor (the in-process runner).
     cfg = rtm.TrainConfig(**SMALL, cpus_per_worker=3, storage_path=str(tmp_path), name="search")
     out = io.StringIO()
-    results = search(cfg, ["lr=grid:0.1,0.000001"], samples=1, metric="val_accuracy", mode="max", stream=out)
+    # no metric and no mode: the default metric (val_accuracy, with val_fraction) is maximised, as it follows the key
+    results = search(cfg, ["lr=grid:0.1,0.000001"], trials=1, stream=out)
     by_lr = {r.config["lr"]: r for r in results}
     assert sorted(by_lr) == [1e-6, 0.1] and not any(r.error for r in results), [r.error for r in results]
     good, hopeless = by_lr[0.1], by_lr[1e-6]
@@ -98,4 +127,4 @@ def test_asha_over_a_grid_stops_the_hopeless_trial_and_returns_the_best(ray_sess
         assert not (path / RAY_TRAIN_SNAPSHOT).exists()
     table = out.getvalue()
     assert table.splitlines()[0] == "trial | lr | epochs | val_accuracy" and len(table.splitlines()) == 4
-    assert "best: {'lr': 0.1} val_accuracy=" in table
+    assert "best (highest val_accuracy): {'lr': 0.1} val_accuracy=" in table

@@ -36,6 +36,7 @@ import torch
 from raytrain_mgpu.batches import shape_record
 from raytrain_mgpu.engine import checkpoint_files as ckpt_format
 from raytrain_mgpu.engine.metrics import all_gather_objects
+from raytrain_mgpu.config_checks import monitor_mode
 from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.engine.step import NonFiniteError
 from raytrain_mgpu.engine.step_checkpoints import STEP_IN_EPOCH
@@ -241,7 +242,7 @@ class Saver:
         started = time.perf_counter()
         step, final = partial is not None, state.finished(cfg)
         is_best = (e.rank == 0 and cfg.keep_best and not step
-                   and best_row(state.history, cfg.monitor, cfg.mode) is state.history[-1])
+                   and best_row(state.history, cfg.monitor, monitor_mode(cfg)) is state.history[-1])
         # One collective for all: every rank's random generators and partial sums, rank 0's verdict on keep_best,
         # and whether every rank's weights are finite (a checkpoint of non-finite weights is never written).
         gathered = all_gather_objects((rng_state(), partial, is_best, steps.weights_finite()))

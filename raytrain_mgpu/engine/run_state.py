@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, List, Mapping, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
+from raytrain_mgpu.config_checks import monitor_mode
 
 __all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
            "metric_columns", "eval_columns", "add_metric_totals"]
@@ -106,15 +107,15 @@ def stops_early(history: list, cfg) -> bool:
     Every data-parallel rank holds the same history (all-reduced metrics), so every rank
     decides the same and they stop after the same epoch."""
     patience = getattr(cfg, "early_stopping_patience", None)
-    return patience is not None and _epochs_since_best(history, cfg.monitor, cfg.mode) >= patience
+    return patience is not None and _epochs_since_best(history, cfg.monitor, monitor_mode(cfg)) >= patience
 
 
 def best_record(cfg, history: list) -> dict:
     """``meta.json``'s ``best`` (monitor, mode, epoch, value) and ``stopped_early``; empty without ``monitor``."""
     if getattr(cfg, "monitor", None) is None:
         return {}
-    row = best_row(history, cfg.monitor, cfg.mode)
-    best = None if row is None else {"monitor": cfg.monitor, "mode": cfg.mode, "epoch": row["epoch"],
+    row = best_row(history, cfg.monitor, monitor_mode(cfg))
+    best = None if row is None else {"monitor": cfg.monitor, "mode": monitor_mode(cfg), "epoch": row["epoch"],
                                      "value": row[cfg.monitor]}
     return {"best": best, "stopped_early": stops_early(history, cfg)}
 
