@@ -7,7 +7,8 @@ import difflib
 import math
 from typing import Any, Iterable
 
-__all__ = ["fail", "is_int", "is_number", "check_number", "did_you_mean"]
+__all__ = ["fail", "is_int", "is_number", "check_number", "did_you_mean", "SPELLED_OTHERWISE", "OTHER_FIELD_NAMES",
+           "unknown_fields"]
 
 
 def fail(name: str, value: Any, rule: str, fix: str) -> None:
@@ -48,5 +49,35 @@ def did_you_mean(name: Any, valid: Iterable[str], hints: Any = None) -> str:
         return f" Did you mean {hints[text]!r}?"
     valid = [str(v) for v in valid]
     folded = {v.lower().replace("-", "_"): v for v in valid}
-    close = difflib.get_close_matches(text.lower().replace("-", "_"), list(folded), n=1, cutoff=0.6)
+    key = text.lower().replace("-", "_")
+    close = difflib.get_close_matches(key, list(folded), n=1, cutoff=0.6)
+    if not close and len(key) >= 3:  # an abbreviation of exactly one name: "acc" -> "accuracy"
+        close = [v for v in folded if v.startswith(key)][:2]
+        close = close if len(close) == 1 else []
     return f" Did you mean {folded[close[0]]!r}?" if close else ""
+
+
+# Names other tools give a choice, which no spelling distance finds (Lightning's older precision flags, Apex's opt
+# levels' words): named in the error, not accepted, so one setting has one spelling.
+SPELLED_OTHERWISE = {"precision": {"16": "16-mixed", "fp16": "16-mixed", "half": "16-mixed", "16-true": "16-mixed",
+                                    "bf16": "bf16-mixed", "bfloat16": "bf16-mixed", "bf16-true": "bf16-mixed",
+                                    "fp32": "32", "32-true": "32", "float32": "32", "64": "32"}}
+
+# What Lightning, Accelerate and torch call a field, which no spelling distance finds.
+OTHER_FIELD_NAMES = {"learning_rate": "lr", "max_epochs": "epochs", "num_epochs": "epochs", "workers": "num_workers",
+                "devices": "num_workers", "num_devices": "num_workers", "gpus": "use_gpu", "accelerator": "use_gpu",
+                "accumulate_grad_batches": "grad_accum_steps", "gradient_accumulation_steps": "grad_accum_steps",
+                "gradient_clip_val": "grad_clip_norm", "max_grad_norm": "grad_clip_norm", "mixed_precision": "precision",
+                "default_root_dir": "storage_path", "output_dir": "storage_path", "ckpt_path": "init_from",
+                "num_workers_per_loader": "loader_workers", "dataloader_num_workers": "loader_workers"}
+
+
+def unknown_fields(unknown: list, valid: Iterable[str], source: str, what: str = "field"):
+    """The error for names that are not ``TrainConfig`` fields (``valid``): each with the closest field, if one is."""
+    from raytrain_mgpu.errors import UnknownFieldError
+
+    valid = list(valid)
+    named = "; ".join(f"{name!r}.{did_you_mean(name, valid, OTHER_FIELD_NAMES) or ' No field is close.'}"
+                      for name in unknown)
+    return UnknownFieldError(f"{source}: unknown {what}{'s' if len(unknown) > 1 else ''} {named} Every field, by "
+                             f"section: `raytrain-mgpu train --help` (or TrainConfig.field_names()).")

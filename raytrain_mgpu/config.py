@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
+from raytrain_mgpu._checks import unknown_fields
 from raytrain_mgpu.config_checks import validate, warn_unused
 from raytrain_mgpu.config_sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
                                            LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
@@ -260,7 +262,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._unused_options = validate(self)  # {option: value} the strategy never reads
-        warn_unused(self._unused_options, self.strategy, stacklevel=3)  # 3: the line that built the config
+        warn_unused(self._unused_options, self.strategy, stacklevel=4)  # 4: the line that built the config (via _init)
 
     # ------------------------------------------------------------------ sections
 
@@ -295,7 +297,7 @@ class TrainConfig:
                              f"{type(values).__name__}. Write one `key: value` per line.")
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"{source}: unknown key(s) {unknown}. Valid keys: {', '.join(cls.field_names())}.")
+            raise unknown_fields(unknown, cls.field_names(), source, "key")
         return cls(**values)
 
     @classmethod
@@ -363,8 +365,7 @@ class TrainConfig:
         """
         unknown = sorted(set(changes) - set(self.field_names()))
         if unknown:
-            raise TypeError(f"TrainConfig.replace() got unknown field(s) {unknown}. "
-                            f"Valid fields: {', '.join(self.field_names())}.")
+            raise unknown_fields(unknown, self.field_names(), "TrainConfig.replace()")
         new = copy.copy(self)
         vars(new).update(changes)
         new._unused_options = validate(new)
@@ -372,3 +373,19 @@ class TrainConfig:
         fresh = {k: v for k, v in new._unused_options.items() if k not in warned or warned[k] != v}
         warn_unused(fresh, new.strategy, stacklevel=2)  # 2: the line that called replace
         return new
+
+
+_generated_init = TrainConfig.__init__
+
+
+@functools.wraps(_generated_init)
+def _init(self, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``, with an unknown keyword named with its closest field (Python's own error only
+    says "unexpected keyword argument")."""
+    unknown = [name for name in kwargs if name not in TrainConfig.__dataclass_fields__]
+    if unknown:
+        raise unknown_fields(unknown, TrainConfig.field_names(), "TrainConfig()")
+    _generated_init(self, *args, **kwargs)
+
+
+TrainConfig.__init__ = _init

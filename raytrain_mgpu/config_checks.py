@@ -17,14 +17,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Literal
 
-from raytrain_mgpu._checks import check_number, fail, is_int
+from raytrain_mgpu._checks import SPELLED_OTHERWISE, check_number, did_you_mean, fail, is_int
 from raytrain_mgpu._factory import function_name, is_factory, is_object
 from raytrain_mgpu.config_code import (check_callbacks, check_code_choices, check_metrics, check_model_and_dataset,
-                                       is_code)
+                                       check_monitor, is_code)
 from raytrain_mgpu._units import parse_bytes
 
-__all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices", "better_mode",
-           "monitor_mode"]
+__all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
 _BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "channels_last", "verbose",
@@ -51,7 +50,8 @@ def validate(cfg) -> Dict[str, Any]:
     if cfg.name is None:
         model, dataset = (function_name(v) if is_object(v) else v for v in (cfg.model, cfg.dataset))
         dataset = "raydata" if isinstance(cfg.dataset, dict) else dataset  # Ray Datasets (data/ray_datasets.py)
-        cfg.name = f"{model}-{dataset.replace(':', '.')}-{cfg.strategy}"
+        # one plain folder name: "torchvision.models:resnet18" -> "torchvision.models.resnet18"
+        cfg.name = "-".join(str(part).replace(":", ".") for part in (model, dataset, cfg.strategy))
     # The registries import torch: imported here, not at module top, so the config imports light.
     from raytrain_mgpu.data import check_data_fields
     from raytrain_mgpu.data.ingest import check_ingest
@@ -148,13 +148,14 @@ def check_fields(cfg) -> None:
     for name, valid in choices(type(cfg)).items():
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in valid:
-            fail(name, value, f"is not one of {list(valid)}", f"Set {name} to one of them.")
+            hint = did_you_mean(value, [v for v in valid if v is not None], SPELLED_OTHERWISE.get(name))
+            fail(name, value, f"is not one of {list(valid)}", f"{hint.lstrip()} Set {name} to one of them.".lstrip())
     check_code_choices(cfg)
     check_metrics(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
     _check_validation(cfg)
-    _check_monitor(cfg)
+    check_monitor(cfg)
     _check_watching(cfg)
     _check_step_features(cfg)
     _check_tensor_parallel(cfg)
@@ -329,78 +330,6 @@ def _check_shapes(cfg) -> None:
     shape = cfg.input_shape
     if shape is not None and not (isinstance(shape, tuple) and shape and all(is_int(d) and d > 0 for d in shape)):
         fail("input_shape", shape, "must be a list of positive integers", "E.g. [1, 28, 28].")
-
-
-def monitor_keys(cfg) -> tuple:
-    """The history keys ``monitor`` may name: ``train_``/``val_``/``test_`` + ``loss`` or a metric the run
-    records; ``val_`` where there may be a validation split (``val_fraction``, a dataset factory's own, or a
-    ``"val"`` Ray Dataset)."""
-    metrics = getattr(cfg, "metrics", None)  # user metrics, where the config has them
-    names = ["accuracy"] if metrics is None else [function_name(m) for m in metrics]
-    dataset = getattr(cfg, "dataset", "")
-    val = (getattr(cfg, "val_fraction", None) is not None or is_factory(dataset)
-           or (isinstance(dataset, dict) and "val" in dataset))  # Ray Datasets with a "val" split
-    return tuple(f"{split}_{name}" for split in ("train", *(("val",) if val else ()), "test")
-                 for name in ["loss", *names])
-
-
-# Which way is better for the built-in names of a history key's last part (``test_accuracy`` -> accuracy).
-_HIGHER_IS_BETTER = {"loss": False, "accuracy": True, "top5": True, "mae": False, "mse": False, "perplexity": False}
-
-
-def better_mode(key: str, metrics=None, mode: str = "auto") -> str:
-    """``"max"`` or ``"min"``: how history key ``key`` ranks epochs or trials. ``mode`` ``"min"``/``"max"`` is the
-    user's word; ``"auto"`` follows the metric: accuracy and top5 are maximised, losses and errors minimised, and a
-    metric function of the user's says so itself with a ``higher_is_better`` attribute (torchmetrics' name).
-    ``metrics``: the run's ``TrainConfig.metrics``, where ``key`` may name one of them."""
-    if mode in ("min", "max"):
-        return mode
-    name = key.split("_", 1)[1] if key.split("_", 1)[0] in ("train", "val", "test") and "_" in key else key
-    if name in _HIGHER_IS_BETTER and not any(function_name(m) == name and is_factory(m) for m in metrics or ()):
-        return "max" if _HIGHER_IS_BETTER[name] else "min"
-    for entry in metrics or ():
-        if is_factory(entry) and function_name(entry) == name:
-            from raytrain_mgpu._factory import load_factory
-
-            higher = getattr(load_factory(entry, "metrics"), "higher_is_better", None)
-            if isinstance(higher, bool):
-                return "max" if higher else "min"
-            raise ValueError(f"TrainConfig.mode='auto': cannot tell whether a higher {key} is better: your metric "
-                             f"{function_name(entry)!r} does not say. Set mode='max' or mode='min', or give the "
-                             f"function the attribute higher_is_better = True (or False).")
-    raise ValueError(f"TrainConfig.mode='auto': {key!r} is not a loss or a metric of this run, so which way is "
-                     f"better is not known. Set mode='max' or mode='min'.")
-
-
-def monitor_mode(cfg) -> str:
-    """``cfg.mode`` for ``cfg.monitor``, ``"auto"`` resolved (:func:`better_mode`); a config or a namespace of its
-    fields (a run folder's recorded config)."""
-    return better_mode(cfg.monitor, getattr(cfg, "metrics", None), getattr(cfg, "mode", "auto") or "auto")
-
-
-def _check_monitor(cfg) -> None:
-    """``monitor`` names an epoch-row key; ``keep_best`` and ``early_stopping_patience`` need it."""
-    monitor = cfg.monitor
-    if monitor is None:
-        for name in ("keep_best", "early_stopping_patience"):
-            if getattr(cfg, name) not in (False, None):
-                fail(name, getattr(cfg, name), "needs monitor, the history key that ranks epochs",
-                     "Set monitor, e.g. monitor='test_loss' or 'test_accuracy' (mode follows it: min for losses, max for "
-                     "accuracy).")
-        return
-    valid = monitor_keys(cfg)
-    if not isinstance(monitor, str) or monitor not in valid:
-        fail("monitor", monitor, f"is not a history key of this run ({', '.join(valid)})",
-             "Set monitor to one of them, or leave it unset.")
-    if monitor.startswith("test_") and getattr(cfg, "val_fraction", None) is not None:
-        fail("monitor", monitor, f"ranks epochs on the test split, while val_fraction={cfg.val_fraction} holds out a "
-                                 f"validation split for that: the best epoch's test score would be chosen by the "
-                                 f"test split itself, so biased", f"Set monitor='val_{monitor[len('test_'):]}'.")
-    monitor_mode(cfg)  # mode="auto" on a metric of the user's that does not say which way is better: refused now
-    if monitor.startswith(("test_", "val_")) and cfg.eval_every_epochs > cfg.epochs:
-        fail("monitor", monitor, f"is measured on evaluated epochs only, and eval_every_epochs="
-                                 f"{cfg.eval_every_epochs} > epochs={cfg.epochs} evaluates only the last one",
-             "Set eval_every_epochs to 1 (or a divisor of epochs), or monitor a train_* key.")
 
 
 def _check_validation(cfg) -> None:

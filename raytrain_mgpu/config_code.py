@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import typing
 from typing import Any, Dict, Literal
 
-from raytrain_mgpu._checks import fail
+from raytrain_mgpu._checks import did_you_mean, fail
 from raytrain_mgpu._factory import check_factory_spec, function_name, is_factory, is_object
 
 __all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_metrics", "check_model_and_dataset",
@@ -52,7 +53,8 @@ def check_code_choices(cfg) -> None:
         value = getattr(cfg, name)
         if not is_code(name, value) and (not isinstance(value, str) or value not in valid):
             fail(name, value, f"is not one of {list(valid)} or a 'package.module:function'",
-                 f"Set {name} to one of them, name your own function, or (from Python) pass the function itself.")
+                 f"{did_you_mean(value, valid).lstrip()} Set {name} to one of them, name your own function, or (from "
+                 f"Python) pass the function itself.".lstrip())
     kwargs = cfg.optimizer_kwargs
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         fail("optimizer_kwargs", kwargs, "must be a mapping with string keys", "Write it as {key: value}.")
@@ -80,7 +82,7 @@ def check_metrics(cfg) -> None:
     for entry in metrics:
         if not is_code("metrics", entry, metrics, fix) and (not isinstance(entry, str) or entry not in valid):
             fail("metrics", metrics, f"entry {entry!r} is not one of {list(valid)} or a 'package.module:function'",
-                 fix)
+                 f"{did_you_mean(entry, valid).lstrip()} {fix}".lstrip())
         name = function_name(entry)
         if name == "loss":
             fail("metrics", metrics, f"entry {entry!r} would be reported as train_loss/test_loss, the loss's "
@@ -96,6 +98,13 @@ def check_model_and_dataset(cfg) -> None:
     or function itself; the registries' names are checked by ``models.check_model_name`` and ``data``."""
     from raytrain_mgpu.data.ray_datasets import is_ray_datasets
 
+    torch = sys.modules.get("torch")  # a model object means torch is loaded: no import for a config of names
+    if torch is not None and isinstance(cfg.model, torch.nn.Module):
+        fail("model", f"<{type(cfg.model).__name__} instance>", "is a built model, but every worker builds its own "
+             "copy (seeded alike, so all ranks start from the same weights) and each strategy places it itself",
+             f"Pass the class, model={type(cfg.model).__name__} (its arguments in model_kwargs), or a function "
+             f"that builds and returns the model; to start from this one's weights, save them "
+             f"(torch.save(model.state_dict(), 'w.pt')) and set init_from='w.pt'.")
     for name, example in (("model", "'lenet'"), ("dataset", "'digits'")):
         value = getattr(cfg, name)
         if name == "dataset" and is_ray_datasets(value):  # {"train": ds, ...}: data/ray_datasets.check_fields
@@ -123,3 +132,78 @@ def check_callbacks(callbacks: Any) -> None:
             fail("callbacks", callbacks, f"entry {entry!r} has none of the hooks {', '.join(_HOOKS)}",
                  "Pass an instance of a raytrain_mgpu.driver.callbacks.Callback subclass, or a "
                  "'package.module:Class'.")
+
+
+# ----------------------------------------------------------------------------- the monitor and its mode
+
+
+def monitor_keys(cfg) -> tuple:
+    """The history keys ``monitor`` may name: ``train_``/``val_``/``test_`` + ``loss`` or a metric the run
+    records; ``val_`` where there may be a validation split (``val_fraction``, a dataset factory's own, or a
+    ``"val"`` Ray Dataset)."""
+    metrics = getattr(cfg, "metrics", None)  # user metrics, where the config has them
+    names = ["accuracy"] if metrics is None else [function_name(m) for m in metrics]
+    dataset = getattr(cfg, "dataset", "")
+    val = (getattr(cfg, "val_fraction", None) is not None or is_factory(dataset)
+           or (isinstance(dataset, dict) and "val" in dataset))  # Ray Datasets with a "val" split
+    return tuple(f"{split}_{name}" for split in ("train", *(("val",) if val else ()), "test")
+                 for name in ["loss", *names])
+
+
+# Which way is better for the built-in names of a history key's last part (``test_accuracy`` -> accuracy).
+_HIGHER_IS_BETTER = {"loss": False, "accuracy": True, "top5": True, "mae": False, "mse": False, "perplexity": False}
+
+
+def better_mode(key: str, metrics=None, mode: str = "auto") -> str:
+    """``"max"`` or ``"min"``: how history key ``key`` ranks epochs or trials. ``mode`` ``"min"``/``"max"`` is the
+    user's word; ``"auto"`` follows the metric: accuracy and top5 are maximised, losses and errors minimised, and a
+    metric function of the user's says so itself with a ``higher_is_better`` attribute (torchmetrics' name).
+    ``metrics``: the run's ``TrainConfig.metrics``, where ``key`` may name one of them."""
+    if mode in ("min", "max"):
+        return mode
+    name = key.split("_", 1)[1] if key.split("_", 1)[0] in ("train", "val", "test") and "_" in key else key
+    if name in _HIGHER_IS_BETTER and not any(function_name(m) == name and is_factory(m) for m in metrics or ()):
+        return "max" if _HIGHER_IS_BETTER[name] else "min"
+    for entry in metrics or ():
+        if is_factory(entry) and function_name(entry) == name:
+            from raytrain_mgpu._factory import load_factory
+
+            higher = getattr(load_factory(entry, "metrics"), "higher_is_better", None)
+            if isinstance(higher, bool):
+                return "max" if higher else "min"
+            raise ValueError(f"TrainConfig.mode='auto': cannot tell whether a higher {key} is better: your metric "
+                             f"{function_name(entry)!r} does not say. Set mode='max' or mode='min', or give the "
+                             f"function the attribute higher_is_better = True (or False).")
+    raise ValueError(f"TrainConfig.mode='auto': {key!r} is not a loss or a metric of this run, so which way is "
+                     f"better is not known. Set mode='max' or mode='min'.")
+
+
+def monitor_mode(cfg) -> str:
+    """``cfg.mode`` for ``cfg.monitor``, ``"auto"`` resolved (:func:`better_mode`); a config or a namespace of its
+    fields (a run folder's recorded config)."""
+    return better_mode(cfg.monitor, getattr(cfg, "metrics", None), getattr(cfg, "mode", "auto") or "auto")
+
+
+def check_monitor(cfg) -> None:
+    """``monitor`` names an epoch-row key; ``keep_best`` and ``early_stopping_patience`` need it."""
+    monitor = cfg.monitor
+    if monitor is None:
+        for name in ("keep_best", "early_stopping_patience"):
+            if getattr(cfg, name) not in (False, None):
+                fail(name, getattr(cfg, name), "needs monitor, the history key that ranks epochs",
+                     "Set monitor, e.g. monitor='test_loss' or 'test_accuracy' (mode follows it: min for losses, max for "
+                     "accuracy).")
+        return
+    valid = monitor_keys(cfg)
+    if not isinstance(monitor, str) or monitor not in valid:
+        fail("monitor", monitor, f"is not a history key of this run ({', '.join(valid)})",
+             "Set monitor to one of them, or leave it unset.")
+    if monitor.startswith("test_") and getattr(cfg, "val_fraction", None) is not None:
+        fail("monitor", monitor, f"ranks epochs on the test split, while val_fraction={cfg.val_fraction} holds out a "
+                                 f"validation split for that: the best epoch's test score would be chosen by the "
+                                 f"test split itself, so biased", f"Set monitor='val_{monitor[len('test_'):]}'.")
+    monitor_mode(cfg)  # mode="auto" on a metric of the user's that does not say which way is better: refused now
+    if monitor.startswith(("test_", "val_")) and cfg.eval_every_epochs > cfg.epochs:
+        fail("monitor", monitor, f"is measured on evaluated epochs only, and eval_every_epochs="
+                                 f"{cfg.eval_every_epochs} > epochs={cfg.epochs} evaluates only the last one",
+             "Set eval_every_epochs to 1 (or a divisor of epochs), or monitor a train_* key.")

@@ -18,7 +18,8 @@ import pickle
 import traceback
 from typing import Optional
 
-__all__ = ["WorkerError", "StuckRankError", "PlacementTimeoutError", "crossing", "add_note", "worker_note"]
+__all__ = ["WorkerError", "StuckRankError", "PlacementTimeoutError", "UnknownFieldError", "crossing", "add_note",
+           "worker_note"]
 
 _NOTE_PREFIX = "raised on rank "
 
@@ -59,6 +60,12 @@ class StuckRankError(RuntimeError):
 
     def __str__(self) -> str:
         return self.args[0] + (f"\n{self.report}" if self.report else "")
+
+
+class UnknownFieldError(ValueError, TypeError):
+    """A ``TrainConfig`` field that does not exist (``TrainConfig(batchsize=64)``, a YAML key, ``replace``), with the
+    closest one named. A ``ValueError`` as every config error is; a ``TypeError`` too, as Python's own error for an
+    unexpected keyword argument is, so code written against either catches it."""
 
 
 class PlacementTimeoutError(RuntimeError):

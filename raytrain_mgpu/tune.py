@@ -175,8 +175,8 @@ def search(cfg: TrainConfig, params: Sequence[str], trials: int = 8, metric: Opt
     prints the trials table and the best values. Returns Ray Tune's ``ResultGrid``.
 
     ``metric`` None: :func:`default_metric`. ``mode`` None: ``cfg.mode``, which by default follows the metric
-    (accuracy maximised, a loss minimised: ``config_checks.better_mode``)."""
-    from raytrain_mgpu.config_checks import better_mode, monitor_keys
+    (accuracy maximised, a loss minimised: ``config_code.better_mode``)."""
+    from raytrain_mgpu.config_code import better_mode, monitor_keys
 
     space = dict(parse_param(p) for p in params)  # bad input fails before Ray
     metric = metric or default_metric(cfg)

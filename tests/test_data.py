@@ -559,7 +559,7 @@ def test_parquet_errors_name_the_problem_and_the_fix(tmp_path):
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(ValueError, match=r"junk\.parquet: cannot be read .* intact Parquet"):
         check_data(make_cfg("parquet", data_root=str(tmp_path / "junk.parquet")))
-    with pytest.raises(ValueError, match=r"data_root='.*nowhere': .* does not exist"):
+    with pytest.raises(ValueError, match=r"data_root='.*nowhere': no such file or folder"):
         check_data(make_cfg("parquet", data_root=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="data_root=None: dataset 'parquet' needs"):
         check_data(make_cfg("parquet"))

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import raytrain_mgpu
-from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, crossing, worker_note
+from raytrain_mgpu.errors import (PlacementTimeoutError, StuckRankError, UnknownFieldError, WorkerError, add_note, crossing,
+                                  worker_note)
 from raytrain_mgpu.transports.retry import root_cause, verdict
 
 
@@ -43,6 +44,7 @@ def _examples() -> dict:
                     "rank 1, node 10.0.0.2, pid 7", False),
         StuckRankError("stuck: rank 1 at step 20 (forward)", [1], "rank 1's stacks: ..."),
         PlacementTimeoutError("the cluster did not grant 2 bundle(s)"),
+        UnknownFieldError("TrainConfig(): unknown field 'batchsize'. Did you mean 'batch_size'?"),
         CollectiveTimeoutError("a collective timed out because rank 1 never joined it", [1]),
         CallbackError("callbacks entry 'm:C'", "on_epoch_end", ValueError("bad")),
         NonFiniteError("the training loss became NaN or infinite", 2, 17, [0, 1]),

@@ -19,6 +19,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Callable
 
+from raytrain_mgpu._checks import did_you_mean
 from raytrain_mgpu._factory import code_name, is_factory
 from raytrain_mgpu.data.ray_datasets import RayDataSplits, check_fields, is_ray_datasets  # no torch, no Ray
 
@@ -102,7 +103,7 @@ def check_dataset_name(name) -> None:
     without being imported (it may only be importable on the workers), as does a function from Python."""
     if is_factory(name) or is_ray_datasets(name) or name in DATASETS:
         return
-    raise ValueError(f"TrainConfig.dataset={name!r}: unknown dataset. Valid names: "
+    raise ValueError(f"TrainConfig.dataset={name!r}: unknown dataset.{did_you_mean(name, DATASETS)} Valid names: "
                      f"{', '.join(dataset_names())}; or write 'package.module:function' for your "
                      f"own factory that takes the DataConfig and returns raytrain_mgpu.data.Datasets.")
 
@@ -184,6 +185,26 @@ def _build_untransformed(cfg: "DataConfig") -> "Datasets":
     return result
 
 
+def _check_data_root_exists(cfg: "DataConfig") -> None:
+    """A local ``data_root`` that does not exist is said so (a reader would list the files it misses in it, which
+    reads as if the folder were there); ``download=True`` creates it. A URI is the reader's to check."""
+    root = cfg.data_root
+    if root is None or "://" in root or cfg.download:
+        return
+    from pathlib import Path
+
+    path = Path(root).expanduser()
+    if not path.exists():
+        parent = next((p for p in path.parents if p.exists()), None)
+        raise ValueError(f"TrainConfig.data_root={root!r}: no such file or folder ({path.resolve()}"
+                         f"{f'; the nearest folder that exists is {parent}' if parent is not None else ''}). "
+                         f"Check the path (relative paths are from {Path.cwd()})"
+                         f"{', or set download=True to fetch the files there' if cfg.dataset in _DOWNLOADS else ''}.")
+
+
+_DOWNLOADS = ("fashion_mnist", "cifar10")  # the registry datasets torchvision can download
+
+
 def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     """Cheap driver-side check before Ray starts; returns ``(input_shape, num_classes)``.
 
@@ -193,6 +214,8 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
     """
     check_dataset_name(cfg.dataset)
     check = _CHECKS.get(cfg.dataset) if isinstance(cfg.dataset, str) else None  # a function: built below
+    if check is not None:
+        _check_data_root_exists(cfg)
     if isinstance(cfg.dataset, RayDataSplits):  # fit peeked at the Ray Datasets (data/ray_datasets.take)
         input_shape, num_classes = cfg.dataset.input_shape, cfg.dataset.num_classes
     elif check is not None:

@@ -36,7 +36,7 @@ import torch
 from raytrain_mgpu.batches import shape_record
 from raytrain_mgpu.engine import checkpoint_files as ckpt_format
 from raytrain_mgpu.engine.metrics import all_gather_objects
-from raytrain_mgpu.config_checks import monitor_mode
+from raytrain_mgpu.config_code import monitor_mode
 from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.engine.step import NonFiniteError
 from raytrain_mgpu.engine.step_checkpoints import STEP_IN_EPOCH

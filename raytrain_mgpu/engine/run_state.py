@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, List, Mapping, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
-from raytrain_mgpu.config_checks import monitor_mode
+from raytrain_mgpu.config_code import monitor_mode
 
 __all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
            "metric_columns", "eval_columns", "add_metric_totals"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Dict
 
+from raytrain_mgpu._checks import did_you_mean
 from raytrain_mgpu._factory import code_name, function_name, is_factory, keyword_parameters, load_factory
 
 if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
@@ -59,7 +60,7 @@ def model_names() -> list:
 
 def check_model_name(name) -> None:
     if not is_factory(name) and name not in MODELS:
-        raise ValueError(f"TrainConfig.model={name!r} is not a known model. Valid names: "
+        raise ValueError(f"TrainConfig.model={name!r} is not a known model.{did_you_mean(name, MODELS)} Valid names: "
                          f"{', '.join(model_names())}; or 'package.module:function' for your own.")
 
 

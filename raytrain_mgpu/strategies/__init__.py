@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, Type
 
+from raytrain_mgpu._checks import did_you_mean
 from raytrain_mgpu.strategies.base import Strategy, WorkerContext, check_batch_divisible
 from raytrain_mgpu.strategies.ddp import DDPStrategy
 from raytrain_mgpu.strategies.ddp2 import DDP2Strategy
@@ -40,8 +41,9 @@ def get_strategy(name: str) -> Type[Strategy]:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise ValueError(f"TrainConfig.strategy={name!r} is not a known strategy. "
-                         f"Valid names: {', '.join(strategy_names())}.") from None
+        raise ValueError(f"TrainConfig.strategy={name!r} is not a known strategy.{did_you_mean(name, [*STRATEGIES, 'auto'])} "
+                         f"Valid names: {', '.join([*strategy_names(), 'auto'])} (auto: chosen when fit starts)."
+                         ) from None
 
 
 __all__ = ["Strategy", "WorkerContext", "STRATEGIES", "get_strategy", "strategy_names", "check_batch_divisible"]
