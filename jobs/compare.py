@@ -3,7 +3,7 @@
     ray job submit --working-dir . -- python jobs/compare.py --model resnet18 --dataset fashion_mnist \
         --data-root /data/fmnist --use-gpu --memory-budget-bytes 70GiB
 
-Runs the model under every strategy the cluster can hold (or --strategies ddp,fsdp,...),
+Runs the model under every strategy the cluster can hold (or --strategies ddp fsdp ...),
 prints the table and the recommendation, and writes compare.md, compare.parquet and
 compare.png under <storage-path>/compare-<time>/ (or --out-dir). Exits non-zero on error.
 """

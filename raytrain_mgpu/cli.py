@@ -1,8 +1,10 @@
 """``raytrain-mgpu``: the command line mirror of the Python API.
 
 Every ``TrainConfig`` field is an option (``--batch-size``, ``--no-use-gpu``, ...), its help
-taken from the field's docstring; ``--config f.yaml`` supplies defaults that options
-override. Errors print one clear line and exit with status 2.
+taken from the field's docstring and grouped by the config's sections; ``--config f.yaml``
+supplies defaults that options override. Options are spelled in full (no abbreviations), with
+the config's names in every command (the benchmarks' ``--num-workers``, ``--batch-size``).
+Errors print one clear line (an unknown option: the command's closest one) and exit with status 2.
 
 torch and Ray load only inside the commands that train: ``--help``, ``--version`` and a bad
 option answer in a fraction of a second (tests/test_imports.py holds this).
@@ -21,65 +23,34 @@ import re
 import sys
 import time
 import typing
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
 from raytrain_mgpu import _yaml
+from raytrain_mgpu._cli_options import (Parser as _Parser, UsageError as _UsageError, WordList, plain as _plain,
+                                        renamed, split_commas)
 from raytrain_mgpu.config import TrainConfig
 
 
 @functools.lru_cache(maxsize=1)
-def _field_docs() -> Dict[str, str]:
-    """The string literal under each field of TrainConfig (attribute docstrings). Read once: parsing
-    config.py's source for each of train, compare and tune was ~66 of the 88 ms a ``main`` call took
-    (22 ms with it read once, measured on a 2-core machine)."""
-    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
-    docs = {}
+def _config_layout() -> Tuple[Dict[str, str], Dict[str, str]]:
+    """TrainConfig's source, read once: the string literal under each field (its attribute docstring) and the
+    ``# --- title`` comment each field sits under (its section, a group of --help). Reading config.py's source
+    for each of train, compare and tune was ~66 of the 88 ms a ``main`` call took (22 ms read once, 2 cores)."""
+    source = inspect.getsource(TrainConfig)
+    body = ast.parse(source).body[0].body
+    docs, sections = {}, {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = _plain(" ".join(str(nxt.value.value).split()))
-    return docs
-
-
-def _plain(rest: str) -> str:
-    """A docstring's reST markup as a terminal shows text: ``x`` and `x` -> x, :class:`~a.b.C` -> C,
-    :func:`a.f` -> a.f, :doc:`title <target>` -> title."""
-    def role(match: re.Match) -> str:
-        text = match.group(1)
-        titled = re.fullmatch(r"(.+?)\s*<[^<>]*>", text)
-        return titled.group(1) if titled else text[1:].rsplit(".", 1)[-1] if text.startswith("~") else text
-
-    text = re.sub(r":[\w.:+-]+:`([^`]+)`", role, rest)
-    return re.sub(r"``(.+?)``|`([^`]+)`", lambda m: m.group(1) or m.group(2), text)
-
-
-class _UsageError(Exception):
-    """A command line argparse cannot parse: reported in one line by ``main``."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse prints the whole usage and exits; the CLI promises one line and status 2.
-
-    ``add_arguments``: a function that adds the options, called when this (sub)command is
-    parsed; for the benchmarks, whose modules import torch, so the top-level ``--help``
-    does not.
-    """
-
-    def __init__(self, *args, add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None,
-                 **kwargs):
-        super().__init__(*args, **kwargs)
-        self._add_arguments = add_arguments
-
-    def parse_known_args(self, args=None, namespace=None):
-        if self._add_arguments is not None:
-            add, self._add_arguments = self._add_arguments, None
-            add(self)
-        return super().parse_known_args(args, namespace)
-
-    def error(self, message: str):
-        message = message.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever was typed
-        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+    headers = [(number, match.group(1).strip()) for number, line in enumerate(source.splitlines(), 1)
+               if (match := re.match(r"\s*# --- (\S.*)", line))]
+    for node in body:
+        if isinstance(node, ast.AnnAssign):
+            sections[node.target.id] = next((title for number, title in reversed(headers) if number < node.lineno),
+                                            "other fields")
+    return docs, sections
 
 
 def _parse_value(kind: str):
@@ -102,7 +73,8 @@ def _parse_value(kind: str):
 
 
 class _ListOption(argparse.Action):
-    """A list field: ``--loggers tensorboard csv``, or one YAML value (``--metrics '[mae, mse]'``, ``null``)."""
+    """A list field: ``--loggers tensorboard csv`` (or ``tensorboard,csv``), or one YAML value (``--metrics '[mae,
+    mse]'``, ``null``)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if len(values) == 1:
@@ -113,17 +85,22 @@ class _ListOption(argparse.Action):
             if value is None or isinstance(value, list):
                 setattr(namespace, self.dest, value)
                 return
-        setattr(namespace, self.dest, list(values))
+        setattr(namespace, self.dest, split_commas(values))
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    docs = _field_docs()
+    # The usage line names the command's own options; the ~90 fields are in the groups below it.
+    parser.usage = parser.format_usage().partition(": ")[2].rstrip().replace("%", "%%") + " [--FIELD VALUE ...]"
+    docs, sections = _config_layout()
     hints = typing.get_type_hints(TrainConfig)
-    group = parser.add_argument_group("training options (TrainConfig fields; override --config)")
+    groups: Dict[str, Any] = {}  # one per section of TrainConfig, titled by it, in its order
     for f in dataclasses.fields(TrainConfig):
+        title = sections.get(f.name, "other fields")
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        doc = docs.get(f.name, "")  # a docstring that says its default in words (output_device) keeps its own
+        help_text = (doc if "(default" in doc else f"{doc} (default: {default!r})").replace("%", "%%")
         hint = hints[f.name]
         if hint is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
@@ -135,9 +112,11 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         if f.name in ("input_shape", "balance"):
             kind = "shape" if f.name == "input_shape" else "yaml"
         kind = "range" if f.name == "num_workers" else "window" if f.name == "profile_steps" else kind
-        if bool in typing.get_args(hint):  # compile: a bare --compile is true, as a boolean's flag
+        if bool in typing.get_args(hint):  # compile, use_gpu: a bare --compile is true, as a boolean's flag
             group.add_argument(flag, dest=f.name, nargs="?", const=True, type=_parse_value("yaml"),
                                default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
+            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,  # as a boolean's
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
         if list in (hint, typing.get_origin(hint)) or hint == Optional[list]:  # metrics, loggers, callbacks
             group.add_argument(flag, dest=f.name, nargs="+", action=_ListOption, default=argparse.SUPPRESS,
@@ -147,6 +126,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                            metavar=f.name.upper(), help=help_text)
 
 
+_CONFIG_OPTIONS = "Every TrainConfig field is an option too (--FIELD VALUE, grouped by its sections below); they " \
+                  "override --config."
 _ALLOW_CODE_HELP = ("let the --config file name code (model or dataset 'module:function'); without it such a "
                     "file is refused unless the module is listed in RAYTRAIN_MGPU_TRUSTED_MODULES")
 
@@ -154,23 +135,23 @@ _ALLOW_CODE_HELP = ("let the --config file name code (model or dataset 'module:f
 def _build_parser() -> argparse.ArgumentParser:
     from raytrain_mgpu import __version__
 
-    parser = _Parser(prog="raytrain-mgpu", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="raytrain-mgpu", description=_plain(__doc__.split("\n")[0]))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
+    # The ~90 TrainConfig options are added only for the command parsed (add_arguments).
     train = commands.add_parser("train", help="train a model (default: lenet on digits, ddp, 2 CPU workers)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                add_arguments=_add_config_options)  # ~90 options: only for the command parsed
+                                description=_CONFIG_OPTIONS, add_arguments=_add_config_options)
     train.add_argument("--config", help="YAML file of TrainConfig fields")
     train.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
 
     compare = commands.add_parser(
         "compare", help="run the same model, data and batch under each strategy; table, chart, recommendation",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_arguments=_add_config_options)
+        description=_CONFIG_OPTIONS, add_arguments=_add_config_options)
     compare.add_argument("--config", help="YAML file of TrainConfig fields")
     compare.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
-    compare.add_argument("--strategies", help="comma-separated strategy names (default: every one that can "
-                                              "run on this cluster)")
+    compare.add_argument("--strategies", nargs="+", action=WordList, metavar="STRATEGY",
+                         help="strategy names (default: every one that can run on this cluster)")
     compare.add_argument("--steps", type=int, default=20, help="measured optimizer steps per strategy")
     compare.add_argument("--warmup-steps", type=int, default=5,
                          help="optimizer steps before measuring (rounded up to whole epochs)")
@@ -182,14 +163,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tune = commands.add_parser("tune", help="hyperparameter search with Ray Tune: one fit per trial, ASHA stopping "
                                             "hopeless trials early; prints the trials and the best values",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                               add_arguments=_add_config_options)
+                               description=_CONFIG_OPTIONS, add_arguments=_add_config_options)
     tune.add_argument("--config", help="YAML file of TrainConfig fields")
     tune.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
     tune.add_argument("--param", action="append", required=True, metavar="NAME=KIND:VALUES",
                       help="a searched field, e.g. lr=loguniform:1e-4:1e-1, batch_size=grid:32,64, "
                            "optimizer=choice:sgd,adamw, uniform:LOW:HIGH, randint:LOW:HIGH (repeatable)")
-    tune.add_argument("--samples", type=int, default=8, help="trials (a grid runs each of its values this often)")
+    trials = tune.add_argument("--trials", type=int, default=8, help="trials to run (a grid runs each of its values "
+                                                                      "this often; --num-samples is the data's size)")
+    renamed(tune, trials, "--samples")
     tune.add_argument("--metric", help="history key that ranks the trials (default: --monitor if set, else "
                                        "val_accuracy with --val-fraction, test_accuracy without; a loss for data "
                                        "without classes); maximised for accuracy, minimised for a loss unless "
@@ -208,15 +190,14 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--metric", help="history column for the lower panels instead of train/test accuracy, "
                                        "e.g. lr, samples_per_s, data_wait_share")
     plot.add_argument("--live", action="store_true", help="redraw while the runs train, until they finish or Ctrl-C")
-    plot.add_argument("--every", type=float, default=5.0, help="seconds between --live redraws (default: 5)")
+    plot.add_argument("--every", type=float, default=5.0, help="seconds between --live redraws")
 
     export = commands.add_parser("export", help="write a run's newest (or best) checkpoint as model.safetensors "
                                                 "and config.json, or as a Hugging Face save_pretrained folder")
     export.add_argument("run", metavar="RUN", help="run folder ({storage_path}/{name}): path or URI")
     export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                         help="safetensors: any model's state dict and the run's config; hf: a transformers model's "
-                             "save_pretrained folder, the model built again from the run's recorded config "
-                             "(default: safetensors)")
+                             "save_pretrained folder, the model built again from the run's recorded config")
     export.add_argument("--best", action="store_true", help="the best epoch's checkpoint (runs with keep_best and "
                                                             "monitor) instead of the newest")
     export.add_argument("--out", help="folder or URI (default: <RUN>/export, <RUN>/export-best with --best); with "
@@ -297,8 +278,7 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     from raytrain_mgpu.api import compare
 
-    strategies = [name.strip() for name in args.strategies.split(",")] if args.strategies else None
-    report = compare(cfg, strategies=strategies, steps=args.steps, warmup_steps=args.warmup_steps,
+    report = compare(cfg, strategies=args.strategies, steps=args.steps, warmup_steps=args.warmup_steps,
                      out_dir=args.out_dir, batch_search=args.batch_search, stream=sys.stdout)
     print(f"\n{report.table()}\n  markdown: {report.paths['markdown']}\n  parquet:  {report.paths['parquet']}"
           f"\n  chart:    {report.paths['chart']}")
@@ -309,7 +289,7 @@ def _tune(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     from raytrain_mgpu.tune import search
 
-    search(cfg, args.param, args.samples, args.metric, None, args.scheduler, stream=sys.stdout)
+    search(cfg, args.param, args.trials, args.metric, None, args.scheduler, stream=sys.stdout)
     return 0
 
 

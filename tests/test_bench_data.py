@@ -70,7 +70,7 @@ def test_training_rows_aggregate_the_ranks_as_the_epoch_row_does():
 def test_the_command_times_training_workers_of_each_ingest(ray_session, capsys):
     """On the shared Ray: 1 and 2 workers of each ingest, and the planned order against Ray Data's own."""
     assert main(["bench-data", "--num-images", "64", "--image-size", "8", "--batch-size", "16", "--loader-workers", "0",
-                 "--epochs", "1", "--rounds", "1", "--train-workers", "1", "2", "--step-ms", "1"]) == 0
+                 "--epochs", "1", "--rounds", "1", "--num-workers", "1", "2", "--step-ms", "1"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\s+([12])\s+(loader|ray_data|ray_data_free)\s+(\d+)\s+(\d+)\s+([\d.]+)$", out, re.M)
     assert sorted((w, p) for w, p, *_ in rows) == [(w, p) for w in "12" for p in ("loader", "ray_data", "ray_data_free")]

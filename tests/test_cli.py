@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -105,4 +107,146 @@ def test_benchmark_options_are_added_when_their_command_is_parsed(capsys):
     assert (args.command, args.rounds) == ("bench", 2)
     assert _build_parser().parse_args(["gpu-report", "--quick"]).quick is True
     assert main(["bench", "--nope"]) == 2
-    assert "unrecognized arguments: --nope" in capsys.readouterr().err
+    assert "unrecognized arguments: --nope. (see `raytrain-mgpu bench --help`)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- what a new user meets
+
+def _commands(parser):
+    """(name, parser) of every command and subcommand, their options added (as parsing them does)."""
+    for name, command in parser._commands.choices.items():
+        command._add_arguments and command._add_arguments(command)
+        command._add_arguments = None
+        yield name, command
+        if command._commands is not None:
+            yield from ((f"{name} {sub}", subparser) for sub, subparser in _commands(command))
+
+
+@pytest.fixture(scope="module")
+def every_help():
+    """{command: (its parser, its --help)} for the top level and every command (benchmarks included)."""
+    parser = _build_parser()
+    helps = {"": (parser, parser.format_help())}
+    helps.update({name: (command, command.format_help()) for name, command in _commands(parser)})
+    return helps
+
+
+def _option_help(text: str, option: str) -> str:
+    """The lines of ``--help`` that describe ``option``: its line and the indented ones under it."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(rf"  {re.escape(option)}(?=[ ,]|$)", line))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 6)), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_train_help_groups_the_fields_by_the_configs_sections(every_help):
+    import inspect
+
+    source = inspect.getsource(TrainConfig)
+    titles = re.findall(r"^\s*# --- (.+)$", source, re.M)
+    assert len(titles) >= 7 and "parallelism" in titles
+    text = every_help["train"][1]
+    headings = re.findall(r"^(\S.*):$", text, re.M)
+    assert headings == ["options", *titles], headings  # one group per section, titled by it, in its order
+    for option, title in (("--batch-size", "batch and optimisation"), ("--num-workers", "parallelism"),
+                          ("--loader-workers", "data loading"), ("--monitor", next(t for t in titles if "best" in t))):
+        section = text.split(f"\n{title}:\n")[1].split("\n\n")[0]
+        assert re.search(rf"^  {option} ", section, re.M), (option, title)
+    assert text.splitlines()[0] == "usage: raytrain-mgpu train [-h] [--config CONFIG] [--allow-code] [--FIELD VALUE ...]"
+
+
+def test_every_default_is_said_once_and_help_is_plain_text(every_help):
+    import argparse
+
+    assert every_help[""][0].description == "raytrain-mgpu: the command line mirror of the Python API."
+    for command, (parser, text) in every_help.items():
+        assert "``" not in text and not re.search(r":[a-z]+:`", text), command
+        for action in parser._actions:
+            if not action.option_strings or action.help is argparse.SUPPRESS:
+                continue
+            said = _option_help(text, action.option_strings[0]).count("(default")
+            field = command in ("train", "compare", "tune") and action.dest in TrainConfig.field_names()
+            worth = field or action.default not in (None, False, [], argparse.SUPPRESS)  # else none, or in words
+            assert said == 1 if worth else said <= 1, (command, action.option_strings, said)
+    compare = every_help["compare"][1]
+    assert " ".join(_option_help(compare, "--steps").split()) == "--steps STEPS measured optimizer steps per strategy " \
+                                                                 "(default: 20)"
+    assert " ".join(_option_help(compare, "--lr").split()).endswith("(default: 0.02)")
+
+
+def test_no_abbreviations_an_option_is_its_whole_name(every_help, capsys):
+    assert all(parser.allow_abbrev is False for parser, _ in every_help.values())
+    assert main(["train", "--gpus", "2"]) == 2  # argparse took it for --gpus-per-worker 2
+    assert capsys.readouterr().err == ("raytrain-mgpu: error: unrecognized arguments: --gpus 2. Did you mean "
+                                       "'--gpus-per-worker'? (see `raytrain-mgpu train --help`)\n")
+    assert main(["bench-startup", "--round", "2"]) == 2
+    assert "Did you mean '--rounds'? (see `raytrain-mgpu bench-startup --help`)" in capsys.readouterr().err
+
+
+def test_an_unknown_option_or_command_names_the_closest_one_and_the_help_that_lists_it(capsys):
+    assert main(["train", "--batch-szie", "64", "--epochs", "1"]) == 2
+    assert capsys.readouterr().err == ("raytrain-mgpu: error: unrecognized arguments: --batch-szie 64. Did you mean "
+                                       "'--batch-size'? (see `raytrain-mgpu train --help`)\n")
+    assert main(["tune", "--param", "lr=grid:1,2", "--metirc=val_loss"]) == 2
+    assert "--metirc=val_loss. Did you mean '--metric'? (see `raytrain-mgpu tune --help`)" in capsys.readouterr().err
+    assert main(["trian", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raytrain-mgpu: error: unknown command 'trian'. Did you mean 'train'? Commands: train, "
+                          "compare, tune,") and err.endswith("(see `raytrain-mgpu --help`)\n")
+    assert main(["data", "conv"]) == 2
+    assert "unknown command 'conv'. Did you mean 'convert'? Commands: convert (see `raytrain-mgpu data --help`)" in \
+        capsys.readouterr().err
+    assert main(["export", "run", "--format", "safetensor"]) == 2
+    assert "argument --format: invalid choice: 'safetensor'. Did you mean 'safetensors'? Valid: safetensors, hf" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, old, new, values, dest, value", [
+    (["bench-preemption"], "--workers", "--num-workers", ["3"], "num_workers", 3),
+    (["bench-startup"], "--workers", "--num-workers", ["1", "2"], "num_workers", [1, 2]),
+    (["bench-data"], "--train-workers", "--num-workers", ["1", "2"], "num_workers", [1, 2]),
+    (["bench-tensor-parallel"], "--batch", "--batch-size", ["4"], "batch_size", 4),
+    (["bench-checkpointing"], "--batch", "--batch-size", ["4"], "batch_size", 4),
+    (["bench-gpu"], "--samples", "--num-samples", ["64"], "num_samples", 64),
+    (["tune", "--param", "lr=grid:1,2"], "--samples", "--trials", ["3"], "trials", 3),
+])
+def test_benchmarks_take_trains_flag_names_and_the_old_ones_with_a_warning(command, old, new, values, dest, value,
+                                                                           capsys):
+    assert getattr(_build_parser().parse_args([*command, new, *values]), dest) == value
+    assert capsys.readouterr().err == ""
+    assert getattr(_build_parser().parse_args([*command, old, *values]), dest) == value
+    assert capsys.readouterr().err == f"raytrain-mgpu {command[0]}: warning: {old} is deprecated, use {new}\n"
+    parser = _build_parser()
+    parser.parse_args(command[:1] + ["--param", "x=grid:1"] * (command[0] == "tune"))
+    text = parser._commands.choices[command[0]].format_help()
+    assert re.search(rf"{new}(?![\w-])", text) and not re.search(rf"{old}(?![\w-])", text)  # the old name hidden
+
+
+def test_lists_take_words_apart_or_joined_by_commas():
+    parse = _build_parser().parse_args
+    for words in (["ddp", "fsdp"], ["ddp,fsdp"], ["ddp,", "fsdp"]):
+        assert parse(["compare", "--strategies", *words]).strategies == ["ddp", "fsdp"], words
+    assert parse(["bench-gpu", "--models", "resnet18,transformer_lm", "--runners", "plain", "fit"]).models == \
+        ["resnet18", "transformer_lm"]
+    assert parse(["bench-gpu"]).precisions == ["32", "bf16-mixed"]
+    assert parse(["gpu-report", "--only", "scale,tests"]).only == parse(["gpu-report", "--only", "scale", "tests"]).only
+    assert config_from_args(parse(["train", "--loggers", "tensorboard,csv"])).loggers == ["tensorboard", "csv"]
+    assert config_from_args(parse(["train", "--loggers", "tensorboard", "csv"])).loggers == ["tensorboard", "csv"]
+
+
+def test_tune_counts_trials_with_trials_and_leaves_num_samples_to_the_data(monkeypatch):
+    asked = []
+    monkeypatch.setattr("raytrain_mgpu.tune.search", lambda cfg, params, trials, *rest, **kw: asked.append(
+        (cfg.num_samples, params, trials)))
+    assert main(["tune", "--param", "lr=grid:0.1,0.2", "--dataset", "synthetic", "--num-samples", "64"]) == 0
+    assert main(["tune", "--param", "lr=grid:0.1,0.2", "--trials", "3"]) == 0
+    assert asked == [(64, ["lr=grid:0.1,0.2"], 8), (None, ["lr=grid:0.1,0.2"], 3)]
+
+
+def test_none_and_numbers_read_as_yaml_writes_them():
+    cfg = config_from_args(_build_parser().parse_args(["train", "--lr-scaling", "None", "--monitor", "None",
+                                                       "--lr", "1e-3", "--max-steps", "None"]))
+    assert (cfg.lr_scaling, cfg.monitor, cfg.max_steps) == (None, None, None)
+    assert cfg.lr == 0.001 and isinstance(cfg.lr, float)
+    cfg = config_from_args(_build_parser().parse_args(["train", "--lr-scaling", "sqrt", "--monitor", "test_loss"]))
+    assert (cfg.lr_scaling, cfg.monitor) == ("sqrt", "test_loss")

@@ -2,7 +2,8 @@
 
 The README is the front door and ``docs/`` holds a page per task, so a reader moves between them
 by links: each relative link must reach a file, and each ``#anchor`` a heading of that file.
-The Python blocks are what a reader copies, so each must at least compile. The README stays
+The Python blocks are what a reader copies, so each must at least compile, and the README's own-model block
+trains as written (in a process of its own). The README stays
 small enough to read at once, and it keeps CI's test command as one of its lines (``.ci/run``
 greps for it with ``grep -qxF``; this test says so before CI does). The pages speak to users: a
 table cell reads at a glance, the results page stays a page, and neither the docs nor the
@@ -11,8 +12,11 @@ package's text speak of sessions, issue numbers or the machines the work was don
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +250,18 @@ def test_the_package_map_names_every_folder_and_module():
         if path.name != "__init__.py" and not re.search(rf"(?<![\w]){re.escape(path.name)}", entry):
             missing.append(str(relative))
     assert not sorted(set(missing)), f"docs/development.md's package map does not name: {sorted(set(missing))}"
+
+
+def test_the_readmes_own_model_and_data_block_trains_as_written(tmp_path):
+    # The block a user copies first, run as a script of its own (its classes and functions in __main__, as a user's
+    # are), in a fresh process with its own HOME: its one worker trains in that process, no Ray.
+    blocks = [source for _, source in _python_blocks(README.read_text(encoding="utf-8")) if "class Net" in source]
+    assert len(blocks) == 1, "the README's 'Your own model and data' block"
+    script = tmp_path / "mine.py"
+    script.write_text(blocks[0].replace("rtm.fit(cfg)", f"rtm.fit(cfg.replace(storage_path={str(tmp_path)!r}))"))
+    env = {**os.environ, "HOME": str(tmp_path), "RAYTRAIN_MGPU_EMULATE_GPUS": ""}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in this process" in done.stdout  # the banner: the in-process runner, no Ray
+    assert float(done.stdout.strip().splitlines()[-1]) > 0.8  # the printed test accuracy of 5 epochs

@@ -86,7 +86,7 @@ def test_the_data_is_deterministic_and_the_lm_targets_are_the_inputs_shifted_by_
 
 
 def test_choices_and_devices_that_do_not_exist_are_refused_with_the_valid_ones():
-    with pytest.raises(ValueError, match=r"--runners 'plain,ray': unknown \['ray'\]. Valid: plain, fit, fit-ray, lightning"):
+    with pytest.raises(ValueError, match=r"--runners plain ray: unknown \['ray'\]. Valid: plain, fit, fit-ray, lightning"):
         gpu_bench.run_and_print(_args("--tiny", "--device", "cpu", "--runners", "plain,ray"))
     with pytest.raises(ValueError, match=r"--precisions .* Valid: 32, 16-mixed, bf16-mixed"):
         gpu_bench.run_and_print(_args("--tiny", "--device", "cpu", "--precisions", "fp8"))

@@ -169,9 +169,9 @@ def test_the_startup_section_measures_before_any_ray_of_its_own_and_reads_as_rat
     assert row.what == "start-up: seconds to the first step, 1 worker, lenet on digits"
     assert row.figure == ("`fit` in-process 1.0 s (0.10x), `fit` through Ray Train 9.0 s (0.90x); "
                           "a hand-written `TorchTrainer` loop 10.0 s")
-    assert row.command == "raytrain-mgpu bench-startup --workers 1"
+    assert row.command == "raytrain-mgpu bench-startup --num-workers 1"
     # On a GPU machine: one GPU worker, and the command says so.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     (row,) = gpu_report.startup_rows("1 x GPU")
-    assert asked[-1][0]["use_gpu"] is True and row.command.endswith("--workers 1 --use-gpu")
+    assert asked[-1][0]["use_gpu"] is True and row.command.endswith("--num-workers 1 --use-gpu")
     assert row.what == "start-up: seconds to the first step, 1 worker on 1 GPU, lenet on digits"

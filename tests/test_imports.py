@@ -137,8 +137,9 @@ def _one_cycle(graph: Dict[str, Set[str]], component: Set[str]) -> List[str]:
 # new module lands in its package's layer without an edit here.
 LAYERS = [
     # Standard library only: credential redaction, the `module:function` factory loader, size parsing,
-    # the config error's shape, the errors that cross process boundaries whole.
-    ("_redact", "_factory", "_units", "_checks", "errors"),
+    # the config error's shape, the errors that cross process boundaries whole; the YAML value reader
+    # (PyYAML) and the command-line helpers the CLI and the benchmarks share.
+    ("_redact", "_factory", "_units", "_checks", "errors", "_yaml", "_cli_options"),
     # What knows nothing of a run: plain nn.Modules with their registry and partitioning,
     # and the dataset readers with theirs. Each receives its config section duck-typed (the
     # DataConfig import is under TYPE_CHECKING), so both sit below the config. objectives (the

@@ -1,6 +1,6 @@
 """What activation checkpointing saves and costs: a transformer LM's step with and without it.
 
-    raytrain-mgpu bench-checkpointing [--layers 6] [--hidden 64] [--seq-len 128] [--batch 64] [--steps 10]
+    raytrain-mgpu bench-checkpointing [--layers 6] [--hidden 64] [--seq-len 128] [--batch-size 64] [--steps 10]
                                       [--rounds 3]
 
 In this process, one torch thread, rounds alternating the two: per variant (``activation_checkpointing``
@@ -18,6 +18,8 @@ import os
 import statistics
 import time
 from typing import Dict, Optional
+
+from raytrain_mgpu._cli_options import renamed
 
 _VARIANTS = (0, 1)
 
@@ -92,19 +94,20 @@ def report(measured: Dict[int, dict]) -> str:
 
 
 _OPTIONS = (("--layers", 6, "transformer blocks"), ("--hidden", 64, "hidden size (4 heads)"),
-            ("--seq-len", 128, "tokens per sample"), ("--batch", 64, "samples per step"),
+            ("--seq-len", 128, "tokens per sample"), ("--batch-size", 64, "samples per step"),
             ("--steps", 10, "timed steps per variant and round"),
             ("--rounds", 3, "rounds, alternating which variant goes first"))
 
 
 def add_arguments(parser) -> None:
-    for flag, default, text in _OPTIONS:
-        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+    added = {flag: parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+             for flag, default, text in _OPTIONS}
+    renamed(parser, added["--batch-size"], "--batch")
 
 
 def run_and_print(args) -> int:
     print(f"activation checkpointing: transformer_lm, {args.layers} blocks, hidden {args.hidden}, {args.seq_len} "
-          f"tokens, batch {args.batch}, {args.steps} steps x {args.rounds} round(s), 1 torch thread, "
+          f"tokens, batch {args.batch_size}, {args.steps} steps x {args.rounds} round(s), 1 torch thread, "
           f"{os.cpu_count()} CPU cores")
-    print(report(run(args.layers, args.hidden, args.seq_len, args.batch, args.steps, args.rounds)))
+    print(report(run(args.layers, args.hidden, args.seq_len, args.batch_size, args.steps, args.rounds)))
     return 0

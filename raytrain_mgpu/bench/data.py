@@ -23,7 +23,7 @@ A path's figure is its fastest epoch (on a shared machine other processes only e
 median is printed beside it). :data:`PATHS` lists the paths; another ingest adds
 an entry (name, epoch function).
 
-With ``--train-workers 1 2``, a second table: training workers (Ray actors of 1 CPU each, a sleep for a step)
+With ``--num-workers 1 2``, a second table: training workers (Ray actors of 1 CPU each, a sleep for a step)
 fed by the loader path, the planned stream and Ray Data's own order, with the epoch row's samples/s and
 ``data_wait_share``, and the planned order against Ray Data's own (``bench/data_stream.py``). Its local Ray
 declares the machine's CPUs, or one more than the most workers where that is more.
@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
+
+from raytrain_mgpu._cli_options import renamed
 
 __all__ = ["PATHS", "Setup", "add_arguments", "run", "report", "run_and_print", "write_images"]
 
@@ -274,11 +276,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-data", action="store_true", help="also time ingest='ray_data' (Ray Data's tasks decode "
                                                                 "on a local Ray's CPUs; loader workers do not apply)")
-    parser.add_argument("--train-workers", type=int, nargs="*", default=[],
-                        help="also time training workers (Ray actors of 1 CPU) fed by each ingest: samples/s and "
-                             "data_wait_share, per worker count (e.g. 1 2)")
+    workers = parser.add_argument("--num-workers", type=int, nargs="*", default=[],
+                                  help="also time training workers (Ray actors of 1 CPU) fed by each ingest: "
+                                       "samples/s and data_wait_share, per worker count (e.g. 1 2)")
+    renamed(parser, workers, "--train-workers")
     parser.add_argument("--step-ms", type=float, default=10.0, help="a training worker's step (a sleep, as a GPU step "
-                                                                   "leaves the host waiting), with --train-workers")
+                                                                   "leaves the host waiting), with --num-workers")
 
 
 def run_and_print(args) -> int:
@@ -298,7 +301,7 @@ def run_and_print(args) -> int:
               f", batch {args.batch_size}, {os.cpu_count()} CPU cores; fastest and median epoch of {args.rounds} "
               f"round(s) x {args.epochs} epoch(s); the same files as Parquet rows and as an ImageFolder tree", flush=True)
         paths = PATHS + (RAY_DATA_PATHS if args.ray_data else [])
-        workers = args.train_workers
+        workers = args.num_workers
         # the workers' CPUs and at least one for Ray Data's tasks (more than a 2-core machine has: said below)
         cpus = max(os.cpu_count() or 1, max(workers) + 1) if workers else None
         with _local_ray(args.ray_data or bool(workers), cpus):

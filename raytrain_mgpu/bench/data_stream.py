@@ -1,4 +1,4 @@
-"""``raytrain-mgpu bench-data --train-workers 1 2``: what training workers see of each ingest, as the epoch row
+"""``raytrain-mgpu bench-data --num-workers 1 2``: what training workers see of each ingest, as the epoch row
 reports it: samples/s and ``data_wait_share`` of 1 and 2 workers fed by the loader path (``ingest="loader"``), the
 planned Parquet stream (``ingest="ray_data"``) and Ray Data's own order over the same split (``ray_data_free``:
 ``streaming_split(equal=True)``, as Ray Train splits a user's Ray Dataset), on the same PNG images.

@@ -1,7 +1,7 @@
 """``raytrain-mgpu bench-gpu``: samples/s and MFU of ``fit``, Lightning and a plain PyTorch loop on one GPU.
 
-    raytrain-mgpu bench-gpu [--models resnet18,transformer_lm] [--precisions 32,bf16-mixed]
-                            [--runners plain,fit,fit-ray,lightning] [--epochs 3] [--out rows.json]
+    raytrain-mgpu bench-gpu [--models resnet18 transformer_lm] [--precisions 32 bf16-mixed]
+                            [--runners plain fit fit-ray lightning] [--epochs 3] [--out rows.json]
                             [--profile DIR]
 
 Side by side in one invocation, on the same device, model (same initial weights), data, batch and
@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from raytrain_mgpu._cli_options import WordList, renamed
 from raytrain_mgpu.bench._gpu_bench_runners import (Measured, Options, Workload, lightning_module, run_fit,
                                                     run_lightning, run_plain)
 from raytrain_mgpu.engine import flops
@@ -200,12 +201,12 @@ def _device(name: Optional[str]) -> torch.device:
     return device
 
 
-def _choices(text: str, valid: tuple, option: str) -> List[str]:
-    chosen = [part.strip() for part in text.split(",") if part.strip()]
+def _choices(chosen: List[str], valid: tuple, option: str) -> List[str]:
     unknown = [c for c in chosen if c not in valid]
     if unknown or not chosen:
-        raise ValueError(f"bench-gpu {option} {text!r}: unknown {unknown or 'empty'}. Valid: {', '.join(valid)}.")
-    return chosen
+        raise ValueError(f"bench-gpu {option} {' '.join(chosen)}: unknown {unknown or 'empty'}. "
+                         f"Valid: {', '.join(valid)}.")
+    return list(chosen)
 
 
 def _flops_text(value: float) -> str:
@@ -221,12 +222,16 @@ def machine(device: torch.device, threads: int) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    parser.add_argument("--precisions", default="32,bf16-mixed", help=f"comma-separated: {', '.join(flops.PRECISIONS)}")
-    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated: {', '.join(RUNNERS)}")
+    lists = {"--models": (MODELS, list(MODELS)), "--precisions": (flops.PRECISIONS, ["32", "bf16-mixed"]),
+             "--runners": (RUNNERS, list(RUNNERS))}  # words apart or joined by commas
+    for flag, (valid, default) in lists.items():
+        parser.add_argument(flag, nargs="+", action=WordList, default=default, metavar=flag[2:-1].upper(),
+                            help=f"any of: {', '.join(valid)}")
     parser.add_argument("--epochs", type=int, help=f"epochs a run, the first is warm-up (default {FULL.epochs}; "
                                                    f"--tiny {TINY.epochs})")
-    parser.add_argument("--samples", type=int, help="training samples an epoch, both models (images, sequences)")
+    samples = parser.add_argument("--num-samples", type=int, help="training samples an epoch, both models (images, "
+                                                                  "sequences)")
+    renamed(parser, samples, "--samples")
     parser.add_argument("--device", help="cuda (the default where there is one) or cpu")
     parser.add_argument("--tiny", action="store_true", help="small models and data: a CPU smoke run in seconds")
     parser.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
@@ -243,10 +248,10 @@ def add_arguments(parser) -> None:
 def run_and_print(args) -> int:
     sizes = TINY if args.tiny else FULL
     device, epochs = _device(args.device), args.epochs or sizes.epochs
-    if epochs < 1 or (args.samples is not None and args.samples < 1):
-        raise ValueError(f"bench-gpu --epochs {epochs} --samples {args.samples}: both must be positive (the first "
-                         f"epoch is warm-up: 2 or more epochs give a steady figure).")
-    all_works = workloads(sizes, args.samples)
+    if epochs < 1 or (args.num_samples is not None and args.num_samples < 1):
+        raise ValueError(f"bench-gpu --epochs {epochs} --num-samples {args.num_samples}: both must be positive (the "
+                         f"first epoch is warm-up: 2 or more epochs give a steady figure).")
+    all_works = workloads(sizes, args.num_samples)
     works = [all_works[name] for name in _choices(args.models, MODELS, "--models")]
     if args.compile == "blocks" and any(w.name == "resnet18" for w in works):
         raise ValueError("bench-gpu --compile blocks compiles each block, and torchvision's ResNet-18 has none (it is "

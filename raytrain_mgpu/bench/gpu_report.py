@@ -25,6 +25,7 @@ keeps working; those figures are not GPU figures.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from raytrain_mgpu._cli_options import WordList
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.strategies import STRATEGIES as _REGISTRY
@@ -374,14 +376,14 @@ def format_rows(rows: List[Row]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--only", help=f"comma-separated sections (default: all): {', '.join(SECTIONS)}")
+    parser.add_argument("--only", nargs="+", action=WordList, help=f"sections (default: all): {', '.join(SECTIONS)}")
     parser.add_argument("--quick", action="store_true", default=None,
                         help="small sizes (the default under emulation): checks that every part runs")
     parser.add_argument("--out", help="also write the Markdown rows to this file")
 
 
 def run_and_print(args) -> int:
-    sections = tuple(s.strip() for s in args.only.split(",")) if args.only else tuple(SECTIONS)
+    sections = tuple(args.only or SECTIONS)
     require_gpus()
     print(f"gpu-report on {machine()}", flush=True)
     rows = run_report(sections, args.quick, CHECKOUT, on_row=lambda row: print(format_rows([row]), flush=True))
@@ -393,8 +395,6 @@ def run_and_print(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run_and_print(parser.parse_args(argv))

@@ -1,12 +1,12 @@
 """What the preemption check costs a step: the loop's check and ``ray.train.get_preemption_info()``
 timed against a plain step.
 
-    raytrain-mgpu bench-preemption [--workers 2] [--calls 200] [--rounds 3]
+    raytrain-mgpu bench-preemption [--num-workers 2] [--calls 200] [--rounds 3]
 
 The loop checks for a preemption notice every ``CHECK_EVERY_N_STEPS`` optimizer steps
 (``engine/preemption.py``): each rank reads the notice on its own worker and the ranks agree with
 an all-reduce of one number; ``get_preemption_info()`` (a barrier over every rank through Ray
-Train's synchronization actor) only once one has it. Here ``--workers`` Ray Train workers (gloo,
+Train's synchronization actor) only once one has it. Here ``--num-workers`` Ray Train workers (gloo,
 1 CPU each) run, side by side in one run:
 
 - ``step``: a small DDP step (an MLP 784-256-10 on a random batch of 64), the baseline;
@@ -28,6 +28,8 @@ import statistics
 import tempfile
 import time
 from typing import Dict, List
+
+from raytrain_mgpu._cli_options import renamed
 
 
 def _train_fn(config: dict) -> None:
@@ -78,7 +80,7 @@ def run(args) -> Dict[str, List[float]]:
         with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-bench-preempt-") as scratch:
             out = os.path.join(scratch, "times.json")
             TorchTrainer(_train_fn, train_loop_config={"calls": args.calls, "rounds": args.rounds, "out": out},
-                         scaling_config=ScalingConfig(num_workers=args.workers),
+                         scaling_config=ScalingConfig(num_workers=args.num_workers),
                          run_config=RunConfig(storage_path=os.path.join(scratch, "storage"),
                                               name="bench-preemption")).fit()
             with open(out) as f:
@@ -100,7 +102,8 @@ def report(times: Dict[str, List[float]], every: int) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (1 CPU each)")
+    workers = parser.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (1 CPU each)")
+    renamed(parser, workers, "--workers")
     parser.add_argument("--calls", type=int, default=200, help="timed steps and timed checks per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of steps then checks")
 
@@ -108,7 +111,7 @@ def add_arguments(parser) -> None:
 def run_and_print(args) -> int:
     from raytrain_mgpu.engine.preemption import CHECK_EVERY_N_STEPS
 
-    print(f"preemption check: {args.workers} Ray Train worker(s), gloo, {args.calls} calls x {args.rounds} "
+    print(f"preemption check: {args.num_workers} Ray Train worker(s), gloo, {args.calls} calls x {args.rounds} "
           f"round(s), {os.cpu_count()} CPU cores")
     print(report(run(args), CHECK_EVERY_N_STEPS))
     return 0

@@ -1,6 +1,6 @@
 """Start-up: how long until the first optimizer step, ``fit`` against a hand-written Ray Train loop.
 
-    raytrain-mgpu bench-startup [--workers 1 2] [--use-gpu] [--model lenet] [--rounds 1]
+    raytrain-mgpu bench-startup [--num-workers 1 2] [--use-gpu] [--model lenet] [--rounds 1]
 
 Each variant runs in a fresh Python process (nothing imported, no Ray running), timed from just before Ray
 starts (the process has imported torch and this package, as a user's script has) to rank 0's first step:
@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Dict, List
 
+from raytrain_mgpu._cli_options import renamed
 from raytrain_mgpu.bench._ray_train_loop import hand_written_loop
 
 VARIANTS = ("fit, in-process", "fit, Ray Train", "ray train")
@@ -133,7 +134,7 @@ def one_worker_row(use_gpu: bool) -> tuple:
                                               ("fit, Ray Train", "`fit` through Ray Train")))
     return (f"start-up: seconds to the first step, 1 worker{' on 1 GPU' if use_gpu else ''}, {FIELDS['model']} on "
             f"{FIELDS['dataset']}", f"{figure}; a hand-written `TorchTrainer` loop {base:.1f} s",
-            "raytrain-mgpu bench-startup --workers 1" + (" --use-gpu" if use_gpu else ""))
+            "raytrain-mgpu bench-startup --num-workers 1" + (" --use-gpu" if use_gpu else ""))
 
 
 def report(measured: Dict[tuple, List[float]]) -> str:
@@ -165,7 +166,8 @@ def report_tune(measured: Dict[str, List[float]]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default: 1 2)")
+    workers = parser.add_argument("--num-workers", type=int, nargs="+", default=[1, 2], help="worker counts")
+    renamed(parser, workers, "--workers")
     parser.add_argument("--rounds", type=int, default=1, help="measurements of each variant (median)")
     parser.add_argument("--model", default=FIELDS["model"], help="the model (a registry name)")
     parser.add_argument("--dataset", default=FIELDS["dataset"], help="the dataset (a registry name)")
@@ -180,5 +182,5 @@ def run_and_print(args) -> int:
     if args.tune:
         print(report_tune(run_tune({**fields, "epochs": args.epochs}, args.rounds)))
         return 0
-    print(report(run(fields, args.workers, args.rounds)))
+    print(report(run(fields, args.num_workers, args.rounds)))
     return 0

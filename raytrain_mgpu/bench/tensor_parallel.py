@@ -1,6 +1,6 @@
 """Tensor parallel against fsdp alone: per-rank parameters, peak memory and step time of a transformer LM.
 
-    raytrain-mgpu bench-tensor-parallel [--layers 4] [--hidden 256] [--vocab 8192] [--seq-len 64] [--batch 8]
+    raytrain-mgpu bench-tensor-parallel [--layers 4] [--hidden 256] [--vocab 8192] [--seq-len 64] [--batch-size 8]
                                         [--steps 6]
 
 Local gloo ranks on this machine's CPU (no Ray), one torch thread each; each layout builds the model as a Ray Train
@@ -18,6 +18,8 @@ import resource
 import statistics
 import tempfile
 import time
+
+from raytrain_mgpu._cli_options import renamed
 
 LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (ranks, tensor_parallel_size), all with FSDPStrategy
 
@@ -84,13 +86,14 @@ def measure(strategy: str, world: int, tensor_parallel: int, fields: dict, steps
 
 _OPTIONS = (("--layers", 4, "transformer blocks"), ("--hidden", 256, "hidden size (8 heads)"),
             ("--vocab", 8192, "vocabulary size"), ("--seq-len", 64, "tokens per sample"),
-            ("--batch", 8, "global batch, samples per step"),
+            ("--batch-size", 8, "global batch, samples per step"),
             ("--steps", 6, "timed steps per layout, after one warm-up"))
 
 
 def add_arguments(parser) -> None:
-    for flag, default, text in _OPTIONS:
-        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+    added = {flag: parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+             for flag, default, text in _OPTIONS}
+    renamed(parser, added["--batch-size"], "--batch")
 
 
 def run_and_print(args) -> int:
@@ -98,7 +101,7 @@ def run_and_print(args) -> int:
     from raytrain_mgpu.strategies.fsdp import FSDPStrategy
 
     fields = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[args.seq_len],
-                  num_classes=args.vocab, batch_size=args.batch, optimizer="adamw", lr=1e-3,
+                  num_classes=args.vocab, batch_size=args.batch_size, optimizer="adamw", lr=1e-3,
                   model_kwargs={"num_layers": args.layers, "hidden": args.hidden, "num_heads": 8})
     print("| layout | ranks | parameters per rank | peak RSS per rank (max) | step (median of ranks) |")
     print("|---|---|---|---|---|")
