@@ -142,7 +142,7 @@ def main(epochs: int = 15, storage_path: str | None = None, stream=None) -> rtm.
         dataset="examples.contrastive:digit_views",
         loss="examples.contrastive:info_nce",
         metrics=["examples.contrastive:retrieval_accuracy", "examples.contrastive:same_digit"],
-        strategy="ddp2", num_workers=2, gpus_per_worker=2, cpus_per_worker=1,
+        strategy="ddp2", num_workers=2, gpus_per_worker=2, use_gpu=False, cpus_per_worker=1,
         optimizer="adamw", lr=3e-3, batch_size=128, epochs=epochs, seed=0,
         name="contrastive", storage_path=storage_path or tempfile.mkdtemp(prefix="raytrain-example-"))
     result = rtm.fit(cfg, stream=stream)

@@ -70,7 +70,7 @@ def main(epochs: int = 20, storage_path: str | None = None, stream=None) -> rtm.
         model="examples.regression:mlp", model_kwargs={"hidden": 32},
         dataset="examples.regression:diabetes",
         loss="mse", metrics=["mae"],
-        strategy="ddp", num_workers=2, cpus_per_worker=1,
+        strategy="ddp", num_workers=2, use_gpu=False, cpus_per_worker=1,
         optimizer="adamw", lr=3e-3, weight_decay=1e-2, batch_size=32, epochs=epochs, seed=0,
         name="regression", storage_path=storage_path or tempfile.mkdtemp(prefix="raytrain-example-"))
     result = rtm.fit(cfg, stream=stream)

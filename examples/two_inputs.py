@@ -129,7 +129,7 @@ def config(strategy: str = "ddp", epochs: int = 6, storage_path: str | None = No
         dataset="examples.two_inputs:digit_views",
         loss="examples.two_inputs:digit_and_parity",
         metrics=["examples.two_inputs:digit_accuracy", "examples.two_inputs:parity_accuracy"],
-        strategy=strategy, cpus_per_worker=1, **layout,
+        strategy=strategy, use_gpu=False, cpus_per_worker=1, **layout,
         optimizer="adamw", lr=3e-3, batch_size=64, epochs=epochs, seed=0,
         name=f"two-inputs-{strategy}", storage_path=storage_path or tempfile.mkdtemp(prefix="raytrain-example-"))
 

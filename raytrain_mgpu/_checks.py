@@ -4,11 +4,12 @@ that ``config_checks`` and ``config_code`` share."""
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from typing import Any, Iterable
 
 __all__ = ["fail", "is_int", "is_number", "check_number", "did_you_mean", "SPELLED_OTHERWISE", "OTHER_FIELD_NAMES",
-           "unknown_fields"]
+           "unknown_fields", "names_unknown_fields"]
 
 
 def fail(name: str, value: Any, rule: str, fix: str) -> None:
@@ -81,3 +82,19 @@ def unknown_fields(unknown: list, valid: Iterable[str], source: str, what: str =
                       for name in unknown)
     return UnknownFieldError(f"{source}: unknown {what}{'s' if len(unknown) > 1 else ''} {named} Every field, by "
                              f"section: `raytrain-mgpu train --help` (or TrainConfig.field_names()).")
+
+
+def names_unknown_fields(cls):
+    """Class decorator over a dataclass: its ``__init__`` names an unknown keyword with the closest field
+    (:func:`unknown_fields`) where Python's own error only says "unexpected keyword argument"."""
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [name for name in kwargs if name not in cls.__dataclass_fields__]
+        if unknown:
+            raise unknown_fields(unknown, cls.__dataclass_fields__, f"{cls.__name__}()")
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls

@@ -1,6 +1,6 @@
 """Resolving the user's code: ``"package.module:function"`` factories, or the objects themselves.
 
-From Python, every field that names code (``model``, ``dataset``, ``optimizer``, ``loss``,
+From Python, every field that names code (``model``, ``dataset``, ``optimizer``, ``lr_schedule``, ``loss``,
 ``metrics`` entries, ``train_transform``/``test_transform``, ``callbacks``) also takes the class or
 function itself, including one
 defined in ``__main__`` or a notebook cell, as Ray Train takes ``train_loop_per_worker``: Ray
@@ -40,9 +40,14 @@ from typing import Callable, Iterable, Tuple
 TRUSTED_MODULES_ENV = "RAYTRAIN_MGPU_TRUSTED_MODULES"
 
 
+HF_MODEL_PREFIX = "hf:"
+"""``model="hf:<folder, URI or hub id>"``: a Hugging Face model (``models/huggingface.py``), a name, not code (a
+module named ``hf`` is reached as ``package.hf:function``)."""
+
+
 def is_factory(spec) -> bool:
     """Whether ``spec`` is the user's own code: a ``module:function`` string, or an object from Python."""
-    return is_object(spec) or (isinstance(spec, str) and ":" in spec)
+    return is_object(spec) or (isinstance(spec, str) and ":" in spec and not spec.startswith(HF_MODEL_PREFIX))
 
 
 def is_object(spec) -> bool:
@@ -177,7 +182,7 @@ def _code_text(obj) -> str:
     return repr((code.co_code, code.co_names, consts))
 
 
-CODE_FIELDS = ("model", "dataset", "optimizer", "loss", "collate", "train_step", "param_groups")
+CODE_FIELDS = ("model", "dataset", "optimizer", "lr_schedule", "loss", "collate", "train_step", "param_groups")
 """The ``TrainConfig`` fields that may name code (a ``module:function``, or from Python the object): the workers get
 their modules."""
 

@@ -26,10 +26,12 @@ from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
 from raytrain_mgpu.strategies.elastic import describe_range
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.driver.preflight import (check_data_fits, check_model_builds, check_run_folder,
                                               check_storage_reachable)
+from raytrain_mgpu.driver.rerun import describe_changes, training_changes
 from raytrain_mgpu.engine.run_folder import RunFolder
 from raytrain_mgpu.engine.run_state import stops_early
 from raytrain_mgpu.driver.runlock import RunLock
@@ -66,7 +68,8 @@ class TrainResult:
         self.best_checkpoint_path = None if best is None else best.uri
 
     def load_model(self, best: bool = False) -> nn.Module:
-        """The trained model, weights from the last checkpoint (``best``: the best epoch's), on CPU, unwrapped."""
+        """The trained model, weights from the last checkpoint (``best``: the best epoch's), on CPU, unwrapped (with
+        ``lora``: a ``peft.PeftModel``, the base from its folder and the checkpoint's adapters)."""
         path = self.best_checkpoint_path if best else self.checkpoint_path
         if path is None and best:
             raise ValueError(f"run {self.config.name!r} has no best checkpoint: it is kept with keep_best=True and "
@@ -82,7 +85,12 @@ class TrainResult:
         with torch.random.fork_rng(devices=[]):  # built on the run's seed, as training built it; the caller's stream kept
             torch.manual_seed(self.config.seed)
             model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
-                                self.config.model_kwargs)
+                                self.config.model_kwargs, pretrained=True)  # an hf: model's base weights
+            if self.config.lora is not None:  # a peft.PeftModel: the adapters' A drawn as training drew it
+                from raytrain_mgpu.models.lora import apply_lora
+
+                torch.manual_seed(self.config.seed)
+                model = apply_lora(model, self.config.lora)
         if self.config.save == "trainable":  # the frozen weights: from init_from (or the builder), as training had
             from raytrain_mgpu.engine.weights import load_weights, read_weights
 
@@ -96,24 +104,31 @@ class TrainResult:
 
     def export(self, out: Optional[str] = None, format: str = "safetensors", best: bool = False) -> List[str]:
         """The trained model (the last checkpoint's, or the best's) as ``model.safetensors`` with ``config.json`` beside
-        it (``format="safetensors"``), or a Hugging Face model's ``save_pretrained`` folder (``format="hf"``), in
+        it (``format="safetensors"``), a Hugging Face model's ``save_pretrained`` folder (``format="hf"``; LoRA's
+        adapters merged, an ``hf:`` model's tokenizer beside it), or LoRA's adapter folder (``format="peft"``), in
         ``out`` (default ``<run>/export``); consolidated on this machine, also from a sharded (fsdp) run. The written
         paths. The CLI's ``raytrain-mgpu export RUN`` is the same."""
         from raytrain_mgpu.driver.export import export_run
 
-        model = self.load_model(best=best) if format == "hf" else None  # this config's model (code from Python too)
+        # this config's model (code from Python too), with its adapters
+        model = self.load_model(best=best) if format in ("hf", "peft") else None
         return export_run(self.path, out=out, fmt=format, best=best, model=model)
 
 
 def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     """Train ``cfg``; resumes if ``cfg.storage_path``/``cfg.name`` already holds a checkpoint.
 
+    ``use_gpu``/``num_workers`` ``"auto"`` (the defaults) are resolved first, from the GPUs found
+    (``planning/auto_devices.py``), and the banner says what was found and chosen.
     ``strategy="auto"`` is resolved once Ray is connected (it reads the cluster's devices);
     the choice and its reason are printed, logged, and added to every history row.
     ``cfg.loggers`` and ``cfg.callbacks`` see the run's events (``driver/callbacks.py``).
     """
     called = time.time()  # the start-up's clock (rank 0 reports its own times on this clock: time.time())
     cfg = take_ray_datasets(cfg)  # Ray Datasets from Python: counted and peeked here, streamed by Ray Train
+    # use_gpu/num_workers "auto": the GPUs found (joins the cluster only where one is named or up) and the
+    # strategy's layout on them; everything below sees concrete values
+    cfg, devices_line = resolve_auto_devices(cfg)
     if is_factory(cfg.model):
         load_factory(cfg.model, "model")  # a user module that does not import fails here, not on workers
     send_objects_by_value(cfg)  # the user's own modules' objects, as __main__'s: the controller cannot import them
@@ -167,6 +182,8 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             ingest_line = ray_data.check_cpus_left(cfg, plan)  # Ray Data's tasks need CPUs beside the bundles
             check_storage_reachable(cfg.storage_path)  # multi-node: every node must see storage_path
         events = RunEvents(ProgressPrinter(cfg.epochs, stream), watchers)  # what every runner reports to
+        if devices_line:
+            events.banner(f"devices: {devices_line}")
         if auto_record:
             events.banner(f"strategy=auto chose {auto_record['auto_reason']}")
         events.banner(_banner(cfg, plan, input_shape, num_classes, runner))
@@ -254,19 +271,36 @@ def _write_history(history: list, run_path: str) -> None:
 
 def _stored_result(cfg: TrainConfig, stream=None) -> Optional[TrainResult]:
     """The stored result of a run whose newest checkpoint says it is finished (all ``epochs``,
-    or ``max_steps``), read from its folder in about a second; None when there is training to do."""
+    or ``max_steps``), read from its folder in about a second; None when there is training to do.
+
+    A finished run started with settings that would change its training is refused, naming them: its
+    result would not be of them. A resume may change them (that is how a run is extended): one line names them."""
     folder = RunFolder.of(cfg)
     state = folder.state()
-    if state.checkpoint is None or not state.finished(cfg):
+    if state.checkpoint is None:
         return None
+    # _left_auto: the fields the user left "auto" that fit resolved (the devices found); the run's are its own
+    changes = training_changes(cfg, state.meta.get("config") or {}, getattr(cfg, "_left_auto", ()))
+    if not state.finished(cfg):
+        if changes:
+            ProgressPrinter(cfg.epochs, stream).banner(
+                f"raytrain-mgpu: run {folder.display} resumes after epoch {state.epoch}, step {state.step} with "
+                f"settings changed since its checkpoint: {describe_changes(changes)}; the steps from here use them.")
+        return None
+    stopped = stops_early(state.history, cfg)
+    more = "early_stopping_patience" if stopped else "epochs (or max_steps)"
+    if changes:  # before anything starts: the user learns now that the new values would not be used
+        where = f"epoch {state.epoch}, step {state.step}" + (", stopped early" if stopped else "")
+        raise ValueError(
+            f"run {folder.display!r} is already finished ({where}), and this config would train it with other "
+            f"settings: {describe_changes(changes)}. A finished run is answered from its folder, so these would not "
+            f"be used. Use another `name` (--name) for a new run with them, or raise {more} to continue this run "
+            f"with the new values.")
+    why = (f"stopped early: {cfg.monitor} did not improve for early_stopping_patience={cfg.early_stopping_patience} "
+           f"evaluated epoch(s). Raise {more}") if stopped else f"Raise {more}"
     history = folder.read_history()
     if not history or history[-1].get("step") != state.step:  # killed before history.parquet was written
         history = state.history
-    if stops_early(state.history, cfg):
-        why = (f"stopped early: {cfg.monitor} did not improve for early_stopping_patience="
-               f"{cfg.early_stopping_patience} evaluated epoch(s). Raise early_stopping_patience")
-    else:
-        why = "Raise epochs (or max_steps)"
     ProgressPrinter(cfg.epochs, stream).banner(
         f"raytrain-mgpu: run {folder.display} is already finished (epoch {state.epoch}, step {state.step}); "
         f"nothing to train. {why} to train it further, or use another name for a new run.")

@@ -94,7 +94,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     docs, sections = _config_layout()
     hints = typing.get_type_hints(TrainConfig)
     groups: Dict[str, Any] = {}  # one per section of TrainConfig, titled by it, in its order
-    for f in dataclasses.fields(TrainConfig):
+    own = {option for action in parser._actions for option in action.option_strings}  # wins: compare's --warmup-steps
+    for f in (f for f in dataclasses.fields(TrainConfig) if "--" + f.name.replace("_", "-") not in own):
         title = sections.get(f.name, "other fields")
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flag = "--" + f.name.replace("_", "-")
@@ -140,7 +141,8 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
     # The ~90 TrainConfig options are added only for the command parsed (add_arguments).
-    train = commands.add_parser("train", help="train a model (default: lenet on digits, ddp, 2 CPU workers)",
+    train = commands.add_parser("train", help="train a model (default: lenet on digits, ddp on the GPUs found, "
+                                              "else 2 CPU workers)",
                                 description=_CONFIG_OPTIONS, add_arguments=_add_config_options)
     train.add_argument("--config", help="YAML file of TrainConfig fields")
     train.add_argument("--allow-code", action="store_true", help=_ALLOW_CODE_HELP)
@@ -153,8 +155,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--strategies", nargs="+", action=WordList, metavar="STRATEGY",
                          help="strategy names (default: every one that can run on this cluster)")
     compare.add_argument("--steps", type=int, default=20, help="measured optimizer steps per strategy")
-    compare.add_argument("--warmup-steps", type=int, default=5,
-                         help="optimizer steps before measuring (rounded up to whole epochs)")
+    compare.add_argument("--warmup-steps", dest="measure_after_steps", type=int, default=5,
+                         help="optimizer steps before measuring (rounded up to whole epochs); the runs' LR warm-up "
+                              "(TrainConfig.warmup_steps) is set in --config")
     compare.add_argument("--out-dir", help="folder or URI for compare.md, compare.parquet and compare.png "
                                            "(default: <storage-path>/compare-<time>)")
     compare.add_argument("--batch-search", choices=("estimate", "try"),
@@ -195,9 +198,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a run's newest (or best) checkpoint as model.safetensors "
                                                 "and config.json, or as a Hugging Face save_pretrained folder")
     export.add_argument("run", metavar="RUN", help="run folder ({storage_path}/{name}): path or URI")
-    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    export.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                         help="safetensors: any model's state dict and the run's config; hf: a transformers model's "
-                             "save_pretrained folder, the model built again from the run's recorded config")
+                             "save_pretrained folder, the model built again from the run's recorded config (LoRA "
+                             "merged, an hf: model's tokenizer beside it); peft: a LoRA run's adapter folder")
     export.add_argument("--best", action="store_true", help="the best epoch's checkpoint (runs with keep_best and "
                                                             "monitor) instead of the newest")
     export.add_argument("--out", help="folder or URI (default: <RUN>/export, <RUN>/export-best with --best); with "
@@ -215,6 +219,14 @@ def _build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--download", action="store_true", help="download the files with torchvision first")
     convert.add_argument("--out", required=True, help="output folder or URI")
     convert.add_argument("--rows-per-file", type=int, default=10000, help="rows per Parquet file")
+    tokenize = data.add_parser("tokenize", help="tokenize Parquet or JSONL documents once into Parquet blocks of "
+                               "seq_len + 1 token ids (input_ids), which dataset=text reads without a tokenizer")
+    tokenize.add_argument("--data-root", required=True, help="file, folder or URI of Parquet or JSONL documents")
+    tokenize.add_argument("--tokenizer", required=True, help="tokenizer folder (transformers' save_pretrained)")
+    tokenize.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence")
+    tokenize.add_argument("--out", required=True, help="output folder or URI")
+    tokenize.add_argument("--text-column", default="text", help="column of the documents")
+    tokenize.add_argument("--rows-per-file", type=int, default=10000, help="blocks per Parquet file")
     return parser
 
 
@@ -278,7 +290,7 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     from raytrain_mgpu.api import compare
 
-    report = compare(cfg, strategies=args.strategies, steps=args.steps, warmup_steps=args.warmup_steps,
+    report = compare(cfg, strategies=args.strategies, steps=args.steps, warmup_steps=args.measure_after_steps,
                      out_dir=args.out_dir, batch_search=args.batch_search, stream=sys.stdout)
     print(f"\n{report.table()}\n  markdown: {report.paths['markdown']}\n  parquet:  {report.paths['parquet']}"
           f"\n  chart:    {report.paths['chart']}")
@@ -299,6 +311,16 @@ def _convert(args: argparse.Namespace) -> int:
     cfg = TrainConfig(dataset=args.dataset, data_root=args.data_root, download=args.download)
     paths = convert_to_parquet(cfg.data, args.out, rows_per_file=args.rows_per_file)
     print(f"wrote {len(paths)} Parquet file(s) under {args.out}")
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from raytrain_mgpu.data.lm_tokenize import tokenize_to_parquet
+
+    cfg = TrainConfig(dataset="text", data_root=args.data_root, tokenizer=args.tokenizer, seq_len=args.seq_len,
+                      text_column=args.text_column)
+    paths, blocks = tokenize_to_parquet(cfg.data, args.out, rows_per_file=args.rows_per_file)
+    print(f"wrote {blocks} blocks of {args.seq_len + 1} tokens in {len(paths)} Parquet file(s) under {args.out}")
     return 0
 
 
@@ -362,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _tune(args)
         if args.command == "export":
             return _export(args)
-        return _convert(args)
+        return _tokenize(args) if args.data_command == "tokenize" else _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
         from raytrain_mgpu._redact import redact
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Literal, Optional, Tuple, Union
 
-from raytrain_mgpu._checks import unknown_fields
+from raytrain_mgpu._checks import names_unknown_fields, unknown_fields
 from raytrain_mgpu.config_checks import validate, warn_unused
 from raytrain_mgpu.config_sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
                                            LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
@@ -33,13 +32,14 @@ from raytrain_mgpu._factory import CODE_FIELDS
 # ----------------------------------------------------------------------------- user config
 
 
+@names_unknown_fields  # TrainConfig(batchsize=64): "did you mean 'batch_size'?"
 @dataclass
 class TrainConfig:
     """Everything one training run needs. Every field can be set from YAML or the CLI."""
 
     # --- model and data
     model: str = "lenet"
-    """Registry name (``lenet``, ``resnet18``, ``mlp``, ``transformer_lm``), ``pkg.module:function``, or from Python the class or function itself (``__main__`` and notebooks included)."""
+    """Registry name (``lenet``, ``resnet18``, ``mlp``, ``transformer_lm``), ``pkg.module:function``, or from Python the class or function itself (``__main__`` and notebooks included); or ``hf:<folder>``, a Hugging Face folder (config.json, safetensors, tokenizer), also ``hf:s3://...`` or ``hf:org/name`` from the hub (docs/language-models.md)."""
     model_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments for the model factory, e.g. ``{"widths": [256, 256]}`` for ``mlp``."""
     dataset: str = "digits"
@@ -47,7 +47,7 @@ class TrainConfig:
     collate: Optional[str] = None
     """Ray Datasets only: ``function(batch)`` turning a batch, a dict of NumPy arrays (one per column), into ``(inputs, targets)`` tensors (``inputs`` a tensor or a dict of them); the function from Python, or ``pkg.module:function``."""
     data_root: Optional[str] = None
-    """Folder (or, for ``parquet``, a file, folder or ``s3://``/``gs://`` URI) holding the dataset files."""
+    """Folder (or, for ``parquet`` and ``text``, a file, folder or ``s3://``/``gs://`` URI) holding the dataset files."""
     download: bool = False
     """Download ``fashion_mnist``/``cifar10`` into ``data_root`` with torchvision when files are missing."""
     num_samples: Optional[int] = None
@@ -60,6 +60,12 @@ class TrainConfig:
     """``parquet``: the column with the images."""
     label_column: str = "label"
     """``parquet``: the column with the integer labels."""
+    text_column: str = "text"
+    """``text``: the column of the documents (strings, tokenized with ``tokenizer``) or of token-id lists, used as they are (a file without it that has ``input_ids``, as ``data tokenize`` writes, is read from that)."""
+    tokenizer: Optional[str] = None
+    """``text``: a tokenizer folder (``transformers.AutoTokenizer.from_pretrained``) that tokenizes ``text_column``; None: the folder of an ``hf:<folder>`` model. Token ids need none."""
+    seq_len: Optional[int] = None
+    """``text``: tokens per training sequence; the documents, each followed by the tokenizer's EOS, are packed into blocks of ``seq_len + 1`` tokens (the inputs and their next tokens). None: an ``hf:`` model's ``max_position_embeddings`` (at most 2048), else 128."""
 
     # --- data loading
     loader_workers: int = 0
@@ -80,10 +86,10 @@ class TrainConfig:
     # --- parallelism
     strategy: str = "ddp"
     """How the work is split: ddp, dp, dp_balanced, mp, ddp_mp, ddp2, fsdp, pipeline, ddp_pipeline (docs/strategies.md), or auto: chosen with its worker and stage counts from a memory estimate and the cluster's devices when fit starts."""
-    num_workers: Union[int, Tuple[int, int]] = 2
-    """Training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``; or ``(min, max)`` (YAML ``[1, 4]``, CLI ``--num-workers 1-4``) for an elastic run of ``ddp``, ``ddp_mp`` or ``fsdp``: it starts with what the cluster has room for, from min up, and grows or shrinks (a restart from the latest checkpoint) as nodes come and go; the micro-batch is fixed by max, the accumulation steps follow the count, so the global batch and LR schedule stay exact (docs/clusters.md: Spot and elastic)."""
-    use_gpu: bool = False
-    """Give each worker GPUs (``gpus_per_worker``); otherwise train on CPU with gloo."""
+    num_workers: Union[int, Tuple[int, int], Literal["auto"]] = "auto"
+    """``auto``: the strategy's own layout on the devices found when the run starts (``ddp`` one worker per GPU, ``dp`` and ``mp`` one worker holding a node's GPUs, the pipelines a stage per GPU; with no GPU 2 CPU workers, or 1 for ``dp``/``mp``), taking only the layout options left at their default. Or training processes (Ray Train workers), or pipeline replicas for ``ddp_pipeline``; or ``(min, max)`` (YAML ``[1, 4]``, CLI ``--num-workers 1-4``) for an elastic run of ``ddp``, ``ddp_mp`` or ``fsdp``: it starts with what the cluster has room for, from min up, and grows or shrinks (a restart from the latest checkpoint) as nodes come and go; the micro-batch is fixed by max, the accumulation steps follow the count, so the global batch and LR schedule stay exact (docs/clusters.md: Spot and elastic)."""
+    use_gpu: Union[bool, Literal["auto"]] = "auto"
+    """Give each worker GPUs (``gpus_per_worker``); otherwise train on CPU with gloo. ``auto``: True when there is a GPU to use when the run starts: on the Ray cluster this process is connected to (or ``address``/``RAY_ADDRESS`` names; an autoscaler's node types count), else on this machine; fit's banner says what it found."""
     gpus_per_worker: int = 1
     """Devices one worker holds (``dp``, ``dp_balanced``, ``mp``, ``ddp_mp``, ``ddp2``)."""
     cpus_per_worker: int = 1
@@ -130,10 +136,16 @@ class TrainConfig:
     """SGD momentum."""
     weight_decay: float = 0.0
     """L2 (SGD) or decoupled (AdamW) weight decay."""
-    lr_schedule: LrSchedule = "constant"
-    """``constant``, ``step`` or ``cosine``; each after ``warmup_epochs`` of linear warm-up."""
+    lr_schedule: Union[LrSchedule, str] = "constant"
+    """Per optimizer step, after the warm-up: ``constant``, ``step``, ``cosine`` (to ``min_lr``), ``linear`` (to ``min_lr`` at the last step), ``wsd`` (warm-up, stable at the peak, then linear to ``min_lr`` over the last ``decay_fraction`` of the steps); or your own scheduler, ``fn(optimizer, total_steps)`` returning a ``torch.optim.lr_scheduler.LRScheduler`` (from Python the function, else ``pkg.module:function``), stepped once per optimizer step and checkpointed. Total steps: ``epochs`` x steps per epoch, or ``max_steps`` if smaller."""
     warmup_epochs: float = 0.0
     """Linear warm-up from 0 to the peak LR, in epochs (fractions allowed)."""
+    warmup_steps: Optional[int] = None
+    """Linear warm-up from 0 to the peak LR over this many optimizer steps (instead of ``warmup_epochs``)."""
+    min_lr: float = 0.0
+    """The LR ``cosine``, ``linear`` and ``wsd`` decay to (absolute, below ``lr``; a parameter group with its own ``lr`` decays by the same factor)."""
+    decay_fraction: float = 0.1
+    """``wsd``: the last fraction of the steps, in (0, 1], over which the LR decays to ``min_lr``."""
     lr_step_epochs: int = 30
     """``step`` schedule: multiply the LR by ``lr_step_gamma`` every this many epochs."""
     lr_step_gamma: float = 0.1
@@ -163,6 +175,8 @@ class TrainConfig:
     """``init_from``: every key must match the model; False loads the keys whose name and shape match (a new head) and reports the rest."""
     save: SaveWhat = "full"
     """What a checkpoint's model part holds: ``full``, or ``trainable`` (the parameters with ``requires_grad`` and the buffers, for adapter-style fine-tuning; the frozen weights come back from ``init_from`` or the model's builder on a resume)."""
+    lora: Optional[dict] = None
+    """LoRA adapters on an ``hf:`` model with peft, e.g. ``{"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}``: the base frozen, the adapters trained (``ddp``, ``fsdp``); checkpoints hold the adapters (``save="trainable"``); ``export(format="peft")`` writes the adapter folder."""
 
     # --- DDP and model options
     find_unused_parameters: bool = False
@@ -262,7 +276,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._unused_options = validate(self)  # {option: value} the strategy never reads
-        warn_unused(self._unused_options, self.strategy, stacklevel=4)  # 4: the line that built the config (via _init)
+        warn_unused(self._unused_options, self.strategy, stacklevel=4)  # 4: the line that built the config (past the __init__ that names unknown fields)
 
     # ------------------------------------------------------------------ sections
 
@@ -373,19 +387,3 @@ class TrainConfig:
         fresh = {k: v for k, v in new._unused_options.items() if k not in warned or warned[k] != v}
         warn_unused(fresh, new.strategy, stacklevel=2)  # 2: the line that called replace
         return new
-
-
-_generated_init = TrainConfig.__init__
-
-
-@functools.wraps(_generated_init)
-def _init(self, *args: Any, **kwargs: Any) -> None:
-    """The dataclass's ``__init__``, with an unknown keyword named with its closest field (Python's own error only
-    says "unexpected keyword argument")."""
-    unknown = [name for name in kwargs if name not in TrainConfig.__dataclass_fields__]
-    if unknown:
-        raise unknown_fields(unknown, TrainConfig.field_names(), "TrainConfig()")
-    _generated_init(self, *args, **kwargs)
-
-
-TrainConfig.__init__ = _init

@@ -19,13 +19,14 @@ from typing import Any, Dict, Literal
 
 from raytrain_mgpu._checks import SPELLED_OTHERWISE, check_number, did_you_mean, fail, is_int
 from raytrain_mgpu._factory import function_name, is_factory, is_object
-from raytrain_mgpu.config_code import (check_callbacks, check_code_choices, check_metrics, check_model_and_dataset,
-                                       check_monitor, is_code)
+from raytrain_mgpu.config_code import (check_callbacks, check_code_choices, check_lr_schedule, check_metrics,
+                                       check_model_and_dataset, check_monitor, is_code)
 from raytrain_mgpu._units import parse_bytes
+from raytrain_mgpu.models.huggingface import absolute, is_hf, run_label
 
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
-_BOOLS = ("download", "use_gpu", "auto_measure", "find_unused_parameters", "static_graph",
+_BOOLS = ("download", "auto_measure", "find_unused_parameters", "static_graph",
           "gradient_as_bucket_view", "sync_batchnorm", "cpu_offload", "channels_last", "verbose",
           "keep_best", "test_every_epoch", "init_strict", "tensor_parallel_across_nodes")
 _POSITIVE_INTS = ("gpus_per_worker", "cpus_per_worker", "num_stages", "num_microbatches",
@@ -50,26 +51,52 @@ def validate(cfg) -> Dict[str, Any]:
     if cfg.name is None:
         model, dataset = (function_name(v) if is_object(v) else v for v in (cfg.model, cfg.dataset))
         dataset = "raydata" if isinstance(cfg.dataset, dict) else dataset  # Ray Datasets (data/ray_datasets.py)
+        model = run_label(model) if is_hf(model) else model  # "hf:/models/llama-3" -> "hf.llama-3"
         # one plain folder name: "torchvision.models:resnet18" -> "torchvision.models.resnet18"
         cfg.name = "-".join(str(part).replace(":", ".") for part in (model, dataset, cfg.strategy))
     # The registries import torch: imported here, not at module top, so the config imports light.
     from raytrain_mgpu.data import check_data_fields
     from raytrain_mgpu.data.ingest import check_ingest
     from raytrain_mgpu.models import check_model_name
+    from raytrain_mgpu.models.lora import check_lora
 
     check_model_name(cfg.model)
+    cfg.model = absolute(cfg.model)  # hf:./folder, read from the driver's working folder: a worker's is another
+    check_lora(cfg)  # LoRA's settings on an hf: model (sets save="trainable": checkpoints hold the adapters)
     check_data_fields(cfg)  # the dataset name, loader workers and transforms
     check_ingest(cfg)  # ingest="ray_data": the datasets Ray Data streams (data/ingest.py)
     from raytrain_mgpu.strategies import get_strategy  # imports torch: after the cheap name checks
-    from raytrain_mgpu.strategies.elastic import at_count, check_worker_range, worker_range
+    from raytrain_mgpu.strategies.elastic import check_worker_range
 
-    check_worker_range(cfg)  # a count, or (min, max) with an elastic strategy and a batch every count splits
+    check_worker_range(cfg)  # a count, "auto", or (min, max) with an elastic strategy and a batch every count splits
     if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()
         return {}
     strategy = get_strategy(cfg.strategy)
-    strategy.validate(at_count(cfg, worker_range(cfg)[1]))  # elastic: the largest count fixes the micro-batch
-    check_sync_batchnorm(cfg, strategy)
+    _check_strategy_rules(cfg, strategy)
     return unused_options(cfg, strategy)
+
+
+def _check_strategy_rules(cfg, strategy) -> None:
+    """The strategy's rules, on ``cfg`` laid out provisionally where it says ``"auto"`` (``strategies/layout.py``:
+    no device is read at construction; ``fit`` lays it out on the devices found and checks again). With
+    ``use_gpu="auto"`` the config passes where either answer does: a GPU-only option (``precision="16-mixed"``,
+    ``sync_batchnorm``) is refused when ``fit`` finds no GPU, not here."""
+    from raytrain_mgpu.strategies.base import check_lora_strategy
+    from raytrain_mgpu.strategies.elastic import at_count, worker_range
+    from raytrain_mgpu.strategies.layout import is_auto, provisional
+
+    errors = []
+    for use_gpu in (False, True) if is_auto(cfg.use_gpu) else (False,):
+        planned = provisional(cfg, use_gpu)
+        try:
+            # elastic: the largest count fixes the micro-batch
+            strategy.validate(at_count(planned, worker_range(planned)[1]))
+            check_sync_batchnorm(planned, strategy)
+            check_lora_strategy(planned, strategy)
+            return
+        except ValueError as exc:
+            errors.append(exc)
+    raise errors[0]  # the CPU layout's: the one a machine without a GPU trains
 
 
 def unused_options(cfg, strategy_cls) -> Dict[str, Any]:
@@ -151,6 +178,7 @@ def check_fields(cfg) -> None:
             hint = did_you_mean(value, [v for v in valid if v is not None], SPELLED_OTHERWISE.get(name))
             fail(name, value, f"is not one of {list(valid)}", f"{hint.lstrip()} Set {name} to one of them.".lstrip())
     check_code_choices(cfg)
+    check_lr_schedule(cfg)
     check_metrics(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
@@ -215,6 +243,9 @@ def _check_types(cfg) -> None:
         if not isinstance(value, bool):
             fail(name, value, "must be true or false", f"Write {name}: true or {name}: false (YAML booleans, "
                                                         f"not quoted strings).")
+    if not (isinstance(cfg.use_gpu, bool) or cfg.use_gpu == "auto"):
+        fail("use_gpu", cfg.use_gpu, "must be true, false or 'auto'",
+             "Write use_gpu: auto (the GPUs found, if any), true, or false (YAML booleans, not quoted strings).")
     if not (isinstance(cfg.compile, bool) or cfg.compile == "blocks"):
         fail("compile", cfg.compile, "must be true, false or 'blocks'",
              "Write compile: true (the whole model), compile: blocks (each block), or compile: false.")

@@ -1,7 +1,8 @@
 """The ``TrainConfig`` fields that name code, checked without importing it (part of
-``config_checks.check_fields``): ``model``, ``dataset``, ``optimizer``, ``loss``, ``metrics`` and
+``config_checks.check_fields``): ``model``, ``dataset``, ``optimizer``, ``lr_schedule``, ``loss``, ``metrics`` and
 ``callbacks`` take a registry name, a ``package.module:function`` (its form here, the standard-library
-rule in ``_factory.py``), or from Python the class or function itself."""
+rule in ``_factory.py``), or from Python the class or function itself. Two exceptions import it: a user's
+scheduler (``lr_schedule``), whose signature is checked, and a metric asked which way is better."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import sys
 import typing
 from typing import Any, Dict, Literal
 
-from raytrain_mgpu._checks import did_you_mean, fail
-from raytrain_mgpu._factory import check_factory_spec, function_name, is_factory, is_object
+from raytrain_mgpu._checks import check_number, did_you_mean, fail, is_int
+from raytrain_mgpu._factory import check_factory_spec, code_name, function_name, is_factory, is_object
 
-__all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_metrics", "check_model_and_dataset",
-           "check_callbacks"]
+__all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_lr_schedule", "check_metrics",
+           "check_model_and_dataset", "check_callbacks"]
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # driver/callbacks.py
@@ -65,6 +66,59 @@ def check_code_choices(cfg) -> None:
     if clash:
         fail("optimizer_kwargs", kwargs, f"must not set {clash}: the trainer passes them to the optimizer",
              "Remove them, and set TrainConfig.lr (for sgd/adamw also momentum, weight_decay) instead.")
+
+
+def check_lr_schedule(cfg) -> None:
+    """``warmup_steps``, ``min_lr``, ``decay_fraction``, and ``lr_schedule`` as the user's scheduler (after
+    :func:`check_code_choices`): a function that cannot be called as ``fn(optimizer, total_steps)``, or one beside
+    the fields that shape the built-in schedules' LR (the user's scheduler owns it), is refused here, before Ray."""
+    steps = cfg.warmup_steps
+    if steps is not None and (not is_int(steps) or steps < 0):
+        fail("warmup_steps", steps, "must be a whole number of optimizer steps >= 0, or None",
+             "Set it to e.g. 100, or leave it unset.")
+    if steps is not None and cfg.warmup_epochs != 0:
+        fail("warmup_steps", steps, f"and warmup_epochs={cfg.warmup_epochs!r} both set the warm-up",
+             "Set one of them: warmup_steps (optimizer steps), or warmup_epochs with warmup_steps left unset.")
+    check_number(cfg, "min_lr", 0, fix="Set min_lr to 0 (decay to zero) or a small LR, e.g. lr / 10.")
+    check_number(cfg, "decay_fraction", 0, 1, low_open=True, high_open=False,
+                 fix="Set decay_fraction to e.g. 0.1: wsd decays over the last tenth of the steps.")
+    schedule = cfg.lr_schedule
+    if is_code("lr_schedule", schedule):
+        shaping = [f"{name}={getattr(cfg, name)!r}" for name, unset in (("warmup_steps", None), ("warmup_epochs", 0),
+                                                                         ("min_lr", 0)) if getattr(cfg, name) != unset]
+        if shaping:
+            fail("lr_schedule", code_name(schedule), f"is your own scheduler, which owns the LR, and "
+                 f"{', '.join(shaping)} would shape it too", "Build the warm-up and the floor into your scheduler "
+                 "(e.g. torch.optim.lr_scheduler.SequentialLR of a LinearLR warm-up and your decay), and leave "
+                 "warmup_steps, warmup_epochs and min_lr unset.")
+        _check_scheduler_signature(schedule)
+        return
+    peak = cfg.optim.scaled_lr()  # lr after lr_scaling: what the schedule decays from
+    if cfg.min_lr >= peak:
+        scaled = "" if peak == cfg.lr else f" ({peak:g} after lr_scaling={cfg.lr_scaling!r})"
+        fail("min_lr", cfg.min_lr, f"must be below the peak LR, lr={cfg.lr!r}{scaled}",
+             "Set min_lr below it, e.g. lr / 10, or 0.")
+
+
+def _check_scheduler_signature(schedule) -> None:
+    """The user's scheduler takes ``(optimizer, total_steps)`` as the engine passes them (importing a
+    ``module:function``: the import's error names the fix). A signature Python cannot read passes."""
+    import inspect
+
+    from raytrain_mgpu._factory import load_factory
+
+    function = load_factory(schedule, "lr_schedule")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, 0)
+    except TypeError as exc:
+        fail("lr_schedule", code_name(schedule), f"must take (optimizer, total_steps), as the engine calls it, but "
+             f"its signature is {function_name(schedule)}{signature} ({exc})", "Write it as def my_schedule("
+             "optimizer, total_steps): return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=..., "
+             "total_steps=total_steps); give any further parameters defaults.")
 
 
 def check_metrics(cfg) -> None:

@@ -8,12 +8,12 @@ same names. No torch, no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Tuple, Union
+from typing import Callable, Literal, Optional, Tuple, Union
 
 # The fixed choices: ``config_checks`` checks each ``Literal`` field against its type's values.
 Precision = Literal["32", "16-mixed", "bf16-mixed"]
 Optimizer = Literal["sgd", "adamw"]  # or a "module:function": fields typed Union[Literal, str] take both
-LrSchedule = Literal["constant", "step", "cosine"]
+LrSchedule = Literal["constant", "step", "cosine", "linear", "wsd"]  # or a "module:function": the user's scheduler
 LrScaling = Literal[None, "linear", "sqrt"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -61,6 +61,12 @@ class DataConfig:
     val_fraction: Optional[float] = None  # a held-out part of the training split (data/base.split_validation)
     ingest: Ingest = "loader"  # "ray_data": the training split streamed by Ray Data (transports/ray_data.py)
     collate: Optional[object] = None  # Ray Datasets' batch -> (inputs, targets) (data/ray_datasets.py)
+    # the text dataset (data/lm_text.py): its column, tokenizer folder and block length; the model's name, whose
+    # hf:<folder> holds the default tokenizer and the config.json that sizes the data (vocabulary, positions)
+    text_column: str = "text"
+    tokenizer: Optional[str] = None
+    seq_len: Optional[int] = None
+    model: object = None
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,12 @@ class OptimConfig:
     lr: float
     momentum: float
     weight_decay: float
-    lr_schedule: LrSchedule
+    lr_schedule: Union[LrSchedule, str, Callable]  # a name, or the user's fn(optimizer, total_steps) -> LRScheduler
     warmup_epochs: float
+    warmup_steps: Optional[int]
+    min_lr: float
+    decay_fraction: float
+    max_steps: Optional[int]  # with epochs (given to optim.build_scheduler), the run's total optimizer steps
     lr_step_epochs: int
     lr_step_gamma: float
     lr_scaling: LrScaling

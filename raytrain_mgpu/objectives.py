@@ -20,7 +20,9 @@ many values (a 1-unit head with one target per sample), in the outputs' dtype: t
 
 The built-in losses and metrics take a model zoo's outputs as they come: a tensor, or anything
 holding ``logits`` (a Hugging Face ``ModelOutput`` or another object with a ``logits``
-attribute, a dict, a named tuple), whose logits they use (:func:`logits_of`). Your own loss and
+attribute, a dict, a named tuple), whose logits they use (:func:`logits_of`; a Hugging Face causal LM's
+``(batch, seq, vocab)`` logits with the vocabulary moved to dim 1, so ``cross_entropy`` is the mean token loss
+and ``accuracy`` the token accuracy, as for ``transformer_lm``'s ``(batch, vocab, seq)``). Your own loss and
 metrics get the outputs untouched.
 
 Factories load through ``_factory.load_factory`` and follow its rules (no standard-library
@@ -44,16 +46,25 @@ Pair = Tuple[object, object]  # (sum, count): tensors on the outputs' device, or
 
 def logits_of(outputs):
     """``outputs`` if a tensor, else its ``logits`` (a dict's key, or an attribute: ``ModelOutput``, a
-    named tuple, a dataclass); a ValueError naming the type and the fix for anything else."""
+    named tuple, a dataclass); a ValueError naming the type and the fix for anything else.
+
+    Classes at dim 1, as torch's losses want them: a Hugging Face ``ModelOutput``'s per-position logits
+    (a causal LM's ``(batch, seq, vocab)``) have them last, so they are moved there (a view, no copy)."""
     if isinstance(outputs, torch.Tensor):
         return outputs
     logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
     if isinstance(logits, torch.Tensor):
-        return logits
+        return logits.movedim(-1, 1) if logits.dim() > 2 and _is_model_output(outputs) else logits
     raise ValueError(f"the model returned a {type(outputs).__name__} with no 'logits' tensor, which the built-in "
                      f"losses and metrics cannot read. Return a tensor (or an object, dict or named tuple with "
                      f"'logits'), or set TrainConfig.loss and metrics to functions of your outputs "
                      f"('module:function').")
+
+
+def _is_model_output(outputs) -> bool:
+    """Whether ``outputs`` is a ``transformers`` ``ModelOutput`` (read from its classes: no import of transformers)."""
+    return any(cls.__name__ == "ModelOutput" and cls.__module__.startswith("transformers")
+               for cls in type(outputs).__mro__)
 
 
 def _as_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,12 @@ takes parameters or such groups; a group's own ``lr`` or ``weight_decay`` wins o
 (a group's ``lr`` is used as given: ``lr_scaling`` scales the config's ``lr`` only; the LR schedule
 scales every group by the same factor).
 
-The schedule is per optimizer step: linear warm-up over ``warmup_epochs``, then
-constant, step or cosine decay. ``lr_scaling`` scales the peak LR with the global
-batch relative to ``base_batch_size`` (Goyal et al. 2017: linear scaling + warm-up).
+The schedule is per optimizer step: linear warm-up over ``warmup_steps`` (or ``warmup_epochs``), then
+constant, step, cosine, linear or warmup-stable-decay (``wsd``), the decays to ``min_lr`` on the run's last
+step (:func:`lr_factor`); or the user's ``fn(optimizer, total_steps)`` returning a torch ``LRScheduler``, which
+owns the LR. Either is stepped once per optimizer step, and its ``state_dict()`` is checkpointed, so a resume
+continues where it stopped. ``lr_scaling`` scales the peak LR with the global batch relative to
+``base_batch_size`` (Goyal et al. 2017: linear scaling + warm-up).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Callable, Iterable, List, Union
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from raytrain_mgpu._factory import code_name, function_name, is_factory, load_factory
 from raytrain_mgpu.config_sections import OptimConfig
@@ -189,20 +192,71 @@ def _resolve(entry, by_name: dict, name_of: dict, where: str, index: int) -> tor
     return entry
 
 
+# ----------------------------------------------------------------------------- LR schedules
+
+
+def total_steps(cfg: OptimConfig, steps_per_epoch: int, epochs: int) -> int:
+    """The run's optimizer steps: ``epochs`` x ``steps_per_epoch``, or ``max_steps`` where it is smaller (the
+    same on every worker count: an elastic run keeps the global batch, so the steps per epoch)."""
+    total = epochs * steps_per_epoch
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def warmup_steps(cfg: OptimConfig, steps_per_epoch: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps is not None else int(round(cfg.warmup_epochs * steps_per_epoch))
+
+
 def lr_factor(step: int, cfg: OptimConfig, steps_per_epoch: int, epochs: int) -> float:
-    """Multiplier of the peak LR at optimizer step ``step`` (0-based)."""
-    warmup = int(round(cfg.warmup_epochs * steps_per_epoch))
-    if step < warmup:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based) of a built-in schedule.
+
+    Warm-up: step ``k`` (1-based) of ``W`` uses ``k / W`` of the peak. Then ``constant``; ``step`` (x gamma every
+    ``lr_step_epochs``); ``cosine`` and ``linear`` from the peak at step ``W`` to ``min_lr`` at the last step;
+    ``wsd`` at the peak until its last ``D = round(decay_fraction x total)`` steps (at least 1), which fall
+    linearly to ``min_lr``, reached on the last step (warm-up wins where the two overlap)."""
+    warmup = warmup_steps(cfg, steps_per_epoch)
+    if step < warmup:  # warm-up
         return (step + 1) / warmup
-    if cfg.lr_schedule == "step":
+    schedule = cfg.lr_schedule
+    if schedule == "step":
         return cfg.lr_step_gamma ** (step // (cfg.lr_step_epochs * steps_per_epoch))
-    if cfg.lr_schedule == "cosine":
-        total = max(1, epochs * steps_per_epoch - warmup)
-        progress = min(1.0, (step - warmup) / total)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0
+    if schedule not in ("cosine", "linear", "wsd"):
+        return 1.0
+    total = total_steps(cfg, steps_per_epoch, epochs)
+    floor = cfg.min_lr / cfg.scaled_lr()  # min_lr is absolute; groups with their own lr share the factor
+    if schedule == "wsd":
+        decay = max(1, round(cfg.decay_fraction * total))
+        if step < total - decay:  # stable
+            return 1.0
+        progress = min(1.0, (step - (total - decay) + 1) / decay)  # decay: the last step at the floor
+    else:
+        progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    left = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return floor + (1.0 - floor) * left
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps_per_epoch: int,
-                    epochs: int) -> LambdaLR:
+                    epochs: int) -> LRScheduler:
+    """The configured schedule over ``optimizer``, stepped once per optimizer step: a built-in one (a
+    ``LambdaLR`` of :func:`lr_factor`), or the user's ``fn(optimizer, total_steps)``."""
+    if is_factory(cfg.lr_schedule):
+        return _user_scheduler(cfg.lr_schedule, optimizer, total_steps(cfg, steps_per_epoch, epochs))
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, steps_per_epoch, epochs))
+
+
+def _user_scheduler(spec, optimizer: torch.optim.Optimizer, total: int) -> LRScheduler:
+    function, name = load_factory(spec, "lr_schedule"), code_name(spec)
+    call = f"{function_name(spec)}(optimizer, total_steps={total})"
+    try:
+        scheduler = function(optimizer, total)
+    except Exception as exc:  # the user's code: name it and what it was given
+        raise ValueError(f"TrainConfig.lr_schedule={name!r} failed: {call} raised {type(exc).__name__}: {exc}. "
+                         f"Fix the function.") from exc
+    if isinstance(scheduler, ReduceLROnPlateau) or not isinstance(scheduler, LRScheduler):
+        # ReduceLROnPlateau's step() wants a metric, which a per-step schedule does not have
+        raise ValueError(f"TrainConfig.lr_schedule={name!r}: {call} returned a {type(scheduler).__name__}, not a "
+                         f"torch.optim.lr_scheduler.LRScheduler stepped without arguments. Return one built over "
+                         f"the optimizer it is given, e.g. OneCycleLR(optimizer, max_lr=..., total_steps=total_steps).")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError(f"TrainConfig.lr_schedule={name!r}: {call} returned a scheduler of another optimizer. "
+                         f"Build it over the optimizer it is given.")
+    return scheduler

@@ -84,8 +84,10 @@ def trainable(cfg: TrainConfig) -> Callable:
     trial's own process, with the worker's resources, where the run can (:func:`in_trial`)."""
     from ray import tune
 
+    from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
     from raytrain_mgpu.strategies.plan import build_plan
 
+    cfg, _ = resolve_auto_devices(cfg)  # read once here: every trial trains the same layout
     inside = in_trial(cfg)
 
     def run_trial(values: dict) -> None:
@@ -102,10 +104,12 @@ def trainable(cfg: TrainConfig) -> Callable:
 def max_concurrent_trials(cfg: TrainConfig, resources: Optional[Dict[str, float]] = None) -> int:
     """How many runs of ``cfg`` the cluster (``ray.cluster_resources()``, or ``resources``) holds at once;
     1 for ``strategy="auto"``, whose layout each trial's ``fit`` chooses from the whole cluster."""
+    from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
     from raytrain_mgpu.strategies.plan import build_plan
 
     if cfg.strategy == "auto":
         return 1
+    cfg, _ = resolve_auto_devices(cfg)  # use_gpu/num_workers "auto": the layout the trials will have
 
     if resources is None:
         import ray
@@ -189,7 +193,11 @@ def search(cfg: TrainConfig, params: Sequence[str], trials: int = 8, metric: Opt
     from ray import tune
 
     from raytrain_mgpu.driver.cluster import connect
+    from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
 
+    cfg, devices_line = resolve_auto_devices(cfg)  # use_gpu/num_workers "auto": the GPUs found, the layout on them
+    if devices_line and stream is not None:
+        stream.write(f"devices: {devices_line}\n")
     connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)  # a local Ray for the CLI, as fit starts one
     asha = tune.schedulers.ASHAScheduler(max_t=cfg.epochs, grace_period=1) if scheduler == "asha" else None
     tuner = tune.Tuner(trainable(cfg), param_space=space,

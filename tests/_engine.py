@@ -63,7 +63,7 @@ def make_engine(fields: dict, rank: int = 0, world: int = 1, sink=None, storage:
                 transport=None, setup: bool = True) -> Engine:
     """The engine of rank ``rank`` of ``world`` for ``fields`` (``num_workers`` is ``world``), set up unless ``setup``
     is False; its run folder under ``storage`` (a temporary folder by default)."""
-    cfg = rtm.TrainConfig(**{"storage_path": storage or tempfile.mkdtemp(prefix="engine-"), **fields,
+    cfg = rtm.TrainConfig(**{"storage_path": storage or tempfile.mkdtemp(prefix="engine-"), "use_gpu": False, **fields,
                              "num_workers": world})
     data = build_datasets(cfg.data)
     plan = build_plan(cfg, len(data.train))

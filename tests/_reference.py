@@ -43,7 +43,7 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, storage: Option
     from raytrain_mgpu.engine.checkpoint_files import load_train_state, local_checkpoint
     from raytrain_mgpu.strategies import get_strategy
 
-    fields = {**fields, "num_workers": 1, "runner": "local"}
+    fields = {"use_gpu": False, **fields, "num_workers": 1, "runner": "local"}
     if epochs is not None:
         fields["epochs"] = epochs
     if get_strategy(fields.get("strategy", "ddp")).replication == "fully_shard":
@@ -158,7 +158,7 @@ def train_replicas(fields: dict, world: int = 2) -> tuple:
     ``test_*``). Models that draw random numbers while training (dropout) would share this process's
     one stream: not emulated; neither are grad clipping, mixed precision or step checkpoints' resume.
     """
-    cfg = rtm.TrainConfig(**fields)
+    cfg = rtm.TrainConfig(**{"use_gpu": False, **fields})
     if cfg.strategy != "ddp" or cfg.grad_clip_norm is not None or cfg.precision != "32":
         raise ValueError("train_replicas emulates plain ddp in fp32 without clipping")
     accum = cfg.grad_accum_steps
@@ -210,7 +210,7 @@ def train_replicas(fields: dict, world: int = 2) -> tuple:
 
 def evaluate(fields: dict, weights: dict) -> dict:
     """``test_loss`` and ``test_<metric>`` of ``weights`` as a 1-worker ``fit`` of ``fields`` evaluates them."""
-    cfg = rtm.TrainConfig(**fields)
+    cfg = rtm.TrainConfig(**{"use_gpu": False, **fields})
     data = build_datasets(cfg.data)
     strategy, model, _, _ = _replica(cfg, data, 0, 1, cfg.batch_size)
     model.load_state_dict(weights)

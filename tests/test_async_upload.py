@@ -38,7 +38,7 @@ EVERY = 5  # checkpoint_every_n_steps
 # bit-equal (a plain SGD keeps none).
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="test_factories:rmsprop",
            optimizer_kwargs={"alpha": 0.9, "momentum": 0.5}, lr=0.01, seed=3,
-           num_workers=2, epochs=2, checkpoint_every_n_steps=EVERY, num_checkpoints_to_keep=20)
+           num_workers=2, use_gpu=False, epochs=2, checkpoint_every_n_steps=EVERY, num_checkpoints_to_keep=20)
 STEPS_PER_EPOCH = 1438 // 64  # 22
 SAVED_AT = [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]  # step checkpoints, and the epoch ends 22 and 44
 RESUMED_AT = 30  # the second restart's: the last step checkpoint before rank 1's kill in step 35

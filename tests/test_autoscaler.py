@@ -181,7 +181,7 @@ def test_the_pipeline_gets_past_its_checks_at_zero_gpu_nodes(cold, monkeypatch, 
 
     monkeypatch.setattr("raytrain_mgpu.transports.actor_group.runner.train_attempt", train_attempt)
     cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="pipeline", num_stages=4, num_microbatches=4,
-                          use_gpu=True, storage_path=storage)
+                          use_gpu=True, num_workers=1, storage_path=storage)
     with pytest.raises(PastTheChecks):
         run_pipeline(cfg, None, events=None)
     too_many = cfg.replace(strategy="ddp_pipeline", num_workers=9, batch_size=144)  # 36 stage actors, 1 GPU each
@@ -401,7 +401,7 @@ def test_a_local_ray_reads_as_not_autoscaling():
     assert capacity["unknown"] == ""
 
 
-COLD_FIT = dict(model="mlp", dataset="digits", num_workers=2, batch_size=64, epochs=2, name="cold")
+COLD_FIT = dict(model="mlp", dataset="digits", num_workers=2, use_gpu=False, batch_size=64, epochs=2, name="cold")
 
 
 @pytest.mark.ray

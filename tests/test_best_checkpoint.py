@@ -184,7 +184,7 @@ def test_train_result_needs_keep_best_for_the_best_model(tmp_path):
 # A test loss that falls, then rises, on every run: SGD's LR warms up to a value too high for
 # this MLP (lr 0.8 reached in epoch 5), so the best epoch is an early one, never the last.
 DIVERGING = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",
-                 lr=0.8, warmup_epochs=5, seed=3, epochs=6)
+                 lr=0.8, warmup_epochs=5, seed=3, epochs=6, use_gpu=False)
 
 
 def _loss(model, cfg: TrainConfig, split: str) -> float:

@@ -20,7 +20,7 @@ from raytrain_mgpu.engine.run_folder import RunFolder
 
 # 256 digits samples, batch 32: a few steps per epoch; a step's scalars every 2 steps.
 SMALL = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256, batch_size=32,
-             optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2)
+             optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2, use_gpu=False)
 
 
 class Recorder(Callback):

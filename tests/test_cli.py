@@ -194,7 +194,7 @@ def test_an_unknown_option_or_command_names_the_closest_one_and_the_help_that_li
     assert err.startswith("raytrain-mgpu: error: unknown command 'trian'. Did you mean 'train'? Commands: train, "
                           "compare, tune,") and err.endswith("(see `raytrain-mgpu --help`)\n")
     assert main(["data", "conv"]) == 2
-    assert "unknown command 'conv'. Did you mean 'convert'? Commands: convert (see `raytrain-mgpu data --help`)" in \
+    assert "unknown command 'conv'. Did you mean 'convert'? Commands: convert, tokenize (see `raytrain-mgpu data --help`)" in \
         capsys.readouterr().err
     assert main(["export", "run", "--format", "safetensor"]) == 2
     assert "argument --format: invalid choice: 'safetensor'. Did you mean 'safetensors'? Valid: safetensors, hf" in \

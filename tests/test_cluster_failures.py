@@ -15,8 +15,8 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.errors import StuckRankError, WorkerError
 from raytrain_mgpu.engine.step import NonFiniteError
 
-RUN = dict(model="_failing_models:failing", dataset="digits", strategy="ddp", num_workers=2, batch_size=64,
-           epochs=1, runner="ray")  # digits: 22 steps an epoch of 64
+RUN = dict(model="_failing_models:failing", dataset="digits", strategy="ddp", num_workers=2, use_gpu=False,
+           batch_size=64, epochs=1, runner="ray")  # digits: 22 steps an epoch of 64
 
 
 def _config(storage, probe: Path, faults: list, **overrides) -> rtm.TrainConfig:
@@ -91,7 +91,8 @@ def test_a_rank_stuck_for_ever_is_named_with_the_default_threshold(ray_session, 
 
 def test_a_resource_no_node_has_is_refused_before_training_naming_it(ray_session, storage):
     started = time.monotonic()
-    base = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=2, epochs=1, runner="ray", storage_path=storage)
+    base = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=2, use_gpu=False, epochs=1, runner="ray",
+                           storage_path=storage)
     with pytest.raises(ValueError, match=r"resources_per_worker asks for the Ray resource 'tpu_v9', which no node of "
                                          r"this cluster has \(custom resources there: spot;"):
         rtm.fit(base.replace(name="tpu", resources_per_worker={"tpu_v9": 1}))
@@ -113,8 +114,8 @@ def test_where_the_node_types_are_not_known_the_run_asks_and_fails_after_placeme
     known = cluster.read_capacity()
     unknown = cluster.Capacity(known.alive, node_types_unknown="no monitor of this session runs on this machine")
     monkeypatch.setattr(cluster, "read_capacity", lambda: unknown)
-    cfg = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=6, batch_size=120, epochs=1, runner="ray",
-                          placement_timeout_s=3, max_failures=2, storage_path=storage, name="pending")
+    cfg = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=6, use_gpu=False, batch_size=120, epochs=1,
+                          runner="ray", placement_timeout_s=3, max_failures=2, storage_path=storage, name="pending")
     started = time.monotonic()
     with pytest.raises(PlacementTimeoutError, match=r"strategy='ddp': the cluster did not grant 6 bundle\(s\) "
                                                     r"\(\{'CPU': 1\}\) within placement_timeout_s=3 s \(node 0: 4 CPU, "

@@ -69,7 +69,7 @@ def stack_profile():
 
 def cfg_for(strategy: str, **kw) -> rtm.TrainConfig:
     base = dict(model="mlp", dataset="synthetic", input_shape=[1, 4, 4], num_classes=4, strategy=strategy,
-                num_workers=1, batch_size=64)
+                num_workers=1, use_gpu=False, batch_size=64)
     return rtm.TrainConfig(**{**base, **kw})
 
 
@@ -128,7 +128,7 @@ def test_compare_checks_its_input_before_starting_ray(monkeypatch):
         raise AssertionError("compare connected to Ray before checking its input")
 
     monkeypatch.setattr("raytrain_mgpu.driver.cluster.connect", connect)
-    cfg = rtm.TrainConfig(model="lenet", dataset="digits")
+    cfg = rtm.TrainConfig(model="lenet", dataset="digits", use_gpu=False)
     with pytest.raises(ValueError, match=r"unknown name\(s\) \['nope'\]\. Valid names: ddp, ddp2, .*pipeline"):
         compare(cfg, strategies=["ddp", "nope"])
     with pytest.raises(ValueError, match=r"memory_budget_bytes=1000 .* too small for any batch: the smallest "
@@ -168,7 +168,7 @@ def test_compare_lists_fsdp_with_the_tensor_groups_auto_tries_each_with_its_esti
                                              peak_memory_bytes=[1] * run_cfg.num_workers, train_loss=3.0,
                                              test_loss=3.0)])
 
-    cfg = rtm.TrainConfig(**LM, num_workers=4, storage_path=str(tmp_path))
+    cfg = rtm.TrainConfig(**LM, num_workers=4, use_gpu=False, storage_path=str(tmp_path))
     report = planning_compare.compare(cfg, strategies=["ddp", "fsdp"], steps=1, warmup_steps=0, fit=fit,
                                       out_dir=str(tmp_path / "out"))
     tensor = ["fsdp, tensor_parallel_size=2", "fsdp, tensor_parallel_size=4"]
@@ -303,7 +303,7 @@ def test_compare_ddp_and_pipeline_on_lenet_digits(ray_session, tmp_path):
     # against the plain loop's weights in test_strategies.py
     # (test_each_strategys_fit_ends_with_the_plain_loops_weights), and the report's columns are
     # runner-agnostic (pure tests above).
-    cfg = rtm.TrainConfig(model="lenet", dataset="digits", batch_size=128, num_workers=2, seed=1,
+    cfg = rtm.TrainConfig(model="lenet", dataset="digits", batch_size=128, num_workers=2, use_gpu=False, seed=1,
                           storage_path=str(tmp_path / "runs"))
     report = compare(cfg, strategies=["ddp", "pipeline"], steps=3, warmup_steps=1,
                      memory_budget_bytes=4 * 2**20, out_dir=str(tmp_path / "out"))

@@ -20,7 +20,7 @@ from raytrain_mgpu.models.checkpointing import compile_blocks
 from raytrain_mgpu.driver.preflight import check_model_builds
 
 # 5 blocks: Flatten, Linear+ReLU (64 -> 16), two Linear+ReLU (16 -> 16), the classifier; 22 steps an epoch
-DP = dict(model="mlp", model_kwargs={"widths": [16, 16, 16]}, dataset="digits", batch_size=64, epochs=1)
+DP = dict(model="mlp", model_kwargs={"widths": [16, 16, 16]}, dataset="digits", batch_size=64, epochs=1, use_gpu=False)
 CLOSE = dict(rel=1e-4, abs=1e-4)
 
 

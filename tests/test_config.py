@@ -16,7 +16,9 @@ from raytrain_mgpu.optim import lr_factor
 
 def test_defaults_are_the_demo_run():
     cfg = TrainConfig()
-    assert (cfg.model, cfg.dataset, cfg.strategy, cfg.num_workers, cfg.use_gpu) == ("lenet", "digits", "ddp", 2, False)
+    # the devices: the GPUs found when fit starts, else 2 CPU workers (tests/test_auto_devices.py)
+    assert (cfg.model, cfg.dataset, cfg.strategy, cfg.num_workers, cfg.use_gpu) == ("lenet", "digits", "ddp", "auto",
+                                                                                  "auto")
     assert cfg.name == "lenet-digits-ddp"
 
 
@@ -36,7 +38,6 @@ def test_defaults_are_the_demo_run():
                                          r"use_gpu and gpus_per_worker instead"),
     ("resources_per_worker", {"spot": 0}, r"the amount of 'spot' must be a positive number"),
     ("resources_per_worker", {"accelerator_type:H100": 1}, r"names a GPU type\. Set accelerator_type='H100'"),
-    ("accelerator_type", "H100", r"accelerator_type='H100': needs use_gpu=True"),
     ("label_selector", {"zone": 1}, r"label_selector=\{'zone': 1\}: must be a mapping of label names to values"),
     ("stall_timeout_s", -1, r"stall_timeout_s=-1: must be a finite number >= 0"),
     ("placement_timeout_s", 0, r"placement_timeout_s=0: must be a finite positive number"),
@@ -44,6 +45,12 @@ def test_defaults_are_the_demo_run():
 def test_bad_values_name_field_and_fix(field, value, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{field: value})
+
+
+def test_a_gpu_type_needs_gpus():
+    with pytest.raises(ValueError, match=r"accelerator_type='H100': needs use_gpu=True"):
+        TrainConfig(accelerator_type="H100", use_gpu=False)
+    assert TrainConfig(accelerator_type="H100").use_gpu == "auto"  # fit counts the GPUs of that type
 
 
 def test_batch_must_split_over_workers_and_accumulation():
@@ -109,8 +116,8 @@ def test_lr_scaling_and_schedules():
 def test_choices_are_the_literal_types_values():
     hints = typing.get_type_hints(TrainConfig)
     literal = {name for name, hint in hints.items() if typing.get_origin(hint) is typing.Literal}
-    # optimizer and loss: Union[Literal, str] (a name or "module:function"), checked as factories
-    assert literal == {"precision", "lr_schedule", "lr_scaling", "schedule", "placement", "mode", "ingest", "runner",
+    # optimizer, lr_schedule and loss: Union[Literal, str] (a name or "module:function"), checked as factories
+    assert literal == {"precision", "lr_scaling", "schedule", "placement", "mode", "ingest", "runner",
                        "on_nonfinite", "save", "resume"}
     for name in sorted(literal):
         valid = list(typing.get_args(hints[name]))

@@ -76,7 +76,7 @@ def test_a_batch_some_count_cannot_split_names_the_counts_that_work_and_the_fix(
 
 @pytest.mark.parametrize("low,high,batch,accum", [(1, 2, 64, 1), (1, 3, 66, 2), (2, 4, 72, 3), (1, 4, 48, 3)])
 def test_every_count_trains_the_same_samples_per_step_and_steps_per_epoch(low, high, batch, accum):
-    cfg = rtm.TrainConfig(num_workers=(low, high), batch_size=batch, grad_accum_steps=accum)
+    cfg = rtm.TrainConfig(num_workers=(low, high), use_gpu=False, batch_size=batch, grad_accum_steps=accum)
     micro = batch // (high * accum)
     for num_train in (batch, 1438, 1439, 5 * batch - 1, 997):
         plan = build_plan(cfg, num_train)
@@ -96,7 +96,7 @@ def test_every_count_trains_the_same_samples_per_step_and_steps_per_epoch(low, h
 
 
 def test_the_plan_holds_min_and_max_and_needs_only_the_mins_bundles():
-    cfg = rtm.TrainConfig(num_workers=(1, 3), batch_size=66, grad_accum_steps=2, cpus_per_worker=2)
+    cfg = rtm.TrainConfig(num_workers=(1, 3), use_gpu=False, batch_size=66, grad_accum_steps=2, cpus_per_worker=2)
     plan = build_plan(cfg, 1438)
     assert (plan.min_workers, plan.num_processes, plan.replicas, plan.micro_batch) == (1, 3, 3, 11)
     assert plan.bundles == ({"CPU": 2},) and plan.worker_counts == (1, 2, 3)
@@ -104,7 +104,7 @@ def test_the_plan_holds_min_and_max_and_needs_only_the_mins_bundles():
                                "1 x 11 x 6, 2 x 11 x 3, 3 x 11 x 2")
     with pytest.raises(ValueError, match="4 data shard"):
         plan.micro_batches_at(4)
-    fixed = build_plan(rtm.TrainConfig(num_workers=2, batch_size=64), 1438)
+    fixed = build_plan(rtm.TrainConfig(num_workers=2, use_gpu=False, batch_size=64), 1438)
     assert fixed.min_workers is None and fixed.worker_counts == (2,) and fixed.micro_batches_at(2) == 1
     assert len(fixed.bundles) == 2
     assert fixed.describe() == "global batch 64 = 2 replica(s) x 32 x 1 accumulation step(s)"
@@ -125,7 +125,8 @@ def test_the_memory_estimate_and_compare_refuse_a_range_naming_the_count_to_use(
     from raytrain_mgpu.planning.compare import compare
     from raytrain_mgpu.planning.memory import device_memory
 
-    cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="fsdp", num_workers=(1, 2), batch_size=64)
+    cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="fsdp", num_workers=(1, 2), use_gpu=False,
+                          batch_size=64)
     with pytest.raises(ValueError, match=r"num_workers=\(1, 2\): the memory estimate is for one worker count. "
                                          r"Estimate with num_workers=1"):
         device_memory("fsdp", cfg, profile=None)

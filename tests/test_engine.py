@@ -123,7 +123,7 @@ def test_an_event_added_to_the_engine_runs_in_both_runners(tmp_path):
 
     cfg = rtm.TrainConfig(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
                           model_kwargs={"widths": [24, 24]}, batch_size=24, num_microbatches=2, strategy="pipeline",
-                          num_stages=2, cpus_per_worker=1)
+                          num_stages=2, cpus_per_worker=1, use_gpu=False, num_workers=1)
     run_local([LocalRun(cfg, 4, step_event=functools.partial(record_step, str(tmp_path / "pipeline")))])
     stages = _steps_by_process(tmp_path / "pipeline")
     assert len(stages) == 2 and os.getpid() not in stages  # each stage's own process

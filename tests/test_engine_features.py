@@ -24,8 +24,9 @@ from raytrain_mgpu.driver.callbacks import Callback
 # 12 steps an epoch of 24 samples, 2 micro-batches: the check of checkpoint_every_n_minutes comes at step 10
 PIPE = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=288,
             model_kwargs={"widths": [24, 24]}, batch_size=24, num_microbatches=2, strategy="pipeline", num_stages=2,
-            cpus_per_worker=1, epochs=1)
-DP = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1)  # 22 steps
+            cpus_per_worker=1, epochs=1, use_gpu=False, num_workers=1)
+DP = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1,
+          use_gpu=False)  # 22 steps
 
 
 class Scalars(Callback):
@@ -97,7 +98,8 @@ def _fake_cuda_generators(rank: int) -> None:
 
 LM = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24, num_samples=72,
           model_kwargs={"num_layers": 2, "hidden": 16, "num_heads": 2, "dropout": 0.3}, batch_size=24,
-          num_microbatches=2, strategy="pipeline", num_stages=2, cpus_per_worker=1, epochs=1, optimizer="sgd")
+          num_microbatches=2, strategy="pipeline", num_stages=2, cpus_per_worker=1, epochs=1, optimizer="sgd",
+          use_gpu=False, num_workers=1)
 
 
 def test_a_resumed_pipeline_restores_every_generator_and_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ if importlib.util.find_spec("torchvision") is None:
     require("torchvision")
 
 IMAGES = dict(dataset="synthetic", input_shape=[3, 32, 32], num_classes=10, num_samples=64, batch_size=32,
-              epochs=1, seed=5)  # 2 steps: 64 samples, global batch 32
+              epochs=1, seed=5, use_gpu=False)  # 2 steps: 64 samples, global batch 32
 
 
 # ----------------------------------------------------------------------------- factories

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # As in test_fit: no BatchNorm or dropout, so runs that see the same batches agree exactly.
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
-           num_workers=2, epochs=3)
+           num_workers=2, use_gpu=False, epochs=3)
 STEPS_PER_EPOCH = 1438 // 64          # digits' train split, global batch 64
 PER_RANK_EPOCH = STEPS_PER_EPOCH * 32  # samples one of two ranks serves per epoch
 
@@ -335,7 +335,8 @@ def test_damaged_dataset_file_fails_before_ray_starts(tmp_path, monkeypatch, dam
     data = train.read_bytes()
     train.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"label,image\n1,0 0 0\n")
     with pytest.raises(ValueError, match=r"cannot be read .*Point data_root at intact Parquet files"):
-        rtm.fit(rtm.TrainConfig(dataset="parquet", data_root=str(tmp_path / "pq"), storage_path=str(tmp_path)))
+        rtm.fit(rtm.TrainConfig(dataset="parquet", data_root=str(tmp_path / "pq"), use_gpu=False,
+                                storage_path=str(tmp_path)))
 
 
 def test_waiting_for_the_report_returns_once_the_controller_took_it_and_not_before(monkeypatch, caplog):

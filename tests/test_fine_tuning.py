@@ -54,7 +54,7 @@ def aux_step(model, batch, ctx):
 
 
 CUSTOM = dict(model=TwoOutputs, dataset="digits", batch_size=64, epochs=1, optimizer="sgd", lr=0.1, momentum=0.9,
-              train_step=aux_step, seed=2)
+              train_step=aux_step, seed=2, use_gpu=False)
 
 
 def _custom_rank(rank: int, world: int, out: str) -> None:
@@ -126,7 +126,7 @@ def frozen_backbone(input_shape, num_classes):
 
 
 FROZEN = dict(model=frozen_backbone, dataset="digits", batch_size=64, optimizer="adamw", lr=0.01, weight_decay=0.1,
-              save="trainable", num_workers=1, param_groups="no_decay_norm_bias")
+              save="trainable", num_workers=1, use_gpu=False, param_groups="no_decay_norm_bias")
 
 
 def test_a_frozen_backbone_trains_the_head_only_and_its_trainable_checkpoint_resumes_exactly(tmp_path):
@@ -154,7 +154,7 @@ def test_a_frozen_backbone_trains_the_head_only_and_its_trainable_checkpoint_res
 
 
 def test_init_from_an_export_with_a_new_head_reports_the_keys_and_trains(tmp_path):
-    source = rtm.fit(rtm.TrainConfig(model="lenet", dataset="digits", num_workers=1, epochs=1,
+    source = rtm.fit(rtm.TrainConfig(model="lenet", dataset="digits", num_workers=1, use_gpu=False, epochs=1,
                                      storage_path=str(tmp_path), name="source"), stream=io.StringIO())
     written = source.export(out=str(tmp_path / "lenet.safetensors"))  # that file, its config.json beside it
     assert written == [str(tmp_path / "config.json"), str(tmp_path / "lenet.safetensors")]
@@ -164,7 +164,7 @@ def test_init_from_an_export_with_a_new_head_reports_the_keys_and_trains(tmp_pat
     assert sorted(os.listdir(tmp_path / "cli")) == ["config.json", "m.safetensors"]
     lines = io.StringIO()
     new_head = dict(model="lenet", dataset="synthetic", input_shape=[1, 8, 8], num_classes=5, num_samples=256,
-                    num_workers=1, epochs=1, storage_path=str(tmp_path), name="tuned", init_from=weights)
+                    num_workers=1, use_gpu=False, epochs=1, storage_path=str(tmp_path), name="tuned", init_from=weights)
     with pytest.raises(ValueError, match=r"init_strict=False"):
         rtm.fit(rtm.TrainConfig(**new_head), stream=io.StringIO())
     tuned = rtm.fit(rtm.TrainConfig(**new_head, init_strict=False, lr=1e-12), stream=lines)
@@ -192,7 +192,7 @@ def test_an_export_to_a_safetensors_path_refuses_the_hf_format_and_an_old_folder
     assert os.listdir(tmp_path) == ["model.safetensors"] and not os.listdir(out)
 
 
-SHARDED = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, epochs=1)
+SHARDED = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, epochs=1, use_gpu=False)
 
 
 def _fsdp_rank(rank: int, world: int, out: str) -> None:
@@ -265,7 +265,7 @@ def test_a_step_param_groups_init_from_and_skip_take_effect_on_two_ray_train_wor
     save_file(pretrained, str(tmp_path / "pretrained.safetensors"))
     fields = dict(model=FrozenBody, dataset="digits", batch_size=64, epochs=1, optimizer="sgd", lr=0.1, momentum=0.9,
                   seed=2, train_step=aux_step_nan_at_step_5, param_groups=head_bias_fast, on_nonfinite="skip",
-                  init_from=str(tmp_path / "pretrained.safetensors"))
+                  init_from=str(tmp_path / "pretrained.safetensors"), use_gpu=False)
     lines = io.StringIO()
     result = rtm.fit(rtm.TrainConfig(**fields, num_workers=2, runner="ray", name="four", storage_path=storage),
                      stream=lines)

@@ -21,7 +21,8 @@ from raytrain_mgpu.planning.auto import RESUMING
 pytestmark = pytest.mark.ray
 
 # An MLP without BatchNorm or dropout: runs with the same global batch must agree exactly.
-MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1, seed=3)
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1, seed=3,
+           use_gpu=False)
 
 
 def _weights(model):
@@ -148,12 +149,13 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
     def watchers_started() -> int:  # alive or dead, from the GCS's actor table (as tests/test_ray_ingest.py)
         return sum(actor["ActorClassName"].endswith("PreemptionWatcher") for actor in state.actors().values())
 
-    # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers; Ray Train's
-    # preemption watcher left to fit, as a user has it (the shared instance turns it off for every test).
+    # The README's main job, with a temporary storage path: lenet on digits, ddp, 2 workers (a machine without a
+    # GPU: the shared instance's emulated ones refused); Ray Train's preemption watcher left to fit, as a user has it
+    # (the shared instance turns it off for every test).
     monkeypatch.delenv(WATCHER_ENV, raising=False)
     watchers = watchers_started()
     start = time.perf_counter()
-    assert main(["train", "--storage-path", storage]) == 0
+    assert main(["train", "--storage-path", storage, "--no-use-gpu"]) == 0
     run_s = time.perf_counter() - start
     # On a Ray this process started, no node is drained for preemption: the watcher, an actor process
     # starting beside the first steps, never ran (engine/preemption.py).
@@ -176,7 +178,7 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
     # The same run again, from Python: answered from its folder, Ray refused.
     _refuse_ray(monkeypatch)
     start = time.perf_counter()
-    again = rtm.fit(rtm.TrainConfig(storage_path=storage))
+    again = rtm.fit(rtm.TrainConfig(storage_path=storage, use_gpu=False))
     elapsed = time.perf_counter() - start
     # Ray refused above is the real check. The time says that nothing else is done instead: a
     # fraction of the run it answers for, timed here, so a slower machine slows both alike.
@@ -205,7 +207,7 @@ def test_user_model_from_own_folder_trains_on_parquet(ray_session, storage, tmp_
     """))
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
-    cfg = rtm.TrainConfig(model="my_models:tiny", model_kwargs={"hidden": 8}, num_workers=2, epochs=2,
+    cfg = rtm.TrainConfig(model="my_models:tiny", model_kwargs={"hidden": 8}, num_workers=2, use_gpu=False, epochs=2,
                           dataset="parquet", data_root=str(parquet), name="user", storage_path=storage)
     result = rtm.fit(cfg)
     assert result.load_model()[1].out_features == 8
@@ -220,9 +222,9 @@ def test_cluster_checks_fail_before_scheduling(ray_session, storage):
     # The shared instance emulates 4 GPUs (conftest); "use_gpu=True on a cluster without GPU"
     # is checked against a fake node list in test_autoscaler.py.
     with pytest.raises(ValueError, match=r"needs 8 x \{'CPU': 1\}.*cannot place \(node 0: 4 CPU, 4 GPU\)"):
-        rtm.fit(rtm.TrainConfig(num_workers=8, storage_path=storage))
+        rtm.fit(rtm.TrainConfig(num_workers=8, use_gpu=False, storage_path=storage))
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_module' \(ModuleNotFoundError"):
-        rtm.fit(rtm.TrainConfig(model="no_such_module:build", storage_path=storage))
+        rtm.fit(rtm.TrainConfig(model="no_such_module:build", use_gpu=False, storage_path=storage))
 
 
 def test_cli_pipeline_job_config_trains_resumes_and_loads(ray_session, storage, capsys):

@@ -178,13 +178,13 @@ def test_the_issue_payload_from_yaml_never_runs(tmp_path, capsys):
     (dict(collective_timeout_s=0.4), r"collective_timeout_s=0.4: must be a finite number in \[1, inf\)"),
     (dict(collective_timeout_s="60"), r"collective_timeout_s='60': must be a finite number"),
     (dict(bucket_cap_mb=-1), r"bucket_cap_mb=-1: must be a finite positive number"),
-    (dict(use_gpu="false"), r"use_gpu='false': must be true or false.*not quoted strings"),
+    (dict(use_gpu="false"), r"use_gpu='false': must be true, false or 'auto'.*not quoted strings"),
     (dict(download="no"), r"download='no': must be true or false"),
     (dict(momentum="abc"), r"momentum='abc': must be a finite number in \[0, 1\)"),
     (dict(epochs=2.0), r"epochs=2.0: must be a positive integer"),
     (dict(storage_path=None), r"storage_path=None: must be a non-empty path or URI"),
     (dict(storage_path=""), r"storage_path='': must be a non-empty path or URI"),
-    (dict(sync_batchnorm=True), r"sync_batchnorm=True: SyncBatchNorm needs GPUs.*Set use_gpu=True"),
+    (dict(sync_batchnorm=True, use_gpu=False), r"sync_batchnorm=True: SyncBatchNorm needs GPUs.*Set use_gpu=True"),
     (dict(name="../x"), r"name='../x': must be a plain folder name"),
     (dict(name="/abs"), r"name='/abs': must be a plain folder name"),
     (dict(name=""), r"name='': must be a non-empty string.*plain folder name"),
@@ -302,7 +302,7 @@ def test_banner_and_failure_message_hold_no_secret():
     from raytrain_mgpu.transports.retry import whole_failure
     from raytrain_mgpu.strategies.plan import build_plan
 
-    cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r")
+    cfg = TrainConfig(storage_path="s3://AKIA:SECRET@bucket/runs", name="r", use_gpu=False, num_workers=2)
     failed = whole_failure(cfg, RuntimeError("x"))
     texts = [_banner(cfg, build_plan(cfg), (1, 8, 8), 10), "\n".join(failed.__notes__)]
     assert all("SECRET" not in t and "s3://***@bucket/runs/r" in t for t in texts)
@@ -327,7 +327,7 @@ def test_compare_keeps_uri_credentials_out_of_its_report_and_errors(monkeypatch,
     def failing_fit(cfg, stream=None):
         raise RuntimeError(f"cannot reach {cfg.storage_path}/{cfg.name}")
 
-    row = RunRow("ddp", "ddp", "1 worker", config=TrainConfig(), num_processes=1)
+    row = RunRow("ddp", "ddp", "1 worker", config=TrainConfig(use_gpu=False, num_workers=1), num_processes=1)
     with caplog.at_level("WARNING"):
         _run(row, 1438, 2, 0, "s3://AKIA:SECRET@bucket/runs", None, failing_fit)
     assert row.status == "failed" and row.reason == "RuntimeError: cannot reach s3://***@bucket/runs/ddp"
@@ -349,7 +349,7 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.transports.local import run_in_process
 
-    cfg = TrainConfig(storage_path=str(tmp_path), name="r")
+    cfg = TrainConfig(storage_path=str(tmp_path), name="r", use_gpu=False, num_workers=2)
     run = tmp_path / "r"
     done = run / "checkpoint_epoch000001"
     ckpt_format.write_checkpoint(str(done), meta={"model": cfg.model, "strategy": cfg.strategy, "epoch": 1,
@@ -396,7 +396,7 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
 # One worker: fit trains it in this process (runner="auto"); the run folder's lock and the resume check are
 # fit's own, before it picks a runner, so they hold for a run through Ray alike.
 TINY_FIT = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,
-                optimizer="sgd", lr=0.1, num_workers=1)
+                optimizer="sgd", lr=0.1, num_workers=1, use_gpu=False)
 
 
 def _snapshot(folder) -> dict:

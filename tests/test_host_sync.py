@@ -194,6 +194,7 @@ def test_a_pipeline_stages_steps_make_no_sync_in_steady_state(tmp_path, monkeypa
     monkeypatch.setenv("SYNC_LOG", str(tmp_path))
     cfg = rtm.TrainConfig(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=96,
                           model_kwargs={"widths": [24, 24]}, batch_size=24, num_microbatches=2, strategy="pipeline",
-                          num_stages=2, cpus_per_worker=1, epochs=2, grad_clip_norm=1.0, optimizer="sgd")
+                          num_stages=2, cpus_per_worker=1, epochs=2, grad_clip_norm=1.0, optimizer="sgd",
+                          use_gpu=False, num_workers=1)
     run_local([LocalRun(cfg, 8, prepare=_watch_the_second_epoch)])
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["none", "none"]

@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS, SHARD = 4, 2
-MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=1)
+MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=1,
+           use_gpu=False)
 STEPS_PER_EPOCH = 1438 // 64
 DRIVER_TIMEOUT_S = 600
 

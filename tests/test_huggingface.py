@@ -97,7 +97,7 @@ def test_a_transformers_model_trains_sharded_by_fsdp_through_fit(ray_session, st
     from _reference import train_one_worker
 
     fields = dict(model="test_huggingface:tiny_bert", dataset="test_huggingface:token_classes", strategy="fsdp",
-                  num_workers=2, batch_size=32, optimizer="adamw", lr=3e-3, epochs=3, name="bert-fsdp")
+                  num_workers=2, use_gpu=False, batch_size=32, optimizer="adamw", lr=3e-3, epochs=3, name="bert-fsdp")
     cfg = rtm.TrainConfig(**fields, storage_path=storage)
     result = rtm.fit(cfg)
     first, last = result.history[0], result.history[-1]

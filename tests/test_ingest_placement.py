@@ -49,7 +49,7 @@ def test_the_tasks_go_to_the_cpu_ingest_nodes_that_are_up_else_beside_the_traini
 
 
 def test_the_banner_says_where_the_tasks_run_and_each_streams_share_and_a_run_with_no_cpu_is_refused():
-    cfg = rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", num_workers=2)
+    cfg = rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", num_workers=2, use_gpu=False)
     machine = Capacity(alive=({"CPU": 4.0},))
     assert check_cpus_left(cfg, build_plan(cfg), machine) == (
         "ingest: Ray Data's tasks on 2 CPU beside the training processes' 2 (1 per stream, 2 stream(s))")

@@ -85,8 +85,8 @@ def test_the_default_threshold_is_120_s_or_20_median_steps_and_0_turns_it_off():
 
 
 def test_an_in_process_run_keeps_its_position_and_whether_it_stepped(storage):
-    cfg = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=1, epochs=1, batch_size=128, storage_path=storage,
-                          name="position", runner="local")
+    cfg = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=1, use_gpu=False, epochs=1, batch_size=128,
+                          storage_path=storage, name="position", runner="local")
     result = rtm.fit(cfg)
     assert POSITION.stepped and POSITION.step == result.metrics["step"] - 1  # in the last step when it ended
     assert len(POSITION.step_times) == min(result.metrics["step"], 64) and POSITION.median_step_s() > 0

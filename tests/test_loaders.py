@@ -64,8 +64,8 @@ def strict_prefetch_data(cfg):
     return digits._replace(train=_StrictPrefetch(digits.train))
 
 
-BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", num_workers=1, batch_size=64,
-            optimizer="sgd", lr=0.1, seed=5, epochs=2, cpus_per_worker=1, grad_clip_norm=1.0,
+BASE = dict(model="test_loaders:dropout_cnn", dataset="digits", strategy="ddp", num_workers=1, use_gpu=False,
+            batch_size=64, optimizer="sgd", lr=0.1, seed=5, epochs=2, cpus_per_worker=1, grad_clip_norm=1.0,
             # digits are 8 x 8: the model is built for the resized 12 x 12 inputs
             train_transform="resize:12+random_crop_flip", test_transform="resize:12")
 

@@ -193,7 +193,7 @@ def test_a_fit_and_its_resume_leave_every_loggers_files_in_process(storage, monk
     monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a one-worker run started Ray"))
     cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256,
                           num_workers=1, batch_size=32, optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2, epochs=2,
-                          name="logged", storage_path=storage, loggers=["tensorboard", "mlflow", "csv"])
+                          name="logged", storage_path=storage, loggers=["tensorboard", "mlflow", "csv"], use_gpu=False)
     rtm.fit(cfg, stream=io.StringIO())
     resumed = rtm.fit(cfg.replace(epochs=3), stream=io.StringIO())
     assert [row["attempt"] for row in resumed.history] == [0, 0, 1]  # the third epoch by the second fit
@@ -290,7 +290,7 @@ def test_wandb_offline_holds_a_fits_config_scalars_and_final_metrics_in_process(
     monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("a one-worker run started Ray"))
     cfg = rtm.TrainConfig(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256,
                           num_workers=1, batch_size=32, optimizer="sgd", lr=0.1, seed=1, log_every_n_steps=2, epochs=2,
-                          name="logged", storage_path=storage, loggers=["wandb"])
+                          name="logged", storage_path=storage, loggers=["wandb"], use_gpu=False)
     rtm.fit(cfg, stream=io.StringIO())
     resumed = rtm.fit(cfg.replace(epochs=3), stream=io.StringIO())
     runs = wandb_runs(wandb_offline)
@@ -314,7 +314,7 @@ def test_wandb_not_installed_names_the_extra_before_ray(monkeypatch, storage):
     monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("Ray started before the check"))
     with pytest.raises(ValueError, match=r"TrainConfig.loggers='wandb' needs the wandb package, which is not "
                                          r"installed. Install it with: pip install 'raytrain-mgpu\[wandb\]'"):
-        rtm.fit(rtm.TrainConfig(model="mlp", dataset="digits", loggers=["wandb"], storage_path=storage))
+        rtm.fit(rtm.TrainConfig(model="mlp", dataset="digits", loggers=["wandb"], use_gpu=False, storage_path=storage))
 
 
 def test_a_missing_extra_skips_its_tests_here_and_fails_them_on_ci(monkeypatch):
@@ -340,4 +340,4 @@ def test_a_missing_package_names_the_extra(monkeypatch, storage):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     with pytest.raises(ValueError, match=r"TrainConfig.loggers='mlflow' needs the mlflow package, which is not "
                                          r"installed. Install it with: pip install 'raytrain-mgpu\[mlflow\]'"):
-        rtm.fit(rtm.TrainConfig(model="mlp", dataset="digits", loggers=["mlflow"], storage_path=storage))
+        rtm.fit(rtm.TrainConfig(model="mlp", dataset="digits", loggers=["mlflow"], use_gpu=False, storage_path=storage))

@@ -52,8 +52,8 @@ def turns_nan_in_epoch_3(input_shape, num_classes):
 
 
 def _fit(storage, **fields):
-    cfg = rtm.TrainConfig(**{**dict(model=turns_nan_in_epoch_3, dataset="digits", num_workers=1, runner="local",
-                                    epochs=6, storage_path=storage, name="run", optimizer="sgd", lr=0.1), **fields})
+    cfg = rtm.TrainConfig(**{**dict(model=turns_nan_in_epoch_3, dataset="digits", num_workers=1, use_gpu=False,
+                                    runner="local", epochs=6, storage_path=storage, name="run", optimizer="sgd", lr=0.1), **fields})
     return rtm.fit(cfg, stream=io.StringIO())
 
 

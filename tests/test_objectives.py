@@ -87,7 +87,8 @@ def info_nce(outputs, targets):
 
 REGRESSION = dict(model="test_objectives:regressor", dataset="test_objectives:regression_data", strategy="ddp",
                   loss="test_objectives:squared_error", metrics=["mae", "test_objectives:within_half"],
-                  optimizer="sgd", lr=0.05, momentum=0.5, batch_size=16, epochs=1, seed=3, cpus_per_worker=1)
+                  optimizer="sgd", lr=0.05, momentum=0.5, batch_size=16, epochs=1, seed=3, cpus_per_worker=1,
+                  use_gpu=False)
 
 # ----------------------------------------------------------------------------- registry and config (no Ray)
 
@@ -454,7 +455,8 @@ PIPELINE_STEPS = 5  # 4 steps per epoch (64 samples, batch 16): the last epoch r
 
 
 def _pipeline_config() -> rtm.TrainConfig:
-    return rtm.TrainConfig(**{**REGRESSION, "strategy": "pipeline", "num_stages": 2, "num_microbatches": 4})
+    return rtm.TrainConfig(**{**REGRESSION, "strategy": "pipeline", "num_stages": 2, "num_microbatches": 4,
+                              "num_workers": 1})
 
 
 def _pipeline_reference(cfg, steps: int):

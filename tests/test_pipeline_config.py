@@ -17,7 +17,7 @@ TINY_LM = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8]
 
 
 def pipeline_cfg(**overrides) -> TrainConfig:
-    values = dict(TINY_LM, strategy="pipeline", num_stages=2, num_microbatches=4, batch_size=16)
+    values = dict(TINY_LM, strategy="pipeline", num_stages=2, num_microbatches=4, batch_size=16, use_gpu=False)
     values.update(overrides)
     return TrainConfig(**values)
 

@@ -24,7 +24,8 @@ MLP = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, nu
            model_kwargs={"widths": [24, 24, 24]})
 LM = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24, num_samples=72,
           model_kwargs={"num_layers": 3, "hidden": 16, "num_heads": 2})
-COMMON = dict(batch_size=24, num_microbatches=4, optimizer="sgd", lr=0.1, momentum=0.9, cpus_per_worker=1, seed=3)
+COMMON = dict(batch_size=24, num_microbatches=4, optimizer="sgd", lr=0.1, momentum=0.9, cpus_per_worker=1, seed=3,
+              use_gpu=False, num_workers=1)
 
 CASES = {
     f"{name}-p{p}-{schedule}": dict(model_cfg, strategy="pipeline", num_stages=p, schedule=schedule)
@@ -60,7 +61,8 @@ def train_in_one_process(cfg: TrainConfig, steps: int) -> dict:
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
     steps_per_epoch = len(data.train) // cfg.batch_size
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
+    # the run's schedule spans its total steps: the harness stops it at max_steps=steps (tests/_pipeline_local.py)
+    scheduler = build_scheduler(optimizer, cfg.replace(max_steps=steps).optim, steps_per_epoch, cfg.epochs)
     sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
     done, epoch = 0, 0

@@ -32,7 +32,7 @@ FAILS_WITHIN_S = 5
 def test_a_stage_killed_mid_step_fails_the_run_within_seconds(ray_session, storage, tmp_path):
     cfg = rtm.TrainConfig(model="_probe_data:mlp_that_dies", dataset="digits", strategy="pipeline",
                           num_stages=2, num_microbatches=NUM_MICROBATCHES, schedule="1f1b", batch_size=64,
-                          optimizer="sgd", lr=0.1, epochs=1, max_failures=0, collective_timeout_s=300,
+                          optimizer="sgd", lr=0.1, epochs=1, max_failures=0, collective_timeout_s=300, use_gpu=False,
                           model_kwargs={"probe": str(tmp_path), "after_forwards": AFTER_FORWARDS},
                           name="dies-mid-step", storage_path=storage)
     # Whichever the driver sees first: the dead stage's own task, or stage 0 losing its peer

@@ -26,7 +26,7 @@ STEPS = 2
 # 9 blocks: enough for interleaved_1f1b's 8 virtual stages at P = 4
 MLP = dict(model="mlp", dataset="synthetic", input_shape=[6], num_classes=3, num_samples=48,
            model_kwargs={"widths": [8] * 8}, batch_size=24, optimizer="sgd", lr=0.1, momentum=0.9,
-           cpus_per_worker=1, seed=4, strategy="pipeline")
+           cpus_per_worker=1, seed=4, strategy="pipeline", use_gpu=False, num_workers=1)
 # (schedule, P, m): m = P and m = 2P for every schedule and P in 2..4
 CASES = [(schedule, p, m) for schedule in ("gpipe", "1f1b", "interleaved_1f1b") for p in (2, 3, 4)
          for m in (p, 2 * p)]

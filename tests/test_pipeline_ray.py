@@ -29,7 +29,7 @@ pytestmark = pytest.mark.ray
 
 MLP = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
            model_kwargs={"widths": [24, 24, 24]}, batch_size=24, num_microbatches=4, optimizer="sgd", lr=0.1,
-           seed=5)  # 3 steps per epoch
+           seed=5, use_gpu=False, num_workers=1)  # 3 steps per epoch
 EVERY = 2  # step checkpoints after global steps 2 and 4 (3 and 6 end an epoch: the epoch's own is written)
 EPOCH_KEYS = {"epoch", "step", "lr", "train_loss", "test_loss", "test_accuracy", "samples_per_s", "step_time_s",
               "data_wait_share", "peak_memory_bytes", "attempt", "stage_step_time_s", "bubble_fraction",
@@ -184,6 +184,6 @@ def test_not_enough_cpus_for_the_stages_names_the_cluster(ray_session, storage):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a 2-stage pipeline needs 2 CUDA GPUs (one per stage)")
 def test_pipeline_on_gpus(ray_session, storage):
-    cfg = TrainConfig(**MLP, strategy="pipeline", num_stages=2, use_gpu=True, epochs=1, storage_path=storage)
+    cfg = TrainConfig(**{**MLP, "use_gpu": True}, strategy="pipeline", num_stages=2, epochs=1, storage_path=storage)
     outcome = run_pipeline(cfg, None, Reporter())
     assert all(peak > 0 for peak in outcome.history[-1]["peak_memory_bytes"])

@@ -15,7 +15,7 @@ from raytrain_mgpu.strategies.plan import build_plan
     (dict(strategy="ddp_pipeline", num_workers=2, num_stages=2, num_microbatches=4, batch_size=64), 2, 8, 4, 4),
 ])
 def test_plan_batch_arithmetic_and_processes(kwargs, replicas, micro, per_step, processes):
-    plan = build_plan(TrainConfig(**kwargs))
+    plan = build_plan(TrainConfig(**kwargs, use_gpu=False))
     assert (plan.replicas, plan.micro_batch, plan.micro_batches_per_step, plan.num_processes) == \
         (replicas, micro, per_step, processes)
     assert plan.replicas * plan.micro_batch * plan.micro_batches_per_step == kwargs["batch_size"]
@@ -24,9 +24,11 @@ def test_plan_batch_arithmetic_and_processes(kwargs, replicas, micro, per_step, 
 
 def test_steps_per_epoch_drops_the_remainder_like_the_samplers():
     # 1,437 digits over 2 replicas: 718 each, 64 per micro-batch -> 11 micro-batches -> 5 steps of 2
-    plan = build_plan(TrainConfig(strategy="ddp", num_workers=2, batch_size=256, grad_accum_steps=2), 1437)
+    plan = build_plan(TrainConfig(strategy="ddp", num_workers=2, use_gpu=False, batch_size=256, grad_accum_steps=2),
+                      1437)
     assert plan.steps_per_epoch == 5
-    pipe = build_plan(TrainConfig(strategy="ddp_pipeline", num_workers=2, num_stages=2, batch_size=64), 1437)
+    pipe = build_plan(TrainConfig(strategy="ddp_pipeline", num_workers=2, use_gpu=False, num_stages=2, batch_size=64),
+                      1437)
     assert pipe.steps_per_epoch == 1437 // 2 // 32
 
 

@@ -399,7 +399,7 @@ def test_a_stage_outside_ray_starts_no_ray_to_watch_for_drains(tmp_path):
 
     cfg = TrainConfig(model="mlp", dataset="synthetic", input_shape=[6], num_classes=3, num_samples=48,
                       model_kwargs={"widths": [8]}, batch_size=24, num_microbatches=2, strategy="pipeline",
-                      num_stages=2, cpus_per_worker=1)
+                      num_stages=2, cpus_per_worker=1, use_gpu=False, num_workers=1)
     run_local([LocalRun(cfg, 2, step_event=functools.partial(_ray_up_at_step, str(tmp_path)))])
     seen = sorted(p.read_text() for p in tmp_path.iterdir())
     assert seen == ["1:False\n2:False\n"] * 2, seen

@@ -83,7 +83,7 @@ def _fields(**overrides) -> dict:
     # gradient is the mean over every training row whatever order Ray Data read them in.
     return dict(model=two_inputs.two_input_net, model_kwargs={"hidden": 16}, loss=two_inputs.digit_and_parity,
                 metrics=[two_inputs.digit_accuracy, two_inputs.parity_accuracy], num_classes=10,
-                batch_size=1280, optimizer="sgd", lr=0.5, epochs=3, seed=0, **overrides)
+                batch_size=1280, optimizer="sgd", lr=0.5, epochs=3, seed=0, use_gpu=False, **overrides)
 
 
 # ----------------------------------------------------------------------------- no Ray
@@ -287,7 +287,7 @@ def test_a_materialized_dataset_killed_mid_epoch_resumes_at_its_step_checkpoint_
     probe = tmp_path / "probe"
     probe.mkdir()
     common = dict(model=mlp_dying_once, num_classes=10, batch_size=64, optimizer="sgd", lr=0.1, momentum=0.9,
-                  seed=3, epochs=2)
+                  seed=3, epochs=2, use_gpu=False)
     want, reference = train_replicas({**common, "dataset": xy_rows_for_the_loader,
                                       "model_kwargs": {"probe": str(tmp_path), "after_forwards": 10**9}})
     kill = {"probe": str(probe), "after_forwards": 36, "run": f"{storage}/materialized", "registered": 30}

@@ -169,7 +169,7 @@ def test_ray_data_samples_are_the_loader_paths_bit_for_bit(ray_session, tmp_path
 def test_fit_through_ray_data_with_random_crops_and_flips_on_2_workers_ends_with_one_loader_workers_weights(ray_session, tmp_path, storage):
     write_raw_parquet(tmp_path / "raw")
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
-                  batch_size=64, num_workers=2, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
+                  batch_size=64, num_workers=2, use_gpu=False, epochs=2, optimizer="sgd", lr=0.1, storage_path=storage,
                   metrics=["accuracy", "test_ray_ingest:micro_batch_rows"])
     managers, probe = actors_started(ray_session, "DatasetManager"), tmp_path / "probe"
     probe.mkdir()
@@ -211,7 +211,8 @@ def test_pipeline_first_stages_read_the_stream(ray_session, tmp_path, storage):
     write_raw_parquet(tmp_path / "raw")
     common = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="parquet", data_root=str(tmp_path / "raw"),
                   batch_size=64, strategy="pipeline", num_stages=2, num_microbatches=2, epochs=2, optimizer="sgd",
-                  lr=0.1, storage_path=storage)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
+                  lr=0.1, storage_path=storage,
+                  use_gpu=False)  # 2 stage actors: 2 of the shared Ray's 4 CPUs left to Ray Data
     probe = tmp_path / "probe"
     probe.mkdir()
     streamed = rtm.fit(rtm.TrainConfig(**common, ingest="ray_data", name="pipe-streamed",
@@ -274,7 +275,7 @@ def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_any_bundle(caplog):
     from raytrain_mgpu.transports.ray_data import check_cpus_left
     from raytrain_mgpu.strategies.plan import build_plan
 
-    cfg = rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", num_workers=2)
+    cfg = rtm.TrainConfig(dataset="parquet", data_root="/data", ingest="ray_data", num_workers=2, use_gpu=False)
     laptop = Capacity(alive=({"CPU": 2.0},))
     with pytest.raises(ValueError, match=r"ingest='ray_data': the training processes hold 2 of the cluster's 2 CPU "
                                          r"\(2 x 1\), so Ray Data's read and decode tasks would wait for a CPU for "

@@ -44,7 +44,8 @@ from raytrain_mgpu.data.convert import convert_to_parquet
 from raytrain_mgpu.engine.devices import EMULATE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, epochs=2)
+SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, epochs=2,
+             use_gpu=False)  # the CPU runs beside the emulated GPUs' elastic one
 CPUS = ray._private.utils.get_num_cpus()  # what a local Ray declares on this machine
 # The elastic run: at most 3 workers, room for 2 (the 2 fake GPUs); the micro-batch is fixed by the max count
 # (66 / (3 x 2) = 11), so each of the 2 accumulates 3 micro-batches a step (tests/test_elastic.py's arithmetic).

@@ -21,7 +21,7 @@ from raytrain_mgpu.engine.step_checkpoints import ResumableSampler, step_checkpo
 
 # As in test_faults: no BatchNorm or dropout, so runs that see the same batches agree exactly.
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
-           num_workers=2, epochs=2)
+           num_workers=2, use_gpu=False, epochs=2)
 STEPS_PER_EPOCH = 1438 // 64   # 22: digits' train split, global batch 64
 EVERY = 5                      # step checkpoints at global steps 5, 10, ..., 40 (not 22 and 44: epoch ends)
 RESUMED_AT = 30                # the last step checkpoint before it: 8 steps into epoch 2

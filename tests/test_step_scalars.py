@@ -137,7 +137,7 @@ def printed_scalars(monkeypatch) -> list:
 # train/loss is the epoch's train_loss.
 SMALL = dict(model="mlp", dataset="synthetic", input_shape=[12], num_classes=5, num_samples=72,
              model_kwargs={"widths": [24, 24, 24]}, batch_size=24, optimizer="sgd", lr=0.1, seed=5, epochs=2,
-             grad_clip_norm=1.0, log_every_n_steps=3)
+             grad_clip_norm=1.0, log_every_n_steps=3, use_gpu=False)
 
 
 def check_train_scalars(received: list, history: list, every: int = 3) -> None:

@@ -92,9 +92,11 @@ def _assert_same_step(got, want):
 
 def test_registry_lists_every_strategy():
     assert set(MULTI_DEVICE) | {"ddp"} <= set(strategy_names())
-    with pytest.raises(ValueError, match=r"strategy='ddp3' is not a known strategy. Valid names: ") as error:
+    with pytest.raises(ValueError, match=r"strategy='ddp3' is not a known strategy. Did you mean 'ddp'\? Valid "
+                                         r"names: ") as error:
         rtm.TrainConfig(strategy="ddp3")
-    assert set(MULTI_DEVICE) <= set(str(error.value).split(": ")[-1].rstrip(".").split(", "))
+    listed = str(error.value).split("Valid names: ")[-1].split(" (auto")[0].split(", ")
+    assert set(MULTI_DEVICE) | {"auto"} <= set(listed)
 
 
 @pytest.mark.parametrize("strategy,instead", [("dp", "ddp2"), ("dp_balanced", "ddp"), ("mp", "ddp_mp")])
@@ -391,8 +393,8 @@ def test_strategies_step_on_one_gpu(name, gloo_group):
 # plain SGD: equal global batches give equal weights up to rounding (AdamW would amplify rounding
 # where gradients are near zero; SGD keeps it at ~1e-6), so each strategy's fit is checked against
 # the plain PyTorch loop's weights, not only its accuracy.
-MLP = rtm.TrainConfig(num_workers=1, model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd",
-                      lr=0.1, seed=3, epochs=2)
+MLP = rtm.TrainConfig(num_workers=1, use_gpu=False, model="mlp", model_kwargs={"widths": [32]}, batch_size=64,
+                      optimizer="sgd", lr=0.1, seed=3, epochs=2)
 STEPS_PER_EPOCH = 1438 // 64  # digits' train split, global batch 64
 
 

@@ -197,7 +197,7 @@ def _stream_fields(data_root: str, probe: Path, **overrides) -> dict:
                                    v2.Compose([v2.RandomCrop((8, 8), padding=4), v2.RandomHorizontalFlip()]))
     return {**dict(model=mlp_dying_once, model_kwargs={"probe": str(probe), "after_forwards": 10**9},
                    dataset="parquet", data_root=data_root, train_transform=crop_flip, val_fraction=0.1, batch_size=64,
-                   optimizer="sgd", lr=0.1, momentum=0.9, seed=3, epochs=2, num_workers=1), **overrides}
+                   optimizer="sgd", lr=0.1, momentum=0.9, seed=3, epochs=2, num_workers=1, use_gpu=False), **overrides}
 
 
 def applied_in(probe: Path) -> set:

@@ -23,7 +23,7 @@ import raytrain_mgpu as rtm
 
 LM = dict(model="transformer_lm", dataset="synthetic_text", input_shape=[8], num_classes=24, num_samples=96,
           model_kwargs={"num_layers": 2, "hidden": 16, "num_heads": 4}, batch_size=8, epochs=2, optimizer="sgd",
-          lr=0.1, momentum=0.9, seed=3, strategy="fsdp")
+          lr=0.1, momentum=0.9, seed=3, strategy="fsdp", use_gpu=False)
 
 
 def _engine_rank(rank: int, world: int, fields: dict, out: str) -> None:
@@ -175,8 +175,8 @@ def _user_plan_rank(rank: int, world: int, out: str) -> None:
 
 
 MLP_PLAN = dict(model="mlp", model_kwargs={"widths": [16, 16]}, dataset="synthetic", input_shape=[8], num_classes=4,
-                strategy="fsdp", num_workers=2, tensor_parallel_size=2, batch_size=16, optimizer="sgd", lr=0.1,
-                tensor_parallel_plan={"1.0": "colwise", "2.0": "rowwise", "3": "colwise_gather_output"})
+                strategy="fsdp", num_workers=2, use_gpu=False, tensor_parallel_size=2, batch_size=16, optimizer="sgd",
+                lr=0.1, tensor_parallel_plan={"1.0": "colwise", "2.0": "rowwise", "3": "colwise_gather_output"})
 
 
 def _mlp_batches() -> list:

@@ -14,7 +14,7 @@ from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, R
 from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search
 
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",
-             val_fraction=0.2, epochs=4, num_workers=1)
+             val_fraction=0.2, epochs=4, num_workers=1, use_gpu=False)
 
 
 def test_params_read_as_tune_search_spaces_and_bad_ones_name_the_fix():
@@ -37,7 +37,7 @@ def test_params_read_as_tune_search_spaces_and_bad_ones_name_the_fix():
 def test_concurrent_trials_are_the_runs_the_cluster_holds_at_once():
     cfg = rtm.TrainConfig(**SMALL, cpus_per_worker=2)
     assert max_concurrent_trials(cfg, {"CPU": 4.0}) == 2 and max_concurrent_trials(cfg, {"CPU": 3.0}) == 1
-    gpu = rtm.TrainConfig(**{**SMALL, "num_workers": 2}, use_gpu=True)  # 2 x (1 CPU, 1 GPU)
+    gpu = rtm.TrainConfig(**{**SMALL, "num_workers": 2, "use_gpu": True})  # 2 x (1 CPU, 1 GPU)
     assert max_concurrent_trials(gpu, {"CPU": 16.0, "GPU": 4.0}) == 2
     assert max_concurrent_trials(rtm.TrainConfig(strategy="auto"), {"CPU": 64.0}) == 1  # each trial takes the cluster
 

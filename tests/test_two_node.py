@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="_probe_data:digits", batch_size=64,
-           optimizer="sgd", lr=0.1, seed=3, epochs=2)
+           optimizer="sgd", lr=0.1, seed=3, epochs=2, use_gpu=False)
 STEPS_PER_EPOCH = 1438 // 64
 DRIVER_TIMEOUT_S = 400
 

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.
 REPO = Path(__file__).resolve().parents[1]
 EVERY = 5  # checkpoint_every_n_steps
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3, epochs=3,
-           num_checkpoints_to_keep=100)  # every checkpoint kept: the test reads where each attempt resumed
+           use_gpu=False, num_checkpoints_to_keep=100)  # every checkpoint kept: where each attempt resumed
 STEPS_PER_EPOCH = 1438 // 64
 GROW_STEP = 28  # the 1-worker group parks before this step (epoch 2), 3 steps after the checkpoint at 25
 SHRINK_STEP = 47  # the 2-worker group parks before this step: after epoch 2 (44), 2 steps after the one at 45

@@ -51,7 +51,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.ray, pytest.mark.slow, pytest.mark.
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3  # the faults are in epoch 2; epoch 3 trains on after them
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
-           optimizer="sgd", lr=0.1, seed=3, epochs=EPOCHS)
+           optimizer="sgd", lr=0.1, seed=3, epochs=EPOCHS, use_gpu=False)
 STEPS_PER_EPOCH = 1438 // 64
 PER_RANK_STEP = 32  # 2 workers, batch 64, no accumulation
 DRIVER_TIMEOUT_S = 400  # each driver: 33-60 s on the 2-core VM

@@ -376,7 +376,7 @@ def test_a_checkpoint_whose_optimizer_state_does_not_fit_the_model_is_refused_na
     from raytrain_mgpu.engine.run_folder import RunFolder
 
     fields = dict(model="mlp", model_kwargs={"widths": [8]}, dataset="digits", num_samples=64, batch_size=32,
-                  num_workers=1, runner="local", storage_path=str(tmp_path), name="changed")
+                  num_workers=1, use_gpu=False, runner="local", storage_path=str(tmp_path), name="changed")
     rtm.fit(rtm.TrainConfig(**fields, epochs=1))
     checkpoint = RunFolder(str(tmp_path / "changed")).newest_checkpoint().uri
     state = torch.load(os.path.join(checkpoint, "train_state.pt"), weights_only=False)

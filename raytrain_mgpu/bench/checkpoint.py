@@ -108,7 +108,8 @@ def _run_one(mode: str, args, storage: str, scratch: str, r: int) -> dict:
     # epochs: never reached, so no save is the run's last (which always uploads synchronously)
     cfg = TrainConfig(model="mlp", model_kwargs={"widths": list(args.widths)}, dataset="synthetic",
                       input_shape=[1, 28, 28], num_classes=10, num_samples=args.batch_size, batch_size=args.batch_size,
-                      optimizer="sgd", lr=1e-4, num_workers=1, storage_path=storage, name=name, epochs=10**6)
+                      optimizer="sgd", lr=1e-4, num_workers=1, use_gpu=False, storage_path=storage, name=name,
+                      epochs=10**6)
     out = os.path.join(scratch, f"{name}.json")
     config = {"cfg": cfg.to_dict(), "widths": args.widths, "batch_size": args.batch_size, "mode": mode,
               "saves": args.saves, "steps_between": args.steps_between, "threads": args.threads, "out": out,

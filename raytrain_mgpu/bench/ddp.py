@@ -33,7 +33,7 @@ from raytrain_mgpu.config import TrainConfig
 
 BENCH_CONFIG = dict(model="mlp", model_kwargs={"widths": [2048, 2048]}, dataset="synthetic",
                     input_shape=(1, 28, 28), num_samples=8192, batch_size=256, epochs=4,
-                    optimizer="sgd", lr=0.01, cpus_per_worker=1, eval_every_epochs=100)
+                    optimizer="sgd", lr=0.01, cpus_per_worker=1, eval_every_epochs=100, use_gpu=False)
 
 
 @dataclass

@@ -103,7 +103,7 @@ def train_config(bench: BenchConfig, schedule: str, microbatches: int, storage: 
         input_shape=[bench.width], num_classes=10, num_samples=bench.batch_size * steps, strategy="pipeline",
         num_stages=bench.stages, num_microbatches=microbatches, schedule=schedule, batch_size=bench.batch_size,
         optimizer="sgd", lr=0.01, momentum=0.9, cpus_per_worker=1, epochs=1, storage_path=storage,
-        name=f"bench-{schedule}-m{microbatches}")
+        name=f"bench-{schedule}-m{microbatches}", use_gpu=False, num_workers=1)
 
 
 # ----------------------------------------------------------------------------- variants

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 from raytrain_mgpu.config import TrainConfig
 
 CONFIG = dict(model="mlp", model_kwargs={"widths": [64]}, dataset="digits", batch_size=64, optimizer="sgd",
-              lr=0.1, seed=0, num_workers=2, cpus_per_worker=1, epochs=10)
+              lr=0.1, seed=0, num_workers=2, use_gpu=False, cpus_per_worker=1, epochs=10)
 STEP_CHECKPOINT_EVERY = 10
 EXAMPLE_STEP_S = 0.05  # the step a save is judged against: 50 ms a step, a save every 10 steps
 VARIANTS = ("ray train", "fit", f"fit, K={STEP_CHECKPOINT_EVERY}")

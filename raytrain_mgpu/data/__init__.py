@@ -76,6 +76,7 @@ DATASETS: dict[str, Callable[["DataConfig"], "Datasets"]] = {
     # --- text datasets (raytrain_mgpu/data/text.py), registered by that module's author
     "synthetic_text": _Reader("text", "build_synthetic_text"),
     "text_file": _Reader("text", "build_text_file"),
+    "text": _Reader("lm_text", "build"),  # Parquet or JSONL documents, tokenized and packed (data/lm_text.py)
 }
 """Registry name -> builder(cfg) -> Datasets."""
 
@@ -90,6 +91,7 @@ _CHECKS: dict[str, Callable[["DataConfig"], tuple]] = {
     "parquet": _Reader("parquet", "check"),
     "synthetic_text": _Reader("text", "check_synthetic_text"),
     "text_file": _Reader("text", "check_text_file"),
+    "text": _Reader("lm_text", "check"),
 }
 
 
@@ -111,9 +113,11 @@ def check_dataset_name(name) -> None:
 def check_data_fields(cfg) -> None:
     """The ``TrainConfig`` fields this package reads, checked before Ray starts (``config_checks.validate``):
     the dataset name, the loader workers (``engine/loaders.py``) and the transform specs (parsed, not built)."""
+    from raytrain_mgpu.data.lm_fields import check_text_fields
     from raytrain_mgpu.data.transforms import check_transform_spec
 
     check_dataset_name(cfg.dataset)
+    check_text_fields(cfg)  # text_column, tokenizer, seq_len (the text dataset's)
     check_fields(cfg)  # a dict of Ray Datasets: its splits, collate, what does not apply to it
     if cfg.collate is not None and not (is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits)):
         raise ValueError(f"TrainConfig.collate={code_name(cfg.collate)!r} is read with Ray Datasets only "

@@ -39,6 +39,9 @@ class Datasets(NamedTuple):
     val: Optional[Dataset] = None
     """The validation split, if any: what ``monitor``, ``keep_best`` and early stopping rank epochs on
     (``TrainConfig.val_fraction`` holds one out of ``train`` instead: :func:`split_validation`)."""
+    seq_len: Optional[int] = None
+    """A language model's tokens per sample (``text``, ``synthetic_text``, ``text_file``): the epoch rows then add
+    ``tokens_per_s`` and, with the ``cross_entropy`` loss, ``perplexity`` (``engine/loop.py``)."""
 
 
 def validation_size(train_size: int, fraction: float) -> int:

@@ -99,7 +99,7 @@ def build_synthetic_text(cfg: "DataConfig") -> Datasets:
     seq_len, vocab_size, num_samples = _synthetic_settings(cfg)
     train = TokenWindows(markov_streams(num_samples, seq_len + 1, vocab_size, cfg.seed, _TRAIN))
     test = TokenWindows(markov_streams(num_samples // 4, seq_len + 1, vocab_size, cfg.seed, _TEST))
-    return Datasets(train, test, (seq_len,), vocab_size)
+    return Datasets(train, test, (seq_len,), vocab_size, seq_len=seq_len)
 
 
 def check_synthetic_text(cfg: "DataConfig") -> tuple:
@@ -142,7 +142,7 @@ def build_text_file(cfg: "DataConfig") -> Datasets:
     if cfg.num_samples is not None:
         train_rows = train_rows[: cfg.num_samples]
     return Datasets(TokenWindows(train_rows), TokenWindows(windows[num_windows - num_test:]),
-                    (seq_len,), BYTE_VOCAB_SIZE)
+                    (seq_len,), BYTE_VOCAB_SIZE, seq_len=seq_len)
 
 
 def check_text_file(cfg: "DataConfig") -> tuple:

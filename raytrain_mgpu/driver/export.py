@@ -10,7 +10,15 @@ so every export is the plain model's state dict:
   ``TrainConfig`` fields as ``meta.json`` holds them, credentials redacted);
 - ``fmt="hf"``: a ``transformers.PreTrainedModel``'s ``save_pretrained`` folder (its own
   ``config.json`` and safetensors), the checkpoint's weights loaded into the given model first, and
-  the run's record beside it as ``raytrain_mgpu.json``.
+  the run's record beside it as ``raytrain_mgpu.json``; a LoRA run's adapters merged into the base
+  (``merge_and_unload``), and an ``hf:`` model's tokenizer saved beside it, so ``AutoModelForCausalLM`` and
+  ``AutoTokenizer.from_pretrained`` load the folder;
+- ``fmt="peft"``: a LoRA run's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``: peft's
+  ``save_pretrained``), which ``peft.PeftModel.from_pretrained(base, folder)`` loads onto the base model; its
+  ``base_model_name_or_path`` is the run's ``hf:`` folder, URI or hub id.
+
+A ``save="trainable"`` checkpoint (LoRA's) holds the trainable part: ``hf`` and ``peft`` load it over the model
+built from its folder (the frozen base), ``safetensors`` writes the tensors it holds.
 
 ``out`` is a folder, or for ``safetensors`` a path ending in ``.safetensors``: that file, with
 ``config.json`` beside it. The files are written into a local temporary folder, then moved (local)
@@ -39,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["export_checkpoint", "export_run", "model_from_meta", "FORMATS", "CONFIG_FILE", "HF_RECORD_FILE"]
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 CONFIG_FILE = "config.json"
 HF_RECORD_FILE = "raytrain_mgpu.json"
 """The run's record in an ``hf`` export (``config.json`` there is the model's own, Hugging Face's)."""
@@ -48,9 +56,9 @@ EXPORT_FORMAT_VERSION = 1
 
 def export_checkpoint(checkpoint_path: str, out: str, fmt: str = "safetensors", model=None) -> List[str]:
     """Write the model of checkpoint ``checkpoint_path`` (a folder or URI) into ``out`` (a path or URI: a folder,
-    or for ``safetensors`` a ``.safetensors`` file) as ``fmt``; ``model``: for ``fmt="hf"`` only, the
-    ``transformers.PreTrainedModel`` the weights go into. Returns the written files' paths (URIs for a storage
-    URI), sorted."""
+    or for ``safetensors`` a ``.safetensors`` file) as ``fmt``; ``model``: for ``fmt="hf"`` and ``"peft"``,
+    the ``transformers.PreTrainedModel`` (LoRA's ``peft.PeftModel``, merged in place for ``hf``) the weights go
+    into. Returns the written files' paths (URIs for a storage URI), sorted."""
     out, weights_file = _destination(out, fmt)
     _check_format(fmt, model)
     state, meta = read_checkpoint(checkpoint_path)
@@ -63,8 +71,8 @@ def export_checkpoint(checkpoint_path: str, out: str, fmt: str = "safetensors", 
                                         metadata={"format": "pt"})  # what transformers' loaders look for
             (folder / CONFIG_FILE).write_text(json.dumps(record, indent=1) + "\n")
         else:
-            load_weights(model, state, strict=True, source=checkpoint_path)
-            model.save_pretrained(str(folder))
+            _load_trained(model, state, meta, checkpoint_path)
+            _save_pretrained(model, folder, fmt, (meta.get("config") or {}).get("model", meta.get("model")))
             (folder / HF_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
         names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     paths = [posixpath.join(out, name) for name in names]
@@ -79,10 +87,10 @@ def export_run(run_path: str, out: Optional[str] = None, fmt: str = "safetensors
     rebuilds the model from the checkpoint's recorded config (:func:`model_from_meta`)."""
     if out is not None:
         _destination(out, fmt)
-    if fmt != "hf" or model is not None:  # a model to build from the record is checked once built
+    if fmt == "safetensors" or model is not None:  # a model to build from the record is checked once built
         _check_format(fmt, model)
     checkpoint = pick_checkpoint(run_path, best)
-    if fmt == "hf" and model is None:
+    if fmt in ("hf", "peft") and model is None:
         model = model_from_meta(checkpoint.meta, checkpoint.uri, allow_code)
     out = out or run_uri(run_path, "export-best" if best else "export")
     return export_checkpoint(checkpoint.uri, out, fmt, model)
@@ -112,9 +120,15 @@ def model_from_meta(meta: dict, source: str, allow_code: bool = False):
             raise ValueError(f"checkpoint {display!r} names code to build its model (model={spec!r}), and a run "
                              f"folder that names code is code. If you trust it, pass allow_code=True (CLI: "
                              f"--allow-code) or set {TRUSTED_MODULES_ENV}={module}.")
-    cfg = TrainConfig.from_dict({"model": spec, "model_kwargs": config.get("model_kwargs") or {}},
-                                source=f"checkpoint {display!r} (meta.json)")
-    return build_model(cfg.model, as_shape(meta["input_shape"]), meta["num_classes"], cfg.model_kwargs)
+    cfg = TrainConfig.from_dict({"model": spec, "model_kwargs": config.get("model_kwargs") or {},
+                                 "lora": config.get("lora")}, source=f"checkpoint {display!r} (meta.json)")
+    model = build_model(cfg.model, as_shape(meta["input_shape"]), meta["num_classes"], cfg.model_kwargs,
+                        pretrained=True)  # an hf: model's base weights, from its folder
+    if cfg.lora is not None:
+        from raytrain_mgpu.models.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora)  # the adapters' values come from the checkpoint
+    return model
 
 
 def _destination(out: str, fmt: str):
@@ -138,20 +152,63 @@ def _check_format(fmt: str, model) -> None:
         raise ValueError(f"export format fmt={fmt!r} is not one of {', '.join(FORMATS)}.")
     if fmt == "safetensors" and model is not None:
         raise ValueError("fmt='safetensors' writes the checkpoint's own tensors and takes no model; pass model= "
-                         "with fmt='hf' only.")
-    if fmt == "hf" and model is not None:
+                         "with fmt='hf' or 'peft' only.")
+    if fmt == "peft" and model is not None and not _is_peft(model):
+        raise ValueError(f"fmt='peft' writes LoRA adapters (peft's adapter folder), but the model is a "
+                         f"{type(model).__qualname__} without them: the run trained no TrainConfig.lora. Use "
+                         f"fmt='hf' (CLI: --format hf) or 'safetensors' for the whole model.")
+    if fmt in ("hf", "peft") and model is not None:
         try:
             from transformers import PreTrainedModel
         except ImportError:
-            raise ValueError("fmt='hf' needs transformers (pip install transformers); or use fmt='safetensors'.") \
-                from None
-        if not isinstance(model, PreTrainedModel):
+            raise ValueError(f"fmt={fmt!r} needs transformers (pip install raytrain-mgpu[lm]); or use "
+                             f"fmt='safetensors'.") from None
+        if not isinstance(model.get_base_model() if _is_peft(model) else model, PreTrainedModel):
             raise ValueError(f"fmt='hf' writes a transformers PreTrainedModel with save_pretrained, but the model is "
                              f"a {type(model).__module__}.{type(model).__qualname__}. Use fmt='safetensors' (CLI: "
                              f"--format safetensors) for any other model.")
-    if fmt == "hf" and model is None:
-        raise ValueError("fmt='hf' needs the model: a transformers PreTrainedModel built like the trained one "
-                         "(export_run builds it from the run's recorded config).")
+    if fmt in ("hf", "peft") and model is None:
+        raise ValueError(f"fmt={fmt!r} needs the model: a transformers PreTrainedModel (with LoRA: its PeftModel) "
+                         f"built like the trained one (export_run builds it from the run's recorded config).")
+
+
+def _is_peft(model) -> bool:
+    import sys
+
+    peft = sys.modules.get("peft")  # a PeftModel means peft is loaded
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _load_trained(model, state: dict, meta: dict, source: str) -> None:
+    """The checkpoint's weights into ``model``: all of them, or (``save="trainable"``) the trainable part over the
+    base the model was built with; a trainable parameter the checkpoint lacks is an error either way."""
+    if (meta.get("config") or {}).get("save") != "trainable":
+        load_weights(model, state, strict=True, source=source)
+        return
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or trainable & set(missing):
+        raise ValueError(f"checkpoint {redact(source)!r} (save='trainable') does not fit the model built from its "
+                         f"config: trainable tensors missing {sorted(trainable & set(missing))[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}. Export with the model (and lora settings) it was trained with.")
+
+
+def _save_pretrained(model, folder: Path, fmt: str, spec) -> None:
+    """``fmt="peft"``: the adapters (``base_model_name_or_path``: the run's ``hf:`` source); ``fmt="hf"``: the model
+    (LoRA's adapters merged into the base), with the ``hf:`` model's tokenizer beside it."""
+    from raytrain_mgpu.models.huggingface import hf_source, is_hf, save_tokenizer
+
+    if fmt == "peft":
+        if is_hf(spec):  # the user's folder, URI or hub id, not a node's cached copy
+            for adapter in model.peft_config.values():
+                adapter.base_model_name_or_path = hf_source(spec)
+        model.save_pretrained(str(folder))
+        return
+    if _is_peft(model):
+        model = model.merge_and_unload()  # W + (alpha / r) B A, the adapters' modules gone
+    model.save_pretrained(str(folder))
+    if is_hf(spec):
+        save_tokenizer(spec, str(folder))
 
 
 def _record(meta: dict, checkpoint_path: str) -> dict:

@@ -15,7 +15,8 @@ whole epoch of work. The checks here say what is wrong at once:
   whichever runner wrote them; the settings are recorded in ``run.json``. Each runner only looks for its own checkpoints
   (Ray Train's snapshot, the pipeline's ``checkpoint_epoch*``), so without this a
   ``pipeline`` run started over silently in a ``ddp`` run's folder and replaced its
-  ``history.parquet``;
+  ``history.parquet``; ``resume="never"``/``"must"`` refuse a folder with/without a checkpoint
+  (``driver/rerun.py``: also the other settings a run started again changes);
 - :func:`check_model_builds`: the model is built on the ``meta`` device (no memory, no
   weights) and its optimizer over it, so a model or optimizer factory that raises, or
   ``model_kwargs``/``optimizer_kwargs`` it does not take, fail on the driver, named, instead of
@@ -184,7 +185,7 @@ def _node_sees_storage(storage_path: str, marker: str) -> Optional[str]:
 
 
 RUN_RECORD = "run.json"
-IDENTITY_FIELDS = ("model", "model_kwargs", "dataset", "num_samples", "image_column", "label_column",
+IDENTITY_FIELDS = ("model", "model_kwargs", "lora", "dataset", "num_samples", "image_column", "label_column",
                    "strategy", "optimizer", "batch_size", "num_stages", "seed")
 """What a run is trained with; a resume that changes one of these is refused.
 
@@ -192,7 +193,9 @@ Everything else may change on a resume, because a resume legitimately changes it
 ``epochs``/``max_steps`` (extend a run), ``lr`` and its schedule, ``max_failures``,
 ``verbose``, ``address``, ``num_workers``/``grad_accum_steps`` (the global batch stays),
 ``precision``, ``collective_timeout_s``, ``num_checkpoints_to_keep``, ``data_root`` (the
-same data at another mount: its shape, classes and split size are compared instead)."""
+same data at another mount: its shape, classes and split size are compared instead).
+Such a change is named (``driver/rerun.training_changes``): on a resume in one line, and a
+finished run, which would not train with it, refuses it."""
 
 
 def run_identity(cfg, data_info: Optional[dict] = None) -> dict:
@@ -205,13 +208,16 @@ def run_identity(cfg, data_info: Optional[dict] = None) -> dict:
 def check_run_folder(cfg, data_info: Optional[dict] = None) -> None:
     """Raise ``ValueError`` if ``{storage_path}/{name}`` holds checkpoints of a run trained
     with other identity fields (``IDENTITY_FIELDS`` and the data's shape, classes and split
-    size), whichever runner wrote them; else record this run's identity in ``run.json``.
+    size), whichever runner wrote them; else record this run's identity in ``run.json``. Also
+    ``TrainConfig.resume``: ``never`` refuses a folder with a checkpoint, ``must`` one without.
 
     ``data_info``: ``{"input_shape": [...], "num_classes": n, "train_split_size": n}``."""
+    from raytrain_mgpu.driver.rerun import check_resume
     from raytrain_mgpu.engine.run_folder import RunFolder
 
     folder = RunFolder.of(cfg)
     newest = folder.newest_checkpoint()
+    check_resume(cfg, folder.display, newest)  # before run.json is written: a refused run leaves no trace
     mine = run_identity(cfg, data_info)
     if newest is not None:
         recorded = folder.read_json(folder.join(RUN_RECORD))
@@ -295,7 +301,15 @@ def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> N
     from raytrain_mgpu.objectives import Objective
     from raytrain_mgpu.optim import build_optimizer
 
+    from raytrain_mgpu.models.huggingface import check_source, is_hf
+
+    if is_hf(cfg.model):  # its folder (URI, hub id) and config.json; the weights are the workers' to read
+        check_source(cfg.model)
     model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)  # meta, else CPU
+    if getattr(cfg, "lora", None) is not None:  # target_modules that name no module fail here, listing the Linears
+        from raytrain_mgpu.models.lora import check_targets
+
+        model = check_targets(model, cfg.lora, code_name(cfg.model))
     checkpoint_blocks(model, cfg.activation_checkpointing)  # a model without blocks is refused here, not on a worker
     if cfg.compile == "blocks":
         compile_blocks(model, dry_run=True)  # the same for compile="blocks"
@@ -318,7 +332,7 @@ def _without_dynamo_import():
     ``torch._dynamo`` (1.2 s on 2 cores, measured with cProfile: most of ``fit``'s checks) to keep the
     function out of compiled graphs. This check runs in no compiled graph, and the driver of a Ray run
     never builds an optimizer again: the wrapper's cache is filled with the plain function for the
-    check alone. Measured: ``raytrain-mgpu bench-startup --workers 2``'s first step ~1 s earlier.
+    check alone. Measured: ``raytrain-mgpu bench-startup --num-workers 2``'s first step ~1 s earlier.
     Where torch's wrapper differs (no ``__wrapped__``), the import just happens.
     """
     import torch

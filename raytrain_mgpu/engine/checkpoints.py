@@ -80,9 +80,15 @@ def build_model(cfg, steps, data) -> torch.nn.Module:
     from raytrain_mgpu.models.checkpointing import checkpoint_blocks
 
     torch.manual_seed(cfg.seed)
-    # fsdp's ranks other than 0 build on meta (no memory): rank 0's weights reach their shards.
+    # fsdp's ranks other than 0 build on meta (no memory): rank 0's weights reach their shards. An hf: model's
+    # weights are read from its folder here (pretrained), by every rank that builds off meta (models/huggingface.py).
     with torch.device("meta") if steps.build_on_meta() else contextlib.nullcontext():
-        model = build(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs)
+        model = build(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs, pretrained=True)
+        if getattr(cfg, "lora", None) is not None:  # before the strategy wraps it; A drawn from the seed alone
+            from raytrain_mgpu.models.lora import apply_lora
+
+            torch.manual_seed(cfg.seed)
+            model = apply_lora(model, cfg.lora)
     if cfg.sync_batchnorm:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:
@@ -162,7 +168,9 @@ def read(cfg, source, steps, rank: int) -> Restored:
 
 def load_train_state(steps, optimizer, scheduler, scaler, restored: Restored) -> None:
     """Optimizer, LR schedule and grad scaler from the checkpoint (a sharded one's model and optimizer shards
-    too: every rank reads the pieces its shards cover)."""
+    too: every rank reads the pieces its shards cover). The optimizer's hyperparameters stay this config's
+    (:func:`_keep_configured`): a resume that changes ``lr`` or ``weight_decay`` trains on with them."""
+    configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     train_state = restored.train_state
     if restored.sharded:  # written by this strategy (check_resumable)
         with restored.source.open() as directory:
@@ -177,8 +185,27 @@ def load_train_state(steps, optimizer, scheduler, scaler, restored: Restored) ->
                 f"once one fused qkv, now q/k/v). Start a new run (another `name`) from its weights: "
                 f"init_from={restored.state.checkpoint!r}.") from exc
     scheduler.load_state_dict(train_state["scheduler"])
+    _keep_configured(optimizer, scheduler, configured)
     if "scaler" in train_state:
         scaler.load_state_dict(train_state["scaler"])
+
+
+def _keep_configured(optimizer, scheduler, configured: list) -> None:
+    """Put this config's hyperparameters (``configured``: each group's options as built) back after a load.
+
+    torch's ``load_state_dict`` restores the saved ones too (each group's lr, weight decay, betas, ...; the
+    schedule's ``base_lrs``), so a resume with another ``lr`` trained silently with the old one. The state
+    (moments, step counts) and the schedule's position stay the checkpoint's; the lr is this config's at that
+    position, as the schedule's next step computes it. With the settings unchanged nothing changes: the same
+    values, computed the same way."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return  # the user's own scheduler (lr_schedule) owns the options it moves (OneCycleLR's momentum too): as saved
+    for group, options in zip(optimizer.param_groups, configured):
+        group.update(options)
+    scheduler.base_lrs = [options["initial_lr"] for options in configured]
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # get_last_lr()'s: LambdaLR keeps it so
 
 
 def rng_state() -> dict:

@@ -99,6 +99,9 @@ def resolve_devices(use_gpu: bool, num_devices: int, gpu_ids: Optional[Sequence]
     ``cuda:0..num_devices-1``.
     Without: ``num_devices`` times the CPU (CPU stand-ins for a worker's "devices").
     """
+    if not isinstance(use_gpu, bool):  # "auto" is truthy: a config fit has not resolved would quietly take GPUs
+        raise TypeError(f"resolve_devices(use_gpu={use_gpu!r}): needs True or False; TrainConfig.use_gpu='auto' is "
+                        f"resolved where a run starts (planning/auto_devices.resolve_auto_devices, fit's first step).")
     if not use_gpu:
         cpu = torch.device("cpu")
         return DeviceAssignment((cpu,) * num_devices, ("cpu",) * num_devices, "gloo", "gloo", False)

@@ -38,7 +38,8 @@ from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerSte
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
                                            peak_memory_bytes, reset_peak_memory)
 from raytrain_mgpu.engine.checkpoint_manager import CheckpointManager
-from raytrain_mgpu.engine.run_state import RunState, at_max_steps, epoch_row, eval_columns, stops_early
+from raytrain_mgpu.engine.run_state import (RunState, at_max_steps, epoch_row, eval_columns, perplexity_column,
+                                             stops_early)
 from raytrain_mgpu.engine.step_scalars import StepWindow
 
 __all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS",
@@ -251,6 +252,8 @@ class Engine:
                         checkpoint_s=checkpoint_sum / world, eval_s=eval_sum / world,
                         **self.observer.columns(steps_done, train_sum / world),
                         **steps.epoch_columns(stats))
+        if getattr(self.data, "seq_len", None):  # a language model's: samples count the targets, its tokens
+            row["tokens_per_s"] = samples / max(train_sum / world, 1e-9)
         if norms:
             row["grad_norm"] = norm_sum / world / norms  # the mean over its steps (every rank has the global norm)
         if self.cfg.on_nonfinite == "skip":
@@ -285,8 +288,11 @@ class Engine:
         sums, extras = meter.totals, meter.extra_sums()  # extras: a custom step's scalars
         values = all_reduce_sum(torch.cat([sums, extras])).tolist()
         loss_sum, samples, metric_totals = meter.split(values[:len(sums)])
-        return eval_columns(loss_sum, samples, {**metric_totals, **meter.split_extras(values[len(sums):])},
-                            split=split)
+        columns = eval_columns(loss_sum, samples, {**metric_totals, **meter.split_extras(values[len(sums):])},
+                               split=split)
+        if getattr(self.data, "seq_len", None) and self.cfg.loss == "cross_entropy":  # a language model's
+            columns.update(perplexity_column(split, columns[f"{split}_loss"]))
+        return columns
 
 
 def _devices(records: list) -> dict:

@@ -11,6 +11,7 @@ wrote it. Light on purpose: no torch, no Ray.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, List, Mapping, Optional, Sequence
 
@@ -18,7 +19,7 @@ from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config_code import monitor_mode
 
 __all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
-           "metric_columns", "eval_columns", "add_metric_totals"]
+           "metric_columns", "eval_columns", "perplexity_column", "add_metric_totals"]
 
 META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_shape", "num_classes", "config")
 """Every checkpoint's ``meta.json`` (plus ``format_version``): what it is, how far it got,
@@ -32,7 +33,8 @@ run's count at the epoch's end, when a resize restarted it part-way); ``samples_
 the samples over ``training_s``, the time in steps (the Ray Train runner's rows add ``checkpoint_s`` and ``eval_s``,
 the epoch's time in checkpoints and evaluation, which training does not include); ``test_*`` are None on epochs without
 evaluation, ``*_accuracy`` without an accuracy metric. Other metrics ``X`` follow as ``train_X``, ``test_X``,
-then a runner's own keys."""
+then a runner's own keys; a language model's data (``Datasets.seq_len``) adds ``tokens_per_s`` (equal to
+``samples_per_s``, which counts targets) and, on evaluated epochs, ``perplexity`` (``val_perplexity``)."""
 
 
 def at_max_steps(cfg, step: int) -> bool:
@@ -174,6 +176,12 @@ def eval_columns(loss_sum: float, samples: float, metric_totals: Mapping[str, Se
     """An evaluation's ``<split>_loss`` and ``<split>_<metric>`` (``split``: ``test`` or ``val``) from its sums
     over every rank and device."""
     return {f"{split}_loss": loss_sum / max(samples, 1), **metric_columns(split, metric_totals)}
+
+
+def perplexity_column(split: str, loss: float) -> dict:
+    """A language model's evaluation (mean token cross-entropy ``loss``): ``perplexity``, exp of the test loss, or
+    ``<split>_perplexity`` for another split (``val``); infinite where exp overflows."""
+    return {"perplexity" if split == "test" else f"{split}_perplexity": math.exp(loss) if loss < 709 else math.inf}
 
 
 def add_metric_totals(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict:

@@ -6,6 +6,9 @@ A user's own model is ``"package.module:function"`` (or a class), or from Python
 because model-zoo builders hand their ``**kwargs`` to the model class, which raises on a
 name it does not know (torchvision: ``resnet18(num_classes=10)`` works,
 ``resnet18(input_shape=...)`` does not).
+
+A Hugging Face model is ``"hf:<folder, URI or hub id>"`` (``models/huggingface.py``); LoRA adapters on it are
+``TrainConfig.lora`` (``models/lora.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import logging
 from typing import TYPE_CHECKING, Callable, Dict
 
 from raytrain_mgpu._checks import did_you_mean
-from raytrain_mgpu._factory import code_name, function_name, is_factory, keyword_parameters, load_factory
+from raytrain_mgpu._factory import (HF_MODEL_PREFIX, code_name, function_name, is_factory, keyword_parameters,
+                                    load_factory)
 
 if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
     from torch import nn
@@ -59,17 +63,28 @@ def model_names() -> list:
 
 
 def check_model_name(name) -> None:
+    from raytrain_mgpu.models.huggingface import check_name, is_hf
+
+    if is_hf(name):  # a Hugging Face folder, URI or hub id: its files are checked before Ray (check_source)
+        return check_name(name)
     if not is_factory(name) and name not in MODELS:
         raise ValueError(f"TrainConfig.model={name!r} is not a known model.{did_you_mean(name, MODELS)} Valid names: "
-                         f"{', '.join(model_names())}; or 'package.module:function' for your own.")
+                         f"{', '.join(model_names())}; 'hf:<folder>' for a Hugging Face model; or "
+                         f"'package.module:function' for your own.")
 
 
-def build_model(name, input_shape: tuple, num_classes: int, model_kwargs: dict) -> nn.Module:
+def build_model(name, input_shape: tuple, num_classes: int, model_kwargs: dict, pretrained: bool = False) -> nn.Module:
     """Build a model on CPU (or the caller's device context, e.g. ``meta``).
 
-    Callers seed torch first so every worker gets the same weights.
+    Callers seed torch first so every worker gets the same weights. ``pretrained``: an ``hf:`` model's weights
+    from its folder (the workers, ``load_model``, ``export``); without it an ``hf:`` model is built from its
+    ``config.json`` alone, so the driver's checks never read a weight (``models/huggingface.py``).
     """
     check_model_name(name)
+    if isinstance(name, str) and name.startswith(HF_MODEL_PREFIX):
+        from raytrain_mgpu.models.huggingface import build
+
+        return build(name, model_kwargs, pretrained=pretrained, num_classes=num_classes)
     if is_factory(name):
         return _build_from_factory(name, input_shape, num_classes, model_kwargs)
     try:

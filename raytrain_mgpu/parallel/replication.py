@@ -74,10 +74,11 @@ class Replication:
     """Whether every rank writes its own shards (``save_sharded``) instead of rank 0 the full state."""
 
     def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
-                     asynchronous: bool = False) -> Optional[Future]:
+                     asynchronous: bool = False, trainable_only: bool = False) -> Optional[Future]:
         raise NotImplementedError(f"replication {self.name!r} saves the full state (sharded_checkpoint=False)")
 
-    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                     trainable_only: bool = False) -> None:
         raise NotImplementedError(f"replication {self.name!r} loads the full state (sharded_checkpoint=False)")
 
 
@@ -266,10 +267,12 @@ class FSDPReplication(Replication):
     sharded_checkpoint = True
 
     def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
-                     asynchronous: bool = False) -> Optional[Future]:
+                     asynchronous: bool = False, trainable_only: bool = False) -> Optional[Future]:
         """Write this rank's shards of the model and the optimizer into ``path`` (collective: every rank
         calls it, each with its own folder; rank 0's also gets DCP's ``.metadata``). The state dicts are
-        views of the shards (DTensors): nothing is gathered. ``asynchronous``: DCP's ``async_save``, which
+        views of the shards (DTensors): nothing is gathered. ``trainable_only`` (``save="trainable"``, LoRA):
+        the model's frozen parameters are left out (they come back from the model's builder).
+        ``asynchronous``: DCP's ``async_save``, which
         returns once the shards are copied to host memory (the only stall) and writes them in a thread;
         the Future is done once they are written. The host copy goes into buffers kept from this worker's
         first asynchronous save (:meth:`_stager`)."""
@@ -277,7 +280,8 @@ class FSDPReplication(Replication):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": _trainable(model, model_state) if trainable_only else model_state,
+                 "optimizer": optimizer_state}
         if not asynchronous:
             dcp.save(state, checkpoint_id=path)
             return None
@@ -306,19 +310,23 @@ class FSDPReplication(Replication):
             weakref.finalize(self, self._staging.close)  # unpins its buffers
         return self._staging
 
-    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                     trainable_only: bool = False) -> None:
         """Fill this rank's shards from the sharded checkpoint at ``path`` (every rank's files in it),
-        written by any number of ranks: DCP reads the pieces each shard now covers (collective)."""
+        written by any number of ranks: DCP reads the pieces each shard now covers (collective).
+        ``trainable_only``: the checkpoint holds the trainable part; the frozen shards stay as built."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         from raytrain_mgpu.engine.checkpoint_files import check_sharded_metadata
 
         check_sharded_metadata(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": _trainable(model, model_state) if trainable_only else model_state,
+                 "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=not trainable_only))
 
 
 _CHECKPOINT_GROUPS: Dict[int, object] = {}
@@ -331,6 +339,12 @@ def _checkpoint_group():
     if key not in _CHECKPOINT_GROUPS:
         _CHECKPOINT_GROUPS[key] = dist.new_group(backend="gloo")
     return _CHECKPOINT_GROUPS[key]
+
+
+def _trainable(model: nn.Module, model_state: dict) -> dict:
+    """``model_state`` without the entries of ``model``'s frozen parameters (``save="trainable"``)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: value for name, value in model_state.items() if name not in frozen}
 
 
 def _to_meta(model: nn.Module) -> None:

@@ -95,7 +95,7 @@ class DataParallelSteps(Steps):
         self.strategy.load_optimizer_state_dict(self.model, optimizer, train_state["optimizer"])
 
     def load_sharded(self, optimizer, path: str) -> None:
-        self.strategy.load_sharded(self.model, optimizer, path)
+        self.strategy.load_sharded(self.model, optimizer, path, trainable_only=self.save_trainable)
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
@@ -165,10 +165,16 @@ class DataParallelSteps(Steps):
                 "train_state.pt": {"optimizer": self.strategy.optimizer_state_dict(self.model, optimizer)}}
 
     def write_sharded(self, optimizer, path: str, asynchronous: bool):
-        return self.strategy.save_sharded(self.model, optimizer, path, asynchronous=asynchronous)
+        return self.strategy.save_sharded(self.model, optimizer, path, asynchronous=asynchronous,
+                                          trainable_only=self.save_trainable)
 
     def model_state(self) -> dict:
-        return self.strategy.state_dict(self.model)
+        state = self.strategy.state_dict(self.model)
+        if self.save_trainable:  # keep_best's gathered copy holds what the checkpoints hold
+            from raytrain_mgpu.engine.weights import trainable_state
+
+            state = trainable_state(state, self.named_model())
+        return state
 
 
 def _load(model: torch.nn.Module, state: dict, trainable_only: bool) -> None:

@@ -126,14 +126,16 @@ class WorkerStrategy:
         return self.replication.sharded_checkpoint
 
     def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
-                     asynchronous: bool = False):
+                     asynchronous: bool = False, trainable_only: bool = False):
         """This rank's shards of the model and optimizer into ``path`` (collective; ``sharded_checkpoint``);
-        ``asynchronous``: returns a Future once they are in host memory, done once they are written."""
-        return self.replication.save_sharded(self.unwrap(model), optimizer, path, asynchronous)
+        ``asynchronous``: returns a Future once they are in host memory, done once they are written;
+        ``trainable_only``: without the frozen parameters (``save="trainable"``)."""
+        return self.replication.save_sharded(self.unwrap(model), optimizer, path, asynchronous, trainable_only)
 
-    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                     trainable_only: bool = False) -> None:
         """This rank's shards from a sharded checkpoint of any world size (collective)."""
-        self.replication.load_sharded(self.unwrap(model), optimizer, path)
+        self.replication.load_sharded(self.unwrap(model), optimizer, path, trainable_only)
 
     def memory_devices(self) -> List[torch.device]:
         """Devices whose peak memory this worker reports."""

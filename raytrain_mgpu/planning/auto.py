@@ -26,31 +26,22 @@ from typing import List, Optional, Tuple
 
 from raytrain_mgpu.planning.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
                                   profile_config)
+from raytrain_mgpu.strategies.layout import Devices, is_auto
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ClusterInfo", "cluster_info", "candidates", "layouts", "plan_config", "choose_strategy", "resolve_auto"]
 
 @dataclass(frozen=True)
-class ClusterInfo:
-    """The devices a run can use.
+class ClusterInfo(Devices):
+    """The devices a run can use (``strategies.layout.Devices``), with one device's memory.
 
     On GPU a device is a GPU; on CPU it is a worker process (``TrainConfig.num_workers``
     of them: CPU cores are shared, so more processes are no more devices).
     """
 
-    devices_per_node: Tuple[int, ...]
-    use_gpu: bool
     device_memory_bytes: Optional[int] = None
     """Memory of one device (GPU); None on CPU."""
-
-    @property
-    def num_devices(self) -> int:
-        return sum(self.devices_per_node)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.devices_per_node)
 
     def describe(self) -> str:
         kind = "GPU" if self.use_gpu else "CPU worker"
@@ -159,6 +150,9 @@ def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = Non
     if not isinstance(cfg.balance, str):
         changes["balance"] = "params"  # an explicit split was for another device count
     changes["strategy"] = name
+    # A config fit has not resolved (use_gpu/num_workers "auto"): what info's devices are, one worker each
+    changes.update({key: value for key, value in (("use_gpu", info.use_gpu), ("num_workers", info.num_devices))
+                    if is_auto(getattr(cfg, key))})
     # Worker, device and stage counts (a split gets at most one part per block of the model).
     changes.update(cls.auto_layout(cfg, info))
     changes.update(variant or {})

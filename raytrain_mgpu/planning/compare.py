@@ -36,6 +36,7 @@ from raytrain_mgpu._factory import code_name
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.planning.auto import (ClusterInfo, candidates, cluster_info, describe_layout, layout_label, layouts,
                                          plan_config)
+from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
@@ -188,6 +189,9 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)
+    cfg, devices_line = resolve_auto_devices(cfg)  # use_gpu/num_workers "auto": the GPUs found, the layout on them
+    if devices_line and stream is not None:
+        stream.write(f"devices: {devices_line}\n")
     if isinstance(cfg.num_workers, tuple):  # a range would compare whatever count the cluster gave each run
         raise ValueError(f"compare: TrainConfig.num_workers={cfg.num_workers} is an elastic range; strategies are "
                          f"compared at one worker count. Pass num_workers={cfg.num_workers[1]} (or the count to compare).")

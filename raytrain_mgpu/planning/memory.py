@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raytrain_mgpu.objectives import logits_of
 from raytrain_mgpu.strategies._memory import DeviceMemory
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ def _saved_bytes(blocks: Sequence[nn.Module], x: torch.Tensor, params: set) -> T
             inputs.append(0 if h is x else h.untyped_storage().nbytes())
             h = block(h)
         current[0] = len(blocks)
+        h = logits_of(h)  # a model zoo's output (a Hugging Face ModelOutput): its logits, classes at dim 1
         # Cross-entropy whatever TrainConfig.loss is: this estimates memory, and what a loss saves
         # for backward is small next to the blocks' activations (a user loss is not imported here).
         loss = F.cross_entropy(h, _targets_for(h))

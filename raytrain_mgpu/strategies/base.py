@@ -114,6 +114,9 @@ class Strategy:
     """Which of the optional TrainConfig fields this strategy reads; others set are warned about."""
     refusals: ClassVar[Tuple[Refusal, ...]] = ()
     """The configurations this strategy cannot run, checked first by ``validate``, in order."""
+    trains_lora: ClassVar[bool] = False
+    """Whether ``TrainConfig.lora`` (peft's adapters on a whole model per worker) trains with it: its workers
+    hold the whole model (``ddp``) or shard it whole (``fsdp``), and its checkpoints hold the trainable part."""
     elastic: ClassVar[bool] = False
     """Whether ``num_workers=(min, max)`` may resize it: its workers are plain data-parallel replicas on
     the Ray Train runner, so any count in the range trains the same steps (``strategies/elastic.py``)."""
@@ -209,6 +212,13 @@ class Strategy:
         return {}
 
     @classmethod
+    def auto_num_workers(cls, cfg: "TrainConfig", info) -> Optional[int]:
+        """``auto_layout``'s worker count alone, without building the model or reading data: what the config's
+        check at construction lays ``num_workers="auto"`` out with (``strategies/layout.provisional``). None: no
+        count of its own (one worker per device). Default: ``auto_layout``'s."""
+        return cls.auto_layout(cfg, info).get("num_workers")
+
+    @classmethod
     def auto_variants(cls, cfg: "TrainConfig", info) -> Tuple[dict, ...]:
         """Further layouts (TrainConfig changes over ``auto_layout``'s) that ``auto`` tries in order when this
         strategy's own does not fit (fsdp's tensor groups). Default: none."""
@@ -284,6 +294,23 @@ def check_batch_divisible(cfg: "TrainConfig", replicas: int) -> None:
             f"TrainConfig.batch_size={cfg.batch_size} (global) does not split evenly over "
             f"{replicas} data-parallel replica(s) x grad_accum_steps={cfg.grad_accum_steps} = {parts} "
             f"micro-batches. Use a multiple of {parts}, e.g. batch_size={lower} or {lower + parts}.")
+
+
+def check_lora_strategy(cfg: "TrainConfig", strategy_cls) -> None:
+    """``TrainConfig.lora`` with a strategy that trains it, without tensor groups."""
+    if getattr(cfg, "lora", None) is None:
+        return
+    if not strategy_cls.trains_lora:
+        raise ValueError(
+            f"TrainConfig.lora with strategy={strategy_cls.name!r}: LoRA is trained by ddp and fsdp, whose workers "
+            f"hold (or shard) the whole model; {strategy_cls.name} splits or copies it (blocks over stages or devices, "
+            f"which a peft model does not expose, or a copy per device each step) and is not tested with adapters. "
+            f"Use strategy='ddp', or 'fsdp' where the base model does not fit one device.")
+    if strategy_cls.tensor_group_size(cfg) > 1:
+        raise ValueError(
+            f"TrainConfig.lora with tensor_parallel_size={cfg.tensor_parallel_size}: a tensor plan splits the base "
+            f"layers, and peft wraps them (q_proj becomes q_proj.base_layer beside lora_A/lora_B), so the plan's "
+            f"paths no longer name them. Set tensor_parallel_size=1; with fsdp the base is sharded over all workers.")
 
 
 def require_one_worker(cfg: "TrainConfig", strategy: str, instead: str) -> None:

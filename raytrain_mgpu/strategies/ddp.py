@@ -13,6 +13,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     placement, replication = "device", "replicate"
+    trains_lora = True  # the whole model per worker (sharded by fsdp): peft's adapters train as any parameter
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = DDP_OPTIONS | {"sync_batchnorm"} | TENSOR_PARALLEL_OPTIONS
     refusals = TENSOR_PARALLEL_REFUSALS

@@ -24,6 +24,8 @@ import copy
 import math
 from typing import List, Tuple
 
+from raytrain_mgpu.strategies.layout import is_auto
+
 __all__ = ["worker_range", "is_elastic", "at_count", "check_worker_range",
            "describe_range"]
 
@@ -73,10 +75,13 @@ def check_worker_range(cfg) -> None:
     value = cfg.num_workers
     if isinstance(value, list):  # YAML
         value = cfg.num_workers = tuple(value)
+    if is_auto(value):  # the strategy's layout on the devices found (strategies/layout.py), when a run starts
+        return
     if not isinstance(value, tuple):
         if not _is_int(value) or value < 1:
-            raise ValueError(f"TrainConfig.num_workers={value!r}: must be a positive integer, or [min, max] for "
-                             f"an elastic run. Set num_workers to 1 or more.")
+            raise ValueError(f"TrainConfig.num_workers={value!r}: must be a positive integer, 'auto' (the strategy's "
+                             f"layout on the devices found), or [min, max] for an elastic run. Set num_workers to 1 "
+                             f"or more, or leave it unset.")
         return
     if len(value) != 2 or not all(_is_int(v) for v in value) or not 1 <= value[0] <= value[1]:
         raise ValueError(f"TrainConfig.num_workers={value!r}: an elastic range is (min, max) with 1 <= min <= max. "

@@ -42,6 +42,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     placement, replication = "keep", "fully_shard"
+    trains_lora = True  # the whole model per worker (sharded by fsdp): peft's adapters train as any parameter
     elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = frozenset({"sync_batchnorm", "shard_group_size", "cpu_offload"}) | TENSOR_PARALLEL_OPTIONS
     refusals = (Refusal(lambda cfg: cfg.shard_group_size is not None and cfg.num_workers % cfg.shard_group_size != 0,

@@ -91,3 +91,7 @@ class MPStrategy(SplitBlocks):
     def auto_layout(cls, cfg, info) -> dict:
         # At most one device per block of the model.
         return {"num_workers": 1, "gpus_per_worker": min(max(info.devices_per_node), num_blocks(cfg))}
+
+    @classmethod
+    def auto_num_workers(cls, cfg, info) -> int:
+        return 1  # auto_layout's, without the model its device count needs

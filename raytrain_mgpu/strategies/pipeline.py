@@ -106,6 +106,10 @@ class PipelineStrategy(Strategy):
         return 1, min(num_devices, num_blocks(cfg)), 2
 
     @classmethod
+    def auto_num_workers(cls, cfg: "TrainConfig", info) -> int:
+        return 1  # one pipeline: auto_layout's, without the model its stage count needs
+
+    @classmethod
     def auto_rank(cls, info):
         return 2 if info.num_nodes == 1 else 1  # across nodes only activations cross the network: first
 
@@ -149,6 +153,10 @@ class DDPPipelineStrategy(PipelineStrategy):
     @classmethod
     def _auto_shape(cls, cfg: "TrainConfig", num_devices: int) -> Tuple[int, int, int]:
         return num_devices // 2, 2, 4  # replicas of a two-stage pipeline
+
+    @classmethod
+    def auto_num_workers(cls, cfg: "TrainConfig", info) -> int:
+        return cls.auto_layout(cfg, info)["num_workers"]  # its layout needs no model
 
     @classmethod
     def auto_rank(cls, info):

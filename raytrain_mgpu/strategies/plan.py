@@ -95,9 +95,16 @@ class RunPlan:
 
 
 def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
-    """The plan of ``cfg`` (validated, strategy resolved: not ``auto``)."""
+    """The plan of ``cfg`` (validated, strategy, devices and worker count resolved: none of them ``auto``)."""
     from raytrain_mgpu.strategies import get_strategy
     from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
+    from raytrain_mgpu.strategies.layout import is_auto
+
+    for name in ("use_gpu", "num_workers"):
+        if is_auto(getattr(cfg, name)):
+            raise ValueError(f"TrainConfig.{name}='auto' has no plan until the devices are read: fit, compare and "
+                             f"tune resolve it first (raytrain_mgpu.planning.auto_devices.resolve_auto_devices). "
+                             f"Resolve the config with it, or set {name} yourself.")
 
     cls = get_strategy(cfg.strategy)
     low, high = worker_range(cfg)
