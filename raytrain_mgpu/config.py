@@ -190,7 +190,7 @@ class TrainConfig:
     sync_batchnorm: bool = False
     """Convert BatchNorm to SyncBatchNorm (statistics over the global batch)."""
     compile: Compile = False
-    """``True``: wrap the model in ``torch.compile`` (after DDP or FSDP wrapping, as Lightning's Fabric does). ``"blocks"``: compile each block in place instead (``nn.Module.compile``; blocks as ``activation_checkpointing`` finds them), as torchtitan does: DDP's all-reduces and FSDP's all-gathers stay outside the compiled graphs, and the state dict keeps its names. Not with ``dp``/``dp_balanced``/``ddp2`` (DataParallel copies the model each step)."""
+    """``True``: wrap the model in ``torch.compile`` (after DDP or FSDP wrapping, as Lightning's Fabric does). ``"blocks"``: compile each block in place instead (``nn.Module.compile``; blocks as ``activation_checkpointing`` finds them), as torchtitan does: DDP's all-reduces and FSDP's all-gathers stay outside the compiled graphs, and the state dict keeps its names. Refused: ``"blocks"`` by ``dp``/``dp_balanced``/``ddp2`` (DataParallel copies the model each step), either by ``pipeline``/``ddp_pipeline`` (not supported yet)."""
     channels_last: bool = False
     """Use the channels-last memory format for 4-D inputs and the model."""
     shard_group_size: Optional[int] = None

@@ -31,7 +31,7 @@ from raytrain_mgpu.pipeline.schedule import BACKWARD, build_order
 from raytrain_mgpu.parallel.pipeline_steps import microbatch_rows
 from raytrain_mgpu.engine.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.engine.metrics import EpochMeter
-from raytrain_mgpu.engine.run_state import add_metric_totals, eval_columns, metric_columns
+from raytrain_mgpu.engine.run_state import eval_columns, metric_columns
 from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
 from raytrain_mgpu.strategies.plan import build_plan
 
@@ -120,7 +120,7 @@ def _evaluate(cfg, data, stages, objective, num_replicas: int, replica_batch: in
         totals.take(meter)
         sums.append(totals)
     return eval_columns(sum(t.loss_sum for t in sums), sum(t.targets for t in sums),
-                        add_metric_totals(t.metrics for t in sums))
+                        _add_metric_totals(t.metrics for t in sums))
 
 
 def train_pipeline(cfg: TrainConfig) -> Tuple[dict, List[dict]]:
@@ -162,7 +162,7 @@ def train_pipeline(cfg: TrainConfig) -> Tuple[dict, List[dict]]:
                 totals[-1].take(meter)
             samples = sum(t.targets for t in totals)
             row = {"epoch": epoch + 1, "step": step, "train_loss": sum(t.loss_sum for t in totals) / max(samples, 1),
-                   **metric_columns("train", add_metric_totals(t.metrics for t in totals))}
+                   **metric_columns("train", _add_metric_totals(t.metrics for t in totals))}
             row.setdefault("train_accuracy", None)
             row.update(test_loss=None, test_accuracy=None)
             if epoch + 1 == cfg.epochs or (epoch + 1) % cfg.eval_every_epochs == 0:
@@ -198,6 +198,16 @@ def train_unsplit(cfg: TrainConfig) -> dict:
                 optimizer.zero_grad()
                 scheduler.step()
         return model.state_dict()
+
+
+def _add_metric_totals(parts) -> dict:
+    """``{metric: [sum, count]}`` added over the replicas' totals."""
+    added: dict = {}
+    for part in parts:
+        for name, (total, count) in part.items():
+            previous = added.get(name, [0.0, 0.0])
+            added[name] = [previous[0] + total, previous[1] + count]
+    return added
 
 
 class StageTotals:

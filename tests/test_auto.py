@@ -19,11 +19,11 @@ MiB = 2**20
 
 def test_a_small_model_gets_ddp_over_every_device():
     cfg = rtm.TrainConfig(model="lenet", dataset="digits", batch_size=128)
-    name, reason = choose_strategy(cfg, ClusterInfo((4,), True, 80 * 2**30))
+    name, reason, _ = choose_strategy(cfg, ClusterInfo((4,), True, 80 * 2**30))
     assert name == "ddp"
     assert reason.startswith("ddp over all 4 devices: the model fits one device")
     assert "[4 GPU(s) of 80.0 GiB on 1 node(s)]" in reason
-    name, reason = choose_strategy(cfg, ClusterInfo((1,), True, 80 * 2**30))
+    name, reason, _ = choose_strategy(cfg, ClusterInfo((1,), True, 80 * 2**30))
     assert (name, reason.split(":")[0]) == ("ddp", "ddp with one worker (the plain model)")
     # CPU without a budget: nothing to check the estimate against, so it is taken to fit.
     assert choose_strategy(cfg, ClusterInfo((2,), False))[0] == "ddp"
@@ -32,7 +32,7 @@ def test_a_small_model_gets_ddp_over_every_device():
 def test_large_outputs_are_named_as_the_reason_against_dp():
     lm = rtm.TrainConfig(model="transformer_lm", dataset="synthetic_text", input_shape=[32], num_classes=8000,
                          model_kwargs={"num_layers": 1, "hidden": 32, "num_heads": 2}, batch_size=64)
-    name, reason = choose_strategy(lm, ClusterInfo((2,), True, 80 * 2**30))
+    name, reason, _ = choose_strategy(lm, ClusterInfo((2,), True, 80 * 2**30))
     assert name == "ddp" and "are large next to the model's" in reason and "dp (which gathers them" in reason
 
 
@@ -40,10 +40,10 @@ def test_a_model_over_the_per_device_budget_gets_fsdp_on_one_node_and_pipeline_a
     cfg = rtm.TrainConfig(**BIG)
     profile = profile_config(cfg)
     assert profile.state_bytes() > 25 * MiB  # the premise: ddp needs more than the budget below
-    name, reason = choose_strategy(cfg, ClusterInfo((4,), True), memory_budget_bytes=20 * MiB, profile=profile)
+    name, reason, _ = choose_strategy(cfg, ClusterInfo((4,), True), memory_budget_bytes=20 * MiB, profile=profile)
     assert name == "fsdp", reason
     assert reason.startswith("fsdp: ddp would need") and "over the budget 20 MiB" in reason
-    name, reason = choose_strategy(cfg, ClusterInfo((2, 2), True), memory_budget_bytes=20 * MiB, profile=profile)
+    name, reason, _ = choose_strategy(cfg, ClusterInfo((2, 2), True), memory_budget_bytes=20 * MiB, profile=profile)
     assert name == "pipeline" and "splits the model into stages" in reason
     # On CPU the budget is explicit; four worker processes stand in for four devices.
     assert choose_strategy(cfg, ClusterInfo((4,), False), memory_budget_bytes=20 * MiB, profile=profile)[0] == "fsdp"

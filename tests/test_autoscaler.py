@@ -201,7 +201,7 @@ def test_auto_counts_the_gpus_it_can_scale_to_and_does_not_probe_from_cold(cold,
         info = auto.cluster_info(cfg)
     assert (info.devices_per_node, info.device_memory_bytes) == ((4,) * 8, None)
     assert "no GPU node is up yet" in caplog.text and "the estimate without a memory limit" in caplog.text
-    name, reason = auto.choose_strategy(cfg, info)
+    name, reason, _ = auto.choose_strategy(cfg, info)
     assert name == "ddp" and "ddp over all 32 devices" in reason
     assert auto.plan_config(cfg, name, info).num_workers == 32
     caplog.clear()

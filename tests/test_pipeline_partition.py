@@ -145,8 +145,3 @@ def test_stage_state_dicts_use_the_unsplit_names_and_compose_to_the_model():
     for stage in stages:
         out = stage(out)
     torch.testing.assert_close(out, model(x))
-    # and back: a whole-model state dict loads into the stages
-    other = TransformerLM(seq_len=8, vocab_size=16, num_layers=3, hidden=8, num_heads=2)
-    for stage in build_stage_modules(other, partition):
-        stage.load_model_state_dict(model.state_dict())
-    torch.testing.assert_close(other(x), model(x))

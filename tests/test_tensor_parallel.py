@@ -445,7 +445,7 @@ def test_auto_chooses_tensor_groups_when_a_layer_does_not_fit_even_sharded(tmp_p
         "fsdp", cfg.replace(strategy="fsdp", num_workers=4, tensor_parallel_size=2), profile))
     assert split < fsdp  # the vocabulary projection, the largest block, gathered by halves
     budget = (split + fsdp) // 2
-    name, reason = choose_strategy(cfg, info, budget, profile)
+    name, reason, _ = choose_strategy(cfg, info, budget, profile)
     assert name == "fsdp" and reason.startswith("fsdp, tensor_parallel_size=2: ddp would need"), reason
     resolved, record = resolve_auto(cfg.replace(memory_budget_bytes=budget), info)
     assert (resolved.strategy, resolved.num_workers, resolved.tensor_parallel_size) == ("fsdp", 4, 2)

@@ -222,20 +222,6 @@ def _load_tensors(path: Path):
                          f"may be cut short. Delete that checkpoint folder to resume from the one before.") from None
 
 
-def save_part(folder, path: str, part: str, model_state: dict, train_state: dict) -> None:
-    """One rank's ``model{part}.pt`` and ``train_state{part}.pt`` into ``path`` of the run
-    folder (a :class:`~raytrain_mgpu.engine.run_folder.RunFolder`), local or remote."""
-    with folder.writable(path) as directory:
-        write_checkpoint(directory, meta=None, history=None, model_state=model_state, train_state=train_state,
-                         part=part)
-
-
-def load_part(folder, path: str, part: str) -> tuple:
-    """``(the whole model's state, this part's train state or None)`` from ``path`` of the run folder."""
-    with folder.readable(path) as directory:
-        return load_model_state(directory), load_train_state(directory, part)
-
-
 def check_resumable(meta: dict, model, strategy: str, directory: str) -> None:
     """A checkpoint of another model or strategy must not be resumed silently (``model``: a name, or a
     class or function, compared by its record: ``_factory.code_record``)."""

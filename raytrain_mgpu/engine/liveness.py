@@ -3,7 +3,7 @@
 Each rank keeps its :data:`POSITION`: the global step it is in and a count of the marks the engine passes
 within that step (data waited for, batch in hand, backward begun, checkpoint, evaluation batches), each a
 plain attribute write: no I/O, no collective, no host-device sync. A heartbeat thread on every rank of a
-Ray run (``driver/progress.Heartbeat``) sends the position to the driver's mailbox every few seconds, with
+Ray run (``driver/heartbeat.Heartbeat``) sends the position to the driver's mailbox every few seconds, with
 the rank's Python stacks once it has stood still a while. The driver's :class:`Judge` (fed by the progress
 pump) names a rank as stuck when
 

@@ -1,25 +1,26 @@
-"""The run-state contract both runners share (Ray Train's loop and the pipeline driver).
+"""The run-state contract of the one engine (``engine/loop.py``, ``engine/checkpoints.py``), whichever transport
+carries it.
 
 One place defines what survives a restart (:class:`RunState`), what a checkpoint's
 ``meta.json`` holds (:func:`checkpoint_meta`), what one epoch's history row holds
 (:func:`epoch_row`), when a run is finished (:meth:`RunState.finished`), and which epoch
-is the best and whether the run stops early (:func:`best_row`, :func:`stops_early`). Either
-runner adds its own extra keys (the pipeline its partition and bubble, the loop its
-Ray node ids); the shared keys are the same, so a run folder reads the same whoever
-wrote it. Light on purpose: no torch, no Ray.
+is the best and whether the run stops early (:func:`best_row`, :func:`stops_early`). A step
+runner adds its own extra keys (the pipeline's, ``parallel/pipeline_steps.py``, its partition and
+bubble) and a transport its rank's place (Ray Train's workers their node ids); the shared keys are
+the same, so a run folder reads the same whoever wrote it. Light on purpose: no torch, no Ray.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.config_code import monitor_mode
 
 __all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
-           "metric_columns", "eval_columns", "perplexity_column", "add_metric_totals"]
+           "metric_columns", "eval_columns", "perplexity_column"]
 
 META_KEYS = ("model", "dataset", "strategy", "epoch", "step", "attempt", "input_shape", "num_classes", "config")
 """Every checkpoint's ``meta.json`` (plus ``format_version``): what it is, how far it got,
@@ -182,13 +183,3 @@ def perplexity_column(split: str, loss: float) -> dict:
     """A language model's evaluation (mean token cross-entropy ``loss``): ``perplexity``, exp of the test loss, or
     ``<split>_perplexity`` for another split (``val``); infinite where exp overflows."""
     return {"perplexity" if split == "test" else f"{split}_perplexity": math.exp(loss) if loss < 709 else math.inf}
-
-
-def add_metric_totals(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict:
-    """``{metric: [sum, count]}`` added over several ranks' (or replicas') totals."""
-    added: dict = {}
-    for part in parts:
-        for name, (total, count) in part.items():
-            previous = added.get(name, [0.0, 0.0])
-            added[name] = [previous[0] + total, previous[1] + count]
-    return added

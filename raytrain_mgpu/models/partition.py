@@ -251,13 +251,6 @@ class StageModule(nn.Sequential):
                 state[f"{self.block_names[index]}.{key}"] = value
         return state
 
-    def load_model_state_dict(self, state: dict) -> None:
-        """Load this stage's part from a whole-model state dict (extra keys are other stages')."""
-        for index, block in enumerate(self):
-            prefix = f"{self.block_names[index]}."
-            part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            block.load_state_dict(part)
-
 
 def build_stage_modules(model: nn.Module, partition: Partition) -> List[StageModule]:
     """One :class:`StageModule` per part, sharing the blocks (and weights) of ``model``."""

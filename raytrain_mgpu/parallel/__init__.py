@@ -1,9 +1,11 @@
-"""The worker side of the strategies: the steps a Ray Train worker applies to the model, in order.
+"""The worker side of the strategies: the steps a data-parallel rank applies to the model, in order.
 
 A strategy's class (``strategies/``, no torch) names its two steps, ``placement`` and
 ``replication``; :func:`build_worker` composes them into the :class:`WorkerStrategy` the loop
-uses (``parallel/worker.py`` says what each step does). The pipeline strategies run in their
-own actor group (``pipeline/``) and have no worker here.
+uses (``parallel/worker.py`` says what each step does), on a Ray Train worker or in the driver's
+own process (``transports/base.data_parallel_steps``). The pipeline strategies run in their own
+actor group (``transports/actor_group/``) with their own step runner (``parallel/pipeline_steps.py``)
+and have no worker here.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def build_worker(strategy: Type["Strategy"], cfg: "ParallelConfig", ctx: "Worker
                  objective: Optional["Objective"] = None) -> WorkerStrategy:
     """``strategy``'s placement, then its replication, on the worker ``ctx`` describes."""
     if strategy.runner != "train_workers":
-        raise RuntimeError(f"strategy {strategy.name!r} runs in its own actor group (raytrain_mgpu.pipeline."
-                           f"run_pipeline), not in the Ray Train worker loop.")
+        raise RuntimeError(f"strategy {strategy.name!r} runs in its own actor group (raytrain_mgpu.transports."
+                           f"actor_group.runner.run_pipeline), not in the Ray Train worker loop.")
     # The step names were checked where the class was defined (strategies.base.Strategy.__init_subclass__).
     replication = REPLICATIONS[strategy.replication]
     tensor_parallel = strategy.tensor_group_size(cfg)  # the run plan's rule

@@ -212,19 +212,14 @@ def _output_note(profile: ModelProfile, cfg) -> str:
 
 
 def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] = None,
-                    profile: Optional[ModelProfile] = None) -> Tuple[str, str]:
-    """``(strategy name, one-line reason)`` for ``cfg`` on ``info``'s devices; pure given ``info``.
+                    profile: Optional[ModelProfile] = None) -> Tuple[str, str, dict]:
+    """``(strategy name, one-line reason, layout variant)`` for ``cfg`` on ``info``'s devices; pure given ``info``.
 
     ``memory_budget_bytes`` (default: the device's memory) is what one device may hold;
     on CPU without a budget the model is taken to fit. The candidates come in the order
-    of their classes' ``auto_rank``: the plain model first, the first that fits wins.
+    of their classes' ``auto_rank``: the plain model first, the first that fits wins. The
+    variant (``Strategy.auto_variants``, ``{}`` for the plain layout) is what :func:`plan_config` needs.
     """
-    return _choose(cfg, info, memory_budget_bytes, profile)[:2]
-
-
-def _choose(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] = None,
-            profile: Optional[ModelProfile] = None) -> Tuple[str, str, dict]:
-    """:func:`choose_strategy`'s choice with the variant of its layout (``Strategy.auto_variants``) it needs."""
     from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.strategies import get_strategy
 
@@ -310,7 +305,7 @@ def resolve_auto(cfg, info: Optional[ClusterInfo] = None, compare=None) -> Tuple
         resolved = cfg.replace(**previous)
     else:
         profile = profile_config(cfg)
-        name, reason, variant = _choose(cfg, info, budget, profile)
+        name, reason, variant = choose_strategy(cfg, info, budget, profile)
         resolved = plan_config(cfg, name, info, variant)
         if getattr(cfg, "auto_measure", False):
             name, reason, measured = _measure(cfg, info, budget, profile, name, reason, compare)

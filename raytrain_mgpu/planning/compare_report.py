@@ -86,7 +86,7 @@ class Recommendation:
 
 @dataclass
 class CompareReport:
-    """What :func:`compare` found; ``table()`` and ``markdown()`` render it."""
+    """What :func:`compare` found; ``table()`` renders it for a terminal, :func:`write_outputs` as files."""
 
     title: str
     rows: List[RunRow]
@@ -100,9 +100,6 @@ class CompareReport:
 
     def table(self) -> str:
         return render_text(self)
-
-    def markdown(self) -> str:
-        return render_markdown(self)
 
 
 # ----------------------------------------------------------------------------- pure parts

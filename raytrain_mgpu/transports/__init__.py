@@ -6,7 +6,7 @@
 - ``actor_group/``: the pipeline's stage actors (``stage.py``, ``group.py``; ``runner.py``: its attempts).
 
 ``base.py``: the ``Transport`` interface each rank's engine talks to, the rank start all three make
-(``rank_devices``, ``rank_engine``), the reporter protocol, the result, which runs train in-process
+(``rank_devices``, ``rank_engine``), the result, which runs train in-process
 (``runner_for``); ``retry.py``: the one retry policy of all three; ``preemption.py``, ``ray_data.py``,
 ``placement.py``: the Ray side the two Ray transports share."""
 

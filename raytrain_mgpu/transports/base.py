@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Callable, NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional
 
 from raytrain_mgpu._redact import redact
 from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
@@ -34,7 +34,7 @@ from raytrain_mgpu.engine.run_folder import TMP_PREFIX, RunFolder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Transport", "FolderTransport", "check_writable", "Reporter",
+__all__ = ["Transport", "FolderTransport", "check_writable",
            "RunResult", "rank_devices", "rank_engine", "data_parallel_steps", "runner_for", "local_refusal"]
 
 
@@ -177,19 +177,6 @@ def check_writable(folder: RunFolder, node: str) -> None:
 
 
 # ----------------------------------------------------------------------------- what every transport shares
-
-
-class Reporter(Protocol):
-    """Where rank 0's events go (``Transport.reporter``): ``driver/progress.WorkerReporter``, over the run's
-    channel to the driver or, in the driver's own process, straight to its ``RunEvents`` (``DirectSink``)."""
-
-    def step(self, step: int, total: int, epoch: int = 0) -> None: ...
-    def scalars(self, step: int, values: dict) -> None: ...
-    def epoch(self, row: dict) -> None: ...
-    def checkpoint(self, path: str) -> None: ...
-    def notice(self, line: str) -> None: ...
-    def startup(self, entered: float, first_step: float, resumed_from: Optional[str] = None) -> None: ...
-    def flush(self) -> None: ...
 
 
 class RunResult(NamedTuple):

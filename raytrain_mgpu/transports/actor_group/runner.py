@@ -1,11 +1,11 @@
 """The pipeline's transport on the driver: attempts of one actor group each, retried from the last checkpoint.
 
-:func:`run_pipeline` is called by :func:`raytrain_mgpu.api.fit` for strategies with ``runner == "actor_group"``,
-with Ray connected and the config validated. An attempt places the stage actors (``group.py``), forms their
-process group, and has every actor run the engine (``worker.StageWorker.run``: the same loop, checkpoints and
-restore as a Ray Train worker's); the driver only carries their events to ``fit``'s ``RunEvents`` (the
-progress channel of ``driver/progress.py``) and tears the group down. A failed attempt (an actor that died,
-a stage that lost its peer) restarts from the last checkpoint while ``max_failures`` allows
+:func:`run_pipeline` is called by :func:`raytrain_mgpu.api.fit` (through ``transports.carrier``) for strategies
+with ``runner == "actor_group"``, with Ray connected and the config validated. An attempt places the stage actors
+(``group.py``), forms their process group, and has every actor run the engine (``stage.StageWorker.run``: the same
+loop, checkpoints and restore as a Ray Train worker's); the driver only carries their events to ``fit``'s
+``RunEvents`` (the progress channel of ``driver/progress.py``) and tears the group down. A failed attempt (an
+actor that died, a stage that lost its peer) restarts from the last checkpoint while ``max_failures`` allows
 (the one retry policy: ``transports/retry.py``).
 """
 
