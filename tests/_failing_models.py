@@ -16,6 +16,7 @@ restart's processes carry out the next one):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -86,3 +87,25 @@ class Failing(nn.Module):
 
 def failing(input_shape, num_classes, probe: str, faults: list) -> nn.Module:
     return Failing(input_shape, num_classes, probe, faults)
+
+
+@contextlib.contextmanager
+def fault_once_after_step(step: int):
+    """The in-process engine (``engine.loop.STEP_EVENTS``) raises once, right after optimizer step ``step``, as a
+    crash would; yields the steps trained, in order, across the attempts (a resume trains some again)."""
+    from raytrain_mgpu.engine import loop as engine
+
+    steps, failed = [], []
+
+    def fail_once(trained: int) -> None:
+        steps.append(trained)
+        if trained == step and not failed:
+            failed.append(trained)
+            raise RuntimeError(f"a fault after step {step}")
+
+    engine.STEP_EVENTS.append(fail_once)
+    try:
+        yield steps
+    finally:
+        engine.STEP_EVENTS.remove(fail_once)
+    assert failed == [step], f"the run never reached step {step}"

@@ -149,24 +149,13 @@ def test_a_run_stopped_mid_way_resumes_its_schedule_exactly_from_a_step_checkpoi
     """A fault after step 35 (the engine's step hook); the restart resumes from the step-30 checkpoint, inside
     epoch 2 and the wsd decay (steps 23-44): the LRs of steps 31-44 and the final weights are the undisturbed
     run's (OneCycleLR also cycles SGD's momentum, which the resume keeps as saved)."""
-    from raytrain_mgpu.engine import loop as engine
+    from _failing_models import fault_once_after_step
 
     fields = dict(schedule, checkpoint_every_n_steps=5)
     want_weights, want_lrs = train(fields)
-    steps, failed = [], []
-
-    def fail_once_after_step_35(step):
-        steps.append(step)
-        if step == 35 and not failed:
-            failed.append(step)
-            raise RuntimeError("a fault after step 35")
-
-    engine.STEP_EVENTS.append(fail_once_after_step_35)
-    try:
+    with fault_once_after_step(35) as steps:
         got_weights, got_lrs = train({**fields, "max_failures": 1})
-    finally:
-        engine.STEP_EVENTS.remove(fail_once_after_step_35)
-    assert failed == [35] and steps == list(range(1, 36)) + list(range(31, STEPS + 1))  # resumed at step 30
+    assert steps == list(range(1, 36)) + list(range(31, STEPS + 1))  # resumed at step 30
     assert len({want_lrs[step] for step in range(31, STEPS + 1)}) == STEPS - 30  # it moves at every resumed step
     assert got_lrs == want_lrs
     for key in want_weights:

@@ -82,27 +82,15 @@ def test_an_in_process_run_failing_mid_epoch_resumes_at_its_last_step_checkpoint
     (a probe on the engine's step hook); ``max_failures`` restarts it from the step-30 checkpoint, 8 steps into
     epoch 2: the same weights, optimizer state, RNG and epoch rows as the run that never failed (dropout draws
     from the RNG every step, so its restore counts in the weights)."""
+    from _failing_models import fault_once_after_step
     from _reference import train_one_worker
-
-    from raytrain_mgpu.engine import loop as engine
 
     common = dict(MLP, model=mlp_with_dropout, model_kwargs={}, dataset="digits", num_workers=1, momentum=0.9,
                   checkpoint_every_n_steps=EVERY)
     want, want_optimizer, want_rng, undisturbed_history = train_one_worker(common)
-    steps, failed = [], []
-
-    def fail_once_after_step_35(step):
-        steps.append(step)
-        if step == 35 and not failed:
-            failed.append(step)
-            raise RuntimeError("a fault after step 35")
-
-    engine.STEP_EVENTS.append(fail_once_after_step_35)
-    try:
+    with fault_once_after_step(35) as steps:
         got, got_optimizer, got_rng, history = train_one_worker({**common, "max_failures": 1})
-    finally:
-        engine.STEP_EVENTS.remove(fail_once_after_step_35)
-    assert failed == [35] and steps == list(range(1, 36)) + list(range(RESUMED_AT + 1, 2 * STEPS_PER_EPOCH + 1))
+    assert steps == list(range(1, 36)) + list(range(RESUMED_AT + 1, 2 * STEPS_PER_EPOCH + 1))
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key

@@ -197,28 +197,16 @@ def test_an_in_process_fit_of_a_hugging_face_llama_reports_perplexity_and_tokens
 
 
 def test_a_run_stopped_inside_an_epoch_resumes_at_its_step_checkpoint_and_ends_with_the_undisturbed_weights(corpus):
+    from _failing_models import fault_once_after_step
     from _reference import train_one_worker
-
-    from raytrain_mgpu.engine import loop as engine
 
     common = dict(dataset="text", data_root=corpus.parquet, tokenizer=corpus.tokenizer, seq_len=SEQ_LEN,
                   model="transformer_lm", model_kwargs={"num_layers": 1, "hidden": 32, "num_heads": 2},
                   batch_size=64, optimizer="sgd", momentum=0.9, lr=0.1, epochs=2, checkpoint_every_n_steps=7)
     want, _, _, undisturbed = train_one_worker(common)
     per_epoch = undisturbed[0]["step"]  # 20 steps of 64 blocks
-    failed, steps = [], []
-
-    def fail_once_after_step_30(step):
-        steps.append(step)
-        if step == 30 and not failed:
-            failed.append(step)
-            raise RuntimeError("a fault after step 30")
-
-    engine.STEP_EVENTS.append(fail_once_after_step_30)
-    try:
+    with fault_once_after_step(30) as steps:
         got, _, _, history = train_one_worker({**common, "max_failures": 1})
-    finally:
-        engine.STEP_EVENTS.remove(fail_once_after_step_30)
     # resumed from the step-28 checkpoint, 8 steps into epoch 2: steps 29 and 30 again, none skipped
     assert per_epoch == 20 and steps == list(range(1, 31)) + list(range(29, 41))
     for key in want:
