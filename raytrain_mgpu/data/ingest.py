@@ -2,7 +2,9 @@
 
 Ray Data streams the ``parquet`` dataset's training split to each Ray Train worker, or the first stage
 of each pipeline replica, in a planned order (``engine/stream.py``, ``data/parquet_stream.py``): with the
-loader path's transforms, validation split, step checkpoints and preemption. Other datasets are map-style
+loader path's transforms, validation split, step checkpoints and preemption; and the ``text`` dataset's, where
+``data_root`` holds ``data tokenize``'s blocks (``data/lm_blocks.py``: documents are refused with the fix when
+the files are checked, before Ray). Other datasets are map-style
 readers built inside each worker (``ray.data.from_torch`` would pull every sample through the driver):
 convert them with ``raytrain-mgpu data convert`` first. A user's own Ray Datasets stream in the planned
 order where the training split is materialized, else in Ray Data's order (``data/ray_datasets.py``):
@@ -15,7 +17,7 @@ from raytrain_mgpu._factory import code_name
 
 __all__ = ["RAY_DATA_DATASETS", "check_ingest", "resumes_mid_epoch"]
 
-RAY_DATA_DATASETS = ("parquet",)
+RAY_DATA_DATASETS = ("parquet", "text")
 """Datasets ``ingest="ray_data"`` reads (``transports/ray_data.py``)."""
 
 

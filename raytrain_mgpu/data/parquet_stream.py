@@ -9,9 +9,10 @@ decoding, normalising and the per-sample transform run on Ray Data's CPU tasks, 
   (``map_batches``, :data:`READ_CPUS`): one pass over the row groups holding its rows, encoded bytes only,
   handed on in the planned order; ``repartition(target_num_rows_per_block=DECODE_ROWS)`` (streaming, no
   shuffle) cuts them into decode blocks;
-- a decode task per block (``map_batches``, 1 CPU): PNG/JPEG decode, the loader path's normalisation and
-  its seeded transform (``data/transforms.py``: seeded by seed, epoch and sample index), so a sample is
-  bit for bit what the loader path gives for it;
+- a decode task per block (``map_batches``, 1 CPU): the stream's row -> sample function (images: PNG/JPEG
+  decode and the loader path's normalisation; ``text``'s token blocks: the block -> ``(x, y)`` split,
+  ``data/lm_blocks.token_samples``) and the seeded transform (``data/transforms.py``: seeded by seed, epoch
+  and sample index), so a sample is bit for bit what the loader path gives for it;
 - ``preserve_order`` in the dataset's execution options: the blocks leave in the order they were planned;
   ``iter_torch_batches(batch_size=micro_batch, drop_last=True)`` on the rank.
 
@@ -35,11 +36,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 import torch
 
+from raytrain_mgpu.data.lm_blocks import TokenBlocks, token_samples
 from raytrain_mgpu.data.parquet import ParquetImageDataset
 from raytrain_mgpu.data.transforms import TransformedDataset
 
@@ -109,27 +111,34 @@ def _current_placement() -> Placement:
 
 
 def stream_source(dataset) -> Optional["ParquetStream"]:
-    """The Ray Data stream of a worker's map-style training split, where it is Parquet (under a held-out
-    validation split's ``Subset`` and a ``TransformedDataset``); None for other readers."""
+    """The Ray Data stream of a worker's map-style training split, where it is Parquet (images, or ``text``'s
+    token blocks; under a held-out validation split's ``Subset`` and a ``TransformedDataset``); None for other
+    readers."""
     from torch.utils.data import Subset
 
     inner = dataset.dataset if isinstance(dataset, TransformedDataset) else dataset
     positions = np.arange(len(inner), dtype=np.int64)
     if isinstance(inner, Subset):
         positions, inner = np.asarray(inner.indices, np.int64), inner.dataset
-    if not isinstance(inner, ParquetImageDataset):
+    if not isinstance(inner, (ParquetImageDataset, TokenBlocks)):
         return None
     transform = (TransformedDataset(None, dataset.transform, dataset.seed)
                  if isinstance(dataset, TransformedDataset) else None)
+    if isinstance(inner, TokenBlocks):  # a row is a block: its labels are its own tokens
+        return ParquetStream(inner.table, inner.rows[positions], None, transform, token_samples)
     return ParquetStream(inner.table, inner.rows[positions], inner.labels[positions], transform)
 
 
 class ParquetStream:
-    """Sample ``i`` of the split is row ``rows[i]`` of ``table`` with label ``labels[i]``; ``transform`` (a
-    :class:`TransformedDataset` without a dataset: its seeding) applies to the normalised sample."""
+    """Sample ``i`` of the split is row ``rows[i]`` of ``table`` with label ``labels[i]`` (None: the row holds
+    its labels), made by ``samples`` (``samples(batch, table) -> (x, y)`` of a read task's rows: ``batch["stored"]``
+    their stored values, ``batch["y"]`` their labels; default: images decoded and normalised); ``transform`` (a
+    :class:`TransformedDataset` without a dataset: its seeding) applies to the sample's ``x``."""
 
-    def __init__(self, table, rows: np.ndarray, labels: np.ndarray, transform: Optional[TransformedDataset]):
+    def __init__(self, table, rows: np.ndarray, labels: Optional[np.ndarray], transform: Optional[TransformedDataset],
+                 samples: Optional[Callable] = None):
         self.table, self.rows, self.labels, self.transform = table, rows, labels, transform
+        self.samples = samples or _images
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -182,8 +191,8 @@ def _stream_context(where: Placement):
 
 
 def _read(batch: dict, stream: ParquetStream) -> dict:
-    """Indices -> their encoded images (or raw pixels) and labels, in the indices' order; each row group read
-    once (``ParquetTable.read_rows`` reads sorted rows)."""
+    """Indices -> their stored values (encoded images, raw pixels, token blocks) and labels, in the indices' order;
+    each row group read once (``ParquetTable.read_rows`` reads sorted rows)."""
     indices = np.asarray(batch["data"], np.int64)
     rows = stream.rows[indices]
     unique, where = np.unique(rows, return_inverse=True)
@@ -193,18 +202,25 @@ def _read(batch: dict, stream: ParquetStream) -> dict:
     else:  # encoded (or mixed) rows: bytes objects, decoded by the next task
         images = np.empty(len(where), dtype=object)
         images[:] = [pixels[i] for i in where]
-    return {"index": indices, "row": rows, "image": images, "y": stream.labels[indices]}
+    read = {"index": indices, "row": rows, "stored": images}
+    return read if stream.labels is None else {**read, "y": stream.labels[indices]}
 
 
 def _decode(batch: dict, stream: ParquetStream, epoch: int) -> dict:
-    """Encoded rows -> normalised (and transformed) samples: the loader path's functions, so the same bits."""
-    table, images, rows = stream.table, batch["image"], batch["row"]
+    """Stored rows -> (transformed) samples: the loader path's functions, so the same bits."""
+    x, y = stream.samples(batch, stream.table)
+    if stream.transform is not None:
+        x = torch.stack([stream.transform._apply(sample, epoch, int(index))
+                         for sample, index in zip(x, batch["index"])])
+    return {"x": np.ascontiguousarray(x.numpy()), "y": np.ascontiguousarray(y, np.int64)}  # token views: a copy
+
+
+def _images(batch: dict, table) -> tuple:
+    """Encoded images or raw pixels -> normalised samples, and their labels."""
+    images, rows = batch["stored"], batch["row"]
     if images.dtype != object:  # raw pixels: one normalisation for the block (elementwise: the same bits)
         x = table.normaliser(torch.from_numpy(np.ascontiguousarray(images)))
     else:  # PNG/JPEG: ParquetImageDataset's per-item decode
         values = list(images)
         x = table.normaliser(torch.stack([table.pixels(values, i, int(row)) for i, row in enumerate(rows)]))
-    if stream.transform is not None:
-        x = torch.stack([stream.transform._apply(sample, epoch, int(index))
-                         for sample, index in zip(x, batch["index"])])
-    return {"x": x.numpy(), "y": np.asarray(batch["y"], np.int64)}
+    return x, batch["y"]

@@ -82,6 +82,7 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Opti
     for its alive nodes, without labels)."""
     if cfg.ingest != "ray_data":
         return None
+    from raytrain_mgpu.data.ingest import RAY_DATA_DATASETS
     from raytrain_mgpu.data.parquet_stream import placement
     from raytrain_mgpu.driver.cluster import read_capacity
 
@@ -103,7 +104,7 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Opti
             logger.warning("%s (This cluster autoscales: waiting for a node to be added.)", message)
             return "ingest: Ray Data's tasks wait for a CPU node to be added (see the warning above)"
         raise ValueError(message)
-    if where.label_selector and cfg.dataset == "parquet":  # the package's stream (a user's Datasets run anywhere)
+    if where.label_selector and cfg.dataset in RAY_DATA_DATASETS:  # the package's stream (a user's Datasets: anywhere)
         return f"ingest: Ray Data's tasks on {where.describe()}"
     spare = total - held
     return (f"ingest: Ray Data's tasks on {'up to ' if capacity.autoscales else ''}{spare:g} CPU beside the "
