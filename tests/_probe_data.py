@@ -45,7 +45,8 @@ to ``batches-<pid>.txt``.
 the parameters a worker's strategy hands the optimizer; inside a Ray Train worker it first writes
 ``mesh-<rank>-<pid>.json`` with its node IP and, where the first parameter is a DTensor (``fsdp``), its
 device mesh as torch built it: shape, dimension names, placements, the local and full shapes, and the
-world ranks of its ``shard`` and ``replicate`` sub-meshes; :func:`check_hsdp_mesh` reads them back.
+world ranks of its ``shard`` and ``replicate`` sub-meshes; :func:`check_hsdp_mesh` reads them back. Under
+``params``, every parameter's ``[mesh dimension names, placements, local shape]`` in the model's order.
 
 ``model="_probe_data:mlp_that_dies"`` with ``model_kwargs={"probe": dir, "after_forwards": N}``:
 an MLP for 8x8 digits whose last block (no parameters, so a pipeline puts it in the last
@@ -333,6 +334,14 @@ def _in_ray_actor() -> bool:
         return False
 
 
+def param_layout(param) -> list:
+    """``[mesh dimension names, placements, local shape]`` of a DTensor; a plain tensor's ``[[], [], shape]``."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return [[], [], list(param.shape)]
+    return [list(mesh.mesh_dim_names or ()), [str(p) for p in param.placements], list(param.to_local().shape)]
+
+
 def mesh_sgd(params, lr: float, probe: str, momentum: float = 0.0):
     """A user's optimizer factory that records the device mesh its parameters were sharded on."""
     import torch
@@ -348,6 +357,8 @@ def mesh_sgd(params, lr: float, probe: str, momentum: float = 0.0):
             facts.update(mesh=list(mesh.mesh.shape), dims=names, placements=[str(p) for p in first.placements],
                          local=list(first.to_local().shape), full=list(first.shape),
                          **{f"{name}_group": mesh[name].mesh.tolist() for name in names})
+        # every parameter, in the order the model holds them: its mesh's dimension names, placements, local shape
+        facts["params"] = [param_layout(p) for p in params]
         (Path(probe) / f"mesh-{info['world_rank']}-{info['pid']}.json").write_text(json.dumps(facts))
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 

@@ -159,9 +159,10 @@ def test_callbacks_load_from_names_and_bad_entries_fail_with_the_fix(tmp_path, m
 
 
 def test_a_bad_callback_fails_fit_before_ray(storage, monkeypatch):
-    import ray
+    from raytrain_mgpu import api
 
-    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    # fit's connect, not ray.init: connect skips ray.init where this process's shared Ray is already up
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("fit connected to Ray before the check"))
     with pytest.raises(ValueError, match=r"TrainConfig.callbacks='nowhere:Hook': cannot import module 'nowhere'"):
         rtm.fit(rtm.TrainConfig(**SMALL, callbacks=["nowhere:Hook"], storage_path=storage))
 

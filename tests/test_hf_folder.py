@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -25,11 +25,14 @@ from test_lora import VOCAB, _fit, _test_xy, fields, lm, token_blocks  # noqa: F
 
 
 def _refused(model: str, message: str) -> None:
-    """``fit`` refuses ``model`` with ``message`` before Ray is started."""
-    with pytest.raises(ValueError, match=message):
-        rtm.fit(rtm.TrainConfig(model=model, dataset="synthetic_text", input_shape=[16], num_classes=64, num_samples=64,
-                                runner="ray", num_workers=1, use_gpu=False, batch_size=16, storage_path="/tmp/never"))
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    """``fit`` refuses ``model`` with ``message`` before it connects to Ray (whether or not Ray is up here)."""
+    from raytrain_mgpu import api
+
+    cfg = rtm.TrainConfig(model=model, dataset="synthetic_text", input_shape=[16], num_classes=64, num_samples=64,
+                          runner="ray", num_workers=1, use_gpu=False, batch_size=16, storage_path="/tmp/never")
+    with mock.patch.object(api, "connect", side_effect=AssertionError("fit connected to Ray before the check")), \
+            pytest.raises(ValueError, match=message):
+        rtm.fit(cfg)
 
 
 def test_a_folder_that_is_not_a_model_folder_is_refused_before_ray_naming_the_fix(lm, tmp_path):

@@ -4,13 +4,14 @@ tensor), FSDP2 sharding or replicating over the groups.
 Local gloo ranks (tests/_forkserver.py, no Ray) run the engine a Ray Train worker runs (tests/_engine.py): every
 parameter is a DTensor on the ``tensor`` sub-mesh, split as the plan says; the ranks of a tensor group read the same
 batch and count it once; two epochs end with the weights one process trains (the in-process runner,
-tests/_reference.py), within 1e-4; ``TrainResult.load_model()`` consolidates the sharded checkpoint into the plain
-module; a checkpoint of tensor groups resumes at another shape and ends with the uninterrupted run's weights.
+tests/_reference.py), within 1e-4 (as plain FSDP's would: the placements tell that the plan was applied, here and
+through Ray Train); ``TrainResult.load_model()`` consolidates the sharded checkpoint into the plain
+module; a checkpoint of tensor groups resumes at another shape (the next attempt trains epoch 2 only) and ends with
+the uninterrupted run's weights.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from types import SimpleNamespace
@@ -71,6 +72,22 @@ def _assert_close(trained: dict, reference: dict, rtol: float = 1e-4) -> None:
         torch.testing.assert_close(trained[key], value, rtol=rtol, atol=rtol * value.abs().max().item(), msg=key)
 
 
+def _layouts(model: torch.nn.Module) -> dict:
+    """Each parameter's ``[mesh dimension names, placements, local shape]`` by name."""
+    from _probe_data import param_layout
+
+    return {name: param_layout(p) for name, p in model.named_parameters()}
+
+
+def _assert_split(layouts: dict, planned: dict) -> None:
+    """Each parameter of ``planned`` (name: its placement over ``tensor``, its local shape) is a DTensor split over the
+    mesh's ``tensor`` dimension as the plan says. Plain FSDP over the same ranks ends with the same weights: only
+    this tells that the plan was applied."""
+    for name, (placement, local) in planned.items():
+        dims, placements, shape = layouts[name]
+        assert dims[-1:] == ["tensor"] and placements[-1:] == [placement] and shape == local, (name, layouts[name])
+
+
 def test_tensor_parallel_2_on_2_ranks_ends_with_one_workers_weights_and_loads_as_a_plain_module(tmp_path):
     fields = {**LM, "tensor_parallel_size": 2}
     facts = _run(fields, 2, str(tmp_path), "tp2")
@@ -122,6 +139,8 @@ def test_a_tensor_parallel_checkpoint_resumes_at_another_shape_with_the_uninterr
     _run(rest, world, str(tmp_path), "resumed")  # epoch 2 from its sharded checkpoint, resharded
     result = _result(rest, str(tmp_path), "resumed")
     assert [row["epoch"] for row in result.history] == [1, 2]
+    # epoch 2 by the resumed attempt, from step 12: a run that retrained from scratch writes attempt 0 twice
+    assert [(row["attempt"], row["step"]) for row in result.history] == [(0, 12), (1, 24)], result.history
     weights, _ = _one_process(LM)
     _assert_close(result.load_model().state_dict(), weights)
 
@@ -170,6 +189,8 @@ def _user_plan_rank(rank: int, world: int, out: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     full = strategy.state_dict(model)  # collective
+    with open(os.path.join(out, f"layouts-{rank}.json"), "w") as f:
+        json.dump(_layouts(model), f)
     if rank == 0:
         torch.save(full, os.path.join(out, "weights.pt"))
 
@@ -189,6 +210,9 @@ def test_a_users_plan_splits_a_model_that_has_none_and_trains_like_one_process(t
     from _reference import plain_weights
 
     _forkserver.start_gloo_ranks(_user_plan_rank, (str(tmp_path),), nprocs=2)
+    for rank in range(2):  # colwise halves a weight's output rows (S(0)), rowwise its input columns (S(1))
+        _assert_split(json.loads((tmp_path / f"layouts-{rank}.json").read_text()),
+                      {"1.0.weight": ("S(0)", [8, 8]), "2.0.weight": ("S(1)", [16, 8]), "3.weight": ("S(0)", [2, 16])})
     cfg = rtm.TrainConfig(**{**MLP_PLAN, "tensor_parallel_size": 1, "tensor_parallel_plan": None})
     _assert_close(torch.load(tmp_path / "weights.pt", weights_only=True), plain_weights(cfg, _mlp_batches(), (8,), 4),
                   rtol=1e-5)
@@ -217,8 +241,10 @@ def tiny_llama(input_shape, num_classes):
     return TinyLlama(input_shape[0], num_classes)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers (a test extra) missing")
 def test_a_hugging_face_causal_lm_trains_with_its_own_plan_on_2_ranks_like_one_process(tmp_path):
+    from _extras import require
+
+    require("transformers")  # skipped where it is missing; on CI, a failure
     fields = {**LM, "model": "test_tensor_parallel:tiny_llama", "model_kwargs": {}, "tensor_parallel_size": 2,
               "epochs": 1}
     from raytrain_mgpu.models import build_model_shapes
@@ -227,6 +253,10 @@ def test_a_hugging_face_causal_lm_trains_with_its_own_plan_on_2_ranks_like_one_p
     source, names, _ = model_plan(build_model_shapes(fields["model"], (8,), 24, {}), None)
     assert source == "LlamaForCausalLM._tp_plan" and names["lm.model.layers.*.self_attn.q_proj"] == "colwise"
     _run_hf(fields, str(tmp_path))
+    for rank in range(2):  # Llama's plan: q_proj colwise (its output rows halved), o_proj rowwise (input columns)
+        _assert_split(json.loads((tmp_path / f"layouts-{rank}.json").read_text()),
+                      {"lm.model.layers.0.self_attn.q_proj.weight": ("S(0)", [8, 16]),
+                       "lm.model.layers.1.self_attn.o_proj.weight": ("S(1)", [16, 8])})
     weights, _ = _one_process(fields)
     _assert_close(_result(fields, str(tmp_path), "llama").load_model().state_dict(), weights)
 
@@ -234,7 +264,10 @@ def test_a_hugging_face_causal_lm_trains_with_its_own_plan_on_2_ranks_like_one_p
 def _hf_rank(rank: int, world: int, fields: dict, out: str) -> None:
     from _engine import make_engine
 
-    make_engine(fields, rank=rank, world=world, setup=False).run()
+    engine = make_engine(fields, rank=rank, world=world, setup=False)
+    engine.run()
+    with open(os.path.join(out, f"layouts-{rank}.json"), "w") as f:
+        json.dump(_layouts(engine.steps.named_model()), f)
 
 
 def _run_hf(fields: dict, storage: str) -> None:
@@ -284,9 +317,10 @@ def test_a_strategy_without_tensor_parallel_warns_that_the_option_has_no_effect(
      r"tensor_parallel_plan: path '1.attn.query' names no module of TransformerLM"),
 ])
 def test_a_model_tensor_parallel_cannot_split_is_refused_before_ray(monkeypatch, change, error):
-    import ray
+    from raytrain_mgpu import api
 
-    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    # fit's connect, not ray.init: connect skips ray.init where this process's shared Ray is already up
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("fit connected to Ray before the check"))
     cfg = rtm.TrainConfig(**{**LM, "num_workers": 2, "tensor_parallel_size": 2, "runner": "ray", **change})
     with pytest.raises(ValueError, match=error):
         rtm.fit(cfg)
@@ -486,11 +520,23 @@ def test_transformer_lm_weights_saved_with_the_fused_qkv_layout_still_load_and_c
     torch.testing.assert_close(fresh(ids), model(ids), rtol=0, atol=0)
 
 
-def test_a_ray_train_fit_with_tensor_groups_on_emulated_gpus_ends_with_one_workers_weights(ray_session, storage):
+def test_a_ray_train_fit_with_tensor_groups_on_emulated_gpus_ends_with_one_workers_weights(ray_session, storage,
+                                                                                          tmp_path):
     """Through Ray Train, as a user runs it: 2 workers on the shared instance's emulated GPUs (one each, NCCL's
-    semantics on gloo), one tensor group of 2; ``fit`` returns a plain module with one process's weights."""
+    semantics on gloo), one tensor group of 2 whose workers hold the plan's halves of each layer (recorded by a user's
+    optimizer factory, tests/_probe_data.mesh_sgd); ``fit`` returns a plain module with one process's weights."""
+    from raytrain_mgpu.models import build_model
+
     fields = {**LM, "tensor_parallel_size": 2, "num_workers": 2, "use_gpu": True, "epochs": 1}
-    result = rtm.fit(rtm.TrainConfig(**fields, storage_path=storage, name="tp-ray"))
+    probe = {"optimizer": "_probe_data:mesh_sgd", "optimizer_kwargs": {"probe": str(tmp_path), "momentum": 0.9}}
+    result = rtm.fit(rtm.TrainConfig(**{**fields, **probe}, storage_path=storage, name="tp-ray"))
+    names = [name for name, _ in build_model("transformer_lm", (8,), 24, LM["model_kwargs"]).named_parameters()]
+    facts = [json.loads(path.read_text()) for path in tmp_path.glob("mesh-*.json")]
+    assert sorted(fact["world_rank"] for fact in facts) == [0, 1], facts
+    for fact in facts:
+        assert len(fact["params"]) == len(names), fact
+        _assert_split(dict(zip(names, fact["params"])),
+                      {"1.attn.q.weight": ("S(0)", [8, 16]), "1.attn.proj.weight": ("S(1)", [16, 8])})
     row = result.history[-1]
     assert [r["epoch"] for r in result.history] == [1]
     assert row["backend"] == "nccl" and len(row["gpu_ids_per_rank"]) == 2, row  # NCCL recorded, one GPU a rank
