@@ -247,6 +247,8 @@ _MODULE_COMMANDS = {
                       "against a hand-written Ray Train loop, each in a fresh process"),
     "bench-gpu": ("raytrain_mgpu.bench.gpu_bench", "fit against a plain PyTorch loop (and Lightning where installed) "
                   "on a GPU: ResNet-18 at CIFAR size and a transformer LM, fp32 and bf16, samples/s and MFU"),
+    "bench-lm": ("raytrain_mgpu.bench.lm", "LoRA on a small Llama from a Hugging Face folder: tokens/s and MFU of fit "
+                 "on 1 and 2 workers against a plain transformers + peft loop"),
     "gpu-report": ("raytrain_mgpu.bench.gpu_report", "run the GPU-only tests and measure every GPU figure of "
                    "docs/performance.md (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)"),
     "spot-watch": ("raytrain_mgpu.driver.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "

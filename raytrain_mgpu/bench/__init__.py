@@ -11,5 +11,8 @@
 - ``gpu_report.py``        ``raytrain-mgpu gpu-report``: every GPU figure of docs/performance.md;
 - ``gpu_bench.py``         ``bench-gpu``: samples/s and MFU of a plain loop, ``fit`` and Lightning on one GPU
   (ResNet-18 at CIFAR size, a transformer LM; fp32 and bf16);
-- ``_gpu_bench_runners.py`` its three runners and its in-memory data.
+- ``_gpu_bench_runners.py`` its three runners and its in-memory data;
+- ``lm.py``                ``bench-lm``: LoRA on a small Llama from a Hugging Face folder, tokens/s and MFU of ``fit``
+  on 1 and 2 workers against a plain transformers + peft loop;
+- ``_lm_materials.py``     its model folder, tokenizer and text, made with no network.
 """
