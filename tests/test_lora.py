@@ -332,3 +332,20 @@ def test_fsdp_with_lora_on_two_ray_train_workers_ends_with_one_in_process_worker
         torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-6, msg=key)
     assert [row["train_loss"] for row in result.history] == pytest.approx([row["train_loss"] for row in history],
                                                                           rel=1e-4)
+
+
+def test_lora_on_text_from_the_models_own_tokenizer_lowers_the_test_loss_and_reports_perplexity(lm, tmp_path):
+    # End to end as a user brings it: the model folder (its tokenizer beside it), Parquet of English text, LoRA.
+    import math
+
+    from _lm_folders import english_documents, save_text
+
+    text = save_text(tmp_path / "text", english_documents(600), files=2)
+    result = rtm.fit(rtm.TrainConfig(model=f"hf:{lm.model}", dataset="text", data_root=str(text), seq_len=SEQ,
+                                     lora=LORA, runner="local", num_workers=1, use_gpu=False, batch_size=16,
+                                     epochs=2, optimizer="adamw", lr=1e-2, storage_path=str(tmp_path / "runs")),
+                     stream=io.StringIO())
+    first, last = result.history
+    assert last["test_loss"] < first["test_loss"]
+    assert last["perplexity"] == pytest.approx(math.exp(last["test_loss"]), rel=1e-6)
+    assert last["tokens_per_s"] > 0
