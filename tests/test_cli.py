@@ -139,12 +139,13 @@ def _option_help(text: str, option: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def test_train_help_groups_the_fields_by_the_configs_sections(every_help):
-    import inspect
+SECTIONS = ["model and data", "data loading", "parallelism", "batch and optimisation", "DDP and model options",
+            "run, storage and failures", "checkpoints: the best one and early stopping",
+            "watching a run: loggers and callbacks"]  # TrainConfig's "# --- <section>" headers, in order
 
-    source = inspect.getsource(TrainConfig)
-    titles = re.findall(r"^\s*# --- (.+)$", source, re.M)
-    assert len(titles) >= 7 and "parallelism" in titles
+
+def test_train_help_groups_the_fields_by_the_configs_sections(every_help):
+    titles = SECTIONS
     text = every_help["train"][1]
     headings = re.findall(r"^(\S.*):$", text, re.M)
     assert headings == ["options", *titles], headings  # one group per section, titled by it, in its order
