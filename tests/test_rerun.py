@@ -138,6 +138,18 @@ def test_training_changes_skip_what_was_left_auto_and_what_the_strategy_never_re
     assert training_changes(ranked, {**ranked.to_dict(), "mode": "max"}) == []
 
 
+def test_an_option_neither_sides_optimizer_or_schedule_reads_is_not_a_difference(tmp_path):
+    adamw = _cfg(tmp_path, optimizer="adamw", momentum=0.5)
+    assert training_changes(adamw, {**adamw.to_dict(), "momentum": 0.9}) == []  # adamw never reads momentum
+    sgd = _cfg(tmp_path, optimizer="sgd", momentum=0.5)
+    assert training_changes(sgd, {**sgd.to_dict(), "momentum": 0.9}) == [("momentum", 0.9, 0.5)]
+    # a run moving from sgd to adamw: both the optimizer and its old momentum are named
+    assert [key for key, *_ in training_changes(adamw, {**adamw.to_dict(), "optimizer": "sgd", "momentum": 0.9})] \
+        == ["optimizer", "momentum"]
+    constant = _cfg(tmp_path, lr_step_gamma=0.5)
+    assert training_changes(constant, {**constant.to_dict(), "lr_step_gamma": 0.1}) == []  # read by "step" alone
+
+
 def test_not_training_fields_are_fields():
     assert set(NOT_TRAINING_FIELDS) <= set(rtm.TrainConfig.field_names())
     assert len(set(NOT_TRAINING_FIELDS)) == len(NOT_TRAINING_FIELDS)

@@ -63,10 +63,23 @@ with the config its newest checkpoint recorded (:func:`training_changes`), so a 
 is listed here: a needless question beats a setting silently not used."""
 
 
+# Fields read only where another field has one of some values (momentum by sgd alone, ...): not a difference where
+# neither the recorded run nor this config reads them.
+_READ_ONLY_WITH = {"momentum": ("optimizer", ("sgd",)), "lr_step_epochs": ("lr_schedule", ("step",)),
+                   "lr_step_gamma": ("lr_schedule", ("step",)), "decay_fraction": ("lr_schedule", ("wsd",)),
+                   "base_batch_size": ("lr_scaling", ("linear", "sqrt"))}
+
+
+def _unread(key: str, recorded: dict, mine: dict) -> bool:
+    controlling, readers = _READ_ONLY_WITH.get(key, (None, ()))
+    return controlling is not None and recorded.get(controlling) not in readers and mine.get(controlling) not in readers
+
+
 def training_changes(cfg, recorded: dict, left_auto: Iterable[str] = ()) -> List[Tuple[str, object, object]]:
     """``(field, recorded value, cfg's value)`` for each field of ``cfg`` that differs from ``recorded`` (the config
     in a run's newest checkpoint) and would change its training. Not compared: ``NOT_TRAINING_FIELDS``, options
-    ``cfg``'s strategy never reads, a field the record lacks (a folder from before it existed), a value ``"auto"``
+    ``cfg``'s strategy never reads, an option neither side's optimizer or schedule reads (``momentum`` with adamw),
+    a field the record lacks (a folder from before it existed), a value ``"auto"``
     on either side and the fields ``left_auto`` names (the user's ``"auto"``, already resolved: what the run
     resolved it to is the run's own); ``mode`` as it resolves for ``monitor``, and not at all without one."""
     from raytrain_mgpu.strategies import STRATEGIES
@@ -78,7 +91,8 @@ def training_changes(cfg, recorded: dict, left_auto: Iterable[str] = ()) -> List
     mine = _as_stored(redact(cfg.to_dict()))  # as meta.json holds the recorded one
     changes = []
     for key, value in mine.items():
-        if key in NOT_TRAINING_FIELDS or key in unread or key in left_auto or key not in recorded:
+        if (key in NOT_TRAINING_FIELDS or key in unread or key in left_auto or key not in recorded
+                or _unread(key, recorded, mine)):
             continue
         old, new = (_mode(recorded, cfg), _mode(mine, cfg)) if key == "mode" else (recorded[key], value)
         if old != new and "auto" not in (old, new):
