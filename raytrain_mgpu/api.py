@@ -33,6 +33,7 @@ from raytrain_mgpu.driver.preflight import (check_data_fits, check_model_builds,
                                               check_storage_reachable)
 from raytrain_mgpu.driver.rerun import describe_changes, training_changes
 from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.driver.rerun import check_resume
 from raytrain_mgpu.engine.run_state import stops_early
 from raytrain_mgpu.driver.runlock import RunLock
 from raytrain_mgpu.driver.progress import ProgressPrinter
@@ -149,6 +150,9 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             if previous:
                 cfg, auto_record = cfg.replace(**previous), {"auto_strategy": previous["strategy"],
                                                              "auto_reason": RESUMING}
+            else:  # a fresh one meets check_run_folder once Ray has chosen its layout: resume="must" is said now
+                folder = RunFolder.of(cfg)
+                check_resume(cfg, folder.display, folder.newest_checkpoint())
         if cfg.strategy != "auto":  # a fresh auto run: the same checks run on its choice, below
             get_strategy(cfg.strategy).check_model(cfg, input_shape, num_classes)  # e.g. mp: more devices than blocks
             check_run_folder(cfg, data_info)  # checkpoints trained with other settings, whichever runner wrote them

@@ -167,3 +167,9 @@ def test_the_cli_exits_2_naming_the_change(tmp_path, capsys):
     assert err.startswith("raytrain-mgpu: error: run ") and "lr 0.02 -> 0.05" in err and "--name" in err, err
     assert main([*args, "--resume", "never"]) == 2
     assert "TrainConfig.resume='never'" in capsys.readouterr().err
+
+
+def test_resume_must_refuses_an_empty_folder_before_ray_with_strategy_auto_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(api, "connect", lambda *a, **k: pytest.fail("fit connected to Ray before refusing"))
+    with pytest.raises(ValueError, match=r"TrainConfig.resume='must': run folder .* holds no checkpoint"):
+        _fit(tmp_path, strategy="auto", resume="must", runner="auto")
