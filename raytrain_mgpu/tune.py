@@ -14,7 +14,7 @@
 - A run of one worker that needs nothing only Ray provides (``runner="auto"``, the in-process runner's
   rules: ``transports/local.py``) trains inside its trial's own process, which holds the worker's resources
   (its CPUs and GPU): no Ray Train worker group per trial. Otherwise the trial's process only drives
-  ``fit`` (:data:`TRIAL_CPUS` of a CPU) and the training bundles are the run's, requested by ``fit``.
+  ``fit`` (:data:`TRIAL_RESOURCES`: no CPU) and the training bundles are the run's, requested by ``fit``.
   Trials beyond what the cluster holds at once would wait for their bundles (a pipeline's for at most its
   placement timeout, then fail): :func:`max_concurrent_trials` is how many runs of ``cfg`` fit the
   cluster together, for ``TuneConfig(max_concurrent_trials=...)``, so the others queue in Tune instead.
@@ -31,10 +31,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 from raytrain_mgpu.config import TrainConfig
 from raytrain_mgpu.driver.callbacks import Callback
 
-__all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "default_metric", "TRIAL_CPUS"]
+__all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "default_metric", "TRIAL_RESOURCES"]
 
-TRIAL_CPUS = 0.01
-"""A trial's process only waits on its ``fit`` (Tune refuses a request of nothing)."""
+TRIAL_RESOURCES = {"CPU": 0, "memory": 1}
+"""A trial's process only waits on its ``fit``: it holds no CPU (one byte of memory: Tune refuses a request of
+nothing). With 0.01 CPU, a run whose workers take every CPU (2 workers on a 2-core machine: ``tune``'s defaults)
+never got its bundles beside the trial: its placement waited out placement_timeout_s."""
 
 
 class _ReportEpochs(Callback):
@@ -98,7 +100,7 @@ def trainable(cfg: TrainConfig) -> Callable:
         fit(trial_cfg.replace(callbacks=[*cfg.callbacks, _ReportEpochs(trial_cfg.epochs)]))
 
     run_trial.__name__ = f"raytrain_mgpu-{cfg.name}"  # Tune names the experiment's trials after it
-    return tune.with_resources(run_trial, dict(build_plan(cfg).worker_resources) if inside else {"CPU": TRIAL_CPUS})
+    return tune.with_resources(run_trial, dict(build_plan(cfg).worker_resources) if inside else dict(TRIAL_RESOURCES))
 
 
 def max_concurrent_trials(cfg: TrainConfig, resources: Optional[Dict[str, float]] = None) -> int:

@@ -11,7 +11,7 @@ import pytest
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, RunFolder
-from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search
+from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search, trainable
 
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",
              val_fraction=0.2, epochs=4, num_workers=1, use_gpu=False)
@@ -128,3 +128,13 @@ def test_asha_over_a_grid_stops_the_hopeless_trial_and_returns_the_best(ray_sess
     table = out.getvalue()
     assert table.splitlines()[0] == "trial | lr | epochs | val_accuracy" and len(table.splitlines()) == 4
     assert "best (highest val_accuracy): {'lr': 0.1} val_accuracy=" in table
+
+
+def test_a_trials_own_process_holds_no_cpu_so_a_run_that_takes_every_cpu_still_starts(monkeypatch):
+    # 2 workers of 1 CPU on a 2-CPU Ray (tune's defaults on a 2-core machine): with 0.01 CPU for the trial's own
+    # process the run's bundles never fit beside it. Measured with Ray 2.60: a trial holding {"CPU": 0, "memory": 1}
+    # places a 2 x 1-CPU group on a 2-CPU instance at once.
+    seen = {}
+    monkeypatch.setattr("ray.tune.with_resources", lambda fn, resources: seen.update(resources) or fn)
+    trainable(rtm.TrainConfig(num_workers=2, use_gpu=False))
+    assert seen.get("CPU", 0) == 0 and seen
