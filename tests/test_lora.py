@@ -306,11 +306,13 @@ def test_fsdp_on_two_ranks_checkpoints_the_adapters_sharded_resumes_and_ends_wit
 @pytest.mark.ray
 def test_fsdp_with_lora_on_two_ray_train_workers_ends_with_one_in_process_workers_adapters(lm, ray_session, storage,
                                                                                             monkeypatch):
-    """The workers load the base from the folder (the driver reads no weight: safetensors' readers raise in this
-    process while fit runs), shard it, train the adapters; the gathered adapters are one worker's (SGD, 32 steps)."""
+    """The workers, on 2 emulated GPUs, load the base from the folder (the driver reads no weight: safetensors'
+    readers raise in this process while fit runs), shard it, train the adapters; the gathered adapters are one
+    worker's (SGD, 32 steps)."""
     import safetensors
     import safetensors.torch
     import transformers.modeling_utils
+    from _emulation_checks import check_devices
     from _reference import train_one_worker
 
     run = fields(lm, strategy="fsdp", optimizer="sgd", lr=0.5)
@@ -321,10 +323,12 @@ def test_fsdp_with_lora_on_two_ray_train_workers_ends_with_one_in_process_worker
     for owner, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"),
                         (transformers.modeling_utils, "safe_open")):
         monkeypatch.setattr(owner, name, refuse)
-    result = rtm.fit(rtm.TrainConfig(**{**run, "runner": "ray", "num_workers": 2, "name": "lora-fsdp",
-                                        "storage_path": storage}))
+    # on the shared instance's emulated GPUs: the GPU path (devices, NCCL's semantics) with CPU arithmetic
+    result = rtm.fit(rtm.TrainConfig(**{**run, "runner": "ray", "num_workers": 2, "use_gpu": True,
+                                        "name": "lora-fsdp", "storage_path": storage}))
     monkeypatch.undo()
     assert result.history[-1]["workers"] == 2
+    check_devices(result.history[-1], workers=2, per_worker=1)
     got = result.load_model().state_dict()
     want, _, _, history = train_one_worker(run)
     assert got.keys() == want.keys()
