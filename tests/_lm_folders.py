@@ -31,18 +31,11 @@ def english_documents(limit: int = 0) -> List[str]:
 
 def save_tokenizer(folder: Path, documents: List[str]) -> Path:
     """A byte-level BPE tokenizer of :data:`VOCAB` tokens trained on ``documents``, saved with ``transformers``'
-    ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json and its config), ``<|endoftext|>`` its EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json and its config), ``<|endoftext|>`` its EOS: the one
+    ``bench-lm`` trains (``raytrain_mgpu.bench._lm_materials``)."""
+    from raytrain_mgpu.bench._lm_materials import save_tokenizer as train_and_save
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(documents, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<pad>")
-    fast.save_pretrained(folder)
+    train_and_save(folder, documents, VOCAB)
     return folder
 
 

@@ -16,3 +16,16 @@
   on 1 and 2 workers against a plain transformers + peft loop;
 - ``_lm_materials.py``     its model folder, tokenizer and text, made with no network.
 """
+
+
+def start_local_ray() -> bool:
+    """A local Ray for the runs on Ray Train's workers (emulated GPUs where set), unless one is connected; True if
+    started here, for the caller to shut down."""
+    import ray
+
+    from raytrain_mgpu.engine import devices
+
+    if ray.is_initialized():
+        return False
+    ray.init(log_to_driver=False, **devices.local_ray_init_kwargs())
+    return True

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-__all__ = ["VOCAB", "LLAMA", "Setup", "documents", "save_model", "prepare", "train_blocks"]
+__all__ = ["VOCAB", "LLAMA", "Setup", "documents", "save_tokenizer", "save_model", "prepare", "train_blocks"]
 
 VOCAB = 512  # the tokenizer's vocabulary, which the model's embeddings match
 LLAMA = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -44,21 +44,29 @@ def documents() -> List[str]:
     return [text for text in found if len(text) >= 40]
 
 
-def save_model(folder: str, texts: List[str]) -> int:
-    """The Llama of :data:`LLAMA` (random weights, seed 0) and its tokenizer, saved as a Hugging Face folder;
-    returns its parameter count."""
-    import torch
+def save_tokenizer(folder, texts: List[str], vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens trained on ``texts`` with ``tokenizers``, saved by
+    ``transformers``' ``PreTrainedTokenizerFast.save_pretrained`` (``<|endoftext|>`` its EOS, id 0; ``<pad>`` 1)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                             pad_token="<pad>").save_pretrained(folder)
+
+
+def save_model(folder: str, texts: List[str]) -> int:
+    """The Llama of :data:`LLAMA` (random weights, seed 0) and its tokenizer, saved as a Hugging Face folder;
+    returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    save_tokenizer(folder, texts)
     from transformers.utils import logging as hf_logging
 
     with torch.random.fork_rng(devices=[]):

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_mgpu._cli_options import WordList, renamed
+from raytrain_mgpu.bench import start_local_ray
 from raytrain_mgpu.bench._gpu_bench_runners import (Measured, Options, Workload, lightning_module, run_fit,
                                                     run_lightning, run_plain)
 from raytrain_mgpu.engine import flops
@@ -120,7 +121,7 @@ def measure(works: List[Workload], precisions: List[str], runners: List[str], de
     import traceback
 
     measured: List[Measured] = []
-    ray_started = "fit-ray" in runners and _start_ray()
+    ray_started = "fit-ray" in runners and start_local_ray()
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-bench-gpu-") as storage:
             for work, precision, runner in itertools.product(works, precisions, runners):
@@ -140,17 +141,6 @@ def measure(works: List[Workload], precisions: List[str], runners: List[str], de
             ray.shutdown()
     return measured
 
-
-def _start_ray() -> bool:
-    """Start a local Ray for ``fit-ray`` unless one is connected; True if started here."""
-    import ray
-
-    from raytrain_mgpu.engine import devices
-
-    if ray.is_initialized():
-        return False
-    ray.init(log_to_driver=False, **devices.local_ray_init_kwargs())
-    return True
 
 
 def rows(measured: List[Measured], works: Dict[str, Workload], peaks: Dict[str, Optional[float]],

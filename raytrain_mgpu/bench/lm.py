@@ -51,6 +51,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from raytrain_mgpu.bench import start_local_ray
 from raytrain_mgpu.bench._lm_materials import LLAMA, VOCAB, Setup, prepare, train_blocks
 
 __all__ = ["LORA", "Measured", "run_plain", "fit_config", "run_fit", "rows", "report", "add_arguments",
@@ -278,7 +279,7 @@ def run_and_print(args) -> int:
     peak = flops.peak_flops_per_s(torch.device("cpu"), "32")
     labels = [("plain", "-", 1)] + [("fit", ingest, w) for w in sorted(set(args.num_workers)) for ingest in args.ingest]
     rounds: List[List[Measured]] = []
-    ray_started = _start_ray() if any(w > 1 or i == "ray_data" for _, i, w in labels[1:]) else False
+    ray_started = start_local_ray() if any(w > 1 or i == "ray_data" for _, i, w in labels[1:]) else False
     try:  # Ray is up (or not) for every run alike: its own processes take some of the CPUs
         with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-bench-lm-") as root:
             setup = prepare(root, args.batch_size, args.seq_len, args.epochs, args.max_steps,
@@ -326,15 +327,3 @@ def _one_run(setup: Setup, label: tuple, cpus: int, storage: str) -> Measured:
         traceback.print_exc()
         row.note = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
     return row
-
-
-def _start_ray() -> bool:
-    """A local Ray for the runs on Ray Train's workers, started once, unless one is connected: True if here."""
-    import ray
-
-    from raytrain_mgpu.engine import devices
-
-    if ray.is_initialized():
-        return False
-    ray.init(log_to_driver=False, **devices.local_ray_init_kwargs())
-    return True
