@@ -163,15 +163,35 @@ def _wait_until_registered(run: Path, step: int, timeout_s: float = 60) -> None:
         time.sleep(0.1)
 
 
+def _wait_until_listed(since_s: float, names: set, timeout_s: float = 60) -> None:
+    """Until Ray's state API lists a finished task of each name in ``names`` created after ``since_s``, at most
+    ``timeout_s``. A rank owns its stream's tasks and reports their events about once a second; Ray Train ends its
+    workers with ``ray.kill``, so a rank whose last second's events are still buffered loses them: the rank waits."""
+    from ray.util.state import list_tasks
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        listed = {task.name for name in names
+                  for task in list_tasks(address=ray.get_runtime_context().gcs_address, detail=True, limit=10_000,
+                                         filters=[("name", "=", name), ("state", "=", "FINISHED")],
+                                         raise_on_missing_output=False)
+                  if (task.creation_time_ms or 0) >= since_s * 1000}
+        if names <= listed:
+            return
+        time.sleep(0.5)
+
+
 class _KillOnce(nn.Module):
     """Inside a Ray Train worker, records each training forward of real tensors (``forwards-<pid>``: not the FLOPs
     count's on ``meta``) and, on the ``after_forwards``-th, once per probe folder (``died``), waits until Ray Train
-    has registered a checkpoint of step ``registered`` in ``run`` and SIGKILLs its process."""
+    has registered a checkpoint of step ``registered`` in ``run`` and SIGKILLs its process. A process started after
+    that death waits at its ``listed_at``-th forward until Ray lists its stream's tasks (``_wait_until_listed``)."""
 
-    def __init__(self, probe: str, after_forwards: int, run: str = "", registered: int = 0):
+    def __init__(self, probe: str, after_forwards: int, run: str = "", registered: int = 0, listed_at: int = 0):
         super().__init__()
         self.probe, self.after_forwards, self.run, self.registered = Path(probe), after_forwards, Path(run), registered
-        self.forwards = 0
+        self.listed_at, self.forwards = listed_at, 0
 
     def forward(self, logits):
         import ray
@@ -186,14 +206,17 @@ class _KillOnce(nn.Module):
             _wait_until_registered(self.run, self.registered)
             (self.probe / "died").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.forwards == self.listed_at and (self.probe / "died").exists():
+            _wait_until_listed(float((self.probe / "died").read_text()), {"MapBatches(_read)", "MapBatches(_decode)"})
         return logits
 
 
-def lm_dying_once(input_shape, num_classes, probe: str, after_forwards: int, run: str = "", registered: int = 0):
+def lm_dying_once(input_shape, num_classes, probe: str, after_forwards: int, run: str = "", registered: int = 0,
+                  listed_at: int = 0):
     from raytrain_mgpu.models.transformer import TransformerLM
 
     model = TransformerLM(seq_len=input_shape[0], vocab_size=num_classes, num_layers=1, hidden=32, num_heads=2)
-    return model.append(_KillOnce(probe, after_forwards, run, registered))
+    return model.append(_KillOnce(probe, after_forwards, run, registered, listed_at))
 
 
 @pytest.mark.ray
@@ -214,7 +237,7 @@ def test_two_workers_streaming_text_killed_in_step_33_resume_at_step_30_and_end_
     want, _, _, loaded = train_one_worker(blocks_fields(corpus, ingest="loader", **common))
     fields = blocks_fields(corpus, **common, num_workers=2, checkpoint_every_n_steps=6, max_failures=1)
     fields["model_kwargs"] = {"probe": str(probe), "after_forwards": 33, "run": f"{storage}/text-stream",
-                              "registered": 30}
+                              "registered": 30, "listed_at": 36 - 30}
     result = rtm.fit(rtm.TrainConfig(**fields, name="text-stream", storage_path=storage))
     died = float((probe / "died").read_text())
     records = sorted((path.read_text().split() for path in probe.glob("forwards-*")), key=lambda lines: lines[0])
