@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from raytrain_mgpu.api import TrainResult, compare, fit
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import Datasets
 
 __all__ = ["TrainConfig", "TrainResult", "fit", "compare", "Datasets"]
@@ -22,7 +22,7 @@ def __getattr__(name: str):
     # PEP 562: the public names load on first use, so `import raytrain_mgpu` (and the CLI's
     # --help, which imports the package first) costs no import of torch (~3 s) or Ray (~3 s).
     if name == "TrainConfig":
-        from raytrain_mgpu.config import TrainConfig
+        from raytrain_mgpu.config.train import TrainConfig
 
         return TrainConfig
     if name in ("fit", "TrainResult", "compare"):

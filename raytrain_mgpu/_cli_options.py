@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
-from raytrain_mgpu._checks import did_you_mean
+from raytrain_mgpu.config.names import did_you_mean
 
 __all__ = ["HelpFormatter", "Parser", "UsageError", "WordList", "plain", "renamed", "split_commas"]
 

@@ -15,14 +15,14 @@ from typing import List, Optional
 
 from torch import nn
 
-from raytrain_mgpu.batches import as_shape, shape_record
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.batches import as_shape, shape_record
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.transports import ray_data
-from raytrain_mgpu._factory import check_objects_ship, code_name, is_factory, load_factory, send_objects_by_value
-from raytrain_mgpu._redact import redact
+from raytrain_mgpu.config.factories import check_objects_ship, code_name, is_factory, load_factory, send_objects_by_value
+from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.driver.cluster import check_placeable, connect, keep_ray_started
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
 from raytrain_mgpu.models import build_model
@@ -32,7 +32,7 @@ from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.driver.preflight import (check_data_fits, check_model_builds, check_run_folder,
                                               check_storage_reachable)
 from raytrain_mgpu.driver.rerun import describe_changes, training_changes
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.driver.rerun import check_resume
 from raytrain_mgpu.engine.run_state import stops_early
 from raytrain_mgpu.driver.runlock import RunLock

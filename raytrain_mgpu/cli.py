@@ -27,16 +27,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
-from raytrain_mgpu import _yaml
+from raytrain_mgpu.config import yaml_values as _yaml
 from raytrain_mgpu._cli_options import (Parser as _Parser, UsageError as _UsageError, WordList, plain as _plain,
                                         renamed, split_commas)
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 
 
 @functools.lru_cache(maxsize=1)
 def _config_layout() -> Tuple[Dict[str, str], Dict[str, str]]:
     """TrainConfig's source, read once: the string literal under each field (its attribute docstring) and the
-    ``# --- title`` comment each field sits under (its section, a group of --help). Reading config.py's source
+    ``# --- title`` comment each field sits under (its section, a group of --help). Reading config/train.py's source
     for each of train, compare and tune was ~66 of the 88 ms a ``main`` call took (22 ms read once, 2 cores)."""
     source = inspect.getsource(TrainConfig)
     body = ast.parse(source).body[0].body
@@ -339,7 +339,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from raytrain_mgpu._redact import redact
+    from raytrain_mgpu.config.redact import redact
     from raytrain_mgpu.driver.export import export_run  # torch loads here, not for --help
 
     paths = export_run(args.run, out=args.out, fmt=args.format, best=args.best, allow_code=args.allow_code)
@@ -388,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _export(args)
         return _tokenize(args) if args.data_command == "tokenize" else _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
-        from raytrain_mgpu._redact import redact
+        from raytrain_mgpu.config.redact import redact
 
         # A bad value is one line; a runtime failure may carry a grid or per-rank causes.
         text = " ".join(str(exc).split()) if isinstance(exc, ValueError) else str(exc)

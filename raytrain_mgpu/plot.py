@@ -6,7 +6,7 @@ against optimizer step, one line per run and split, in one PNG::
 
     plot_runs(["/tmp/runs/demo", "file:///tmp/runs/demo_dpb"])   # -> /tmp/runs/demo/curves.png
 
-Histories are read through :class:`~raytrain_mgpu.engine.run_folder.RunFolder`, so a run
+Histories are read through :class:`~raytrain_mgpu.checkpointing.run_folder.RunFolder`, so a run
 may be a local folder or any URI pyarrow opens. matplotlib loads on first use (Agg backend).
 """
 
@@ -18,8 +18,8 @@ import uuid
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from raytrain_mgpu.engine.checkpoint_files import filesystem
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.files import filesystem
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 

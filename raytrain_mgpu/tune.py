@@ -28,7 +28,7 @@ import math
 import re
 from typing import Callable, Dict, List, Optional, Sequence
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.driver.callbacks import Callback
 
 __all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "default_metric", "TRIAL_RESOURCES"]
@@ -133,7 +133,7 @@ def parse_param(text: str):
     ``uniform:lo:hi``, ``randint:lo:hi``) as ``(name, Tune search space)``; errors name the fix."""
     from ray import tune
 
-    from raytrain_mgpu import _yaml
+    from raytrain_mgpu.config import yaml_values as _yaml
 
     match = _PARAM.match(text.strip())
     fix = ("Write NAME=KIND:VALUES with KIND one of grid, choice (comma-separated values), uniform, loguniform, "
@@ -167,7 +167,7 @@ def default_metric(cfg: TrainConfig) -> str:
     if cfg.monitor is not None:
         return cfg.monitor
     split = "val" if cfg.val_fraction is not None or (isinstance(cfg.dataset, dict) and "val" in cfg.dataset) else "test"
-    from raytrain_mgpu._factory import is_factory
+    from raytrain_mgpu.config.factories import is_factory
 
     accuracy = "accuracy" in cfg.metrics if cfg.metrics is not None else (
         isinstance(cfg.dataset, str) and not is_factory(cfg.dataset))
@@ -182,7 +182,7 @@ def search(cfg: TrainConfig, params: Sequence[str], trials: int = 8, metric: Opt
 
     ``metric`` None: :func:`default_metric`. ``mode`` None: ``cfg.mode``, which by default follows the metric
     (accuracy maximised, a loss minimised: ``config_code.better_mode``)."""
-    from raytrain_mgpu.config_code import better_mode, monitor_keys
+    from raytrain_mgpu.config.code import better_mode, monitor_keys
 
     space = dict(parse_param(p) for p in params)  # bad input fails before Ray
     metric = metric or default_metric(cfg)

@@ -71,7 +71,7 @@ def mlp_on_slow_storage(input_shape, num_classes, widths, write_delay_s: float =
     from raytrain_mgpu.models import build_model
 
     if write_delay_s and _in_ray_actor():
-        from raytrain_mgpu.engine import checkpoint_files as checkpoint
+        from raytrain_mgpu.checkpointing import files as checkpoint
 
         write = checkpoint.write_checkpoint
         if not getattr(write, "slowed", False):

@@ -24,7 +24,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 import torch
 
 import _forkserver
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.pipeline.plan import choose_partition
 from raytrain_mgpu.transports.actor_group import stage as stage_worker
@@ -80,7 +80,7 @@ def _without_warm_up(skip: bool):
 def _record_epoch_stats() -> dict:
     """In this (forked) rank process: the stage's last epoch's stats, as its step runner hands them to the engine
     (``PipelineSteps.epoch_stats``), kept in the dict returned."""
-    from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+    from raytrain_mgpu.pipeline.steps import PipelineSteps
 
     last: dict = {}
     hand_over = PipelineSteps.epoch_stats

@@ -2,7 +2,7 @@
 
 Tests whose point is that a disturbed run (killed, resumed) ends like an undisturbed one compare with
 this instead of a second run through Ray (each costs ~15 s of start-up on a small machine). It does
-the stage runners' arithmetic in the same order (``parallel/pipeline_steps.py`` and ``executor.py``): the
+the stage runners' arithmetic in the same order (``pipeline/steps.py`` and ``executor.py``): the
 model built on the seed and cut by the same partition, each replica's loader on its share of the
 epoch's order, every micro-batch's loss scaled by ``1 / m`` and the gradients accumulated in the
 schedule's backward order, one stage's output passed to the next detached (as a message is), the
@@ -19,20 +19,20 @@ from typing import List, Tuple
 
 import torch
 
-from raytrain_mgpu.batches import detach, split
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.engine.batches import detach, split
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.models.partition import build_stage_modules
-from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.engine.objectives import Objective
+from raytrain_mgpu.engine.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.pipeline.plan import choose_partition
 from raytrain_mgpu.pipeline.schedule import BACKWARD, build_order
-from raytrain_mgpu.parallel.pipeline_steps import microbatch_rows
+from raytrain_mgpu.pipeline.steps import microbatch_rows
 from raytrain_mgpu.engine.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.engine.run_state import eval_columns, metric_columns
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 from raytrain_mgpu.strategies.plan import build_plan
 
 CPU = torch.device("cpu")

@@ -72,7 +72,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raytrain_mgpu.data import Datasets, digits as _digits
-from raytrain_mgpu.engine.run_folder import RAY_TRAIN_SNAPSHOT
+from raytrain_mgpu.checkpointing.run_folder import RAY_TRAIN_SNAPSHOT
 
 
 def digits(cfg) -> Datasets:

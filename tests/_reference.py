@@ -18,12 +18,12 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.optim import build_optimizer, build_scheduler
+from raytrain_mgpu.engine.objectives import Objective
+from raytrain_mgpu.engine.optim import build_optimizer, build_scheduler
 from raytrain_mgpu.engine.loaders import test_loader, train_loader
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.engine.run_state import eval_columns, metric_columns
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -40,7 +40,7 @@ def train_one_worker(fields: dict, epochs: Optional[int] = None, storage: Option
     import io
     import tempfile
 
-    from raytrain_mgpu.engine.checkpoint_files import load_train_state, local_checkpoint
+    from raytrain_mgpu.checkpointing.files import load_train_state, local_checkpoint
     from raytrain_mgpu.strategies import get_strategy
 
     fields = {"use_gpu": False, **fields, "num_workers": 1, "runner": "local"}
@@ -104,7 +104,7 @@ def plain_weights(cfg, batches, input_shape: tuple, num_classes: int) -> dict:
 
 def build_rank_model(cfg, strategy, input_shape, num_classes):
     """The engine's initial model (``engine/checkpoints.build_model``) for ``strategy``'s rank."""
-    from raytrain_mgpu.engine.checkpoints import build_model
+    from raytrain_mgpu.checkpointing.contents import build_model
 
     class _Rank:
         ctx = strategy.ctx

@@ -193,7 +193,7 @@ SHARED_RAY_TRAIN_ENV = {
     # (transports/ray_train/faults.controller_poll), set here because the tests' drivers set it as a user would;
     POLL_ENV: FIT_POLL_S,
     # the preemption watcher, one more actor per run (1.4 CPU-s): fit leaves it out on a Ray its process
-    # started (engine/preemption.py), this instance included; set for the tests' hand-written Ray Train
+    # started (checkpointing/preemption.py), this instance included; set for the tests' hand-written Ray Train
     # loops. In the driver's environment only, not the raylet's, which every process inherits: the
     # README job's test (tests/test_fit.py) removes it and sees fit's own decision. The spot tests, on
     # nodes of their own (tests/test_two_node_spot.py), keep the watcher, as a user's cluster does;

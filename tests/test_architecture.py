@@ -28,7 +28,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "raytrain_mgpu"
 # (module path relative to the package, the string): places a strategy's name may stand, and why.
 ALLOWED = {
     # The field's default value, not a branch: a config with no strategy runs ddp.
-    ("config.py", "ddp"),
+    ("config/train.py", "ddp"),
     # A benchmark of the pipeline runner configures that strategy, as a user's config does:
     # a keyword value passed to TrainConfig, not a branch on it.
     ("bench/pipeline.py", "pipeline"),
@@ -37,7 +37,7 @@ ALLOWED = {
 
 def _docstrings(tree: ast.AST) -> Set[int]:
     """ids of the string constants that are docstrings: every bare string expression statement
-    (module, class and function docstrings, and config.py's attribute docstrings)."""
+    (module, class and function docstrings, and config/train.py's attribute docstrings)."""
     return {id(node.value) for node in ast.walk(tree)
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
             and isinstance(node.value.value, str)}

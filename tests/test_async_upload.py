@@ -27,10 +27,10 @@ import ray.train
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.transports.ray_train import uploads as ray_uploads
 from raytrain_mgpu.driver.callbacks import Callback
-from raytrain_mgpu.engine.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
 
 EVERY = 5  # checkpoint_every_n_steps
 # The user's own optimizer (RMSprop with momentum, from tests/test_factories.py: fit ships its module):
@@ -202,7 +202,7 @@ def test_a_kill_mid_upload_and_a_rank_killed_mid_epoch_resume_from_the_last_comp
         ray_session, tmp_path):
     from _reference import train_replicas
 
-    from raytrain_mgpu.engine.checkpoints import checkpoint_name
+    from raytrain_mgpu.checkpointing.contents import checkpoint_name
 
     run = tmp_path / "results" / "two-faults"
     result, probe, announced = _fit(tmp_path, "two-faults", [

@@ -1,4 +1,4 @@
-"""Structured batches (``raytrain_mgpu.batches``): dict inputs, dict targets and dict outputs on every strategy.
+"""Structured batches (``raytrain_mgpu.engine.batches``): dict inputs, dict targets and dict outputs on every strategy.
 
 The model is ``examples.two_inputs``' two-input network (``forward(image, profile) -> {"digit",
 "odd"}``) with its two-head loss: each strategy's ``compute_loss`` on dict batches must train it
@@ -17,11 +17,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu import batches
+from raytrain_mgpu.engine import batches
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.engine.objectives import Objective
+from raytrain_mgpu.engine.optim import build_optimizer
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy

@@ -10,7 +10,7 @@ import torch
 
 from raytrain_mgpu.bench import data as bench
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.engine.loaders import worker_context
 

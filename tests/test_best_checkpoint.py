@@ -15,9 +15,9 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu import api
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu.engine.run_folder import BEST_CHECKPOINT, RunFolder
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.checkpointing import files as ckpt_format
+from raytrain_mgpu.checkpointing.run_folder import BEST_CHECKPOINT, RunFolder
 from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta, stops_early
 
 
@@ -112,7 +112,7 @@ def _checkpoint(folder: Path, name: str, cfg: TrainConfig, history: list, weight
 def test_a_folder_transport_keeps_the_last_n_and_a_copy_of_the_best(tmp_path):
     """The pipeline's and the in-process runner's checkpoints (``transports/base.FolderTransport``): each
     published, all but the newest ``num_checkpoints_to_keep`` deleted, a new best's model copied aside."""
-    from raytrain_mgpu.engine.checkpoints import Commit, checkpoint_name
+    from raytrain_mgpu.checkpointing.contents import Commit, checkpoint_name
     from raytrain_mgpu.transports.base import FolderTransport
 
     cfg = TrainConfig(monitor="test_loss", keep_best=True, num_checkpoints_to_keep=2, storage_path=str(tmp_path),

@@ -16,7 +16,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import _build_parser, config_from_args
 from raytrain_mgpu.driver.callbacks import Callback, CallbackError, RunEvents, RunInfo, load_callbacks
 from raytrain_mgpu.driver.progress import ProgressPrinter
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 # 256 digits samples, batch 32: a few steps per epoch; a step's scalars every 2 steps.
 SMALL = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", num_samples=256, batch_size=32,

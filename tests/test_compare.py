@@ -13,7 +13,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.api import compare  # planning.compare's, with each run a fit
 from raytrain_mgpu.planning.compare_report import (CHART_FILE, MARKDOWN_FILE, PARQUET_FILE, REFERENCE, CompareReport, RunRow,
                                           check_losses, recommend, summarize_history, write_outputs)
-from raytrain_mgpu._units import parse_bytes
+from raytrain_mgpu.config.units import parse_bytes
 from raytrain_mgpu.planning.memory import (device_memory, largest_batch, max_batch_within_budget,
                                   profile_model)
 

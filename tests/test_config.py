@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu.config_sections import DataConfig, OptimConfig, ParallelConfig
-from raytrain_mgpu.optim import lr_factor
+from raytrain_mgpu.config.sections import DataConfig, OptimConfig, ParallelConfig
+from raytrain_mgpu.engine.optim import lr_factor
 
 
 def test_defaults_are_the_demo_run():

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytrain_mgpu.config_sections import DataConfig
+from raytrain_mgpu.config.sections import DataConfig
 from raytrain_mgpu.data import (DATASETS, Datasets, PixelNormaliser, build_datasets, check_data,
                                 check_dataset_name, dataset_names)
 from raytrain_mgpu.data import digits, fashion_mnist, parquet, synthetic

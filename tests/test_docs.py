@@ -214,7 +214,7 @@ def _package_map() -> str:
 
 
 def _entries(block: str) -> dict:
-    """``{"engine/": its text, "config.py": its text, ...}``: each entry of the map with its continuation lines."""
+    """``{"engine/": its text, "config/train.py": its text, ...}``: each entry of the map with its continuation lines."""
     entries, current = {}, None
     for line in block.splitlines():
         match = re.match(r"^  (\S+)\s", line + " ")

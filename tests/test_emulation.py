@@ -28,7 +28,7 @@ import raytrain_mgpu as rtm
 from raytrain_mgpu.driver import cluster
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.engine.devices import EMULATE_ENV
-from raytrain_mgpu.engine.checkpoints import ASYNC_SHARDED_ENV
+from raytrain_mgpu.checkpointing.contents import ASYNC_SHARDED_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", batch_size=64, epochs=1, max_steps=2,

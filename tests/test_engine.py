@@ -139,8 +139,8 @@ def test_a_checkpoint_of_the_pipelines_earlier_layout_still_resumes(tmp_path):
 
     import torch
 
-    from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-    from raytrain_mgpu.engine.checkpoints import read
+    from raytrain_mgpu.checkpointing import files as ckpt_format
+    from raytrain_mgpu.checkpointing.contents import read
     from raytrain_mgpu.transports.base import CheckpointSource
 
     cfg = rtm.TrainConfig(model="mlp", strategy="pipeline", num_stages=2, batch_size=32)

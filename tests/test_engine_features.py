@@ -169,7 +169,7 @@ def test_mfu_is_the_steps_flops_over_the_devices_peak(tmp_path, monkeypatch):
 def _overflow_on_stage_0_at_step_2(rank: int) -> None:
     """In a stage's process: stage 0's gradients overflow at step 2 only (its own: the last stage's are finite);
     every optimizer step's 'did the weights move' and the scale after it go to ``$FP16_LOG/rank{rank}``."""
-    from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+    from raytrain_mgpu.pipeline.steps import PipelineSteps
     from raytrain_mgpu.engine.step import OptimizerStep
 
     log = Path(os.environ["FP16_LOG"]) / f"rank{rank}"

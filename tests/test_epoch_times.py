@@ -21,7 +21,7 @@ import ray.train
 
 from _engine import make_engine
 from raytrain_mgpu.engine import loop as engine_module
-from raytrain_mgpu.engine import checkpoint_manager
+from raytrain_mgpu.checkpointing import manager as checkpoint_manager
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.engine.run_state import RunState

@@ -27,7 +27,7 @@ from examples import contrastive, regression, two_inputs  # noqa: E402
 
 
 def test_the_examples_folder_is_shipped_to_the_workers():
-    from raytrain_mgpu._factory import local_modules_to_ship
+    from raytrain_mgpu.config.factories import local_modules_to_ship
 
     assert local_modules_to_ship("examples.regression:mlp", "examples.contrastive:info_nce") == [
         str(REPO / "examples")]

@@ -156,7 +156,7 @@ def test_optimizer_takes_a_name_or_a_factory_and_its_kwargs():
     cfg = rtm.TrainConfig(optimizer="test_factories:rmsprop", optimizer_kwargs={"alpha": 0.9, "momentum": 0.5})
     assert cfg.optim.optimizer == "test_factories:rmsprop" and cfg.optim.optimizer_kwargs == {"alpha": 0.9,
                                                                                                 "momentum": 0.5}
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.engine.optim import build_optimizer
 
     optimizer = build_optimizer(nn.Linear(2, 2).parameters(), cfg.optim)
     assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
@@ -264,7 +264,7 @@ def _strategy_for(cfg, ranks_seen: int):
     ``ddp`` leaves a world of one unwrapped (one process has nothing to all-reduce), so it is told 2
     and wraps the model in ``DistributedDataParallel`` over the one-rank gloo group: DDP's own hooks,
     buffer broadcast and all-reduce run on the zoo model, averaging over the one rank there is."""
-    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.engine.objectives import Objective
     from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -311,8 +311,8 @@ def test_model_zoo_builders_take_the_plain_models_steps_on_data_parallel_strateg
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
-    from raytrain_mgpu.objectives import Predictions
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.engine.objectives import Predictions
+    from raytrain_mgpu.engine.optim import build_optimizer
 
     cfg = rtm.TrainConfig(**IMAGES, model=model, strategy=strategy, num_workers=1, gpus_per_worker=devices,
                           optimizer="sgd", lr=0.01)

@@ -23,7 +23,7 @@ import torch
 import raytrain_mgpu as rtm
 from raytrain_mgpu import api
 from raytrain_mgpu.driver import preflight
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.data.convert import convert_to_parquet
 from raytrain_mgpu.strategies.plan import build_plan
 
@@ -113,7 +113,7 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_resume_would_pick(surviv
     """Checkpoint names are the epoch's (``checkpoint_epoch{E}``, every runner), so the save redone after the
     restart writes the folder the killed one left half-written: what is checked is that the restart did not
     resume from it (Ray Train never registered it) and that its folder ends whole, the redone save's."""
-    from raytrain_mgpu.engine.checkpoints import checkpoint_name
+    from raytrain_mgpu.checkpointing.contents import checkpoint_name
 
     result, probe, printed = survivor
     half_written = Path((probe / "done-kill_in_save").read_text())

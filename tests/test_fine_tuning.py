@@ -130,7 +130,7 @@ FROZEN = dict(model=frozen_backbone, dataset="digits", batch_size=64, optimizer=
 
 
 def test_a_frozen_backbone_trains_the_head_only_and_its_trainable_checkpoint_resumes_exactly(tmp_path):
-    from raytrain_mgpu.engine.checkpoint_files import load_model_state, load_train_state
+    from raytrain_mgpu.checkpointing.files import load_model_state, load_train_state
 
     torch.manual_seed(0)
     initial = frozen_backbone((1, 8, 8), 10).state_dict()
@@ -208,8 +208,8 @@ def test_export_of_a_two_rank_fsdp_run_equals_the_same_run_on_two_ddp_replicas_b
     train (emulated in this process: tests/_reference.train_replicas): FSDP2's halved gradients summed over 2 ranks
     are DDP's, bit for bit."""
     from _reference import train_replicas
-    from raytrain_mgpu.engine.checkpoint_files import is_sharded
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.files import is_sharded
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
     from safetensors.torch import load_file
 
     _forkserver.start_gloo_ranks(_fsdp_rank, (str(tmp_path),))
@@ -258,7 +258,7 @@ def test_a_step_param_groups_init_from_and_skip_take_effect_on_two_ray_train_wor
     from _reference import train_one_worker
     from safetensors.torch import save_file
 
-    from raytrain_mgpu.engine.checkpoint_files import load_train_state, local_checkpoint
+    from raytrain_mgpu.checkpointing.files import load_train_state, local_checkpoint
 
     torch.manual_seed(99)  # another seed than the run's: the body below is the file's, not one the run built
     pretrained = TwoOutputs((1, 8, 8), 10).state_dict()

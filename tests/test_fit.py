@@ -158,7 +158,7 @@ def test_cli_default_run_learns_digits_and_is_then_answered_from_its_folder_with
     assert main(["train", "--storage-path", storage, "--no-use-gpu"]) == 0
     run_s = time.perf_counter() - start
     # On a Ray this process started, no node is drained for preemption: the watcher, an actor process
-    # starting beside the first steps, never ran (engine/preemption.py).
+    # starting beside the first steps, never ran (checkpointing/preemption.py).
     assert watchers_started() == watchers
     out = capsys.readouterr().out
     assert "global batch 128 = 2 replica(s) x 64 x 1 accumulation step(s)" in out

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import _forkserver
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from _reference import build_rank_model as _build_model
 from raytrain_mgpu.planning.memory import device_memory, profile_model
 from raytrain_mgpu.models import build_model

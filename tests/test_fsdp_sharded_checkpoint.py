@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.engine.optim import build_optimizer
 from raytrain_mgpu.parallel import build_worker
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from _reference import build_rank_model as _build_model
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -267,7 +267,7 @@ def _engine_saves(rank: int, world: int, out: str) -> None:
     """The engine's save of a 2-rank fsdp run with the switch on, then unset; each rank's storage writer slowed."""
     from _engine import make_engine
 
-    from raytrain_mgpu.engine.checkpoints import ASYNC_SHARDED_ENV
+    from raytrain_mgpu.checkpointing.contents import ASYNC_SHARDED_ENV
 
     engine = make_engine(dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
                               epochs=2, strategy="fsdp", storage_path=out), rank=rank, world=world, setup=False)
@@ -338,7 +338,7 @@ def test_the_kept_stager_pins_and_copies_without_blocking_only_for_shards_on_a_g
 
 def _run_with(folder, tmp_path):
     """A run folder holding ``folder`` as its one checkpoint (sharded, as Ray Train's upload leaves it)."""
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     run = tmp_path / "run"
     shutil.copytree(folder, run / "checkpoint_2026-11-26_00-00-00.000000")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu._factory import TRUSTED_MODULES_ENV, load_factory
-from raytrain_mgpu._redact import redact
+from raytrain_mgpu.checkpointing import files as ckpt_format
+from raytrain_mgpu.config.factories import TRUSTED_MODULES_ENV, load_factory
+from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import check_data, cifar10
 from raytrain_mgpu.driver.preflight import check_data_fits, check_run_folder
@@ -345,7 +345,7 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     from raytrain_mgpu.transports.actor_group import group
     from raytrain_mgpu.transports.actor_group import runner
     from raytrain_mgpu.engine import loop as engine
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
     from raytrain_mgpu.strategies.plan import build_plan
     from raytrain_mgpu.transports.local import run_in_process
 

@@ -92,7 +92,7 @@ def test_a_dataset_vocabulary_the_embeddings_do_not_cover_is_refused(lm):
 
 def test_a_local_folder_is_made_absolute_the_run_name_is_a_plain_folder_name_and_hf_is_no_code(tmp_path,
                                                                                                   monkeypatch):
-    from raytrain_mgpu._factory import is_factory
+    from raytrain_mgpu.config.factories import is_factory
 
     monkeypatch.chdir(tmp_path)  # the driver's working folder: a Ray worker's is another
     assert rtm.TrainConfig(model="hf:./tiny-llama").model == f"hf:{tmp_path}/tiny-llama"
@@ -175,7 +175,7 @@ def test_a_folder_in_storage_is_copied_once_into_the_nodes_cache_and_again_once_
 def test_a_causal_lms_sequence_logits_get_the_mean_next_token_cross_entropy(lm):
     from transformers import AutoModelForCausalLM
 
-    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.engine.objectives import Objective
 
     model = AutoModelForCausalLM.from_pretrained(lm.model).eval()
     x, y = (t[:4] for t in _test_xy(lm))

@@ -17,9 +17,9 @@ import torch
 from torch.nn import functional as F
 
 import _forkserver
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from _reference import plain_weights
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.engine.optim import build_optimizer
 
 WORLD, SHARD, STEPS, BATCH = 4, 2, 3, 16
 CFG = dict(model="mlp", model_kwargs={"widths": [16, 16]}, dataset="synthetic", input_shape=[8], num_classes=4,

@@ -60,8 +60,8 @@ def token_classes(cfg):
 def test_ddp_takes_the_plain_models_steps_on_a_transformers_model(gloo_group):
     from torch.nn.parallel import DistributedDataParallel
 
-    from raytrain_mgpu.objectives import Objective
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.engine.objectives import Objective
+    from raytrain_mgpu.engine.optim import build_optimizer
     from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 

@@ -139,20 +139,21 @@ LAYERS = [
     # Standard library only: credential redaction, the `module:function` factory loader, size parsing,
     # the config error's shape, the errors that cross process boundaries whole; the YAML value reader
     # (PyYAML) and the command-line helpers the CLI and the benchmarks share.
-    ("_redact", "_factory", "_units", "_checks", "errors", "_yaml", "_cli_options"),
+    ("config.redact", "config.factories", "config.units", "config.names", "errors", "config.yaml_values",
+     "_cli_options"),
     # What knows nothing of a run: plain nn.Modules with their registry and partitioning,
     # and the dataset readers with theirs. Each receives its config section duck-typed (the
     # DataConfig import is under TYPE_CHECKING), so both sit below the config. objectives (the
     # loss and metric registries) is torch functions on outputs and targets, like the models: it
     # sits with them, below the config checks (which read its names) and the strategies and
     # pipeline stages (which apply it).
-    ("models", "data", "objectives", "batches"),
+    ("models", "data", "engine.objectives", "engine.batches"),
     # The config checks a model or dataset name against those registries; everything
     # above reads the config.
-    ("config_checks", "config_code", "config_sections", "config"),
+    ("config",),
     # The engine: one rank's run, whatever carries it (no Ray, no transport: test_engine_imports_no_ray below),
     # and the optimizer from its section.
-    ("optim", "engine"),
+    ("engine", "checkpointing"),
     # The pipeline's schedules as data, its partition plan, its executor and point-to-point channels: the
     # pipeline strategies validate a config against the plan; a stage's step runner runs the executor.
     ("pipeline",),
@@ -186,7 +187,7 @@ KNOWN_UPWARD_IMPORTS = {
     # devices, options it reads), as Ray Train's ScalingConfig is by the trainer. The import is
     # inside config_checks.validate, after the cheap name checks, and strategies never import
     # the config module at run time, so there is no cycle.
-    ("config_checks", "strategies"): "validation asks the strategy class",
+    ("config.checks", "strategies"): "validation asks the strategy class",
 }
 
 
@@ -222,7 +223,7 @@ def test_the_engine_imports_neither_ray_nor_a_transport_nor_the_drivers_services
     through the transport it is handed (every import at any depth counts, function bodies included)."""
     found = []
     for name, path in MODULES.items():
-        if not _short(name).startswith("engine"):
+        if not _short(name).startswith(("engine", "checkpointing")):
             continue
         for node in _import_nodes(ast.parse(path.read_text(), str(path))):
             targets = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""])
@@ -289,7 +290,7 @@ def step(what, action):
 
 import raytrain_mgpu
 step("import raytrain_mgpu", lambda: raytrain_mgpu.__version__)
-import raytrain_mgpu.config
+import raytrain_mgpu.config.train
 from raytrain_mgpu.cli import main
 step("main(['--help'])", lambda: main(["--help"]))
 step("main(['--version'])", lambda: main(["--version"]))

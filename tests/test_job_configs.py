@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.strategies import get_strategy
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "jobs" / "configs").glob("*.yaml"))

@@ -96,7 +96,7 @@ def test_an_in_process_run_keeps_its_position_and_whether_it_stepped(storage):
 def test_a_rank_that_cannot_write_the_storage_fails_before_its_first_step_naming_node_path_and_cause(storage,
                                                                                                    tmp_path):
     from raytrain_mgpu.transports.base import check_writable
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the run folder's parent should be")  # as a mount point that is not a folder

@@ -26,7 +26,7 @@ from raytrain_mgpu.driver.loggers import (CSV_FILE, MLFLOW_EXPERIMENT, MLFLOW_RU
                                            WANDB_PROJECT, WANDB_RUN_FILE, CsvLogger, MlflowLogger, TensorBoardLogger,
                                            WandbLogger)
 from raytrain_mgpu.driver.progress import ProgressPrinter
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 
 @pytest.fixture

@@ -127,7 +127,7 @@ def test_lora_lowers_the_test_loss_and_trains_the_adapters_alone(lm, trained):
 
 
 def test_checkpoints_hold_the_adapters_and_their_optimizer_state_alone(trained):
-    from raytrain_mgpu.engine.checkpoint_files import load_model_state, load_train_state
+    from raytrain_mgpu.checkpointing.files import load_model_state, load_train_state
 
     assert trained.config.save == "trainable"  # what lora implies
     state = load_model_state(trained.checkpoint_path)
@@ -280,8 +280,8 @@ def test_fsdp_on_two_ranks_checkpoints_the_adapters_sharded_resumes_and_ends_wit
     the adapters after 2 epochs are one in-process worker's (its ddp twin) to SGD's rounding."""
     import _forkserver
     from _reference import train_one_worker
-    from raytrain_mgpu.engine.checkpoint_files import SHARDED_DIR, consolidate_sharded, is_sharded, read_history
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.files import SHARDED_DIR, consolidate_sharded, is_sharded, read_history
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
     from torch.distributed.checkpoint import FileSystemReader
 
     storage = str(tmp_path / "runs")

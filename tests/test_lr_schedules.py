@@ -15,7 +15,7 @@ import torch
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.driver.callbacks import Callback
-from raytrain_mgpu.optim import build_scheduler, lr_factor
+from raytrain_mgpu.engine.optim import build_scheduler, lr_factor
 
 LR = 0.1
 
@@ -210,7 +210,7 @@ def test_schedule_fields_are_checked_when_the_config_is_built(fields, message):
 def test_a_user_scheduler_travels_to_the_ray_workers_like_the_other_code_fields():
     import threading
 
-    from raytrain_mgpu._factory import check_objects_ship
+    from raytrain_mgpu.config.factories import check_objects_ship
 
     lock = threading.Lock()  # cannot be pickled: the check names the field before Ray starts
 

@@ -23,9 +23,9 @@ from torch import nn
 import _forkserver
 import raytrain_mgpu as rtm
 from _reference import steps_trained
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.engine.loop import NonFiniteError
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 STEPS_PER_EPOCH = 1438 // 128  # digits, batch 128: 11
 
@@ -157,9 +157,9 @@ def _failing(function, where: str):
 
 
 STAGES = {  # the checkpoint's write, stage by stage
-    "model and optimizer": ("raytrain_mgpu.engine.checkpoint_files.write_files", ckpt_format.write_files),
-    "history": ("raytrain_mgpu.engine.checkpoint_files.write_checkpoint", ckpt_format.write_checkpoint),
-    "publish": ("raytrain_mgpu.engine.run_folder.RunFolder.publish", RunFolder.publish),
+    "model and optimizer": ("raytrain_mgpu.checkpointing.files.write_files", ckpt_format.write_files),
+    "history": ("raytrain_mgpu.checkpointing.files.write_checkpoint", ckpt_format.write_checkpoint),
+    "publish": ("raytrain_mgpu.checkpointing.run_folder.RunFolder.publish", RunFolder.publish),
 }
 
 

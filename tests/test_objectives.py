@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.objectives import LOSSES, METRICS, Objective, Predictions
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.engine.objectives import LOSSES, METRICS, Objective, Predictions
+from raytrain_mgpu.engine.optim import build_optimizer
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.transports.placement import free_address
 from raytrain_mgpu.driver.progress import ProgressPrinter
@@ -96,7 +96,7 @@ REGRESSION = dict(model="test_objectives:regressor", dataset="test_objectives:re
 def test_registries_match_the_config_and_the_default_is_cross_entropy_and_accuracy():
     import typing
 
-    from raytrain_mgpu.config_sections import Loss, Metric
+    from raytrain_mgpu.config.sections import Loss, Metric
 
     assert set(typing.get_args(Loss)) == set(LOSSES)
     assert set(typing.get_args(Metric)) == set(METRICS) == {"accuracy", "top5", "mae", "mse"}

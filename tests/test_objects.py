@@ -1,4 +1,4 @@
-"""A user's own classes and functions handed to ``TrainConfig`` from Python (``raytrain_mgpu/_factory.py``).
+"""A user's own classes and functions handed to ``TrainConfig`` from Python (``raytrain_mgpu/config/factories.py``).
 
 In one process, no Ray: each field that names code takes the object itself and the runners' builders
 use it; a run folder records it by name and source hash, so a resume with another object is refused;
@@ -17,12 +17,12 @@ from torch.utils.data import TensorDataset
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu import api
-from raytrain_mgpu._factory import code_record, local_modules_to_ship
+from raytrain_mgpu.config.factories import code_record, local_modules_to_ship
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.objectives import Objective
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.engine.objectives import Objective
+from raytrain_mgpu.engine.optim import build_optimizer
 from raytrain_mgpu.driver.preflight import _compare_identity, run_identity
 
 

@@ -9,8 +9,8 @@ import torch
 import torchvision
 from torch import nn
 
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.optim import build_optimizer, build_scheduler, param_groups
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.engine.optim import build_optimizer, build_scheduler, param_groups
 
 
 def _names(model: nn.Module, group: dict) -> set:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets, check_data
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.pipeline.plan import choose_partition

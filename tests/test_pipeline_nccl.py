@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.engine.devices import EMULATE_ENV
 from _pipeline_local import LocalRun, run_local
 

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raytrain_mgpu.engine.checkpoint_files import load_model_state, load_train_state, read_meta
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.checkpointing.files import load_model_state, load_train_state, read_meta
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.transports.actor_group.runner import run_pipeline
-from raytrain_mgpu.engine.checkpoints import PARTIALS
+from raytrain_mgpu.checkpointing.contents import PARTIALS
 from _pipeline_reference import train_pipeline, train_unsplit
 
 pytestmark = pytest.mark.ray

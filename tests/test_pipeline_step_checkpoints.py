@@ -1,5 +1,5 @@
 """The pipeline's step checkpoints: written by the engine's saver on every stage actor and published in the run
-folder by its transport (``engine/checkpoints.py``, ``transports/base.FolderTransport``).
+folder by its transport (``checkpointing/contents.py``, ``transports/base.FolderTransport``).
 
 Unit tests: a checkpoint is published only once every rank's part is in, ``meta.json`` last (until then it
 is no resume point); a failed write raises at the save and publishes nothing; every rank's partial epoch sums
@@ -28,9 +28,9 @@ import pytest
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu.engine.checkpoints import PARTIALS, Commit, checkpoint_name
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing import files as ckpt_format
+from raytrain_mgpu.checkpointing.contents import PARTIALS, Commit, checkpoint_name
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta
 from raytrain_mgpu.transports.base import FolderTransport
 from _pipeline_reference import train_pipeline, train_unsplit
@@ -146,7 +146,7 @@ def test_a_failed_write_raises_at_the_save_and_publishes_nothing(tmp_path, monke
 def test_every_ranks_partial_epoch_sums_survive_the_train_state_exactly_and_each_rank_resumes_its_own(tmp_path):
     """2 stages x 2 replicas: the last stages (ranks 1 and 3) measure their replica's loss and metrics; a step
     checkpoint keeps every rank's sums in ``train_state.pt``, in rank order, and a rank resumes its own."""
-    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.engine.objectives import Objective
     from raytrain_mgpu.engine.loop import _own_partials
     from raytrain_mgpu.engine.metrics import EpochMeter
 

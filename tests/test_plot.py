@@ -10,10 +10,10 @@ import pytest
 
 from raytrain_mgpu import plot
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine.checkpoint_files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
-from raytrain_mgpu.engine.checkpoint_files import META_FILE
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.checkpointing.files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
+from raytrain_mgpu.checkpointing.files import META_FILE
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta, epoch_row
 
 STEPS_PER_EPOCH = 11

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from _engine import make_engine
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine.checkpoint_files import load_train_state
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.checkpointing.files import load_train_state
 from raytrain_mgpu.engine.devices import EMULATE_ENV
 from raytrain_mgpu.engine.run_state import RunState
 

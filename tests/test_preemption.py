@@ -13,8 +13,8 @@ import pytest
 from torch import nn
 
 from _engine import RecordingSink, make_engine
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.checkpointing.preemption import CHECK_EVERY_N_STEPS, PreemptionCheck, notice_line, resume_line
 from raytrain_mgpu.driver.progress import ProgressPrinter
 
 from ray.train.v2.api.preemption import PreemptionInfo
@@ -299,7 +299,7 @@ def test_spot_watch_cli_checks_the_grace(capsys):
 
 
 def _any_rank_worker(rank: int, world: int, out: str) -> None:
-    from raytrain_mgpu.engine.preemption import AnyRank
+    from raytrain_mgpu.checkpointing.preemption import AnyRank
 
     any_rank = AnyRank()
     # rank 1 alone has a notice at the second check; nobody at the first and the third

@@ -130,7 +130,7 @@ def test_a_materialized_training_split_takes_checkpoints_inside_an_epoch_and_its
     """A materialized ``train`` plans its order: step and time checkpoints pass the checks, the record says so (Ray
     Train then splits nothing: every worker reads its own positions) and the preemption check asks for notices;
     one that streams in Ray Data's order does none of these."""
-    from raytrain_mgpu.engine.preemption import PreemptionCheck
+    from raytrain_mgpu.checkpointing.preemption import PreemptionCheck
 
     cfg = rtm.TrainConfig(dataset={"train": MaterializedDataset(), "test": FakeDataset()}, collate=collate,
                           checkpoint_every_n_steps=5, checkpoint_every_n_minutes=1.0)

@@ -17,7 +17,7 @@ from raytrain_mgpu import api
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.driver.preflight import RUN_RECORD
 from raytrain_mgpu.driver.rerun import NOT_TRAINING_FIELDS, training_changes
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 TINY = dict(model="mlp", model_kwargs={"widths": [16]}, dataset="digits", runner="local", num_workers=1,
             use_gpu=False, epochs=1, name="run")

@@ -1,7 +1,7 @@
 """Random streams: identical initial weights on every rank, then each rank its own stream.
 
 With one seed everywhere every rank drew the same dropout masks: the global batch then
-behaves like R copies of one mask. The engine's ``build_model`` (``engine/checkpoints.py``) seeds,
+behaves like R copies of one mask. The engine's ``build_model`` (``checkpointing/contents.py``) seeds,
 builds, then gives rank r the stream ``seed + 1 + r``; checkpoints keep every rank's CPU (and CUDA) generator
 state, and a resume with the same world size continues each rank's stream. No Ray.
 """
@@ -13,10 +13,10 @@ import torch
 
 from types import SimpleNamespace
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.parallel.steps import DataParallelSteps
-from raytrain_mgpu.engine.checkpoints import Restored, build_model, restore_rng, rng_state
+from raytrain_mgpu.checkpointing.contents import Restored, build_model, restore_rng, rng_state
 from raytrain_mgpu.engine.run_state import RunState
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from test_precision import _emulated_gpu, _engine  # noqa: F401 (the fixture, for the engine under use_gpu)

@@ -1,4 +1,4 @@
-"""The run folder both runners share (``engine/run_folder.py``): paths and URIs, the one
+"""The run folder both runners share (``checkpointing/run_folder.py``): paths and URIs, the one
 checkpoint scanner, the run state, history, and checkpoints published on a filesystem and on
 an object store that cannot rename folders. No Ray."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu.engine.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.checkpointing import files as ckpt_format
+from raytrain_mgpu.checkpointing.run_folder import RAY_TRAIN_SNAPSHOT, RunFolder
 from raytrain_mgpu.engine.run_state import EPOCH_KEYS, META_KEYS, RunState, checkpoint_meta, epoch_row
 
 

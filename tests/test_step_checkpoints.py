@@ -1,4 +1,4 @@
-"""Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``engine/step_checkpoints.py``).
+"""Step checkpoints (``checkpoint_every_n_steps``) and the mid-epoch resume (``checkpointing/step_checkpoints.py``).
 
 The resume logic in this process: a one-worker run (the in-process runner) fails inside epoch 2, its
 restart resumes from the last step checkpoint and ends bit for bit with the undisturbed run. Through Ray,
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import raytrain_mgpu as rtm
-from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.engine.objectives import Objective
 from raytrain_mgpu.engine.metrics import EpochMeter
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler, step_checkpoint_due
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler, step_checkpoint_due
 
 # As in test_faults: no BatchNorm or dropout, so runs that see the same batches agree exactly.
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, batch_size=64, optimizer="sgd", lr=0.1, seed=3,

@@ -19,7 +19,7 @@ from torch import nn
 
 import raytrain_mgpu as rtm
 from _engine import RecordingSink, make_engine
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.engine import step_scalars
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.engine.step_scalars import StepWindow, stage_scalars

@@ -22,13 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.bench import gpu_report
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-from raytrain_mgpu.engine.checkpoints import ASYNC_SHARDED_ENV
+from raytrain_mgpu.checkpointing import files as ckpt_format
+from raytrain_mgpu.checkpointing.contents import ASYNC_SHARDED_ENV
 from raytrain_mgpu.driver import cluster
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
-from raytrain_mgpu.objectives import Predictions
+from raytrain_mgpu.engine.objectives import Predictions
 from raytrain_mgpu.parallel.steps import DataParallelSteps
 from raytrain_mgpu.engine.precision import capture as autocast_state
 from raytrain_mgpu.parallel.placement import SplitModel, call_with_autocast
@@ -403,7 +403,7 @@ def _plain_run(cfg):
     from torch.utils.data import DataLoader, DistributedSampler
 
     from raytrain_mgpu.data import build_datasets
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.engine.optim import build_optimizer
 
     data = build_datasets(cfg.data)
     torch.manual_seed(cfg.seed)

@@ -23,7 +23,7 @@ from torch import nn
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.data import build_datasets
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 from raytrain_mgpu.engine.stream import PlannedSampler, PlannedStream, planned_order
 
 STEPS_PER_EPOCH = 1294 // 64  # digits' 1,438 training rows less val_fraction=0.1's 144, global batch 64: 20

@@ -51,7 +51,7 @@ def _run(fields: dict, world: int, storage: str, name: str) -> list:
 
 
 def _result(fields: dict, storage: str, name: str) -> "rtm.TrainResult":
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     folder = RunFolder(os.path.join(storage, name))
     cfg = rtm.TrainConfig(**{**fields, "storage_path": storage, "name": name})
@@ -150,9 +150,9 @@ def test_a_sharded_checkpoint_resumed_by_a_layout_that_reads_whole_state_is_refu
     ddp, which reads the whole state) is refused with the two ways out, not a bare NotImplementedError."""
     import contextlib
 
-    from raytrain_mgpu.engine import checkpoint_files as ckpt_format
-    from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
-    from raytrain_mgpu.engine.checkpoints import read
+    from raytrain_mgpu.checkpointing import files as ckpt_format
+    from raytrain_mgpu.checkpointing.manager import CheckpointSource
+    from raytrain_mgpu.checkpointing.contents import read
     from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta
 
     written = rtm.TrainConfig(**{**LM, "strategy": "ddp", "tensor_parallel_size": 2})
@@ -173,8 +173,8 @@ def _user_plan_rank(rank: int, world: int, out: str) -> None:
     from torch.nn import functional as F
 
     from raytrain_mgpu.models import build_model
-    from raytrain_mgpu.objectives import Objective
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.engine.objectives import Objective
+    from raytrain_mgpu.engine.optim import build_optimizer
     from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 
@@ -389,7 +389,7 @@ def _spanning_rank(rank: int, world: int, across: bool, out: str) -> None:
     import logging
 
     from _reference import build_rank_model
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 

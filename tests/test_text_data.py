@@ -24,7 +24,7 @@ import raytrain_mgpu as rtm
 from _lm_folders import VOCAB, english_documents, model_folder, save_text, save_tiny_llama, save_tokenizer
 from raytrain_mgpu.cli import main
 from raytrain_mgpu.data import build_datasets, check_data
-from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.engine.objectives import Objective
 
 SEQ_LEN = 32
 NUM_DOCUMENTS = 600  # about 1,300 training blocks of 33 tokens

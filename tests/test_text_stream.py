@@ -29,7 +29,7 @@ from raytrain_mgpu.data import build_datasets, check_data
 from raytrain_mgpu.data import parquet_stream
 from raytrain_mgpu.data.lm_blocks import TokenBlocks
 from raytrain_mgpu.engine.loaders import base_dataset, train_loader
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 from raytrain_mgpu.engine.stream import PlannedSampler, PlannedStream
 
 SEQ_LEN = 32

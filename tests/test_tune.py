@@ -10,7 +10,7 @@ import pytest
 
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, RunFolder
+from raytrain_mgpu.checkpointing.run_folder import PUBLISHED_KEY, RAY_TRAIN_SNAPSHOT, RunFolder
 from raytrain_mgpu.tune import max_concurrent_trials, parse_param, search, trainable
 
 SMALL = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd",

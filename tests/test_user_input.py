@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from raytrain_mgpu import TrainConfig
-from raytrain_mgpu import _yaml
-from raytrain_mgpu.config_code import better_mode, monitor_mode
+from raytrain_mgpu.config import yaml_values as _yaml
+from raytrain_mgpu.config.code import better_mode, monitor_mode
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.engine.run_state import best_record, stops_early
 from raytrain_mgpu.errors import UnknownFieldError

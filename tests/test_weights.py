@@ -16,7 +16,7 @@ from _extras import importorskip
 from torch import nn
 
 from raytrain_mgpu.cli import main
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.driver.export import export_checkpoint, export_run
 from raytrain_mgpu.engine.weights import load_weights, read_weights, trainable_state
 
@@ -319,7 +319,7 @@ def fake_storage(tmp_path, monkeypatch):
     import pyarrow.fs as pafs
 
     from raytrain_mgpu.driver import export
-    from raytrain_mgpu.engine import run_folder
+    from raytrain_mgpu.checkpointing import run_folder
     from raytrain_mgpu.engine import weights
 
     remote = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
@@ -373,7 +373,7 @@ def test_a_checkpoint_whose_optimizer_state_does_not_fit_the_model_is_refused_na
     """The model's parameters changed since the checkpoint was written (its weights still load, e.g. through a
     load hook): torch's bare error on the optimizer state becomes one that names the way to keep the weights."""
     import raytrain_mgpu as rtm
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     fields = dict(model="mlp", model_kwargs={"widths": [8]}, dataset="digits", num_samples=64, batch_size=32,
                   num_workers=1, use_gpu=False, runner="local", storage_path=str(tmp_path), name="changed")

@@ -20,7 +20,7 @@ import ray.train
 from ray.train.v2._internal.execution import context as train_context
 
 from _engine import make_engine
-from raytrain_mgpu.engine import checkpoints as engine_checkpoint
+from raytrain_mgpu.checkpointing import contents as engine_checkpoint
 from raytrain_mgpu.transports import collective_timeouts, retry
 from raytrain_mgpu.transports.actor_group.stage import StageWorker
 from raytrain_mgpu.engine.run_state import RunState

@@ -52,7 +52,7 @@ class Workload:
         return build_model(self.model, self.input_shape, self.num_classes, self.model_kwargs)
 
     def optimizer_for(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        if self.optimizer == "sgd":  # fit's sgd and adamw (raytrain_mgpu/optim.py): the same steps
+        if self.optimizer == "sgd":  # fit's sgd and adamw (raytrain_mgpu/engine/optim.py): the same steps
             return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
         return torch.optim.AdamW(model.parameters(), lr=self.lr)
 
@@ -200,7 +200,7 @@ def run_fit(work: Workload, precision: str, device: torch.device, epochs: int, o
     ``runner`` is ``TrainConfig.runner``: ``"auto"`` trains one worker in this process (no Ray), ``"ray"`` on a
     Ray Train worker; the row's runner is ``fit`` or ``fit-ray``."""
     from raytrain_mgpu.api import fit
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
 
     label = "fit" if runner == "auto" else f"fit-{runner}"
     cfg = TrainConfig(model=work.model, model_kwargs=work.model_kwargs, dataset=bench_data,

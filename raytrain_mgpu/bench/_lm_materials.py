@@ -113,7 +113,7 @@ def prepare(root: str, batch_size: int, seq_len: int, epochs: int, max_steps: in
     _write_parquet(os.path.join(text, "test", "part-00000.parquet"), texts[cuts[0]:cuts[1]])
     blocks_root = None
     if blocks:
-        from raytrain_mgpu.config import TrainConfig
+        from raytrain_mgpu.config.train import TrainConfig
         from raytrain_mgpu.data.lm_tokenize import tokenize_to_parquet
 
         blocks_root = os.path.join(root, "blocks")

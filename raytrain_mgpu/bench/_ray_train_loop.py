@@ -24,7 +24,7 @@ def hand_written_loop(config: dict) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.models import build_model
 

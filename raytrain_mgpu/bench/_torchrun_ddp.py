@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_mgpu.bench.ddp import plain_epoch
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
 

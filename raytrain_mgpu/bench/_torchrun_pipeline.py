@@ -22,10 +22,10 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.engine.optim import build_optimizer
 
 POLL_S = 0.01
 START_TIMEOUT_S = 600.0

@@ -38,7 +38,7 @@ def _train_fn(config: dict) -> None:
     """One Ray Train worker: ``saves`` intervals of ``steps_between`` steps, each ending in a save."""
     import torch
 
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.engine.loop import Engine
     from raytrain_mgpu.strategies.plan import build_plan
@@ -101,7 +101,7 @@ def _run_one(mode: str, args, storage: str, scratch: str, r: int) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.transports.ray_train.faults import controller_poll
 
     name = f"bench-checkpoint-{mode}-r{r}"

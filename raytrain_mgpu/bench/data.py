@@ -68,7 +68,7 @@ def _parquet_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
     import torch
     from torch.utils.data import DistributedSampler
 
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.engine.loaders import prefetch, train_loader
 
@@ -114,7 +114,7 @@ def _ray_data_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
     """``ingest="ray_data"``: one training worker's stream in its planned order (``engine/stream.py``,
     ``data/parquet_stream.py``); Ray Data decodes on the Ray instance's CPUs (:func:`_local_ray`): ``workers``
     does not apply."""
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.data.parquet_stream import stream_source
     from raytrain_mgpu.engine.stream import PlannedSampler, PlannedStream
@@ -133,7 +133,7 @@ def _ray_data_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
 def _ray_data_free_epochs(setup: Setup, workers: int) -> Callable[[int], Iterable]:
     """Ray Data's own order over the whole split (``transports/ray_data.train_dataset``, through the local
     shuffle buffer of a user's Ray Datasets): what the planned order costs against."""
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.engine.stream import ShardLoader
     from raytrain_mgpu.transports.ray_data import train_dataset
 
@@ -293,7 +293,7 @@ def run_and_print(args) -> int:
         folder = os.path.join(scratch, "imagefolder")
         num_images = export_imagefolder(root, folder)
         from raytrain_mgpu.data import check_data
-        from raytrain_mgpu.config import TrainConfig
+        from raytrain_mgpu.config.train import TrainConfig
 
         shape, _ = check_data(TrainConfig(dataset="parquet", data_root=root).data)
         setup = Setup(root, folder, num_images, shape, args.batch_size, args.seed)

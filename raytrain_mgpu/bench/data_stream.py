@@ -38,11 +38,11 @@ def _epoch_function(setup, path: str, rank: int, replicas: int, shard):
     """``epoch(e) -> batches`` of this worker's share: the engine's own samplers and loaders for ``path``."""
     import torch
 
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import build_datasets
     from raytrain_mgpu.engine import stream
     from raytrain_mgpu.engine.loaders import prefetch, train_loader
-    from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+    from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 
     cfg = TrainConfig(dataset="parquet", data_root=setup.parquet_root, seed=setup.seed).data
     micro = setup.batch_size // replicas
@@ -105,7 +105,7 @@ def run(setup, worker_counts: Iterable[int], epochs: int, step_ms: float,
 
 
 def _free_shards(setup, count: int) -> list:
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.transports.ray_data import train_dataset
 
     dataset = train_dataset(TrainConfig(dataset="parquet", data_root=setup.parquet_root, seed=setup.seed).data)

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 
 BENCH_CONFIG = dict(model="mlp", model_kwargs={"widths": [2048, 2048]}, dataset="synthetic",
                     input_shape=(1, 28, 28), num_samples=8192, batch_size=256, epochs=4,

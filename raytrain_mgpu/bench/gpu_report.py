@@ -40,7 +40,7 @@ import torch
 
 from raytrain_mgpu._cli_options import WordList
 from raytrain_mgpu.engine import devices
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.strategies import STRATEGIES as _REGISTRY
 from raytrain_mgpu.strategies import get_strategy
 

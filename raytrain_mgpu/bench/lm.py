@@ -146,7 +146,7 @@ def run_plain(setup: Setup, threads: int) -> Measured:
 
 def fit_config(setup: Setup, workers: int, ingest: str, cpus_per_worker: int, storage: str):
     """``fit``'s config for one row; raises ``ValueError`` where ``fit`` refuses it (the row says why)."""
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
 
     data_root = setup.blocks if ingest == "ray_data" else setup.text
     return TrainConfig(model=f"hf:{setup.model}", dataset="text", data_root=data_root, seq_len=setup.seq_len,

@@ -37,10 +37,10 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import Datasets, build_datasets
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.optim import build_optimizer
+from raytrain_mgpu.engine.optim import build_optimizer
 from raytrain_mgpu.bench._torchrun_pipeline import TorchrunPipeline, seeded_loader
 from raytrain_mgpu.transports.actor_group.stage import StageWorker
 
@@ -154,7 +154,7 @@ class BenchStageWorker(StageWorker):
     def bench_start(self, attempt: str) -> None:
         """Set the engine up for stepping by hand: ``bench_steps`` runs its steps, ``bench_stats`` reads (and restarts)
         the stage's sums; for timing the schedule against torchrun's, step for step, from the driver."""
-        from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+        from raytrain_mgpu.pipeline.steps import PipelineSteps
         from raytrain_mgpu.transports.actor_group.stage import StageTransport
         from raytrain_mgpu.engine.loop import Engine
         from raytrain_mgpu.engine.metrics import EpochMeter

@@ -4,7 +4,7 @@ timed against a plain step.
     raytrain-mgpu bench-preemption [--num-workers 2] [--calls 200] [--rounds 3]
 
 The loop checks for a preemption notice every ``CHECK_EVERY_N_STEPS`` optimizer steps
-(``engine/preemption.py``): each rank reads the notice on its own worker and the ranks agree with
+(``checkpointing/preemption.py``): each rank reads the notice on its own worker and the ranks agree with
 an all-reduce of one number; ``get_preemption_info()`` (a barrier over every rank through Ray
 Train's synchronization actor) only once one has it. Here ``--num-workers`` Ray Train workers (gloo,
 1 CPU each) run, side by side in one run:
@@ -37,7 +37,7 @@ def _train_fn(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_mgpu.engine.preemption import AnyRank
+    from raytrain_mgpu.checkpointing.preemption import AnyRank
     from raytrain_mgpu.transports.preemption import ray_local_notice as _ray_local_notice
 
     torch.set_num_threads(1)
@@ -109,7 +109,7 @@ def add_arguments(parser) -> None:
 
 
 def run_and_print(args) -> int:
-    from raytrain_mgpu.engine.preemption import CHECK_EVERY_N_STEPS
+    from raytrain_mgpu.checkpointing.preemption import CHECK_EVERY_N_STEPS
 
     print(f"preemption check: {args.num_workers} Ray Train worker(s), gloo, {args.calls} calls x {args.rounds} "
           f"round(s), {os.cpu_count()} CPU cores")

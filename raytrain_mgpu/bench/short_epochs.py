@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 
 CONFIG = dict(model="mlp", model_kwargs={"widths": [64]}, dataset="digits", batch_size=64, optimizer="sgd",
               lr=0.1, seed=0, num_workers=2, use_gpu=False, cpus_per_worker=1, epochs=10)

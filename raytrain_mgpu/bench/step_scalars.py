@@ -21,7 +21,7 @@ from dataclasses import fields
 from typing import Dict, List
 
 from raytrain_mgpu.bench.ddp import BENCH_CONFIG, Measured, ray_fit
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 
 DEFAULT_N = next(f.default for f in fields(TrainConfig) if f.name == "log_every_n_steps")
 OFF = 10**9

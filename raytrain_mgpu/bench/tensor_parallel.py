@@ -29,9 +29,9 @@ def _rank(rank: int, world: int, port: int, fields: dict, steps: int, out: str) 
     import torch.distributed as dist
     from torch.nn import functional as F
 
-    from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.engine.checkpoints import build_model
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.config.train import TrainConfig
+    from raytrain_mgpu.checkpointing.contents import build_model
+    from raytrain_mgpu.engine.optim import build_optimizer
     from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
 

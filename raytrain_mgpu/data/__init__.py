@@ -19,12 +19,12 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from raytrain_mgpu._checks import did_you_mean
-from raytrain_mgpu._factory import code_name, is_factory
+from raytrain_mgpu.config.names import did_you_mean
+from raytrain_mgpu.config.factories import code_name, is_factory
 from raytrain_mgpu.data.ray_datasets import RayDataSplits, check_fields, is_ray_datasets  # no torch, no Ray
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
     from raytrain_mgpu.data.base import Datasets
 
 __all__ = ["Datasets", "DATASETS", "ImageArrayDataset", "PixelNormaliser", "dataset_names",
@@ -141,7 +141,7 @@ def check_data_fields(cfg) -> None:
 
 
 def _import_factory(spec) -> Callable:
-    from raytrain_mgpu._factory import load_factory
+    from raytrain_mgpu.config.factories import load_factory
 
     return load_factory(spec, "dataset")
 
@@ -232,7 +232,7 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
 
         input_shape = transformed_shape(cfg.train_transform, cfg.test_transform, input_shape)
     logger.debug("dataset %s: input_shape=%s num_classes=%s", cfg.dataset, input_shape, num_classes)
-    from raytrain_mgpu.batches import as_shape
+    from raytrain_mgpu.engine.batches import as_shape
 
-    # None: not classification. A structured input's shape is a dict (or tuple) of shapes (raytrain_mgpu.batches).
+    # None: not classification. A structured input's shape is a dict (or tuple) of shapes (raytrain_mgpu.engine.batches).
     return as_shape(input_shape), None if num_classes is None else int(num_classes)

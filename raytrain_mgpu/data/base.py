@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 __all__ = ["Datasets", "ImageArrayDataset", "PixelNormaliser", "data_root_folder", "find_files", "find_or_download",
            "download_with_torchvision", "split_validation", "validation_size"]
@@ -30,7 +30,7 @@ class Datasets(NamedTuple):
 
     train: Dataset
     """Map-style; an item is ``(x, y)``: a tensor and a class index, or tensors, tuples or dicts of
-    tensors for either (``raytrain_mgpu.batches``: a dict ``x`` is passed to the model as keyword arguments)."""
+    tensors for either (``raytrain_mgpu.engine.batches``: a dict ``x`` is passed to the model as keyword arguments)."""
     test: Dataset
     input_shape: tuple
     """Shape of one ``x``, e.g. ``(1, 8, 8)``; for a dict (or tuple) ``x``, a dict (tuple) of shapes."""

@@ -23,7 +23,7 @@ import numpy as np
 from raytrain_mgpu.data.base import Datasets, ImageArrayDataset, PixelNormaliser, data_root_folder, find_or_download
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 logger = logging.getLogger(__name__)
 

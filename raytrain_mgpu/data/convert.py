@@ -24,7 +24,7 @@ from raytrain_mgpu.data.parquet_table import META_MAX_VALUE, META_MEAN, META_NUM
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 __all__ = ["convert_to_parquet"]
 

@@ -20,7 +20,7 @@ import numpy as np
 from raytrain_mgpu.data.base import Datasets, ImageArrayDataset, PixelNormaliser
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ order where the training split is materialized, else in Ray Data's order (``data
 
 from __future__ import annotations
 
-from raytrain_mgpu._factory import code_name
+from raytrain_mgpu.config.factories import code_name
 
 __all__ = ["RAY_DATA_DATASETS", "check_ingest", "resumes_mid_epoch"]
 

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from raytrain_mgpu._checks import fail, is_int
-from raytrain_mgpu._factory import HF_MODEL_PREFIX
+from raytrain_mgpu.config.names import fail, is_int
+from raytrain_mgpu.config.factories import HF_MODEL_PREFIX
 
 __all__ = ["TEXT_DATASET", "DEFAULT_SEQ_LEN", "MAX_DEFAULT_SEQ_LEN", "hf_folder", "model_limits", "default_seq_len",
            "check_text_fields"]

@@ -23,7 +23,7 @@ takes minutes to tokenize is tokenized once with ``data tokenize``; training the
 
 The blocks are a map-style dataset, so the loader path gives what it gives the image ``parquet`` dataset: an order
 planned by the seed and the epoch (``DistributedSampler``), the same at every worker count and after a restart, and
-step checkpoints that resume inside an epoch with no block skipped or repeated (``engine/step_checkpoints.py``).
+step checkpoints that resume inside an epoch with no block skipped or repeated (``checkpointing/step_checkpoints.py``).
 ``ingest="ray_data"`` streams ``data tokenize``'s blocks in that order from their files (``data/lm_blocks.py``).
 """
 
@@ -48,7 +48,7 @@ from raytrain_mgpu.data.parquet_table import import_arrow
 from raytrain_mgpu.data.text import TokenWindows
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 __all__ = ["build", "check", "TextPlan", "plan", "token_batches", "pack", "load_tokenizer", "META_SEQ_LEN",
            "META_VOCAB_SIZE", "TOKEN_COLUMN"]

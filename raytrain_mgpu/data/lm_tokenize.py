@@ -27,7 +27,7 @@ from raytrain_mgpu.data.parquet import resolve_uri
 from raytrain_mgpu.data.parquet_table import import_arrow
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 __all__ = ["tokenize_to_parquet"]
 

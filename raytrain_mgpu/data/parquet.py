@@ -28,7 +28,7 @@ from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.data.parquet_table import ParquetTable, Pixels, arrow_errors, import_arrow
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ takes the same dict (``"train"`` and ``"test"``, and ``"val"`` if there is one):
 columns, any ``map_batches`` of the user's before. ``collate(batch)`` turns a batch, a dict of
 NumPy arrays (one per column, as ``Dataset.iter_batches`` gives it), into ``(inputs, targets)``;
 ``inputs`` may be a tensor or a dict of tensors (the model's keyword arguments,
-``raytrain_mgpu.batches``).
+``raytrain_mgpu.engine.batches``).
 
 How each split is read:
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
     from raytrain_mgpu.data.base import Datasets
 
 __all__ = ["SPLITS", "RayDataSplits", "PlannedRows", "is_ray_datasets", "is_materialized", "planned",
@@ -109,7 +109,7 @@ def take(cfg) -> Any:
     ``ingest="ray_data"``): what ``fit`` trains. Reads two rows and counts the training split."""
     if not is_ray_datasets(cfg.dataset):
         return cfg
-    from raytrain_mgpu._factory import load_factory
+    from raytrain_mgpu.config.factories import load_factory
 
     splits = dict(cfg.dataset)
     collate = load_factory(cfg.collate, "collate")
@@ -180,7 +180,7 @@ class RayDataSplits:
         engine's feed (``engine/feed.py``): a materialized one by position (:class:`PlannedRows`), else here only its
         size. The splits' iterators come from Ray Train (``ray.train.get_dataset_shard``) or, on a pipeline's stage
         actor, from its driver (:func:`use_shards`)."""
-        from raytrain_mgpu._factory import load_factory
+        from raytrain_mgpu.config.factories import load_factory
         from raytrain_mgpu.data.base import Datasets
 
         shard = _SHARDS.get("provider")
@@ -331,7 +331,7 @@ class CollatedSamples:
     (dicts and tuples kept), so a ``DataLoader`` batch of them is what ``collate`` gives for those rows."""
 
     def __init__(self, inputs, targets):
-        from raytrain_mgpu.batches import batch_size
+        from raytrain_mgpu.engine.batches import batch_size
 
         self.inputs, self.targets = inputs, targets
         self.length = batch_size(targets)

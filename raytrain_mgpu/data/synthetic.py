@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from raytrain_mgpu.data.base import Datasets, generated_sizes
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 DEFAULT_INPUT_SHAPE = (1, 28, 28)
 DEFAULT_NUM_CLASSES = 10

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from raytrain_mgpu.data.base import Datasets, generated_sizes
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_VOCAB_SIZE = 30522  # BERT's WordPiece vocabulary, as in the seed article

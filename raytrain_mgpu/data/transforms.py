@@ -50,7 +50,7 @@ def check_transform_spec(field: str, spec) -> None:
     """Parse ``spec`` without importing anything; ValueError names the field, the part and the fix."""
     import re
 
-    from raytrain_mgpu._factory import check_factory_spec
+    from raytrain_mgpu.config.factories import check_factory_spec
 
     if spec is None or (callable(spec) and not isinstance(spec, str)):  # from Python: the transform itself
         return
@@ -83,7 +83,7 @@ def _one(part: str, shape: tuple, field: str) -> Callable:
     if part.startswith("resize:"):
         size = int(part[len("resize:"):])
         return v2.Resize((size, size), antialias=True)
-    from raytrain_mgpu._factory import load_factory
+    from raytrain_mgpu.config.factories import load_factory
 
     transform = load_factory(part, field)()
     if not callable(transform):

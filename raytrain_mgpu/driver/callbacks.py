@@ -104,7 +104,7 @@ def _label(field: str, entry) -> str:
 def load_callbacks(entries: list) -> List[Tuple[str, Any]]:
     """``TrainConfig.callbacks`` as ``(label, callback)`` pairs: a ``"module:Class"`` is imported
     and built with no arguments (errors name the entry and the fix); an instance is used as it is."""
-    from raytrain_mgpu._factory import load_factory
+    from raytrain_mgpu.config.factories import load_factory
 
     loaded = []
     for entry in entries or []:

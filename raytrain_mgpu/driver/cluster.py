@@ -352,7 +352,7 @@ def worker_runtime_env(*specs: str) -> dict:
     - the GPU emulation switch, so every worker and stage actor emulates too, also when the
       driver called ``ray.init`` itself (workers inherit the raylet's environment, not the driver's).
     """
-    from raytrain_mgpu._factory import local_modules_to_ship, upload_modules
+    from raytrain_mgpu.config.factories import local_modules_to_ship, upload_modules
 
     # On a Ray that connect() started, its raylet has what the driver's environment held then, and a runtime env
     # that sets nothing new lets Ray hand the run its pre-started worker processes (each a Python that has

@@ -38,9 +38,9 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine.checkpoint_files import filesystem
-from raytrain_mgpu.engine.run_folder import run_uri
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.checkpointing.files import filesystem
+from raytrain_mgpu.checkpointing.run_folder import run_uri
 from raytrain_mgpu.engine.weights import SAFETENSORS_FILE, load_weights, pick_checkpoint, read_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,9 @@ def model_from_meta(meta: dict, source: str, allow_code: bool = False):
     objects (a dataset or loss passed from Python) that a config cannot be built from and the model does
     not need. A model named ``module:function`` is code named by a file in the run folder, so it is built
     only with ``allow_code`` or a module listed in ``RAYTRAIN_MGPU_TRUSTED_MODULES``, as a config file's."""
-    from raytrain_mgpu._factory import TRUSTED_MODULES_ENV, is_factory, trusted_modules
-    from raytrain_mgpu.batches import as_shape
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.factories import TRUSTED_MODULES_ENV, is_factory, trusted_modules
+    from raytrain_mgpu.engine.batches import as_shape
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.models import build_model
 
     display, config = redact(source), meta.get("config") or {}

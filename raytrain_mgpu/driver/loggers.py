@@ -40,7 +40,7 @@ import time
 from typing import Callable, Dict, List, Tuple
 
 from raytrain_mgpu.driver.callbacks import Callback, RunInfo
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ import socket
 import uuid
 from typing import List, Optional, Tuple
 
-from raytrain_mgpu._factory import code_name
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine.checkpoint_files import filesystem
+from raytrain_mgpu.config.factories import code_name
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.checkpointing.files import filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def check_run_folder(cfg, data_info: Optional[dict] = None) -> None:
 
     ``data_info``: ``{"input_shape": [...], "num_classes": n, "train_split_size": n}``."""
     from raytrain_mgpu.driver.rerun import check_resume
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     folder = RunFolder.of(cfg)
     newest = folder.newest_checkpoint()
@@ -298,8 +298,8 @@ def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> N
     """Build ``cfg``'s model on ``meta`` and its optimizer over it; errors name the factory and the fix."""
     from raytrain_mgpu.models import build_model_shapes
     from raytrain_mgpu.models.checkpointing import checkpoint_blocks, compile_blocks
-    from raytrain_mgpu.objectives import Objective
-    from raytrain_mgpu.optim import build_optimizer
+    from raytrain_mgpu.engine.objectives import Objective
+    from raytrain_mgpu.engine.optim import build_optimizer
 
     from raytrain_mgpu.models.huggingface import check_source, is_hf
 

@@ -239,7 +239,7 @@ class WorkerReporter:
         self._send("checkpoint", path)
 
     def notice(self, line: str) -> None:
-        """One line for the driver to print as it is (a preemption, a resume: ``engine/preemption.py``)."""
+        """One line for the driver to print as it is (a preemption, a resume: ``checkpointing/preemption.py``)."""
         self._send("notice", line)
 
     def startup(self, entered: float, first_step: float, resumed_from: Optional[str] = None) -> None:

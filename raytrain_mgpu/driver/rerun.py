@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, List, Optional, Tuple
 
-from raytrain_mgpu._redact import redact
+from raytrain_mgpu.config.redact import redact
 
 __all__ = ["check_resume", "training_changes", "describe_changes", "NOT_TRAINING_FIELDS"]
 
@@ -107,7 +107,7 @@ def describe_changes(changes: List[Tuple[str, object, object]]) -> str:
 
 def _mode(values: dict, cfg) -> Optional[str]:
     """How ``values["monitor"]`` ranks epochs, ``"auto"`` resolved with ``cfg``'s metrics; None without a monitor."""
-    from raytrain_mgpu.config_code import better_mode
+    from raytrain_mgpu.config.code import better_mode
 
     if values.get("monitor") is None:
         return None

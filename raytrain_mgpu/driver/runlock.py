@@ -22,8 +22,8 @@ import time
 import uuid
 from typing import List, Optional
 
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine.checkpoint_files import filesystem
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.checkpointing.files import filesystem
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Run on every spot worker node after ``ray start`` (cluster.yaml's worker start c
 notice it asks the GCS to drain its own node with reason ``DRAIN_NODE_REASON_PREEMPTION`` and a
 deadline ``grace_s`` from now (what ``ray drain-node`` does), waits ``grace_s`` and exits. Ray
 Train sees the drain (its preemption watcher), the workers save a step checkpoint
-(``engine/preemption.py``), and at the deadline the group restarts without the node, counted
+(``checkpointing/preemption.py``), and at the deadline the group restarts without the node, counted
 against ``max_preemption_failures`` and not ``max_failures``.
 
 The notices:

@@ -1,13 +1,11 @@
 """The engine: one training run on one rank, whichever transport carries it. No Ray, no transport.
+Its checkpoints are ``raytrain_mgpu.checkpointing``'s.
 
 - ``loop.py``             :class:`Engine` and :func:`run_epochs`: the epochs, the steps, evaluation, the epoch row;
 - ``step.py``             the step runner's interface (``Steps``) and the end of every step (``OptimizerStep``);
 - ``precision.py``        autocast, fp16's grad scaler, their hand-over to replica threads (``Precision``);
-- ``checkpoints.py``      what a checkpoint holds and the restore with every RNG (``Saver``, ``read``);
-- ``checkpoint_files.py`` the checkpoint's file format; ``run_folder.py``: ``{storage_path}/{name}`` on any
-                          pyarrow filesystem (publishing, the best copy, pruning, the checkpoint to resume from);
-- ``step_checkpoints.py`` when a step checkpoint is due, and the resumable sampler; ``preemption.py``: the notice's
-                          checkpoint;
+- ``objectives.py``       losses and metrics; ``optim.py``: optimizers, parameter groups, LR schedules;
+  ``batches.py``: moving, calling, splitting and counting tuple/dict batches;
 - ``feed.py``             samplers, loaders (``loaders.py``, ``prefetch.py``), data waits, data on the device;
 - ``observe.py``          FLOPs, MFU, the profiler, evaluation every N steps (``flops.py``, ``profiling.py``);
   ``metrics.py``, ``step_scalars.py``, ``run_state.py``: the epoch's sums, the per-step scalars, the row and meta;

@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.engine.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.engine.prefetch import Prefetcher
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 
 __all__ = ["Feed", "ResidentBatches", "resident_split", "steps_per_epoch"]
 
@@ -109,7 +109,7 @@ class Feed:
                                                  rank=shard, seed=self.cfg.seed)
             self._streams = True  # the rows come from Ray Data: none to prefetch here
             return stream.PlannedStream(self.sampler, self.batch, self.steps_per_epoch * self.accum, source)
-        from raytrain_mgpu._factory import load_factory
+        from raytrain_mgpu.config.factories import load_factory
 
         collate = None if cfg.collate is None else load_factory(cfg.collate, "collate")
         loader = stream.ShardLoader(transport.data_shard(), self.batch, self.steps_per_epoch * self.accum, cfg.seed,
@@ -140,7 +140,7 @@ class Feed:
         """``next_batch()``: the next batch on the step runner's device, its wait counted as data wait; ``first``
         sees the first one (the FLOPs' shapes)."""
         device, channels_last = self.steps.device, self.cfg.channels_last
-        from raytrain_mgpu.batches import move_batch
+        from raytrain_mgpu.engine.batches import move_batch
 
         def next_batch() -> tuple:
             nonlocal first

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from raytrain_mgpu.batches import call_model
+from raytrain_mgpu.engine.batches import call_model
 from raytrain_mgpu.engine import devices
 
 __all__ = ["step_flops", "peak_flops_per_s", "mfu", "Peak", "PEAKS", "PRECISIONS"]
@@ -44,7 +44,7 @@ def step_flops(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[A
 
     ``loss_fn(outputs, targets)`` returns the scalar loss; ``inputs`` and ``targets`` are tensors or
     tuples, lists or dicts of them (a dict ``inputs`` is passed as keyword arguments,
-    ``raytrain_mgpu.batches.call_model``). The count is ``FlopCounterMode``'s: matrix products,
+    ``raytrain_mgpu.engine.batches.call_model``). The count is ``FlopCounterMode``'s: matrix products,
     convolutions and attention (2 FLOPs a multiply-add), in the model's current train/eval mode.
     The backward counts what autograd computes, so the first layer's input gradient, which nothing
     needs, is not in it: a ``Linear(a, b)`` first layer costs ``4 * batch * a * b``, a later one

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from raytrain_mgpu.data.transforms import TransformedDataset
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.sections import DataConfig
 
 __all__ = ["train_loader", "test_loader", "prefetch", "base_dataset", "worker_context"]
 

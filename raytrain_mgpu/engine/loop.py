@@ -11,14 +11,14 @@ files where they go):
 - the data feed (the resumable sampler, the loaders, the time spent waiting for batches);
 - the epoch row (one all-reduce of every rank's sums, one gather of the small per-rank records)
   and the evaluation's reduction;
-- checkpoints (:class:`~raytrain_mgpu.engine.checkpoint_manager.CheckpointManager`: when, what, the write, the
-  resume choice; ``engine/checkpoints.py``: what each rank writes, names, every rank's random generators, the
+- checkpoints (:class:`~raytrain_mgpu.checkpointing.manager.CheckpointManager`: when, what, the write, the
+  resume choice; ``checkpointing/contents.py``: what each rank writes, names, every rank's random generators, the
   partial sums of an unfinished epoch, and the restore that reads them back);
 - the run's precision (``engine/precision.py``: autocast, fp16's grad scaler), handed to the step runner.
 
 What differs between strategies is a *step runner* (:class:`Steps`): how one step's micro-batches go
 forward and backward and their gradients meet, and which files this rank's checkpoint part holds
-(``parallel/steps.py`` for the data-parallel family, ``parallel/pipeline_steps.py`` for a pipeline stage).
+(``parallel/steps.py`` for the data-parallel family, ``pipeline/steps.py`` for a pipeline stage).
 What differs between transports is a :class:`~raytrain_mgpu.transports.base.Transport`: how a
 rank's events reach the driver and where a checkpoint's files go. A feature of the loop lands here
 once and runs in every transport (tests/test_engine.py).
@@ -37,7 +37,7 @@ from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerSte
                                                Steps)
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
                                            peak_memory_bytes, reset_peak_memory)
-from raytrain_mgpu.engine.checkpoint_manager import CheckpointManager
+from raytrain_mgpu.checkpointing.manager import CheckpointManager
 from raytrain_mgpu.engine.run_state import (RunState, at_max_steps, epoch_row, eval_columns, perplexity_column,
                                              stops_early)
 from raytrain_mgpu.engine.step_scalars import StepWindow
@@ -118,7 +118,7 @@ class Engine:
     def setup(self, entered: Optional[float] = None) -> None:
         """Everything before the first step: the model (the run's seed, then the resume point's weights), the step
         runner's placement, the data feed, optimizer, LR schedule, grad scaler, their states and every RNG."""
-        from raytrain_mgpu.engine import checkpoints as checkpoints
+        from raytrain_mgpu.checkpointing import contents as checkpoints
         from raytrain_mgpu.engine.feed import Feed
 
         entered = time.time() if entered is None else entered

@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from raytrain_mgpu.batches import first_tensor, target_count, to_device
-from raytrain_mgpu.objectives import Objective, Predictions
+from raytrain_mgpu.engine.batches import first_tensor, target_count, to_device
+from raytrain_mgpu.engine.objectives import Objective, Predictions
 
 
 def peak_memory_bytes(devices: Sequence[torch.device]) -> List[int]:
@@ -40,7 +40,7 @@ class EpochMeter:
     """Sums the loss and every metric's ``(sum, count)``; counts samples; times steps and data waits.
 
     ``add`` gets the outputs themselves (the metrics run here, where they live) or, from
-    strategies whose outputs stay on other devices, :class:`~raytrain_mgpu.objectives.Predictions`
+    strategies whose outputs stay on other devices, :class:`~raytrain_mgpu.engine.objectives.Predictions`
     holding the pairs already computed there.
     """
 

@@ -60,7 +60,7 @@ class Observer:
 
     def first_batch(self, x, y) -> None:
         """Rank 0's first batch of the attempt: the FLOPs of a step, on a few of its rows' shapes (once)."""
-        from raytrain_mgpu.batches import head
+        from raytrain_mgpu.engine.batches import head
         from raytrain_mgpu.engine.flops import step_flops
 
         model, self._model = self._model, None
@@ -120,7 +120,7 @@ class Observer:
             profiler.close()
             files = [f for f in os.listdir(self._trace_dir) if f.endswith(".json")]
             if files:
-                from raytrain_mgpu.engine.run_folder import RunFolder
+                from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
                 folder = RunFolder.of(self.engine.cfg)
                 with folder.writable(folder.join("profile")) as target:

@@ -1,11 +1,11 @@
-"""The run-state contract of the one engine (``engine/loop.py``, ``engine/checkpoints.py``), whichever transport
+"""The run-state contract of the one engine (``engine/loop.py``, ``checkpointing/contents.py``), whichever transport
 carries it.
 
 One place defines what survives a restart (:class:`RunState`), what a checkpoint's
 ``meta.json`` holds (:func:`checkpoint_meta`), what one epoch's history row holds
 (:func:`epoch_row`), when a run is finished (:meth:`RunState.finished`), and which epoch
 is the best and whether the run stops early (:func:`best_row`, :func:`stops_early`). A step
-runner adds its own extra keys (the pipeline's, ``parallel/pipeline_steps.py``, its partition and
+runner adds its own extra keys (the pipeline's, ``pipeline/steps.py``, its partition and
 bubble) and a transport its rank's place (Ray Train's workers their node ids); the shared keys are
 the same, so a run folder reads the same whoever wrote it. Light on purpose: no torch, no Ray.
 """
@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence
 
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.config_code import monitor_mode
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.config.code import monitor_mode
 
 __all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
            "metric_columns", "eval_columns", "perplexity_column"]
@@ -125,7 +125,7 @@ def best_record(cfg, history: list) -> dict:
 
 def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
     """``meta.json`` of the checkpoint after ``state``; ``shape_info``: input_shape, num_classes."""
-    from raytrain_mgpu._factory import code_record
+    from raytrain_mgpu.config.factories import code_record
 
     return {"model": code_record(cfg.model), "dataset": code_record(cfg.dataset), "strategy": cfg.strategy,
             "epoch": state.epoch,

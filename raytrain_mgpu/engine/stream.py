@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from raytrain_mgpu.engine.step_checkpoints import ResumableSampler
+from raytrain_mgpu.checkpointing.step_checkpoints import ResumableSampler
 
 __all__ = ["ShardLoader", "SHUFFLE_BUFFER_BATCHES", "PlannedSampler", "PlannedStream", "planned_order",
            "WINDOW_ROWS"]

@@ -27,9 +27,9 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine.checkpoint_files import META_FILE, filesystem, load_model_state, local_checkpoint, read_meta
-from raytrain_mgpu.engine.run_folder import CheckpointInfo, RunFolder
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.checkpointing.files import META_FILE, filesystem, load_model_state, local_checkpoint, read_meta
+from raytrain_mgpu.checkpointing.run_folder import CheckpointInfo, RunFolder
 
 logger = logging.getLogger(__name__)
 

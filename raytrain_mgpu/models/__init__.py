@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Dict
 
-from raytrain_mgpu._checks import did_you_mean
-from raytrain_mgpu._factory import (HF_MODEL_PREFIX, code_name, function_name, is_factory, keyword_parameters,
+from raytrain_mgpu.config.names import did_you_mean
+from raytrain_mgpu.config.factories import (HF_MODEL_PREFIX, code_name, function_name, is_factory, keyword_parameters,
                                     load_factory)
 
 if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
@@ -113,7 +113,7 @@ def build_model_shapes(name, input_shape: tuple, num_classes, model_kwargs: dict
 
 def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> dict:
     """The keyword arguments model factory ``spec`` is called with (see the module's docstring)."""
-    from raytrain_mgpu.batches import as_shape
+    from raytrain_mgpu.engine.batches import as_shape
 
     from_data = {"input_shape": as_shape(input_shape), "num_classes": num_classes}
     given = sorted(k for k in model_kwargs if k == "input_shape" or (k == "num_classes" and num_classes is not None))

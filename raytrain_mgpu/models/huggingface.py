@@ -46,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from raytrain_mgpu._checks import fail
-from raytrain_mgpu._factory import HF_MODEL_PREFIX
+from raytrain_mgpu.config.names import fail
+from raytrain_mgpu.config.factories import HF_MODEL_PREFIX
 
 logger = logging.getLogger(__name__)
 

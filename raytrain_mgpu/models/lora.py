@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from typing import List
 
-from raytrain_mgpu._checks import fail, is_int, is_number
+from raytrain_mgpu.config.names import fail, is_int, is_number
 
 __all__ = ["LORA_KEYS", "check_lora", "lora_config", "apply_lora", "check_targets", "linear_names"]
 

@@ -26,7 +26,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from raytrain_mgpu.batches import call_model, detach, to_device
+from raytrain_mgpu.engine.batches import call_model, detach, to_device
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A strategy's class (``strategies/``, no torch) names its two steps, ``placement`
 ``replication``; :func:`build_worker` composes them into the :class:`WorkerStrategy` the loop
 uses (``parallel/worker.py`` says what each step does), on a Ray Train worker or in the driver's
 own process (``transports/base.data_parallel_steps``). The pipeline strategies run in their own
-actor group (``transports/actor_group/``) with their own step runner (``parallel/pipeline_steps.py``)
+actor group (``transports/actor_group/``) with their own step runner (``pipeline/steps.py``)
 and have no worker here.
 """
 
@@ -17,8 +17,8 @@ from raytrain_mgpu.parallel.replication import REPLICATIONS
 from raytrain_mgpu.parallel.worker import ModelWrapper, WorkerStrategy
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import ParallelConfig
-    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.config.sections import ParallelConfig
+    from raytrain_mgpu.engine.objectives import Objective
     from raytrain_mgpu.strategies import Strategy, WorkerContext
 
 __all__ = ["build_worker", "WorkerStrategy", "ModelWrapper", "PLACEMENTS", "REPLICATIONS"]

@@ -44,9 +44,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import parallel_apply
 
-from raytrain_mgpu.batches import call_model, detach, first_tensor, target_count, to_device
+from raytrain_mgpu.engine.batches import call_model, detach, first_tensor, target_count, to_device
 from raytrain_mgpu.models.partition import blocks_of, plan_partition
-from raytrain_mgpu.objectives import Objective, Predictions, add_pairs, move_pairs
+from raytrain_mgpu.engine.objectives import Objective, Predictions, add_pairs, move_pairs
 from raytrain_mgpu.engine.precision import capture, entered
 from raytrain_mgpu.parallel import _dp_ops
 from raytrain_mgpu.parallel.worker import ModelWrapper, explain_ddp_error

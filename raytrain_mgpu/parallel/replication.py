@@ -263,7 +263,7 @@ class FSDPReplication(Replication):
         state = {**state, "state": {key: dict(value) for key, value in state["state"].items()}}
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
-    # Checkpoints: each rank its own shards (DCP), never the full state on one rank (engine/checkpoint_files.py).
+    # Checkpoints: each rank its own shards (DCP), never the full state on one rank (checkpointing/files.py).
     sharded_checkpoint = True
 
     def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
@@ -318,7 +318,7 @@ class FSDPReplication(Replication):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-        from raytrain_mgpu.engine.checkpoint_files import check_sharded_metadata
+        from raytrain_mgpu.checkpointing.files import check_sharded_metadata
 
         check_sharded_metadata(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -133,7 +133,7 @@ class DataParallelSteps(Steps):
         return norm
 
     def evaluate(self, loader, meter) -> None:
-        from raytrain_mgpu.batches import move_batch
+        from raytrain_mgpu.engine.batches import move_batch
 
         for x, y in loader:
             POSITION.mark("evaluating")

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.engine.objectives import Objective
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config_sections import ParallelConfig
+    from raytrain_mgpu.config.sections import ParallelConfig
     from raytrain_mgpu.parallel.placement import Placement
     from raytrain_mgpu.parallel.replication import Replication
     from raytrain_mgpu.strategies import WorkerContext
@@ -86,10 +86,10 @@ class WorkerStrategy:
     def compute_loss(self, model: nn.Module, x, y) -> Tuple[torch.Tensor, object]:
         """``(mean loss, outputs)`` for one micro-batch (``self.objective``'s loss), on ``self.device``.
 
-        ``x`` and ``y`` are tensors, or tuples/dicts of tensors (:mod:`raytrain_mgpu.batches`:
+        ``x`` and ``y`` are tensors, or tuples/dicts of tensors (:mod:`raytrain_mgpu.engine.batches`:
         a dict ``x`` is passed as keyword arguments). Where the outputs land on another device
         (model parallel) or on every device (``dp_balanced``), only the loss and every metric's
-        ``(sum, count)`` come back (as :class:`~raytrain_mgpu.objectives.Predictions`).
+        ``(sum, count)`` come back (as :class:`~raytrain_mgpu.engine.objectives.Predictions`).
         """
         return self.placement.compute_loss(self, model, x, y)
 

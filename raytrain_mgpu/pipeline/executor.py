@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_mgpu.batches import detach, to_device
-from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.engine.batches import detach, to_device
+from raytrain_mgpu.engine.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import HEADER_LEN, Comm, header, parse_header
 from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.engine.precision import Precision
@@ -194,7 +194,7 @@ class PipelineExecutor:
     def _forward(self, index: int, action: Action) -> None:
         stage, _, mb = action
         if stage == 0:
-            x = to_device(self._inputs[mb], self.device)  # a tensor, or a tuple/dict batch (raytrain_mgpu.batches)
+            x = to_device(self._inputs[mb], self.device)  # a tensor, or a tuple/dict batch (raytrain_mgpu.engine.batches)
         else:
             x = self._receive(index, FORWARD, stage, mb)
             if self._scale is not None and x.is_floating_point():

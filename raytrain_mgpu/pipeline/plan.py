@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, List, Optional
 
-from raytrain_mgpu._factory import code_name
+from raytrain_mgpu.config.factories import code_name
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.models import build_model_shapes
 from raytrain_mgpu.models.partition import Partition, blocks_of, plan_partition
 from raytrain_mgpu.pipeline.schedule import num_virtual_stages
 
 if TYPE_CHECKING:  # annotations only: the config validates through strategies, which use this module
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -137,7 +137,7 @@ def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = Non
     model checks that need its structure (a split over devices or stages) run here, before Ray. ``variant``: one
     of the strategy's ``auto_variants`` over its ``auto_layout``.
     """
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.data import check_data
     from raytrain_mgpu.strategies import get_strategy
     from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
@@ -279,7 +279,7 @@ def previous_layout(cfg) -> Optional[dict]:
     runner wrote it (both store the whole config). No Ray: ``fit`` answers a resumed or
     finished ``auto`` run from it before connecting.
     """
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     newest = RunFolder.of(cfg).newest_checkpoint()
     saved = newest.meta.get("config", {}) if newest is not None else {}
@@ -331,7 +331,7 @@ def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, r
                 break
     if not fitting:
         return name, reason, None
-    from raytrain_mgpu.engine.run_folder import run_uri
+    from raytrain_mgpu.checkpointing.run_folder import run_uri
 
     report = compare(cfg, strategies=fitting, steps=10, warmup_steps=2, memory_budget_bytes=budget,
                      storage_path=run_uri(cfg.storage_path, f"{cfg.name}-auto-measure"))

@@ -32,15 +32,15 @@ import re
 import time
 from typing import Callable, List, Optional, Sequence
 
-from raytrain_mgpu._factory import code_name
-from raytrain_mgpu._redact import redact
+from raytrain_mgpu.config.factories import code_name
+from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.planning.auto import (ClusterInfo, candidates, cluster_info, describe_layout, layout_label, layouts,
                                          plan_config)
 from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
 from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, CompareReport, Recommendation, RunRow,
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
-from raytrain_mgpu._units import parse_bytes
+from raytrain_mgpu.config.units import parse_bytes
 from raytrain_mgpu.driver.cluster import keep_ray_started
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raytrain_mgpu.objectives import logits_of
+from raytrain_mgpu.engine.objectives import logits_of
 from raytrain_mgpu.strategies._memory import DeviceMemory
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, Type
 
-from raytrain_mgpu._checks import did_you_mean
+from raytrain_mgpu.config.names import did_you_mean
 from raytrain_mgpu.strategies.base import Strategy, WorkerContext, check_batch_divisible
 from raytrain_mgpu.strategies.ddp import DDPStrategy
 from raytrain_mgpu.strategies.ddp2 import DDP2Strategy

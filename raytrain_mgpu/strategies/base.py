@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, FrozenSet, List, NamedTupl
 if TYPE_CHECKING:
     import torch
 
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.engine.devices import DeviceAssignment
     from raytrain_mgpu.strategies._memory import DeviceMemory
 

@@ -23,7 +23,7 @@ shards plus the largest tensor. Host memory: rank 0 holds one full copy, the oth
 Checkpoints are sharded: every rank writes its own shards of the model and optimizer state
 (``torch.distributed.checkpoint``), no rank gathers the full state; a resume on another number
 of workers reshards, and ``TrainResult.load_model()`` consolidates the model on the driver
-(``engine/checkpoint_files.py``, ``worker_checkpoint.save_and_report``).
+(``checkpointing/files.py``, ``worker_checkpoint.save_and_report``).
 On the worker: placement ``keep`` (where it was built), then replication ``fully_shard``
 (``raytrain_mgpu/parallel/replication.py``).
 """

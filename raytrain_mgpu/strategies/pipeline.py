@@ -17,7 +17,7 @@ from raytrain_mgpu.strategies._memory import DeviceMemory, replica_on, split_par
 from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, Strategy, num_blocks
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import TrainConfig
+    from raytrain_mgpu.config.train import TrainConfig
 
 
 class PipelineStrategy(Strategy):

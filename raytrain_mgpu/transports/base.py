@@ -7,7 +7,7 @@ On each rank a transport answers the engine:
 - ``reporter``: where rank 0's events go (a progress channel to the driver, or the driver's own
   ``RunEvents``); ``reports_scalars``: which ranks send per-step scalars;
 - ``registered()``: the checkpoint its own system registered last (Ray Train's), for the checkpoint manager's
-  resume choice (``engine/checkpoint_manager.py``), or None;
+  resume choice (``checkpointing/manager.py``), or None;
 - ``begin`` / ``commit`` / ``abort``: where a checkpoint's files go (a folder for this rank, then the
   checkpoint made whole: Ray Train's report, or published in the run folder);
 - ``where()``: this rank's node and GPU ids for the history; ``data_shard()``: its Ray Data stream;
@@ -27,10 +27,10 @@ import shutil
 import tempfile
 from typing import Callable, NamedTuple, Optional
 
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
-from raytrain_mgpu.engine.checkpoints import CHECKPOINT_PREFIX, seal
-from raytrain_mgpu.engine.run_folder import TMP_PREFIX, RunFolder
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.checkpointing.manager import CheckpointSource
+from raytrain_mgpu.checkpointing.contents import CHECKPOINT_PREFIX, seal
+from raytrain_mgpu.checkpointing.run_folder import TMP_PREFIX, RunFolder
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Transport:
 
     def registered(self) -> Optional[CheckpointSource]:
         """The checkpoint this transport's own system registered last (Ray Train's), for the checkpoint manager's
-        resume choice (``engine/checkpoint_manager.py``); None where the run folder alone holds them."""
+        resume choice (``checkpointing/manager.py``); None where the run folder alone holds them."""
         return None
 
     def where(self) -> dict:
@@ -217,7 +217,7 @@ def rank_engine(cfg, plan, ctx, transport, data=None, steps=None):
 
 def data_parallel_steps(cfg, ctx, data):
     """The data-parallel step runner of ``cfg``'s strategy on the rank ``ctx`` describes."""
-    from raytrain_mgpu.objectives import Objective
+    from raytrain_mgpu.engine.objectives import Objective
     from raytrain_mgpu.parallel import build_worker
     from raytrain_mgpu.parallel.steps import DataParallelSteps
     from raytrain_mgpu.strategies import get_strategy
@@ -225,7 +225,7 @@ def data_parallel_steps(cfg, ctx, data):
     strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
     step = None
     if cfg.train_step is not None:
-        from raytrain_mgpu._factory import load_factory
+        from raytrain_mgpu.config.factories import load_factory
 
         step = load_factory(cfg.train_step, "train_step")
     return DataParallelSteps(strategy, cfg.compile, step)

@@ -53,7 +53,7 @@ def run_in_process(cfg, plan, events) -> RunResult:
     """Train ``cfg`` (one worker) in this process, retried by the one policy (``transports/retry.py``)."""
     from raytrain_mgpu.driver.progress import DirectSink, WorkerReporter
     from raytrain_mgpu.driver.runlock import remove_stale_temporaries
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
     from raytrain_mgpu.transports.retry import run_attempts
 

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.config import TrainConfig
-    from raytrain_mgpu.config_sections import DataConfig
+    from raytrain_mgpu.config.train import TrainConfig
+    from raytrain_mgpu.config.sections import DataConfig
     from raytrain_mgpu.data.parquet_table import ParquetTable
 
 __all__ = ["trainer_datasets", "train_dataset", "check_cpus_left"]

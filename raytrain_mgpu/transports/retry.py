@@ -164,7 +164,7 @@ def errors_whole(where: Callable[..., Optional[Tuple[int, str]]]) -> Callable[[C
 
 def failure_note(cfg) -> str:
     """The note every transport adds to the error ``fit`` raises: where the run's checkpoints are, and how to resume."""
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in {RunFolder.of(cfg).display}; "
             f"run again with the same name and storage_path to resume.")

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_mgpu.errors import PlacementTimeoutError
 from raytrain_mgpu.driver.cluster import pending_message, worker_runtime_env
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.transports.actor_group.stage import StageWorker
 from raytrain_mgpu.strategies.plan import RunPlan

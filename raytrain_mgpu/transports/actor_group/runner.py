@@ -17,7 +17,7 @@ import uuid
 from typing import Optional
 
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.transports.base import RunResult
 
@@ -54,7 +54,7 @@ def _partition(cfg: TrainConfig, group=None):
     """The checkpoint's partition on a resume (its optimizer state is per stage), else the configured one;
     ``balance="time"`` is measured by the first actor (``group``), after a cheap check without it."""
     from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     state = RunFolder.of(cfg).state()
     if state.checkpoint is not None and state.partition is not None:
@@ -88,7 +88,7 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[lis
     from raytrain_mgpu.transports.actor_group.group import StageGroup
     from raytrain_mgpu.driver.progress import ProgressSink, SinkPump
     from raytrain_mgpu.driver.runlock import remove_stale_temporaries
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
     remove_stale_temporaries(RunFolder.of(cfg))  # a failed attempt's (or killed driver's) half-written checkpoints
     partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
@@ -129,7 +129,7 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
     ``fit``'s ``RunEvents``."""
     from raytrain_mgpu.driver.cluster import check_placeable
     from raytrain_mgpu.transports.preemption import was_preemption
-    from raytrain_mgpu.engine.run_folder import RunFolder
+    from raytrain_mgpu.checkpointing.run_folder import RunFolder
     from raytrain_mgpu.transports.retry import run_attempts
 
     plan = plan if plan is not None else build_plan(cfg)  # fit hands its plan down; direct callers get the same

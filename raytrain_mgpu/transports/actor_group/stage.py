@@ -1,5 +1,5 @@
 """One stage process of the pipeline's actor group: it joins the process group, then runs the engine
-(``engine/loop.py``) with its stage runner (``parallel/pipeline_steps.py``) and :class:`StageTransport`. Plain
+(``engine/loop.py``) with its stage runner (``pipeline/steps.py``) and :class:`StageTransport`. Plain
 Python: the Ray actor (``group.py``) and the tests' local processes (``tests/_pipeline_local.py``) call the
 same methods in the same order on every rank (SPMD).
 
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data._utils.collate import default_collate
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.models.partition import Partition, blocks_of, profile_costs
-from raytrain_mgpu.objectives import Objective
+from raytrain_mgpu.engine.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
 from raytrain_mgpu.pipeline.schedule import build_order, channel_sequences, num_virtual_stages, stage_rank
 from raytrain_mgpu.engine import devices
@@ -175,7 +175,7 @@ class StageWorker:
         """Train the run's remaining epochs with the engine (every rank at once); ``attempt``: this attempt's token
         (the checkpoints' temporary folders), ``sink``: the run's progress channel. An error reaches the driver
         whole, with its verdict (a stuck peer named)."""
-        from raytrain_mgpu.parallel.pipeline_steps import PipelineSteps
+        from raytrain_mgpu.pipeline.steps import PipelineSteps
 
         self.steps = PipelineSteps(self, self.partition)
         transport = StageTransport(self.cfg, self, attempt, sink)

@@ -10,9 +10,9 @@ from typing import Optional
 import ray
 import ray.train
 
-from raytrain_mgpu.config import TrainConfig
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.driver.cluster import worker_runtime_env as _worker_runtime_env
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.driver.runlock import remove_stale_temporaries
 from raytrain_mgpu.transports.base import RunResult
 from raytrain_mgpu.transports.ray_train.worker import train_worker
@@ -106,7 +106,7 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
     try:
         # controller_poll: a report waits for the controller's next poll, 2 s apart by default (transports/ray_train/faults.py),
         # and each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);
-        # no preemption watcher on a Ray this process started (engine/preemption.py)
+        # no preemption watcher on a Ray this process started (checkpointing/preemption.py)
         with stop_main_thread_on_failure(events), pump, controller_poll(min(cfg.placement_timeout_s, 60.0)), \
                 watcher_where_notices_come():
             result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)

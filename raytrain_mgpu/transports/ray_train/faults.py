@@ -37,7 +37,7 @@ and the same machine CPU over the run (36 vs 38 CPU-s: a poll is one small task 
 0.2 -> 0.05 s (``raytrain-mgpu bench --short-epochs 10 --rounds 2``): a step checkpoint
 192 -> 48 ms, what an epoch adds outside its steps 0.24 -> 0.13 s; 60 epochs of the same 2-worker
 fit trained at 22,700-24,800 samples/s against 23,000 with 0.2 s (the polls cost the steps nothing
-measurable). 0.05 -> 0.03 s (with step checkpoints reported first: ``engine/checkpoints.py``):
+measurable). 0.05 -> 0.03 s (with step checkpoints reported first: ``checkpointing/contents.py``):
 10-epoch 2-worker fits with a save every 10 steps: 0.05 s 46.7-59.3 ms a save, 0.02 s 29.4-32.3 ms; but in
 40-epoch fits (2 runs each) the epochs' time in steps was 0.131-0.139 s at 0.02 against 0.120-0.125 s at
 0.05 (~8 % slower: on 2 cores the polls take CPU from the workers), so 0.03 in between: the bench
@@ -47,7 +47,7 @@ worker dead after ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S`` (10 min), not afte
 
 WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 """Ray Train's switch for its preemption watcher, read from the driver's environment when ``fit()``
-starts the controller, as the poll is; fit sets it where no notice can come (``engine/preemption.py``)."""
+starts the controller, as the poll is; fit sets it where no notice can come (``checkpointing/preemption.py``)."""
 
 def wait_until_report_collected(timeout_s: float = 300.0) -> None:
     """Call right after ``ray.train.report`` on every rank: returns once Ray Train's

@@ -24,14 +24,14 @@ import ray
 import ray.train
 from ray.train import CheckpointUploadMode
 
-from raytrain_mgpu.config import TrainConfig
-from raytrain_mgpu.engine.checkpoints import seal
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.checkpointing.contents import seal
 from raytrain_mgpu.transports.collective_timeouts import name_stuck_ranks
 from raytrain_mgpu.transports.ray_train.faults import wait_until_report_collected
 from raytrain_mgpu.transports.retry import errors_whole
 from raytrain_mgpu.driver.progress import WorkerReporter
-from raytrain_mgpu.engine.run_folder import RunFolder
-from raytrain_mgpu.engine.checkpoint_manager import CheckpointSource
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.manager import CheckpointSource
 from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
 from raytrain_mgpu.transports.ray_train.uploads import clean, report, wait_for_previous
 

@@ -2,12 +2,12 @@
 
 - **When**: at each epoch's end; inside an epoch every ``checkpoint_every_n_steps``, every
   ``checkpoint_every_n_minutes`` (any rank's clock) and at the first preemption notice
-  (:class:`~raytrain_mgpu.engine.preemption.PreemptionCheck`, :func:`~raytrain_mgpu.engine.step_checkpoints.step_checkpoint_due`);
+  (:class:`~raytrain_mgpu.checkpointing.preemption.PreemptionCheck`, :func:`~raytrain_mgpu.checkpointing.step_checkpoints.step_checkpoint_due`);
 - **what**, and the write: model, optimizer, LR schedule, grad scaler, every rank's random generators and an
-  unfinished epoch's sums (:class:`~raytrain_mgpu.engine.checkpoints.Saver`), ``meta.json`` last
-  (:func:`~raytrain_mgpu.engine.checkpoints.seal`);
+  unfinished epoch's sums (:class:`~raytrain_mgpu.checkpointing.contents.Saver`), ``meta.json`` last
+  (:func:`~raytrain_mgpu.checkpointing.contents.seal`);
 - **publishing, the best copy, pruning** (``RunFolder.publish``, ``save_best``, ``prune``: each defined once, in
-  ``engine/run_folder.py``), done where the transport has the checkpoint whole;
+  ``checkpointing/run_folder.py``), done where the transport has the checkpoint whole;
 - **which checkpoint a run resumes from** (:meth:`CheckpointManager.source`: ``RunFolder.newest_checkpoint``, the one
   choice between the run folder's checkpoints and the one the transport's own system registered).
 
@@ -23,8 +23,8 @@ from typing import Callable, ContextManager, NamedTuple, Optional
 
 from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.engine.metrics import barrier_s
-from raytrain_mgpu.engine.preemption import PreemptionCheck
-from raytrain_mgpu.engine.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.preemption import PreemptionCheck
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 __all__ = ["CheckpointManager", "CheckpointSource"]
 
@@ -59,7 +59,7 @@ class CheckpointManager:
 
     def start(self) -> None:
         """The writer and the triggers, once the optimizer, schedule and scaler exist."""
-        from raytrain_mgpu.engine.checkpoints import Saver
+        from raytrain_mgpu.checkpointing.contents import Saver
 
         e = self.engine
         self.saver = Saver(e)

@@ -1,7 +1,7 @@
 """The ``TrainConfig`` fields that name code, checked without importing it (part of
 ``config_checks.check_fields``): ``model``, ``dataset``, ``optimizer``, ``lr_schedule``, ``loss``, ``metrics`` and
 ``callbacks`` take a registry name, a ``package.module:function`` (its form here, the standard-library
-rule in ``_factory.py``), or from Python the class or function itself. Two exceptions import it: a user's
+rule in ``config/factories.py``), or from Python the class or function itself. Two exceptions import it: a user's
 scheduler (``lr_schedule``), whose signature is checked, and a metric asked which way is better."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 import typing
 from typing import Any, Dict, Literal
 
-from raytrain_mgpu._checks import check_number, did_you_mean, fail, is_int
-from raytrain_mgpu._factory import check_factory_spec, code_name, function_name, is_factory, is_object
+from raytrain_mgpu.config.names import check_number, did_you_mean, fail, is_int
+from raytrain_mgpu.config.factories import check_factory_spec, code_name, function_name, is_factory, is_object
 
 __all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_lr_schedule", "check_metrics",
            "check_model_and_dataset", "check_callbacks"]
@@ -105,7 +105,7 @@ def _check_scheduler_signature(schedule) -> None:
     ``module:function``: the import's error names the fix). A signature Python cannot read passes."""
     import inspect
 
-    from raytrain_mgpu._factory import load_factory
+    from raytrain_mgpu.config.factories import load_factory
 
     function = load_factory(schedule, "lr_schedule")
     try:
@@ -123,7 +123,7 @@ def _check_scheduler_signature(schedule) -> None:
 
 def check_metrics(cfg) -> None:
     """``metrics``: None or a list of names, ``module:function`` entries or functions, reported under distinct names."""
-    from raytrain_mgpu.config_sections import Metric  # objectives.METRICS' names, without torch
+    from raytrain_mgpu.config.sections import Metric  # objectives.METRICS' names, without torch
 
     metrics = cfg.metrics
     valid = typing.get_args(Metric)
@@ -220,7 +220,7 @@ def better_mode(key: str, metrics=None, mode: str = "auto") -> str:
         return "max" if _HIGHER_IS_BETTER[name] else "min"
     for entry in metrics or ():
         if is_factory(entry) and function_name(entry) == name:
-            from raytrain_mgpu._factory import load_factory
+            from raytrain_mgpu.config.factories import load_factory
 
             higher = getattr(load_factory(entry, "metrics"), "higher_is_better", None)
             if isinstance(higher, bool):

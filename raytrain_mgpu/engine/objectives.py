@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.nn import functional as F
 
-from raytrain_mgpu._factory import code_name, function_name, is_factory, load_factory
-from raytrain_mgpu.batches import detach
+from raytrain_mgpu.config.factories import code_name, function_name, is_factory, load_factory
+from raytrain_mgpu.engine.batches import detach
 
 __all__ = ["LOSSES", "METRICS", "Objective", "logits_of", "metric_name", "default_metrics", "Predictions", "move_pairs", "add_pairs"]
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
-from raytrain_mgpu._factory import code_name, function_name, is_factory, load_factory
-from raytrain_mgpu.config_sections import OptimConfig
+from raytrain_mgpu.config.factories import code_name, function_name, is_factory, load_factory
+from raytrain_mgpu.config.sections import OptimConfig
 
 
 def build_optimizer(params: Iterable, cfg: OptimConfig) -> torch.optim.Optimizer:

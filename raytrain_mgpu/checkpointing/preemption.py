@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from raytrain_mgpu.data.ingest import resumes_mid_epoch
 from raytrain_mgpu.engine.run_state import at_max_steps
-from raytrain_mgpu.engine.step_checkpoints import step_checkpoint_due
+from raytrain_mgpu.checkpointing.step_checkpoints import step_checkpoint_due
 
 __all__ = ["PreemptionCheck", "CHECK_EVERY_N_STEPS", "notice_line", "resume_line", "AnyRank"]
 

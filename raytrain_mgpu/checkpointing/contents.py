@@ -1,5 +1,5 @@
 """The engine's checkpoints: what every rank writes and reads back, one format and one naming for every
-transport (``engine/checkpoint_files.py`` describes the files).
+transport (``checkpointing/files.py`` describes the files).
 
 A save (:class:`Saver`), the same on every rank, whatever carries it:
 
@@ -33,13 +33,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from raytrain_mgpu.batches import shape_record
-from raytrain_mgpu.engine import checkpoint_files as ckpt_format
+from raytrain_mgpu.engine.batches import shape_record
+from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.engine.metrics import all_gather_objects
-from raytrain_mgpu.config_code import monitor_mode
+from raytrain_mgpu.config.code import monitor_mode
 from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.engine.step import NonFiniteError
-from raytrain_mgpu.engine.step_checkpoints import STEP_IN_EPOCH
+from raytrain_mgpu.checkpointing.step_checkpoints import STEP_IN_EPOCH
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ def build_model(cfg, steps, data) -> torch.nn.Module:
 
 def build_optimizer(cfg, steps) -> torch.optim.Optimizer:
     """Over the trainable parameters (frozen ones left out), in ``param_groups``' groups where it names them."""
-    from raytrain_mgpu.optim import build_optimizer as build
-    from raytrain_mgpu.optim import param_groups
+    from raytrain_mgpu.engine.optim import build_optimizer as build
+    from raytrain_mgpu.engine.optim import param_groups
 
     if cfg.param_groups is not None:
         return build(param_groups(steps.named_model(), cfg.param_groups, cfg.weight_decay), cfg.optim)
@@ -115,7 +115,7 @@ def build_optimizer(cfg, steps) -> torch.optim.Optimizer:
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch: int):
-    from raytrain_mgpu.optim import build_scheduler as build
+    from raytrain_mgpu.engine.optim import build_scheduler as build
 
     return build(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
 
@@ -336,7 +336,7 @@ class Saver:
 def seal(directory: str, meta: dict, published: bool = False) -> None:
     """A checkpoint's last write, every transport's: ``meta.json``, which marks it complete (``published``: put in
     place in the run folder by this package, not registered by Ray Train: ``RunFolder.newest_checkpoint``)."""
-    from raytrain_mgpu.engine.run_folder import PUBLISHED_KEY
+    from raytrain_mgpu.checkpointing.run_folder import PUBLISHED_KEY
 
     ckpt_format.write_checkpoint(directory, meta={**meta, PUBLISHED_KEY: True} if published else meta, history=None)
 

@@ -225,7 +225,7 @@ def _load_tensors(path: Path):
 def check_resumable(meta: dict, model, strategy: str, directory: str) -> None:
     """A checkpoint of another model or strategy must not be resumed silently (``model``: a name, or a
     class or function, compared by its record: ``_factory.code_record``)."""
-    from raytrain_mgpu._factory import code_record
+    from raytrain_mgpu.config.factories import code_record
 
     model = code_record(model)
     if meta.get("model") != model:

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Tuple, Union
 
-from raytrain_mgpu._checks import names_unknown_fields, unknown_fields
-from raytrain_mgpu.config_checks import validate, warn_unused
-from raytrain_mgpu.config_sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
+from raytrain_mgpu.config.names import names_unknown_fields, unknown_fields
+from raytrain_mgpu.config.checks import validate, warn_unused
+from raytrain_mgpu.config.sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
                                            LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
                                            OnNonfinite, Precision, Resume, Runner, SaveWhat, Schedule)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
-from raytrain_mgpu._factory import CODE_FIELDS
+from raytrain_mgpu.config.factories import CODE_FIELDS
 
 # ----------------------------------------------------------------------------- user config
 
@@ -250,7 +250,7 @@ class TrainConfig:
     verbose: bool = False
     """Show Ray's own per-worker logs on the driver."""
     max_preemption_failures: int = -1
-    """Restarts after a node preemption (a drain with reason preemption: a spot reclaim), counted apart from ``max_failures``; -1: unlimited. Each resumes from the checkpoint saved on the notice (``engine/preemption.py``)."""
+    """Restarts after a node preemption (a drain with reason preemption: a spot reclaim), counted apart from ``max_failures``; -1: unlimited. Each resumes from the checkpoint saved on the notice (``checkpointing/preemption.py``)."""
     preemption_grace_s: float = 0.0
     """How long Ray Train lets the surviving workers run past a preemption's deadline before it restarts the group (Ray's ``FailureConfig.preemption_grace_s``)."""
 
@@ -320,13 +320,13 @@ class TrainConfig:
 
         A config file can name code (``model: my_models:build``), so it is treated like
         code: such a factory is refused unless ``allow_code=True`` or its module is listed
-        in ``RAYTRAIN_MGPU_TRUSTED_MODULES`` (see ``_factory.py``). ``overrides`` are the
+        in ``RAYTRAIN_MGPU_TRUSTED_MODULES`` (see ``config/factories.py``). ``overrides`` are the
         caller's own and are not restricted.
         """
         import yaml
 
-        from raytrain_mgpu import _yaml
-        from raytrain_mgpu._factory import check_file_factories
+        from raytrain_mgpu.config import yaml_values as _yaml
+        from raytrain_mgpu.config.factories import check_file_factories
 
         path = Path(path)
         if not path.is_file():
@@ -358,7 +358,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """The fields as plain data; a class or function from Python as its record (``_factory.code_record``:
         qualified name and source hash), which is what a run folder keeps and compares on a resume."""
-        from raytrain_mgpu._factory import code_record
+        from raytrain_mgpu.config.factories import code_record
 
         values = dataclasses.asdict(self)
         for key, value in values.items():

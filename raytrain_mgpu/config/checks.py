@@ -17,11 +17,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Literal
 
-from raytrain_mgpu._checks import SPELLED_OTHERWISE, check_number, did_you_mean, fail, is_int
-from raytrain_mgpu._factory import function_name, is_factory, is_object
-from raytrain_mgpu.config_code import (check_callbacks, check_code_choices, check_lr_schedule, check_metrics,
+from raytrain_mgpu.config.names import SPELLED_OTHERWISE, check_number, did_you_mean, fail, is_int
+from raytrain_mgpu.config.factories import function_name, is_factory, is_object
+from raytrain_mgpu.config.code import (check_callbacks, check_code_choices, check_lr_schedule, check_metrics,
                                        check_model_and_dataset, check_monitor, is_code)
-from raytrain_mgpu._units import parse_bytes
+from raytrain_mgpu.config.units import parse_bytes
 from raytrain_mgpu.models.huggingface import absolute, is_hf, run_label
 
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
@@ -191,7 +191,7 @@ def check_fields(cfg) -> None:
 
 def _check_tensor_parallel(cfg) -> None:
     """``tensor_parallel_plan``'s shape and styles (whether its paths exist is checked on the model, before Ray)."""
-    from raytrain_mgpu.config_sections import TensorParallelStyle
+    from raytrain_mgpu.config.sections import TensorParallelStyle
 
     plan, styles = cfg.tensor_parallel_plan, typing.get_args(TensorParallelStyle)
     if plan is not None and not (isinstance(plan, dict) and plan and all(

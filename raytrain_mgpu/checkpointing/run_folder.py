@@ -12,7 +12,7 @@ opens (a local or mounted folder, ``file://``, ``s3://``, ``gs://``, ...)::
     {run}/best_checkpoint/              the best epoch's model, for a Ray Train run with keep_best
 
 Every runner names its checkpoints ``checkpoint_epoch<E>`` (``_step<S>`` inside an epoch:
-``engine/checkpoints.py``); earlier Ray Train runs' ``checkpoint_<time>`` folders still resume.
+``checkpointing/contents.py``); earlier Ray Train runs' ``checkpoint_<time>`` folders still resume.
 :meth:`RunFolder.checkpoints` is the one scanner of all of them.
 
 ``keep_best``: the best checkpoint is kept besides the last ``num_checkpoints_to_keep``: a new best's
@@ -31,9 +31,9 @@ import tempfile
 import uuid
 from typing import Iterator, List, NamedTuple, Optional, Union
 
-from raytrain_mgpu._redact import redact
-from raytrain_mgpu.engine.checkpoint_files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
-from raytrain_mgpu.engine.checkpoint_files import META_FILE, SHARDED_DIR, SHARDED_KEY, filesystem, sharded_files
+from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.checkpointing.files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
+from raytrain_mgpu.checkpointing.files import META_FILE, SHARDED_DIR, SHARDED_KEY, filesystem, sharded_files
 from raytrain_mgpu.engine.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class RunFolder:
         import shutil
         from pathlib import Path
 
-        from raytrain_mgpu.engine.checkpoint_files import model_part_files, write_files
+        from raytrain_mgpu.checkpointing.files import model_part_files, write_files
 
         tmp = self.temporary(BEST_CHECKPOINT)
         with self.writable(tmp) as target:

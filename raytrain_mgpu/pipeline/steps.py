@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from raytrain_mgpu.batches import flatten, split, unflatten
+from raytrain_mgpu.engine.batches import flatten, split, unflatten
 from raytrain_mgpu.models.partition import Partition, build_stage_modules
 from raytrain_mgpu.pipeline.executor import PipelineExecutor, busy_of
 from raytrain_mgpu.pipeline.schedule import Order, build_order, forward_only, ideal_bubble_fraction

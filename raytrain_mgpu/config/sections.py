@@ -1,6 +1,6 @@
 """The config's fixed choices (``Literal`` types) and the sections components receive.
 
-``TrainConfig`` (``config.py``) is what users write; each component gets only its own section
+``TrainConfig`` (``config/train.py``) is what users write; each component gets only its own section
 (``cfg.data``, ``cfg.optim``, ``cfg.parallel``), filled by keyword from the fields of the
 same names. No torch, no Ray.
 """
