@@ -11,7 +11,7 @@ branch reads), with two targets, ``{"digit": class, "odd": 0. or 1.}``. The mode
 ``{"digit": logits, "odd": logit}``; the loss is cross-entropy on the digit plus binary
 cross-entropy on odd/even, and the metrics are both accuracies.
 
-What the trainer does with such batches (``raytrain_mgpu.batches``): a dict input is passed
+What the trainer does with such batches (``raytrain_mgpu.engine.batches``): a dict input is passed
 as keyword arguments, ``model(image=..., profile=...)``; every tensor goes to the device and
 is split along dim 0 by the strategies and into the pipeline's micro-batches; the loss and
 metrics get the outputs and targets as dicts. For the pipeline the model lists its blocks
