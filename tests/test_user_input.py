@@ -159,3 +159,45 @@ def test_keep_best_and_early_stopping_on_accuracy_keep_the_highest():
     assert stops_early(HISTORY, cfg)  # epochs 3 and 4 are below epoch 2's accuracy
     loss = TrainConfig(monitor="test_loss", keep_best=True)
     assert best_record(loss, HISTORY)["best"]["epoch"] == 2 and best_record(loss, HISTORY)["best"]["mode"] == "min"
+
+
+def _loss_of_nothing():
+    return 0.0
+
+
+def _metric_of_one(outputs):
+    return 0.0
+
+
+def _loss_with_a_weight(outputs, targets, weight=1.0):
+    return weight
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"loss": _loss_of_nothing}, "TrainConfig.loss='test_user_input:_loss_of_nothing': must take (outputs, targets)"),
+    ({"metrics": ["accuracy", _metric_of_one]}, "entry 'test_user_input:_metric_of_one' must take (outputs, targets)"),
+    ({"loss": "test_user_input:_loss_of_nothing"}, "its signature is _loss_of_nothing()"),
+])
+def test_a_loss_or_metric_that_cannot_take_outputs_and_targets_is_refused_with_the_config(changes, message):
+    """Refused where the config is built (so before Ray), naming the field and the shape the engine calls: such a
+    function once failed with a bare TypeError at every worker's first step."""
+    with pytest.raises(ValueError, match="as the engine calls it") as caught:
+        TrainConfig(**changes)
+    assert message in str(caught.value) and "def my_" in str(caught.value)
+    TrainConfig(loss=_loss_with_a_weight, metrics=["accuracy", _loss_with_a_weight])  # a default binds
+
+
+def _transform_of_nothing():
+    return None
+
+
+def test_a_transform_that_cannot_take_one_tensor_is_named_before_training():
+    with pytest.raises(ValueError, match=r"TrainConfig.train_transform=.*'_transform_of_nothing' must take one input "
+                                         r"tensor.*TypeError"):
+        check_data(TrainConfig(train_transform=_transform_of_nothing).data)
+
+
+def test_text_column_given_to_a_dataset_that_does_not_read_it_is_refused():
+    with pytest.raises(ValueError, match="TrainConfig.text_column='body': is read by dataset='text' only"):
+        TrainConfig(text_column="body")
+    TrainConfig(text_column="text")  # its default: not given

@@ -20,7 +20,7 @@ from typing import Any, Dict, Literal
 from raytrain_mgpu.config.names import SPELLED_OTHERWISE, check_number, did_you_mean, fail, is_int
 from raytrain_mgpu.config.factories import function_name, is_factory, is_object
 from raytrain_mgpu.config.code import (check_callbacks, check_code_choices, check_lr_schedule, check_metrics,
-                                       check_model_and_dataset, check_monitor, is_code)
+                                       check_model_and_dataset, check_monitor, check_objective_signatures, is_code)
 from raytrain_mgpu.config.units import parse_bytes
 from raytrain_mgpu.models.huggingface import absolute, is_hf, run_label
 
@@ -126,7 +126,6 @@ def warn_unused(unused: Dict[str, Any], strategy: str, stacklevel: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def choices(cls) -> Dict[str, tuple]:
     """``{field: its values}`` for every field of dataclass ``cls`` typed ``Literal[...]``."""
     hints = typing.get_type_hints(cls)
@@ -180,6 +179,7 @@ def check_fields(cfg) -> None:
     check_code_choices(cfg)
     check_lr_schedule(cfg)
     check_metrics(cfg)
+    check_objective_signatures(cfg)
     _check_balance(cfg)
     _check_shapes(cfg)
     _check_validation(cfg)

@@ -2,7 +2,8 @@
 ``config_checks.check_fields``): ``model``, ``dataset``, ``optimizer``, ``lr_schedule``, ``loss``, ``metrics`` and
 ``callbacks`` take a registry name, a ``package.module:function`` (its form here, the standard-library
 rule in ``config/factories.py``), or from Python the class or function itself. Two exceptions import it: a user's
-scheduler (``lr_schedule``), whose signature is checked, and a metric asked which way is better."""
+scheduler (``lr_schedule``), a loss and metric functions, whose signatures are checked, and a metric asked which way
+is better."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from raytrain_mgpu.config.names import check_number, did_you_mean, fail, is_int
 from raytrain_mgpu.config.factories import check_factory_spec, code_name, function_name, is_factory, is_object
 
 __all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_lr_schedule", "check_metrics",
-           "check_model_and_dataset", "check_callbacks"]
+           "check_model_and_dataset", "check_callbacks", "check_signature", "check_objective_signatures"]
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HOOKS = ("on_train_start", "on_step", "on_epoch_end", "on_checkpoint", "on_train_end")  # driver/callbacks.py
@@ -101,24 +102,44 @@ def check_lr_schedule(cfg) -> None:
 
 
 def _check_scheduler_signature(schedule) -> None:
-    """The user's scheduler takes ``(optimizer, total_steps)`` as the engine passes them (importing a
-    ``module:function``: the import's error names the fix). A signature Python cannot read passes."""
+    """The user's scheduler takes ``(optimizer, total_steps)`` as the engine passes them."""
+    check_signature("lr_schedule", schedule, "(optimizer, total_steps)", 2,
+                    "Write it as def my_schedule(optimizer, total_steps): return torch.optim.lr_scheduler.OneCycleLR("
+                    "optimizer, max_lr=..., total_steps=total_steps); give any further parameters defaults.")
+
+
+def check_signature(field: str, spec: Any, shape: str, count: int, fix: str, listed: Any = None) -> None:
+    """The user's function named by ``field`` can be called with ``count`` positional arguments, ``shape``, as the
+    engine calls it (importing a ``module:function``: the import's error names the fix). A signature Python cannot
+    read passes. ``listed``: the whole list, for a list's entry."""
     import inspect
 
     from raytrain_mgpu.config.factories import load_factory
 
-    function = load_factory(schedule, "lr_schedule")
+    function = load_factory(spec, field)
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return
     try:
-        signature.bind(None, 0)
+        signature.bind(*[None] * count)
     except TypeError as exc:
-        fail("lr_schedule", code_name(schedule), f"must take (optimizer, total_steps), as the engine calls it, but "
-             f"its signature is {function_name(schedule)}{signature} ({exc})", "Write it as def my_schedule("
-             "optimizer, total_steps): return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=..., "
-             "total_steps=total_steps); give any further parameters defaults.")
+        entry = "" if listed is None else f"entry {code_name(spec)!r} "
+        fail(field, code_name(spec) if listed is None else listed, f"{entry}must take {shape}, as the engine calls "
+             f"it, but its signature is {function_name(spec)}{signature} ({exc})", fix)
+
+
+def check_objective_signatures(cfg) -> None:
+    """A user's loss and metric functions take ``(outputs, targets)``: one that cannot is refused before Ray, not
+    at the first step on every worker."""
+    fix = ("Write it as def my_{0}(outputs, targets): return ... (a {1}); give any further parameters defaults, "
+           "or bind them with functools.partial.")
+    if is_code("loss", cfg.loss):
+        check_signature("loss", cfg.loss, "(outputs, targets)", 2, fix.format("loss", "scalar tensor"))
+    for entry in cfg.metrics or ():
+        if is_code("metrics", entry, cfg.metrics):
+            check_signature("metrics", entry, "(outputs, targets)", 2, fix.format("metric", "number or tensor"),
+                            listed=cfg.metrics)
 
 
 def check_metrics(cfg) -> None:

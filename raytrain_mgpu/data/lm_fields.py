@@ -61,7 +61,7 @@ def default_seq_len(model) -> int:
 
 def check_text_fields(cfg) -> None:
     """``text_column``, ``tokenizer`` and ``seq_len``: their types, and that a registered dataset other than
-    ``text`` is not given them (it would not read them)."""
+    ``text`` is not given them (it would not read them; ``text_column`` counts as given when it is not ``"text"``)."""
     if not isinstance(cfg.text_column, str) or not cfg.text_column.strip():
         fail("text_column", cfg.text_column, "must be a non-empty column name",
              "Set it to the column of your documents, e.g. 'text', or of token ids, 'input_ids'.")
@@ -74,8 +74,9 @@ def check_text_fields(cfg) -> None:
     dataset = cfg.dataset
     if not isinstance(dataset, str) or ":" in dataset:  # a factory or Ray Datasets: may read them itself
         return
-    for name in ("tokenizer", "seq_len"):
-        if getattr(cfg, name) is not None and dataset != TEXT_DATASET:
+    for name in ("tokenizer", "seq_len", "text_column"):
+        unset = "text" if name == "text_column" else None  # text_column's default: any other value was set
+        if getattr(cfg, name) != unset and dataset != TEXT_DATASET:
             fail(name, getattr(cfg, name), f"is read by dataset='text' only, and dataset={dataset!r}",
                  f"Set dataset='text' for Parquet or JSONL documents, or leave {name} unset"
                  + (" (synthetic_text and text_file take their length from input_shape)." if name == "seq_len"

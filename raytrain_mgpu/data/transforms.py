@@ -103,7 +103,12 @@ def build_transform(spec: str, input_shape: tuple, field: str) -> tuple:
     for part in ([spec] if callable(spec) and not isinstance(spec, str) else _parts(spec)):
         step = part if callable(part) else _one(part, shape, field)  # an object from Python: the transform
         with torch.random.fork_rng(devices=[]):
-            shape = tuple(step(torch.zeros(shape)).shape)  # a probe: the shape after this part
+            try:
+                shape = tuple(step(torch.zeros(shape)).shape)  # a probe: the shape after this part
+            except TypeError as exc:  # the user's callable cannot take one tensor: named here, before Ray
+                raise ValueError(f"TrainConfig.{field}={spec!r}: {getattr(step, '__name__', step)!r} must take one "
+                                 f"input tensor and return a tensor, but calling it with a {shape} tensor raised "
+                                 f"TypeError: {exc}. {_FIX}") from exc
         steps.append(step)
     return (steps[0] if len(steps) == 1 else _Chain(steps)), shape
 
