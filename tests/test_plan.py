@@ -32,6 +32,16 @@ def test_steps_per_epoch_drops_the_remainder_like_the_samplers():
     assert pipe.steps_per_epoch == 1437 // 2 // 32
 
 
+def test_steps_per_epoch_is_the_engines_count_and_refuses_a_split_with_no_full_step():
+    from raytrain_mgpu.engine.feed import steps_per_epoch
+
+    cfg = TrainConfig(strategy="ddp", num_workers=2, use_gpu=False, batch_size=256, grad_accum_steps=2)
+    for num_train in (256, 1437, 5000):  # the driver's plan and each rank's feed count the same steps
+        assert build_plan(cfg, num_train).steps_per_epoch == steps_per_epoch(cfg, num_train, 2, 64 * 2)
+    with pytest.raises(ValueError, match=r"batch_size=256 is larger than the training split \(255 samples\)"):
+        build_plan(cfg, 255)
+
+
 def test_gpu_plan_bundles_hold_every_device_of_a_worker():
     plan = build_plan(TrainConfig(strategy="ddp_mp", use_gpu=True, num_workers=2, gpus_per_worker=2, batch_size=64))
     assert plan.bundles == ({"CPU": 1, "GPU": 2},) * 2 and plan.devices_per_worker == 2

@@ -43,6 +43,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from raytrain_mgpu.config.factories import code_record
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -225,8 +227,6 @@ def _load_tensors(path: Path):
 def check_resumable(meta: dict, model, strategy: str, directory: str) -> None:
     """A checkpoint of another model or strategy must not be resumed silently (``model``: a name, or a
     class or function, compared by its record: ``_factory.code_record``)."""
-    from raytrain_mgpu.config.factories import code_record
-
     model = code_record(model)
     if meta.get("model") != model:
         raise ValueError(

@@ -23,6 +23,7 @@ from typing import Callable, ContextManager, NamedTuple, Optional
 
 from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.engine.metrics import barrier_s
+from raytrain_mgpu.checkpointing.contents import Saver
 from raytrain_mgpu.checkpointing.preemption import PreemptionCheck
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
@@ -59,8 +60,6 @@ class CheckpointManager:
 
     def start(self) -> None:
         """The writer and the triggers, once the optimizer, schedule and scaler exist."""
-        from raytrain_mgpu.checkpointing.contents import Saver
-
         e = self.engine
         self.saver = Saver(e)
         self.triggers = PreemptionCheck(e.cfg, e.reporter, since_save=self.saver.since_save,

@@ -33,7 +33,8 @@ from typing import Iterator, List, NamedTuple, Optional, Union
 
 from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.checkpointing.files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
-from raytrain_mgpu.checkpointing.files import META_FILE, SHARDED_DIR, SHARDED_KEY, filesystem, sharded_files
+from raytrain_mgpu.checkpointing.files import (META_FILE, SHARDED_DIR, SHARDED_KEY, filesystem, model_part_files,
+                                               sharded_files, write_files)
 from raytrain_mgpu.engine.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -252,8 +253,6 @@ class RunFolder:
         resumed); ``model_state``: a sharded checkpoint's model, gathered, written as ``model.pt`` instead."""
         import shutil
         from pathlib import Path
-
-        from raytrain_mgpu.checkpointing.files import model_part_files, write_files
 
         tmp = self.temporary(BEST_CHECKPOINT)
         with self.writable(tmp) as target:

@@ -20,8 +20,11 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from raytrain_mgpu.config.names import did_you_mean
-from raytrain_mgpu.config.factories import code_name, is_factory
+from raytrain_mgpu.config.factories import code_name, is_factory, load_factory
+from raytrain_mgpu.data.lm_fields import check_text_fields
 from raytrain_mgpu.data.ray_datasets import RayDataSplits, check_fields, is_ray_datasets  # no torch, no Ray
+from raytrain_mgpu.data.transforms import (TransformedDataset, build_transform, check_transform_spec,
+                                           transformed_shape)  # no torch until a transform is built
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config.sections import DataConfig
@@ -41,7 +44,7 @@ _BASE_NAMES = frozenset({"Datasets", "ImageArrayDataset", "PixelNormaliser", "da
 
 def __getattr__(name: str):
     if name in _BASE_NAMES:
-        from raytrain_mgpu.data import base
+        from raytrain_mgpu.data import base  # late: loads torch (see above)
 
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -113,9 +116,6 @@ def check_dataset_name(name) -> None:
 def check_data_fields(cfg) -> None:
     """The ``TrainConfig`` fields this package reads, checked before Ray starts (``config_checks.validate``):
     the dataset name, the loader workers (``engine/loaders.py``) and the transform specs (parsed, not built)."""
-    from raytrain_mgpu.data.lm_fields import check_text_fields
-    from raytrain_mgpu.data.transforms import check_transform_spec
-
     check_dataset_name(cfg.dataset)
     check_text_fields(cfg)  # text_column, tokenizer, seq_len (the text dataset's)
     check_fields(cfg)  # a dict of Ray Datasets: its splits, collate, what does not apply to it
@@ -141,8 +141,6 @@ def check_data_fields(cfg) -> None:
 
 
 def _import_factory(spec) -> Callable:
-    from raytrain_mgpu.config.factories import load_factory
-
     return load_factory(spec, "dataset")
 
 
@@ -152,7 +150,7 @@ def build_datasets(cfg: "DataConfig") -> "Datasets":
     validation split gets the test split's: it is evaluated, never augmented)."""
     built = _build_untransformed(cfg)
     if cfg.val_fraction is not None:
-        from raytrain_mgpu.data.base import split_validation
+        from raytrain_mgpu.data.base import split_validation  # late: loads torch; the name check needs none
 
         if built.val is not None:
             raise ValueError(f"TrainConfig.val_fraction={cfg.val_fraction}: dataset {code_name(cfg.dataset)!r} "
@@ -161,8 +159,6 @@ def build_datasets(cfg: "DataConfig") -> "Datasets":
         built = built._replace(train=train, val=val)
     if not (cfg.train_transform or cfg.test_transform):
         return built
-    from raytrain_mgpu.data.transforms import TransformedDataset, build_transform, transformed_shape
-
     input_shape = transformed_shape(cfg.train_transform, cfg.test_transform, built.input_shape)
     train, test, val = built.train, built.test, built.val
     if cfg.train_transform:
@@ -176,7 +172,7 @@ def build_datasets(cfg: "DataConfig") -> "Datasets":
 
 
 def _build_untransformed(cfg: "DataConfig") -> "Datasets":
-    from raytrain_mgpu.data.base import Datasets
+    from raytrain_mgpu.data.base import Datasets  # late: loads torch; the name check needs none
 
     check_dataset_name(cfg.dataset)
     if not is_factory(cfg.dataset):
@@ -228,11 +224,9 @@ def check_data(cfg: "DataConfig") -> tuple[tuple, int]:
         built = _build_untransformed(cfg)
         input_shape, num_classes = built.input_shape, built.num_classes
     if cfg.train_transform or cfg.test_transform:  # e.g. resize:96: the model is built for the new shape
-        from raytrain_mgpu.data.transforms import transformed_shape
-
         input_shape = transformed_shape(cfg.train_transform, cfg.test_transform, input_shape)
     logger.debug("dataset %s: input_shape=%s num_classes=%s", cfg.dataset, input_shape, num_classes)
-    from raytrain_mgpu.engine.batches import as_shape
+    from raytrain_mgpu.engine.batches import as_shape  # late: loads torch; the name check needs none
 
     # None: not classification. A structured input's shape is a dict (or tuple) of shapes (raytrain_mgpu.engine.batches).
     return as_shape(input_shape), None if num_classes is None else int(num_classes)

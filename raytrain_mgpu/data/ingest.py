@@ -14,6 +14,7 @@ order where the training split is materialized, else in Ray Data's order (``data
 from __future__ import annotations
 
 from raytrain_mgpu.config.factories import code_name
+from raytrain_mgpu.data.ray_datasets import RayDataSplits, is_ray_datasets, planned
 
 __all__ = ["RAY_DATA_DATASETS", "check_ingest", "resumes_mid_epoch"]
 
@@ -24,8 +25,6 @@ RAY_DATA_DATASETS = ("parquet", "text")
 def check_ingest(cfg) -> None:
     """``cfg.ingest`` against the dataset (both runners stream: Ray Train workers and the pipeline's first
     stages)."""
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits
-
     if cfg.ingest != "ray_data" or isinstance(cfg.dataset, RayDataSplits):  # the user's own Ray Datasets
         return
     if cfg.dataset not in RAY_DATA_DATASETS:
@@ -39,8 +38,6 @@ def resumes_mid_epoch(cfg) -> bool:
     """Whether ``cfg``'s training split can resume inside an epoch (a step, time-based or preemption checkpoint):
     the loader path, the planned ``parquet`` stream and a user's materialized Ray Dataset can; a user's Ray Dataset
     that streams in Ray Data's order cannot."""
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits, is_ray_datasets, planned
-
     if is_ray_datasets(cfg.dataset) or isinstance(cfg.dataset, RayDataSplits):
         return planned(cfg.dataset)
     return True

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
 
+from raytrain_mgpu.config.factories import load_factory
+
 if TYPE_CHECKING:
     from raytrain_mgpu.config.sections import DataConfig
     from raytrain_mgpu.data.base import Datasets
@@ -109,8 +111,6 @@ def take(cfg) -> Any:
     ``ingest="ray_data"``): what ``fit`` trains. Reads two rows and counts the training split."""
     if not is_ray_datasets(cfg.dataset):
         return cfg
-    from raytrain_mgpu.config.factories import load_factory
-
     splits = dict(cfg.dataset)
     collate = load_factory(cfg.collate, "collate")
     peek = splits["train"].take_batch(2, batch_format="numpy")
@@ -180,8 +180,7 @@ class RayDataSplits:
         engine's feed (``engine/feed.py``): a materialized one by position (:class:`PlannedRows`), else here only its
         size. The splits' iterators come from Ray Train (``ray.train.get_dataset_shard``) or, on a pipeline's stage
         actor, from its driver (:func:`use_shards`)."""
-        from raytrain_mgpu.config.factories import load_factory
-        from raytrain_mgpu.data.base import Datasets
+        from raytrain_mgpu.data.base import Datasets  # late: loads torch; the fields' check needs none
 
         shard = _SHARDS.get("provider")
         if shard is None:
@@ -331,7 +330,7 @@ class CollatedSamples:
     (dicts and tuples kept), so a ``DataLoader`` batch of them is what ``collate`` gives for those rows."""
 
     def __init__(self, inputs, targets):
-        from raytrain_mgpu.engine.batches import batch_size
+        from raytrain_mgpu.engine.batches import batch_size  # late: loads torch; the fields' check needs none
 
         self.inputs, self.targets = inputs, targets
         self.length = batch_size(targets)

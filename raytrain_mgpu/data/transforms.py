@@ -25,6 +25,8 @@ from __future__ import annotations
 import hashlib
 from typing import Callable, Optional, Sequence
 
+from raytrain_mgpu.config.factories import check_factory_spec, load_factory
+
 __all__ = ["TransformedDataset", "build_transform", "check_transform_spec", "factory_parts", "sample_seed",
            "transformed_shape"]
 
@@ -49,8 +51,6 @@ def factory_parts(spec) -> list:
 def check_transform_spec(field: str, spec) -> None:
     """Parse ``spec`` without importing anything; ValueError names the field, the part and the fix."""
     import re
-
-    from raytrain_mgpu.config.factories import check_factory_spec
 
     if spec is None or (callable(spec) and not isinstance(spec, str)):  # from Python: the transform itself
         return
@@ -83,8 +83,6 @@ def _one(part: str, shape: tuple, field: str) -> Callable:
     if part.startswith("resize:"):
         size = int(part[len("resize:"):])
         return v2.Resize((size, size), antialias=True)
-    from raytrain_mgpu.config.factories import load_factory
-
     transform = load_factory(part, field)()
     if not callable(transform):
         raise ValueError(f"TrainConfig.{field}={part!r}: the factory returned {type(transform).__name__}, not a "

@@ -62,7 +62,8 @@ class ResidentBatches:
 
 def steps_per_epoch(cfg, num_train: int, num_shards: int, shard_batch: int) -> int:
     """Full optimizer steps in an epoch of ``num_train`` samples over ``num_shards`` data shards of ``shard_batch``
-    samples a step each (a replica's micro-batch x its accumulation steps), or the error: none fits."""
+    samples a step each (a replica's micro-batch x its accumulation steps), or the error: none fits. The one count
+    of them: the run plan's (on the driver) and a pipeline stage's report call it too."""
     steps = num_train // num_shards // shard_batch
     if steps == 0:
         raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is larger than the training split "

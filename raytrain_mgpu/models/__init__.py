@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Callable, Dict
 from raytrain_mgpu.config.names import did_you_mean
 from raytrain_mgpu.config.factories import (HF_MODEL_PREFIX, code_name, function_name, is_factory, keyword_parameters,
                                     load_factory)
+from raytrain_mgpu.models.huggingface import build as build_hf
+from raytrain_mgpu.models.huggingface import check_name, is_hf
 
 if TYPE_CHECKING:  # the registry and TrainConfig's name check need no torch; each builder imports its model
     from torch import nn
@@ -27,25 +29,25 @@ logger = logging.getLogger(__name__)
 
 
 def _lenet(input_shape, num_classes, **kwargs) -> nn.Module:
-    from raytrain_mgpu.models.lenet import LeNet
+    from raytrain_mgpu.models.lenet import LeNet  # late: loads torch; the name check needs none
 
     return LeNet(in_channels=input_shape[0], num_classes=num_classes, input_size=input_shape[-1], **kwargs)
 
 
 def _resnet18(input_shape, num_classes, **kwargs) -> nn.Module:
-    from raytrain_mgpu.models.resnet import ResNet18
+    from raytrain_mgpu.models.resnet import ResNet18  # late: loads torch
 
     return ResNet18(in_channels=input_shape[0], num_classes=num_classes, **kwargs)
 
 
 def _mlp(input_shape, num_classes, **kwargs) -> nn.Module:
-    from raytrain_mgpu.models.mlp import MLP
+    from raytrain_mgpu.models.mlp import MLP  # late: loads torch
 
     return MLP(input_shape=input_shape, num_classes=num_classes, **kwargs)
 
 
 def _transformer_lm(input_shape, num_classes, **kwargs) -> nn.Module:
-    from raytrain_mgpu.models.transformer import TransformerLM
+    from raytrain_mgpu.models.transformer import TransformerLM  # late: loads torch
 
     return TransformerLM(seq_len=input_shape[0], vocab_size=num_classes, **kwargs)
 
@@ -63,8 +65,6 @@ def model_names() -> list:
 
 
 def check_model_name(name) -> None:
-    from raytrain_mgpu.models.huggingface import check_name, is_hf
-
     if is_hf(name):  # a Hugging Face folder, URI or hub id: its files are checked before Ray (check_source)
         return check_name(name)
     if not is_factory(name) and name not in MODELS:
@@ -82,9 +82,7 @@ def build_model(name, input_shape: tuple, num_classes: int, model_kwargs: dict, 
     """
     check_model_name(name)
     if isinstance(name, str) and name.startswith(HF_MODEL_PREFIX):
-        from raytrain_mgpu.models.huggingface import build
-
-        return build(name, model_kwargs, pretrained=pretrained, num_classes=num_classes)
+        return build_hf(name, model_kwargs, pretrained=pretrained, num_classes=num_classes)
     if is_factory(name):
         return _build_from_factory(name, input_shape, num_classes, model_kwargs)
     try:
@@ -113,7 +111,7 @@ def build_model_shapes(name, input_shape: tuple, num_classes, model_kwargs: dict
 
 def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_classes, model_kwargs: dict) -> dict:
     """The keyword arguments model factory ``spec`` is called with (see the module's docstring)."""
-    from raytrain_mgpu.engine.batches import as_shape
+    from raytrain_mgpu.engine.batches import as_shape  # late: loads torch; the name check needs none
 
     from_data = {"input_shape": as_shape(input_shape), "num_classes": num_classes}
     given = sorted(k for k in model_kwargs if k == "input_shape" or (k == "num_classes" and num_classes is not None))

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from raytrain_mgpu.models.partition import blocks_of
+
 __all__ = ["checkpoint_blocks", "checkpointed_indices", "compile_blocks", "compiled"]
 
 _SUBCLASSES: Dict[type, type] = {}
@@ -48,8 +50,6 @@ def checkpoint_blocks(model: nn.Module, every: int) -> int:
     """Checkpoint every ``every``-th block of ``model`` in place (0: none); how many blocks were."""
     if not every:
         return 0
-    from raytrain_mgpu.models.partition import blocks_of
-
     try:
         blocks = blocks_of(model)
     except ValueError as exc:
@@ -70,8 +70,6 @@ def compile_blocks(model: nn.Module, dry_run: bool = False) -> int:
     DDP starts from gradient hooks and FSDP2's per-block all-gathers stay outside the compiled graphs (no
     graph break inside one), and blocks of one class and shapes share one compiled graph.
     """
-    from raytrain_mgpu.models.partition import blocks_of
-
     try:
         blocks = blocks_of(model)
     except ValueError as exc:

@@ -18,6 +18,7 @@ import importlib.util
 from typing import List
 
 from raytrain_mgpu.config.names import fail, is_int, is_number
+from raytrain_mgpu.models.huggingface import is_hf
 
 __all__ = ["LORA_KEYS", "check_lora", "lora_config", "apply_lora", "check_targets", "linear_names"]
 
@@ -53,8 +54,6 @@ def check_lora(cfg) -> None:
             isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t.strip() for t in targets)):
         fail("lora", lora, f"target_modules={targets!r} must be a list of module names or 'all-linear'",
              'Write e.g. "target_modules": ["q_proj", "v_proj"].')
-    from raytrain_mgpu.models.huggingface import is_hf
-
     if not is_hf(cfg.model):
         fail("lora", lora, f"adapts a Hugging Face model, and model={cfg.model!r} is not one",
              "Set model='hf:<folder>' (config.json and weights), or leave lora unset.")

@@ -24,9 +24,18 @@ import logging
 from dataclasses import dataclass, fields
 from typing import List, Optional, Tuple
 
+from raytrain_mgpu.checkpointing.run_folder import RunFolder, run_uri
+from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.data import check_data
+from raytrain_mgpu.driver.worker_nodes import only_nodes_with, requested_keys
+from raytrain_mgpu.engine.devices import EMULATE_ENV, is_emulated
+from raytrain_mgpu.pipeline.plan import check_splittable
 from raytrain_mgpu.planning.memory import (ModelProfile, device_memory, format_bytes, max_batch_within_budget,
                                   profile_config)
+from raytrain_mgpu.strategies import STRATEGIES, get_strategy
+from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY, OPTIONAL_FIELDS
 from raytrain_mgpu.strategies.layout import Devices, is_auto
+from raytrain_mgpu.strategies.plan import build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +68,7 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
     """
     if not cfg.use_gpu:
         return ClusterInfo((cfg.num_workers,), False)
-    from raytrain_mgpu.driver.cluster import read_capacity
-    from raytrain_mgpu.driver.worker_nodes import only_nodes_with, requested_keys
+    from raytrain_mgpu.driver.cluster import read_capacity  # late: loads Ray, read only for GPUs
 
     capacity = capacity if capacity is not None else read_capacity()
     capacity = only_nodes_with(capacity, requested_keys(cfg))  # the nodes the workers may use (resources_per_worker)
@@ -73,8 +81,6 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
 
 def _gpu_memory_bytes(cfg, capacity) -> Optional[int]:
     import torch
-
-    from raytrain_mgpu.engine.devices import EMULATE_ENV, is_emulated
 
     budget = getattr(cfg, "memory_budget_bytes", None)
     instead = (f"memory_budget_bytes={budget}" if budget else
@@ -119,9 +125,6 @@ def candidates(info: ClusterInfo, measured: bool = False) -> List[str]:
     spread the model, which the estimate tries when it does not; ``measured=True`` adds those
     only ``auto_measure`` times.
     """
-    from raytrain_mgpu.strategies import STRATEGIES
-    from raytrain_mgpu.strategies.base import AUTO_MEASURE_ONLY
-
     ranks = {name: cls.auto_rank(info) for name, cls in STRATEGIES.items()}
     ranked = sorted((rank, order, name) for order, (name, rank) in enumerate(ranks.items())
                     if rank is not None and (measured or rank < AUTO_MEASURE_ONLY))
@@ -137,11 +140,6 @@ def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = Non
     model checks that need its structure (a split over devices or stages) run here, before Ray. ``variant``: one
     of the strategy's ``auto_variants`` over its ``auto_layout``.
     """
-    from raytrain_mgpu.config.train import TrainConfig
-    from raytrain_mgpu.data import check_data
-    from raytrain_mgpu.strategies import get_strategy
-    from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
-
     cls = get_strategy(name)
     if info.num_devices < 1:
         raise ValueError("the cluster has no device to train on")
@@ -160,8 +158,6 @@ def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = Non
     input_shape, num_classes = check_data(planned.data)
     cls.check_model(planned, input_shape, num_classes)
     if cls.runner == "actor_group":
-        from raytrain_mgpu.pipeline.plan import check_splittable
-
         check_splittable(planned)
     return planned
 
@@ -169,8 +165,6 @@ def plan_config(cfg, name: str, info: ClusterInfo, variant: Optional[dict] = Non
 def layouts(cfg, name: str, info: ClusterInfo) -> Tuple[dict, ...]:
     """The layouts of strategy ``name`` that ``auto`` tries and ``compare`` lists, in order: its own (``{}``), then
     its ``auto_variants`` (``fsdp``'s tensor groups), each a change over its ``auto_layout`` for :func:`plan_config`."""
-    from raytrain_mgpu.strategies import get_strategy
-
     return ({}, *get_strategy(name).auto_variants(cfg, info))
 
 
@@ -182,8 +176,6 @@ def layout_label(name: str, variant: dict) -> str:
 def describe_layout(cfg) -> str:
     """``"2 workers"``, ``"1 worker x 2 devices"``, ``"2 stages x 4 micro-batches"``, ``"4 workers, 2 tensor groups
     of 2"``."""
-    from raytrain_mgpu.strategies.plan import build_plan
-
     plan = build_plan(cfg)
     if plan.runner == "actor_group":
         prefix = f"{plan.replicas} x " if plan.replicas > 1 else ""
@@ -220,9 +212,6 @@ def choose_strategy(cfg, info: ClusterInfo, memory_budget_bytes: Optional[int] =
     of their classes' ``auto_rank``: the plain model first, the first that fits wins. The
     variant (``Strategy.auto_variants``, ``{}`` for the plain layout) is what :func:`plan_config` needs.
     """
-    from raytrain_mgpu.strategies.plan import build_plan
-    from raytrain_mgpu.strategies import get_strategy
-
     profile = profile or profile_config(cfg)
     budget = memory_budget_bytes or info.device_memory_bytes
     where = info.describe()
@@ -279,8 +268,6 @@ def previous_layout(cfg) -> Optional[dict]:
     runner wrote it (both store the whole config). No Ray: ``fit`` answers a resumed or
     finished ``auto`` run from it before connecting.
     """
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
     newest = RunFolder.of(cfg).newest_checkpoint()
     saved = newest.meta.get("config", {}) if newest is not None else {}
     keys = ("strategy", "num_workers", "gpus_per_worker", "num_stages", "num_microbatches", "schedule",
@@ -331,8 +318,6 @@ def _measure(cfg, info: ClusterInfo, budget, profile: ModelProfile, name: str, r
                 break
     if not fitting:
         return name, reason, None
-    from raytrain_mgpu.checkpointing.run_folder import run_uri
-
     report = compare(cfg, strategies=fitting, steps=10, warmup_steps=2, memory_budget_bytes=budget,
                      storage_path=run_uri(cfg.storage_path, f"{cfg.name}-auto-measure"))
     best = report.recommendation

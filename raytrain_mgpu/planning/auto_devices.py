@@ -23,7 +23,10 @@ import logging
 import os
 from typing import Tuple
 
+from raytrain_mgpu.driver.worker_nodes import only_nodes_with, requested_keys
+from raytrain_mgpu.strategies.elastic import describe_range
 from raytrain_mgpu.strategies.layout import CPU_DEVICES, Devices, is_auto, laid_out
+from raytrain_mgpu.strategies.plan import build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +77,8 @@ def _gpus_found(cfg) -> Tuple[Tuple[int, ...], str]:
     import ray
 
     if ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"):
+        # late: loads Ray and torch, for a cluster that is up or named
         from raytrain_mgpu.driver.cluster import connect, keep_ray_started, read_capacity
-        from raytrain_mgpu.driver.worker_nodes import only_nodes_with, requested_keys
 
         keep_ray_started(connect(cfg.address, cfg.verbose, local_has_gpu_check=False))  # Ray up already: nothing
         capacity = only_nodes_with(read_capacity(), requested_keys(cfg))  # the nodes the workers may use
@@ -83,7 +86,7 @@ def _gpus_found(cfg) -> Tuple[Tuple[int, ...], str]:
         nodes = f" ({len(gpus)} nodes)" if len(gpus) > 1 else ""
         scaling = " (counting the nodes its autoscaler can add)" if capacity.autoscales else ""
         return gpus, f"on the Ray cluster{nodes}{scaling}"
-    from raytrain_mgpu.engine.devices import EMULATE_ENV, emulated_gpus
+    from raytrain_mgpu.engine.devices import EMULATE_ENV, emulated_gpus  # late: loads torch
 
     emulated = emulated_gpus()
     if emulated:
@@ -99,9 +102,6 @@ def _describe(cfg, devices: Devices) -> str:
     if cfg.strategy == "auto":  # laid out by planning/auto.py next, once the cluster is read
         unit = "GPU" if cfg.use_gpu else "CPU worker"
         return f"strategy=auto lays the run out on {devices.num_devices} {unit}(s)"
-    from raytrain_mgpu.strategies.elastic import describe_range
-    from raytrain_mgpu.strategies.plan import build_plan
-
     plan = build_plan(cfg)
     count = describe_range(cfg) if plan.runner == "train_workers" else str(plan.num_processes)
     what = ("stage actor" if plan.runner == "actor_group" else "worker") + ("" if count == "1" else "s")

@@ -41,9 +41,12 @@ from raytrain_mgpu.planning.compare_report import (LOSS_RTOL, REFERENCE, Compare
                                           check_losses, losses_comparable, recommend, summarize_history,
                                           write_outputs)
 from raytrain_mgpu.config.units import parse_bytes
-from raytrain_mgpu.driver.cluster import keep_ray_started
+from raytrain_mgpu.data import build_datasets, check_data
+from raytrain_mgpu.driver.cluster import check_placeable, keep_ray_started
+from raytrain_mgpu.models import build_model_shapes
 from raytrain_mgpu.planning.memory import (batch_granularity, device_memory, format_bytes, largest_batch,
                                   profile_config)
+from raytrain_mgpu.strategies import strategy_names
 from raytrain_mgpu.strategies.plan import build_plan
 
 logger = logging.getLogger(__name__)
@@ -56,8 +59,6 @@ __all__ = ["compare", "CompareReport", "RunRow", "Recommendation", "LOSS_RTOL"]
 
 def _check_arguments(strategies: Optional[Sequence[str]], steps: int, warmup_steps: int,
                      batch_search: Optional[str]) -> List[str]:
-    from raytrain_mgpu.strategies import strategy_names
-
     valid = strategy_names()
     names = list(strategies) if strategies is not None else valid
     unknown = [n for n in names if n not in valid]
@@ -76,9 +77,7 @@ def _check_arguments(strategies: Optional[Sequence[str]], steps: int, warmup_ste
 
 def _run_settings(planned, num_train: int, steps: int, warmup_steps: int, storage: str, label: str):
     """``planned`` set up to stop after the rounded warm-up plus ``steps``; returns (config, warm-up steps)."""
-    per_epoch = build_plan(planned, num_train).steps_per_epoch
-    if per_epoch < 1:
-        raise ValueError(f"batch_size={planned.batch_size} is larger than the training split ({num_train} samples)")
+    per_epoch = build_plan(planned, num_train).steps_per_epoch  # ValueError: no full step in the split
     warm = math.ceil(warmup_steps / per_epoch) * per_epoch
     total = warm + steps
     epochs = max(planned.epochs, math.ceil(total / per_epoch))
@@ -123,8 +122,6 @@ def _row(cfg, name: str, variant: dict, info: ClusterInfo, reference) -> RunRow:
 def _skip_unplaceable(rows: List[RunRow], use_gpu: bool, capacity) -> None:
     """Mark the rows the cluster can never place as skipped (``capacity``: what it can have,
     so an autoscaling cluster with no GPU node up yet still runs them)."""
-    from raytrain_mgpu.driver.cluster import check_placeable
-
     for row in rows:
         if row.config is None:
             continue
@@ -185,8 +182,8 @@ def compare(cfg, strategies: Optional[Sequence[str]] = None, steps: int = 20, wa
     (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
     lines go (default: nowhere).
     """
+    # late: looked up at the call (a test replaces connect)
     from raytrain_mgpu.driver.cluster import connect, read_capacity
-    from raytrain_mgpu.data import build_datasets
 
     names = _check_arguments(strategies, steps, warmup_steps, batch_search)
     cfg, devices_line = resolve_auto_devices(cfg)  # use_gpu/num_workers "auto": the GPUs found, the layout on them
@@ -293,9 +290,6 @@ def _try_max_batch(row: RunRow, budget: int, num_train: int, storage: str, strea
 
 def _finish(cfg, rows: List[RunRow], info: ClusterInfo, budget: Optional[int], steps: int, warm: int,
             profile) -> CompareReport:
-    from raytrain_mgpu.data import check_data
-    from raytrain_mgpu.models import build_model_shapes
-
     reference = next((r for r in rows if r.label == REFERENCE and r.status == "ok"), None)
     for row in rows:
         if row.status == "ok" and reference is not None:

@@ -33,8 +33,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raytrain_mgpu.data import check_data
 from raytrain_mgpu.engine.objectives import logits_of
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.models.checkpointing import checkpointed_indices
+from raytrain_mgpu.models.partition import blocks_of
+from raytrain_mgpu.strategies import STRATEGIES, Strategy, get_strategy
 from raytrain_mgpu.strategies._memory import DeviceMemory
+from raytrain_mgpu.strategies.plan import build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +166,6 @@ def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw"
     ``activation_checkpointing``'s interval (the model measured as built, the blocks it names
     counted as checkpointed).
     """
-    from raytrain_mgpu.models.partition import blocks_of
-
     try:
         blocks, splittable = blocks_of(model), True
     except ValueError:
@@ -177,8 +181,6 @@ def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw"
     per_sample = [max(0.0, (l - s) / span) for s, l in zip(small[0], large[0])]
     recompute = ()
     if checkpoint_every and splittable:
-        from raytrain_mgpu.models.checkpointing import checkpointed_indices
-
         recompute = [0.0] * len(blocks)
         for i in checkpointed_indices(len(blocks), checkpoint_every):
             recompute[i], per_sample[i] = per_sample[i], max(0.0, (large[4][i] - small[4][i]) / span)
@@ -195,9 +197,6 @@ def profile_model(model: nn.Module, input_shape: tuple, optimizer: str = "adamw"
 
 def profile_config(cfg) -> ModelProfile:
     """The profile of ``cfg``'s model and data shapes, built on ``meta`` (CPU if that fails)."""
-    from raytrain_mgpu.data import check_data
-    from raytrain_mgpu.models import build_model
-
     input_shape, num_classes = check_data(cfg.data)
     for device in ("meta", "cpu"):
         torch.manual_seed(cfg.seed)
@@ -222,8 +221,6 @@ def device_memory(strategy: str, cfg, profile: ModelProfile) -> List[DeviceMemor
     Each strategy builds it from the pieces in :mod:`raytrain_mgpu.strategies._memory`; a
     registered strategy without a memory model raises ``ValueError``.
     """
-    from raytrain_mgpu.strategies import STRATEGIES, Strategy, get_strategy
-
     def has_model(cls) -> bool:  # overrides the default, which has none
         return cls.device_memory.__func__ is not Strategy.device_memory.__func__
 
@@ -243,8 +240,6 @@ def batch_granularity(strategy: str, cfg) -> int:
 
     ``strategy`` is ``cfg.strategy`` (kept for the callers' symmetry with :func:`device_memory`).
     """
-    from raytrain_mgpu.strategies.plan import build_plan
-
     return build_plan(cfg).batch_granularity
 
 

@@ -32,7 +32,7 @@ class DeviceMemory(NamedTuple):
 
 def split_parts(profile, num_parts: int, balance) -> List[range]:
     """Block ranges of each part, as the strategies split (``balance="time"`` estimated by parameters)."""
-    from raytrain_mgpu.models.partition import balanced_split
+    from raytrain_mgpu.models.partition import balanced_split  # late: loads torch; the rules here need none
 
     n = len(profile.block_param_bytes)
     if not profile.splittable and num_parts > 1:

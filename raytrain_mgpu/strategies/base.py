@@ -285,6 +285,26 @@ class NodeDevices(Strategy):
         return {"num_workers": 1, "gpus_per_worker": min(num_gpus, 4)}
 
 
+class TensorGroups(Strategy):
+    """Base of the strategies whose workers each hold (or shard) the whole model and may form tensor groups of
+    ``tensor_parallel_size`` (``ddp``, ``fsdp``): a group shares one replica's batch; one worker per device."""
+
+    trains_lora = True  # the whole model per worker (sharded by fsdp): peft's adapters train as any parameter
+    elastic = True  # one replica per worker: num_workers=(min, max) resizes it
+
+    @classmethod
+    def data_parallel_size(cls, cfg: "TrainConfig") -> int:
+        return tensor_parallel_replicas(cfg)  # a tensor group's workers share one replica's batch
+
+    @classmethod
+    def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
+        check_tensor_parallel_model(cfg, input_shape, num_classes)
+
+    @classmethod
+    def auto_layout(cls, cfg: "TrainConfig", info) -> dict:
+        return {"num_workers": data_parallel_workers(cfg, info.num_devices)}
+
+
 def check_batch_divisible(cfg: "TrainConfig", replicas: int) -> None:
     """The global batch must split evenly over replicas and accumulation micro-steps."""
     parts = replicas * cfg.grad_accum_steps
@@ -330,6 +350,7 @@ def data_parallel_workers(cfg: "TrainConfig", num_devices: int) -> int:
 def check_tensor_parallel_model(cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
     """With ``tensor_parallel_size > 1``: the model (built on ``meta``) has a plan that splits evenly, before Ray."""
     if cfg.tensor_parallel_size > 1:
+        # late: loads torch; the rules here need none
         from raytrain_mgpu.parallel.tensor_parallel import check_model_plan
 
         check_model_plan(cfg, input_shape, num_classes)
@@ -337,6 +358,6 @@ def check_tensor_parallel_model(cfg: "TrainConfig", input_shape: tuple, num_clas
 
 def num_blocks(cfg: "TrainConfig") -> int:
     """Blocks ``cfg``'s model splits into (built on ``meta``: no memory); ValueError if it cannot be split."""
-    from raytrain_mgpu.pipeline.plan import meta_blocks
+    from raytrain_mgpu.pipeline.plan import meta_blocks  # late: loads torch; the rules here need none
 
     return len(meta_blocks(cfg))

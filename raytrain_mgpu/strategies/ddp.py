@@ -4,31 +4,16 @@ from __future__ import annotations
 
 from raytrain_mgpu.strategies._memory import replica_on, tensor_parallel_memory, whole_model
 from raytrain_mgpu.strategies.base import (AUTO_FIRST, DDP_OPTIONS, TENSOR_PARALLEL_OPTIONS, TENSOR_PARALLEL_REFUSALS,
-                                           Strategy, check_tensor_parallel_model, data_parallel_workers,
-                                           tensor_parallel_replicas)
+                                           TensorGroups)
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(TensorGroups):
     """``DistributedDataParallel`` over the workers (gloo on CPU, NCCL on GPU)."""
 
     name = "ddp"
     placement, replication = "device", "replicate"
-    trains_lora = True  # the whole model per worker (sharded by fsdp): peft's adapters train as any parameter
-    elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = DDP_OPTIONS | {"sync_batchnorm"} | TENSOR_PARALLEL_OPTIONS
     refusals = TENSOR_PARALLEL_REFUSALS
-
-    @classmethod
-    def data_parallel_size(cls, cfg) -> int:
-        return tensor_parallel_replicas(cfg)  # with tensor_parallel_size: DDP over the tensor groups
-
-    @classmethod
-    def check_model(cls, cfg, input_shape, num_classes) -> None:
-        check_tensor_parallel_model(cfg, input_shape, num_classes)
-
-    @classmethod
-    def auto_layout(cls, cfg, info) -> dict:
-        return {"num_workers": data_parallel_workers(cfg, info.num_devices)}
 
     @classmethod
     def auto_rank(cls, info):

@@ -24,6 +24,7 @@ import copy
 import math
 from typing import List, Tuple
 
+from raytrain_mgpu.strategies import STRATEGIES, get_strategy
 from raytrain_mgpu.strategies.layout import is_auto
 
 __all__ = ["worker_range", "is_elastic", "at_count", "check_worker_range",
@@ -86,8 +87,6 @@ def check_worker_range(cfg) -> None:
     if len(value) != 2 or not all(_is_int(v) for v in value) or not 1 <= value[0] <= value[1]:
         raise ValueError(f"TrainConfig.num_workers={value!r}: an elastic range is (min, max) with 1 <= min <= max. "
                          f"Write e.g. num_workers=(1, 4) (YAML [1, 4], CLI --num-workers 1-4).")
-    from raytrain_mgpu.strategies import STRATEGIES, get_strategy
-
     elastic = sorted(name for name, cls in STRATEGIES.items() if cls.elastic)
     if cfg.strategy == "auto" or not get_strategy(cfg.strategy).elastic:
         raise ValueError(

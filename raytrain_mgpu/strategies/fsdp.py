@@ -31,19 +31,16 @@ On the worker: placement ``keep`` (where it was built), then replication ``fully
 from __future__ import annotations
 
 from raytrain_mgpu.strategies._memory import DeviceMemory, fsdp_state_bytes, tensor_parallel_memory
-from raytrain_mgpu.strategies.base import (TENSOR_PARALLEL_OPTIONS, TENSOR_PARALLEL_REFUSALS, Refusal, Strategy,
-                                           check_tensor_parallel_model, data_parallel_workers,
-                                           tensor_parallel_replicas)
+from raytrain_mgpu.strategies.base import (TENSOR_PARALLEL_OPTIONS, TENSOR_PARALLEL_REFUSALS, Refusal, TensorGroups,
+                                           data_parallel_workers)
 from raytrain_mgpu.strategies.ddp import replicated_memory
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(TensorGroups):
     """Fully sharded data parallel (FSDP2) over the workers."""
 
     name = "fsdp"
     placement, replication = "keep", "fully_shard"
-    trains_lora = True  # the whole model per worker (sharded by fsdp): peft's adapters train as any parameter
-    elastic = True  # one replica per worker: num_workers=(min, max) resizes it
     options_used = frozenset({"sync_batchnorm", "shard_group_size", "cpu_offload"}) | TENSOR_PARALLEL_OPTIONS
     refusals = (Refusal(lambda cfg: cfg.shard_group_size is not None and cfg.num_workers % cfg.shard_group_size != 0,
                         "TrainConfig.shard_group_size={cfg.shard_group_size}: must divide num_workers={cfg.num_workers} "
@@ -54,18 +51,6 @@ class FSDPStrategy(Strategy):
                         "only this worker's shard, so workers could disagree on skipping a step. Use "
                         "precision='bf16-mixed' (same memory saving, no loss scaling needed)."),
                 *TENSOR_PARALLEL_REFUSALS)
-
-    @classmethod
-    def data_parallel_size(cls, cfg) -> int:
-        return tensor_parallel_replicas(cfg)  # a tensor group's workers share one replica's batch
-
-    @classmethod
-    def check_model(cls, cfg, input_shape, num_classes) -> None:
-        check_tensor_parallel_model(cfg, input_shape, num_classes)
-
-    @classmethod
-    def auto_layout(cls, cfg, info) -> dict:
-        return {"num_workers": data_parallel_workers(cfg, info.num_devices)}
 
     @classmethod
     def auto_variants(cls, cfg, info) -> tuple:

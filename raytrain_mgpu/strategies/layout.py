@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
 
+from raytrain_mgpu.strategies import get_strategy
+
 __all__ = ["AUTO", "Devices", "CPU_DEVICES", "is_auto", "laid_out", "provisional"]
 
 AUTO = "auto"
@@ -70,8 +72,6 @@ def laid_out(cfg, devices: Devices) -> dict:
     """
     if cfg.strategy == AUTO:  # strategy="auto" lays itself out when fit starts (planning/auto.py), on these devices
         return {"num_workers": devices.num_devices}
-    from raytrain_mgpu.strategies import get_strategy
-
     try:
         layout = get_strategy(cfg.strategy).auto_layout(_with(cfg, use_gpu=devices.use_gpu), devices)
     except ValueError as exc:
@@ -95,8 +95,6 @@ def provisional(cfg, use_gpu: bool = False):
     if is_auto(cfg.num_workers):
         changes["num_workers"] = CPU_DEVICES.num_devices
         if cfg.strategy != AUTO:
-            from raytrain_mgpu.strategies import get_strategy
-
             try:
                 count = get_strategy(cfg.strategy).auto_num_workers(_with(cfg, use_gpu=False), CPU_DEVICES)
             except ValueError:  # laid out as configured there, as laid_out does

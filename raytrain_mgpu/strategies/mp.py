@@ -24,6 +24,7 @@ metric's ``(sum, count)`` move back to the first device. On the worker: placemen
 
 from __future__ import annotations
 
+from raytrain_mgpu.models import build_model_shapes
 from raytrain_mgpu.strategies._memory import replica_on, split_parts
 from raytrain_mgpu.strategies.base import NodeDevices, num_blocks
 
@@ -44,8 +45,7 @@ def validate_split(cfg) -> None:
 
 def check_split(cfg, input_shape: tuple, num_classes: int) -> None:
     """Build the model on the ``meta`` device (no memory) and check that the split works."""
-    from raytrain_mgpu.models import build_model_shapes
-    from raytrain_mgpu.models.partition import blocks_of, plan_partition
+    from raytrain_mgpu.models.partition import blocks_of, plan_partition  # late: loads torch; the rules here need none
 
     model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)
     if not callable(getattr(model, "place", None)):  # a model that places itself is not split

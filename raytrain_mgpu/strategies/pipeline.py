@@ -73,7 +73,7 @@ class PipelineStrategy(Strategy):
     @classmethod
     def check_model(cls, cfg: "TrainConfig", input_shape: tuple, num_classes: int) -> None:
         """More stages than blocks, a model that cannot be split, a wrong balance list."""
-        from raytrain_mgpu.pipeline.plan import check_splittable
+        from raytrain_mgpu.pipeline.plan import check_splittable  # late: loads torch; the rules here need none
 
         check_splittable(cfg)
 

@@ -9,13 +9,18 @@ or a micro-batch from the strategy's name.
 It sits with the strategies (as torchtitan's sits in ``distributed/``) because it is only
 what the strategy class answers (``data_parallel_size``, ``devices_per_worker``,
 ``worker_resources``, ``bundles``, ``micro_batches_per_step``, ``runner``), put together;
-so the runtime below planning can read it. Pure: no Ray, no torch.
+so the runtime below planning can read it. Pure: no Ray, and no torch until the training split's size is
+given (its steps per epoch are the engine's feed's count).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from raytrain_mgpu.strategies import get_strategy
+from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
+from raytrain_mgpu.strategies.layout import is_auto
 
 __all__ = ["RunPlan", "build_plan"]
 
@@ -95,11 +100,8 @@ class RunPlan:
 
 
 def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
-    """The plan of ``cfg`` (validated, strategy, devices and worker count resolved: none of them ``auto``)."""
-    from raytrain_mgpu.strategies import get_strategy
-    from raytrain_mgpu.strategies.elastic import at_count, is_elastic, worker_range
-    from raytrain_mgpu.strategies.layout import is_auto
-
+    """The plan of ``cfg`` (validated, strategy, devices and worker count resolved: none of them ``auto``);
+    ``train_split_size``: its steps per epoch too (ValueError where the split holds no full step)."""
     for name in ("use_gpu", "num_workers"):
         if is_auto(getattr(cfg, name)):
             raise ValueError(f"TrainConfig.{name}='auto' has no plan until the devices are read: fit, compare and "
@@ -115,10 +117,11 @@ def build_plan(cfg, train_split_size: Optional[int] = None) -> RunPlan:
     micro_steps = cls.micro_batches_per_step(cfg)
     steps = None
     if train_split_size is not None:
+        from raytrain_mgpu.engine.feed import steps_per_epoch  # late: feed loads torch, a plan without a size none
+
+        # The engine's own count (its feed's): a replica's micro-batch x its micro-steps per step.
         micro = cfg.batch_size // (replicas * micro_steps)
-        # DistributedSampler(drop_last=True) gives each replica num_train // replicas samples;
-        # the loader drops the last partial micro-batch, the loop the last partial step.
-        steps = (train_split_size // replicas // micro) // micro_steps
+        steps = steps_per_epoch(cfg, train_split_size, replicas, micro * micro_steps)
     return RunPlan(strategy=cfg.strategy, runner=cls.runner, use_gpu=cfg.use_gpu,
                    num_processes=high if elastic else len(bundles), replicas=replicas,
                    devices_per_worker=cls.devices_per_worker(cfg),
