@@ -38,6 +38,7 @@ from raytrain_mgpu.engine.run_state import stops_early
 from raytrain_mgpu.driver.runlock import RunLock
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.driver.callbacks import RunEvents, RunInfo, load_callbacks
+from raytrain_mgpu.driver.goodput import Ledger, read_ledger
 from raytrain_mgpu.strategies import get_strategy
 from raytrain_mgpu.transports import carrier
 from raytrain_mgpu.transports.base import runner_for
@@ -60,6 +61,12 @@ class TrainResult:
     (connecting to or starting Ray), ``worker_group_s`` (Ray Train's controller and workers, to rank 0's
     train function), ``setup_s`` (rank 0's data, model and resume, to its first step), ``first_step_s``
     (their sum: from the call to the first step)."""
+    goodput: dict = field(default_factory=dict)
+    """Where the run's wall time went, in seconds by kind, across its attempts and the ``fit`` calls that trained it
+    (``driver/goodput.py``; ``raytrain-mgpu goodput RUN`` reads the same from its folder): ``productive``, ``redone``
+    (steps trained again after a failure), ``startup``, ``checkpoint``, ``eval``, ``data_wait``, ``restart``, which
+    add up to ``wall``; and ``step_s``, ``checkpoint_s``, ``interval_s``, ``startup_s``, ``restart_s``, ``saves``,
+    ``restarts``, ``redone_steps``. Not in ``history``, whose rows are the epochs' as the ranks sent them."""
     metrics: dict = field(init=False)
     best_checkpoint_path: Optional[str] = field(init=False)
 
@@ -194,13 +201,17 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
         if ingest_line:
             events.banner(ingest_line)
         events.train_start(_run_info(cfg))
-        # the in-process runner, Ray Train's workers or the pipeline's actor group: one call, one result
-        history, checkpoint_path, rank0 = carrier(runner, plan)(cfg, plan, events)
+        # every transport tells the ledger of its attempts (transports/retry.run_attempts, the progress channel)
+        events.goodput = ledger = Ledger(RunFolder.of(cfg), started=called)
+        try:  # the in-process runner, Ray Train's workers or the pipeline's actor group: one call, one result
+            history, checkpoint_path, rank0 = carrier(runner, plan)(cfg, plan, events)
+        finally:
+            ledger.close()  # goodput.json: what it knew, also of a failed run
         startup = _startup(called, checked, connected, rank0)
         run_path = _run_path(cfg)
         history = _stamp_auto(history, auto_record, run_path)
         _write_history(history, run_path)
-        result = TrainResult(cfg, history, checkpoint_path, run_path, startup)
+        result = TrainResult(cfg, history, checkpoint_path, run_path, startup, ledger.summary(history))
         events.train_end(result)
         return result
     finally:
@@ -308,7 +319,11 @@ def _stored_result(cfg: TrainConfig, stream=None) -> Optional[TrainResult]:
     ProgressPrinter(cfg.epochs, stream).banner(
         f"raytrain-mgpu: run {folder.display} is already finished (epoch {state.epoch}, step {state.step}); "
         f"nothing to train. {why} to train it further, or use another name for a new run.")
-    return TrainResult(cfg, history, state.checkpoint, folder.uri)
+    try:
+        goodput = read_ledger(folder.uri)
+    except FileNotFoundError:  # trained before the ledger was kept
+        goodput = {}
+    return TrainResult(cfg, history, state.checkpoint, folder.uri, goodput=goodput)
 
 
 def compare(cfg: TrainConfig, strategies: Optional[List[str]] = None, steps: int = 20, warmup_steps: int = 5,

@@ -253,7 +253,7 @@ _MODULE_COMMANDS = {
                    "docs/performance.md (under RAYTRAIN_MGPU_EMULATE_GPUS: a quick emulated check)"),
     "spot-watch": ("raytrain_mgpu.driver.spot_watch", "run on a spot node: on SIGTERM (or a cloud termination "
                    "notice) drain it as a preemption, so the run saves a step checkpoint"),
-}
+    "goodput": ("raytrain_mgpu.planning.goodput_command", "where a run's time went; --gpus: its goodput at scale")}
 
 
 def _arguments_of(module: str) -> Callable[[argparse.ArgumentParser], None]:
@@ -275,16 +275,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # a bad value fails here, before torch and Ray load
     from raytrain_mgpu.api import fit
+    from raytrain_mgpu.driver.goodput import describe
 
     start = time.perf_counter()
     result = fit(cfg)
-    m = result.metrics
+    m, s = result.metrics, result.startup
     accuracy = f"test_accuracy {m['test_accuracy']:.4f}, " if m.get("test_accuracy") is not None else ""
-    s = result.startup
     startup = (f" (first step after {s['first_step_s']:.1f} s: checks {s['checks_s']:.1f}, Ray {s['ray_s']:.1f}, "
                f"worker group {s['worker_group_s']:.1f}, data and model {s['setup_s']:.1f})" if s else "")
-    print(f"done in {time.perf_counter() - start:.0f} s{startup}: {accuracy}{m.get('step', 0)} steps\n"
-          f"  checkpoint: {result.checkpoint_path}\n  history:    {result.path}/history.parquet")
+    print(f"done in {time.perf_counter() - start:.0f} s{startup}: {accuracy}{m.get('step', 0)} steps\n  checkpoint: "
+          f"{result.checkpoint_path}\n  history:    {result.path}/history.parquet{describe(result.goodput)}")
     return 0
 
 

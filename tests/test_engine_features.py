@@ -283,15 +283,16 @@ def test_skip_in_a_pipeline_skips_a_step_on_every_stage_when_one_stages_gradient
 
 
 def test_the_runs_end_flushes_rank_0s_events_after_the_last(monkeypatch, tmp_path):
-    """``Transport.finish`` flushes rank 0's reporter, once, after its last event (the checkpoint's
-    announcement): the driver's last drain then finds it (tests/test_fit.py: what the flush waits for)."""
+    """``Transport.finish`` flushes rank 0's reporter, once, after its last events (the checkpoint's
+    announcement, then the last step reached, for the goodput ledger): the driver's last drain then finds them
+    (tests/test_fit.py: what the flush waits for)."""
     from _engine import RecordingSink, make_engine
     from raytrain_mgpu.driver.progress import WorkerReporter
 
     sink, flushed = RecordingSink(), []
     monkeypatch.setattr(WorkerReporter, "flush", lambda self, timeout_s=0.0: flushed.append(len(sink.events)))
     make_engine({**DP, "storage_path": str(tmp_path), "name": "flushed"}, sink=sink, setup=False).run()
-    assert sink.events[-1][0] == "checkpoint" and flushed == [len(sink.events)]
+    assert [kind for kind, _ in sink.events[-2:]] == ["checkpoint", "reached"] and flushed == [len(sink.events)]
 
 
 def test_rank_0_tells_the_driver_the_checkpoint_it_resumed_from(tmp_path):

@@ -164,7 +164,7 @@ def test_pipeline_checkpoints_to_a_storage_uri_and_resumes_from_it(runs, monkeyp
     result = runs.resumed
     assert result.checkpoint_path == f"file://{runs.root}/results/pipe/checkpoint_epoch000003"
     assert sorted(p.name for p in runs.run.iterdir() if not p.name.startswith(".")) == [
-        "checkpoint_epoch000002", "checkpoint_epoch000003", "history.parquet", "run.json"]
+        "checkpoint_epoch000002", "checkpoint_epoch000003", "goodput.json", "history.parquet", "run.json"]
     model = result.load_model()  # from the URI
     assert set(model.state_dict()) == set(load_model_state(str(runs.run / "checkpoint_epoch000003")))
 

@@ -39,7 +39,13 @@ from raytrain_mgpu.engine.metrics import all_gather_objects
 from raytrain_mgpu.config.code import monitor_mode
 from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.engine.step import NonFiniteError
+from raytrain_mgpu.checkpointing.preemption import SaveClock
 from raytrain_mgpu.checkpointing.step_checkpoints import STEP_IN_EPOCH
+from raytrain_mgpu.checkpointing.run_folder import PUBLISHED_KEY
+from raytrain_mgpu.engine import optim
+from raytrain_mgpu.models import build_model as build_named_model
+from raytrain_mgpu.models.checkpointing import checkpoint_blocks
+from raytrain_mgpu.models.lora import apply_lora
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +82,12 @@ def seed_rank_stream(seed: int, rank: int, step: int = 0) -> None:
 def build_model(cfg, steps, data) -> torch.nn.Module:
     """The initial model, the same on every rank (the run's seed); then each rank's own random stream
     (with the shared seed every rank would draw the same dropout masks: R copies of one mask)."""
-    from raytrain_mgpu.models import build_model as build
-    from raytrain_mgpu.models.checkpointing import checkpoint_blocks
-
     torch.manual_seed(cfg.seed)
     # fsdp's ranks other than 0 build on meta (no memory): rank 0's weights reach their shards. An hf: model's
     # weights are read from its folder here (pretrained), by every rank that builds off meta (models/huggingface.py).
     with torch.device("meta") if steps.build_on_meta() else contextlib.nullcontext():
-        model = build(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs, pretrained=True)
+        model = build_named_model(cfg.model, data.input_shape, data.num_classes, cfg.model_kwargs, pretrained=True)
         if getattr(cfg, "lora", None) is not None:  # before the strategy wraps it; A drawn from the seed alone
-            from raytrain_mgpu.models.lora import apply_lora
-
             torch.manual_seed(cfg.seed)
             model = apply_lora(model, cfg.lora)
     if cfg.sync_batchnorm:
@@ -100,24 +101,20 @@ def build_model(cfg, steps, data) -> torch.nn.Module:
 
 def build_optimizer(cfg, steps) -> torch.optim.Optimizer:
     """Over the trainable parameters (frozen ones left out), in ``param_groups``' groups where it names them."""
-    from raytrain_mgpu.engine.optim import build_optimizer as build
-    from raytrain_mgpu.engine.optim import param_groups
-
     if cfg.param_groups is not None:
-        return build(param_groups(steps.named_model(), cfg.param_groups, cfg.weight_decay), cfg.optim)
+        return optim.build_optimizer(optim.param_groups(steps.named_model(), cfg.param_groups, cfg.weight_decay),
+                                     cfg.optim)
     params = [p for p in steps.parameters() if p.requires_grad]
     if not params and steps.may_hold_no_parameters:
         # A pipeline stage of parameter-free blocks (a Flatten, a pooling; balance="time" can choose one): nothing
         # to step, but the schedule's scheduler, grad scaler and checkpoint all expect an optimizer. An empty
         # parameter (never a gradient) gives it one that steps nothing.
         params = [torch.nn.Parameter(torch.zeros(0))]
-    return build(params, cfg.optim)
+    return optim.build_optimizer(params, cfg.optim)
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch: int):
-    from raytrain_mgpu.engine.optim import build_scheduler as build
-
-    return build(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
+    return optim.build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.epochs)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -256,10 +253,10 @@ class Saver:
         self.engine = engine
         data = engine.data
         self.shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
-        self.last = time.monotonic()  # this rank's clock of the last checkpoint (checkpoint_every_n_minutes)
-
-    def since_save(self) -> float:
-        return time.monotonic() - self.last
+        # this rank's clock of the last checkpoint and each save's stall (checkpoint_every_n_minutes, "auto": the MTBF
+        # is the run's, over its GPUs, or its workers on CPU)
+        devices = len(engine.steps.memory_devices()) if engine.steps.device.type == "cuda" else 1
+        self.since_save = SaveClock(num_devices=engine.world * devices)
 
     def save(self, metrics: dict, partial: Optional[dict] = None, send_row: bool = False) -> None:
         """``metrics``: the epoch's row (``send_row``: rank 0 adds this save's time to its ``checkpoint_s`` and
@@ -315,7 +312,7 @@ class Saver:
             except BaseException as exc:  # a user's callback raised (in-process): the checkpoint is published first
                 reported = exc
         transport.commit(Commit(name, directory, metrics, meta, is_best, best_model, writing, step, final))
-        self.last = time.monotonic()
+        self.since_save.saved(time.perf_counter() - started)  # the training thread's stall for this save
         if reported is not None:
             raise reported
 
@@ -336,8 +333,6 @@ class Saver:
 def seal(directory: str, meta: dict, published: bool = False) -> None:
     """A checkpoint's last write, every transport's: ``meta.json``, which marks it complete (``published``: put in
     place in the run folder by this package, not registered by Ray Train: ``RunFolder.newest_checkpoint``)."""
-    from raytrain_mgpu.checkpointing.run_folder import PUBLISHED_KEY
-
     ckpt_format.write_checkpoint(directory, meta={**meta, PUBLISHED_KEY: True} if published else meta, history=None)
 
 

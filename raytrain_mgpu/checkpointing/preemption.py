@@ -29,6 +29,7 @@ The Ray side (the notice's source, the watcher where no notice can come, a pipel
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional
 
@@ -36,10 +37,48 @@ from raytrain_mgpu.data.ingest import resumes_mid_epoch
 from raytrain_mgpu.engine.run_state import at_max_steps
 from raytrain_mgpu.checkpointing.step_checkpoints import step_checkpoint_due
 
-__all__ = ["PreemptionCheck", "CHECK_EVERY_N_STEPS", "notice_line", "resume_line", "AnyRank"]
+__all__ = ["PreemptionCheck", "CHECK_EVERY_N_STEPS", "notice_line", "resume_line", "AnyRank", "SaveClock",
+           "young_daly_s", "AUTO_FIRST_INTERVAL_S"]
 
 CHECK_EVERY_N_STEPS = 10
 """Global optimizer steps between two ``get_preemption_info`` barriers."""
+
+
+AUTO_FIRST_INTERVAL_S = 600.0
+"""``checkpoint_every_n_minutes="auto"`` before this attempt's first save is measured: a step checkpoint after 10
+minutes (or the first epoch's end, which always saves, if that comes first)."""
+
+
+def young_daly_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young and Daly's checkpoint interval, ``sqrt(2 C M)``: the one that wastes least (to first order) when a save
+    stalls training ``C`` seconds and failures come every ``M`` seconds on average."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+class SaveClock:
+    """A rank's clock of its checkpoints in one attempt: ``clock()`` is the seconds since the last one, ``stalls_s``
+    what each save held the training thread (:meth:`saved`, where the save happens), and
+    :meth:`interval_s` the ``"auto"`` interval from them."""
+
+    def __init__(self, num_devices: int = 1):
+        self.num_devices = max(1, num_devices)  # the run's GPUs (workers on CPU): the MTBF is the whole run's
+        self.last = time.monotonic()
+        self.stalls_s: list = []
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.last
+
+    def saved(self, stall_s: float) -> None:
+        self.stalls_s.append(stall_s)
+        self.last = time.monotonic()
+
+    def interval_s(self, reclaims_per_gpu_hour: float) -> float:
+        """Young-Daly's interval from this attempt's mean stall per save and the run's MTBF, ``3600 / (N R)`` for
+        ``N`` devices; :data:`AUTO_FIRST_INTERVAL_S` until a save is measured."""
+        if not self.stalls_s:
+            return AUTO_FIRST_INTERVAL_S
+        mtbf_s = 3600.0 / (self.num_devices * reclaims_per_gpu_hour)
+        return young_daly_s(sum(self.stalls_s) / len(self.stalls_s), mtbf_s)
 
 
 class AnyRank:
@@ -97,9 +136,10 @@ class PreemptionCheck:
                  enabled: bool = True, since_save: Optional[Callable[[], float]] = None):
         self.cfg, self.reporter, self.every = cfg, reporter, every
         # checkpoint_every_n_minutes: the seconds since the last checkpoint, on this rank's clock; the ranks agree at
-        # the same check whether any clock says a checkpoint is due (the checks' all-reduce carries it too)
+        # the same check whether any clock says a checkpoint is due (the checks' all-reduce carries it too). "auto":
+        # Young-Daly's interval, asked of the clock (a SaveClock) at each check, as the saves' stalls come in.
         minutes = getattr(cfg, "checkpoint_every_n_minutes", None)
-        self.interval_s = None if minutes is None or since_save is None else minutes * 60.0
+        self.minutes = None if since_save is None else minutes
         self.since_save = since_save
         # A user's own Ray Dataset that is not materialized streams in Ray Data's order and restarts its epoch on
         # resume: a step checkpoint could not continue mid-epoch, so such a run does not ask
@@ -135,15 +175,22 @@ class PreemptionCheck:
             self.reporter.notice(notice_line(notice, step))
         return saved
 
+    def interval_s(self) -> float:
+        """The seconds between time-based checkpoints: ``checkpoint_every_n_minutes``, or for ``"auto"`` the clock's
+        Young-Daly interval (:meth:`SaveClock.interval_s`) at ``expected_reclaims_per_gpu_hour``."""
+        if self.minutes == "auto":
+            return self.since_save.interval_s(self.cfg.expected_reclaims_per_gpu_hour)
+        return self.minutes * 60.0
+
     def _poll(self, step: int) -> tuple:
         """``(the notice, the first time a check sees one, else None; whether a time-based checkpoint is due)``;
         between checks ``(None, False)``."""
         asks = self.enabled and self.notice is None
-        if step % self.every or not (asks or self.interval_s is not None):
+        if step % self.every or not (asks or self.minutes is not None):
             return None, False
         self.checks += 1
         local = [asks and self.local_notice() is not None,
-                 self.interval_s is not None and self.since_save() >= self.interval_s]
+                 self.minutes is not None and self.since_save() >= self.interval_s()]
         # Every rank reaches a check at the same global steps: the all-reduce and the barrier meet.
         seen, time_due = self.any_rank(local)
         if not seen:

@@ -206,11 +206,21 @@ def _check_tensor_parallel(cfg) -> None:
 
 def _check_step_features(cfg) -> None:
     """Time-based checkpoints, the profiler's window, and the fields that name a step or parameter groups."""
-    minutes = cfg.checkpoint_every_n_minutes
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
-                                or not minutes > 0 or minutes == float("inf")):
-        fail("checkpoint_every_n_minutes", minutes, "must be a positive number of minutes or None",
-             "Set it to e.g. 30, or leave it unset.")
+    minutes, rate = cfg.checkpoint_every_n_minutes, cfg.expected_reclaims_per_gpu_hour
+    if minutes not in (None, "auto") and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
+                                          or not minutes > 0 or minutes == float("inf")):
+        fail("checkpoint_every_n_minutes", minutes, "must be a positive number of minutes, 'auto' or None",
+             "Set it to e.g. 30, or to 'auto' with expected_reclaims_per_gpu_hour, or leave it unset.")
+    if minutes == "auto" and rate is None:
+        fail("checkpoint_every_n_minutes", minutes, "needs expected_reclaims_per_gpu_hour (the interval is "
+             "Young-Daly's from the saves' stall and the run's mean time between reclaims)", "Set "
+             "expected_reclaims_per_gpu_hour to your cluster's rate, e.g. 0.05, or checkpoint_every_n_minutes to a "
+             "number of minutes.")
+    if minutes != "auto" and rate is not None:  # refused, not ignored: a rate nothing reads is a mistake
+        fail("expected_reclaims_per_gpu_hour", rate, f"is read by checkpoint_every_n_minutes='auto' alone (it is "
+             f"{minutes!r})", "Set checkpoint_every_n_minutes='auto', or leave expected_reclaims_per_gpu_hour unset.")
+    if rate is not None:
+        check_number(cfg, "expected_reclaims_per_gpu_hour", 0, low_open=True, fix="Set it to e.g. 0.05.")
     window = cfg.profile_steps
     if window is not None:
         if isinstance(window, list):

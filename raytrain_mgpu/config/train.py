@@ -227,8 +227,10 @@ class TrainConfig:
     """Older checkpoints are deleted."""
     checkpoint_every_n_steps: Optional[int] = None
     """Also checkpoint every this many optimizer steps inside an epoch; a resume continues mid-epoch (spot nodes)."""
-    checkpoint_every_n_minutes: Optional[float] = None
-    """Also checkpoint inside an epoch once this many minutes have passed since the last checkpoint (every rank agrees at the same step: the clock is compared every 10 steps)."""
+    checkpoint_every_n_minutes: Union[float, Literal["auto"], None] = None
+    """Also checkpoint inside an epoch once this many minutes have passed since the last checkpoint (every rank agrees at the same step: the clock is compared every 10 steps). ``auto``: Young-Daly's interval ``sqrt(2 C M)`` from this attempt's mean stall per save ``C`` and the run's mean time between reclaims ``M = 3600 / (GPUs x expected_reclaims_per_gpu_hour)`` (workers on CPU), re-computed after each save; before the first save, 10 minutes or the first epoch's end (docs/reliability.md: Goodput and checkpoint intervals)."""
+    expected_reclaims_per_gpu_hour: Optional[float] = None
+    """``checkpoint_every_n_minutes="auto"``: the reclaims (failures) you expect per GPU per hour, e.g. 0.05; ``raytrain-mgpu goodput RUN`` projects what a rate costs."""
     on_nonfinite: OnNonfinite = "stop"
     """A NaN or infinite loss: ``stop`` ends the run at the end of that epoch (or the next checkpoint) with an error naming the first such step, before any checkpoint of those weights; ``skip`` skips optimizer steps whose gradients are not finite on any rank (one host read a step, as fp16's scaler does) and stops after ``max_skipped_steps`` in a row; ``ignore`` trains on. No checkpoint with non-finite weights is ever written."""
     max_skipped_steps: int = 10

@@ -3,7 +3,8 @@
 Each is a :class:`~raytrain_mgpu.driver.callbacks.Callback` that ``fit`` adds before the
 user's own. Per-step scalars keep their names (``train/loss``, ``stage0/bubble``, ...) at the
 global optimizer step; an epoch's numeric history values go under ``epoch/<key>`` at the
-step the epoch ended (lists, strings and ``None`` are left out).
+step the epoch ended (lists, strings and ``None`` are left out); where the run's time went
+(``TrainResult.goodput``) goes under ``goodput/<kind>_s`` at its last step when it ends.
 
 - ``tensorboard``: event files under ``<run>/tensorboard`` (``torch.utils.tensorboard``,
   which needs the ``tensorboard`` package: ``pip install raytrain-mgpu[tensorboard]``).
@@ -45,6 +46,7 @@ from raytrain_mgpu.checkpointing.run_folder import RunFolder
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_loggers", "TensorBoardLogger", "MlflowLogger", "CsvLogger", "WandbLogger", "epoch_scalars",
+           "goodput_scalars",
            "TENSORBOARD_DIR", "CSV_FILE", "MLFLOW_RUN_FILE", "MLFLOW_EXPERIMENT", "WANDB_RUN_FILE", "WANDB_PROJECT"]
 
 TENSORBOARD_DIR = "tensorboard"
@@ -59,6 +61,15 @@ def epoch_scalars(row: dict) -> Dict[str, float]:
     """A history row's numeric values as ``epoch/<key>`` scalars."""
     return {f"epoch/{key}": float(value) for key, value in row.items()
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def goodput_scalars(result) -> Dict[str, float]:
+    """Where the run's time went (``TrainResult.goodput``: ``driver/goodput.py``) as ``goodput/<kind>_s`` scalars,
+    logged at the run's last step when it ends."""
+    from raytrain_mgpu.driver.goodput import KINDS
+
+    ledger = getattr(result, "goodput", None) or {}
+    return {f"goodput/{kind}_s": float(ledger[kind]) for kind in (*KINDS, "wall") if ledger.get(kind) is not None}
 
 
 def _needs(module: str, logger_name: str, extra: str) -> None:
@@ -141,6 +152,12 @@ class TensorBoardLogger(Callback):
         self._writer.flush()
         self._copy.upload()
 
+    def on_train_end(self, result) -> None:
+        for name, value in goodput_scalars(result).items():
+            self._writer.add_scalar(name, value, global_step=result.metrics.get("step", 0))
+        self._writer.flush()
+        self._copy.upload()
+
     def close(self, failed: bool = False) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -195,6 +212,10 @@ class CsvLogger(Callback):
     def on_epoch_end(self, epoch: int, metrics: dict) -> None:
         self._append(metrics["step"], epoch, epoch_scalars(metrics))
         self._epoch = epoch + 1
+        self._upload()
+
+    def on_train_end(self, result) -> None:
+        self._append(result.metrics.get("step", 0), self._epoch - 1, goodput_scalars(result))
         self._upload()
 
     def _upload(self) -> None:
@@ -268,6 +289,9 @@ class MlflowLogger(Callback):
     def on_epoch_end(self, epoch: int, metrics: dict) -> None:
         self._log(metrics["step"], epoch_scalars(metrics))
 
+    def on_train_end(self, result) -> None:
+        self._log(result.metrics.get("step", 0), goodput_scalars(result))
+
     def close(self, failed: bool = False) -> None:
         if self._client is not None and self.run_id is not None:
             self._client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
@@ -316,6 +340,7 @@ class WandbLogger(Callback):
     def on_train_end(self, result) -> None:
         # the runs table's columns: the last epoch's row under its own names (train_loss, test_accuracy, ...)
         self._run.summary.update({key.split("/", 1)[1]: value for key, value in epoch_scalars(result.metrics).items()})
+        self._log(result.metrics.get("step", 0), goodput_scalars(result))
 
     def close(self, failed: bool = False) -> None:
         if self._run is not None:

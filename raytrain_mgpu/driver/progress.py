@@ -1,10 +1,9 @@
 """What the user sees on the driver: a start banner, a live bar, one line per epoch.
 
-Workers never print. Rank 0 sends events to the run's ``ProgressSink`` (a channel in a zero-CPU
-actor on the driver's node); a driver thread (``SinkPump``) drains it and hands them on. Runners
-that live on the driver (the pipeline's actor group) call the same object directly: ``fit``
-gives both a ``driver.callbacks.RunEvents``, which passes them to the ``ProgressPrinter`` and
-to the loggers and callbacks.
+Workers never print. Rank 0 sends events to the run's ``ProgressSink`` (a channel in a zero-CPU actor on the
+driver's node); a driver thread (``SinkPump``) drains it and hands them on. Runners that live on the driver (the
+pipeline's actor group) call the same object directly: ``fit`` gives both a ``driver.callbacks.RunEvents``, which
+passes them to the ``ProgressPrinter`` and to the loggers and callbacks, and the goodput ledger (``driver/goodput.py``).
 """
 
 from __future__ import annotations
@@ -94,18 +93,15 @@ class ProgressPrinter:
 
 
 class ProgressSink:
-    """One run's channel in the driver's mailbox: rank 0 sends events in (``put.remote(kind, payload)``),
-    the driver's :class:`SinkPump` takes them out (``drain.remote()``), as with an actor's methods.
+    """One run's channel in the driver's mailbox: rank 0 sends events in (``put.remote(kind, payload)``), the
+    driver's :class:`SinkPump` takes them out (``drain.remote()``), as with an actor's methods.
 
-    The mailbox is a zero-CPU actor on the driver's node. A driver's first run starts it and its later
-    runs on the same Ray reuse it, each with a channel of its own, closed at its end (events a killed
-    worker sends later are dropped): an actor is a Ray worker process, about 1.3 CPU-s to start and run
-    on a 2-core machine, which a driver running ``fit`` in a loop (a notebook, a sweep, this project's
-    test suite with ~60 runs) paid for every run.
-
-    On the driver's node because anywhere else it would die with that node: a lost spot node took every
-    later progress line (epochs, "resuming at step S") with it, although the run went on
-    (tests/test_two_node_spot.py).
+    The mailbox is a zero-CPU actor on the driver's node. A driver's first run starts it and its later runs on the
+    same Ray reuse it, each with a channel of its own, closed at its end (events a killed worker sends later are
+    dropped): an actor is a Ray worker process, about 1.3 CPU-s to start and run on a 2-core machine, which a
+    driver running ``fit`` in a loop (a notebook, a sweep, this project's test suite with ~60 runs) paid for every
+    run. On the driver's node because anywhere else it would die with that node: a lost spot node took every later
+    progress line (epochs, "resuming at step S") with it, although the run went on (tests/test_two_node_spot.py).
     """
 
     _mailbox: Optional[tuple] = None  # (the Ray and node it runs for, its handle)
@@ -194,9 +190,8 @@ class WorkerReporter:
     _KEEP = 64  # sends kept unconfirmed before the confirmed ones are let go
 
     def __init__(self, sink, min_interval_s: float = 0.5):
-        self.sink = sink
-        self.min_interval_s = min_interval_s
-        self._last = 0.0
+        self.sink, self.min_interval_s = sink, min_interval_s
+        self._last, self._reached = 0.0, None  # _reached: the last step (global) and when it ended
         self._sent: list = []  # the sends not yet known to be in the mailbox
 
     def _send(self, kind: str, payload) -> None:
@@ -223,6 +218,7 @@ class WorkerReporter:
 
     def step(self, step: int, total: int, epoch: int = 0) -> None:
         now = time.monotonic()
+        self._reached = ((epoch - 1) * total + step, time.time())  # the global step: ended() sends the last one
         if self.sink is not None and now - self._last >= self.min_interval_s:
             self._last = now
             self._send("step", (step, total, epoch))
@@ -244,8 +240,14 @@ class WorkerReporter:
 
     def startup(self, entered: float, first_step: float, resumed_from: Optional[str] = None) -> None:
         """When (``time.time()``) the train function was entered and its first step began, and the checkpoint it
-        resumed from: the driver keeps the first attempt's (``TrainResult.startup``)."""
+        resumed from: the driver keeps the first attempt's (``TrainResult.startup``). The next step's event is sent."""
+        self._last, self._reached = 0.0, None
         self._send("startup", {"entered": entered, "first_step": first_step, "resumed_from": resumed_from})
+
+    def ended(self) -> None:
+        """The attempt ends here (trained, or failing): its last step, never throttled (``driver/goodput.py``)."""
+        if self._reached is not None:
+            self._send("reached", {"step": self._reached[0], "at": self._reached[1], "finished": time.time()})
 
 
 def deliver(kind: str, payload, printer) -> None:
@@ -265,13 +267,14 @@ def deliver(kind: str, payload, printer) -> None:
 class DirectSink:
     """The run's channel where rank 0 is the driver's own process (the in-process runner): ``put.remote(kind,
     payload)`` hands the event straight to the driver's ``RunEvents``, as the pump would; a callback's error is
-    raised in the rank, which is the driver. ``startup``: the first start-up times."""
+    raised in the rank, which is the driver. ``startup``: the first start-up times; ``ledger``: the goodput's."""
 
-    def __init__(self, events):
-        self.events, self.startup = events, None
+    def __init__(self, events, ledger=None):
+        self.events, self.startup, self.record = events, None, getattr(ledger, "event", lambda kind, payload: None)
         self.put = self
 
     def remote(self, kind: str, payload) -> None:
+        self.record(kind, payload)
         if kind == "startup":
             self.startup = self.startup or payload
         elif kind != "beat":
@@ -286,16 +289,17 @@ class SinkPump:
     """
 
     def __init__(self, sink, printer: ProgressPrinter, interval_s: float = 0.25, scalar_sources: int = 1,
-                 stall_timeout_s: Optional[float] = 0):
+                 stall_timeout_s: Optional[float] = 0, ledger=None):
         """``stall_timeout_s``: the ranks' heartbeats are judged (``engine/liveness.py``; None: the default
-        threshold, 0: not judged)."""
+        threshold, 0: not judged); ``ledger``: every event is also recorded there (``driver/goodput.py``)."""
         from raytrain_mgpu.engine.liveness import Judge
 
         self.sink, self.printer, self.interval_s = sink, printer, interval_s
+        self.record = getattr(ledger, "event", lambda kind, payload: None)  # never raises
         self.judge = Judge(stall_timeout_s)
         self.stall = None  # the stuck ranks the judge found (engine/liveness.Stall), once an attempt failed so
-        # ranks whose per-step scalars make one step's set (a pipeline's first stage sends the data wait, its
-        # last the loss): a step's set goes on once all have sent theirs, or at the end
+        # ranks whose per-step scalars make one step's set (a pipeline's first stage sends the data wait, its last
+        # the loss): a step's set goes on once all have sent theirs, or at the end
         self.scalar_sources = scalar_sources
         self._partial: dict = {}  # step -> [values, sources so far]
         self.failure: Optional[BaseException] = None
@@ -341,6 +345,7 @@ class SinkPump:
         except Exception:  # progress must never break training
             return
         for kind, payload in events:
+            self.record(kind, payload)
             try:
                 if kind == "scalars":
                     self._scalars(*payload)

@@ -54,6 +54,7 @@ NOT_TRAINING_FIELDS = (
     "preemption_grace_s",
     # how often a checkpoint is written and how many are kept
     "num_checkpoints_to_keep", "checkpoint_every_n_steps", "checkpoint_every_n_minutes",
+    "expected_reclaims_per_gpu_hour",
     # who watches it, and what evaluation reports (monitor, mode and keep_best, which choose the best, are compared)
     "verbose", "loggers", "mlflow_tracking_uri", "callbacks", "log_every_n_steps", "profile_steps", "metrics",
     "eval_every_n_steps", "eval_every_epochs", "test_every_epoch",

@@ -57,7 +57,8 @@ def run_in_process(cfg, plan, events) -> RunResult:
     from raytrain_mgpu.strategies import WorkerContext, get_strategy
     from raytrain_mgpu.transports.retry import run_attempts
 
-    sink = DirectSink(events)
+    ledger = getattr(events, "goodput", None)  # fit's goodput ledger (driver/goodput.py)
+    sink = DirectSink(events, ledger)
     reporter = WorkerReporter(sink, min_interval_s=0)  # every step event: nothing to send, nothing to save
     folder = RunFolder.of(cfg)
 
@@ -72,7 +73,7 @@ def run_in_process(cfg, plan, events) -> RunResult:
 
     threads = torch.get_num_threads()  # the driver's own, given back after (rank_devices sets cpus_per_worker)
     try:
-        history = run_attempts(cfg, attempt, _judge, what="in-process attempt")
+        history = run_attempts(cfg, attempt, _judge, what="in-process attempt", ledger=ledger)
     finally:
         torch.set_num_threads(threads)
     return RunResult(history, folder.state().checkpoint, sink.startup)

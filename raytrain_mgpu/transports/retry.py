@@ -202,15 +202,21 @@ def _left(budget: int, used: int) -> bool:
 
 
 def run_attempts(cfg, attempt: Callable[[int], T], judge: Callable[[BaseException], Verdict] = verdict,
-                 preempted: Callable[[BaseException], bool] = lambda exc: False, what: str = "attempt") -> T:
+                 preempted: Callable[[BaseException], bool] = lambda exc: False, what: str = "attempt",
+                 ledger=None) -> T:
     """``attempt(failures)`` until one returns; a failure that ``judge`` (default :func:`verdict`) finds retryable
     starts the next from the last checkpoint while its budget lasts (``preempted(exc)``: it counts against
-    ``max_preemption_failures``, else ``max_failures``)."""
+    ``max_preemption_failures``, else ``max_failures``). ``ledger``: told when each attempt starts and ends
+    (``driver/goodput.Ledger``)."""
     failures = preemptions = 0
     while True:
+        if ledger is not None:
+            ledger.begin()
         try:
-            return attempt(failures + preemptions)
+            result = attempt(failures + preemptions)
         except Exception as exc:
+            if ledger is not None:
+                ledger.end(failed=True)
             judged = judge(exc)
             if not judged.retryable:
                 logger.info("%s failed, not retried (%s): %s", what, judged.reason, type(unwrap(exc)).__name__)
@@ -228,3 +234,7 @@ def run_attempts(cfg, attempt: Callable[[int], T], judge: Callable[[BaseExceptio
             logger.warning("%s failed (%s: %s); restart %d of %s from the last checkpoint", what,
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", used,
                            "unlimited" if budget == -1 else budget)
+            continue
+        if ledger is not None:
+            ledger.end(failed=False)
+        return result

@@ -95,7 +95,8 @@ def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[lis
     group, sink = StageGroup(cfg, plan), ProgressSink.open()
     # replica 0's first and last stage send the per-step scalars (one stage: it sends both)
     pump = SinkPump(sink, _Noticed(events, notices), scalar_sources=1 if cfg.num_stages == 1 else 2,
-                    stall_timeout_s=cfg.stall_timeout_s)  # every stage's heartbeats judged
+                    stall_timeout_s=cfg.stall_timeout_s,  # every stage's heartbeats judged
+                    ledger=getattr(events, "goodput", None))  # fit's goodput ledger (driver/goodput.py)
     try:
         started = time.perf_counter()
         group.start()
@@ -149,7 +150,8 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
         first.append(train_attempt(cfg, plan, events, notices))
 
     try:
-        run_attempts(cfg, attempt, preempted=lambda exc: was_preemption(exc, notices), what="pipeline attempt")
+        run_attempts(cfg, attempt, preempted=lambda exc: was_preemption(exc, notices), what="pipeline attempt",
+                     ledger=getattr(events, "goodput", None))
     except Exception as exc:  # the stage's own error, out of Ray's wrapper, with where the checkpoints are
         from raytrain_mgpu.transports.retry import whole_failure
 

@@ -102,7 +102,8 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
         **ray_ingest.trainer_datasets(cfg),
     )
     trainer.placement_timeout_s = cfg.placement_timeout_s
-    pump = SinkPump(sink, events, stall_timeout_s=cfg.stall_timeout_s)  # every rank's heartbeats judged
+    # every rank's heartbeats judged; rank 0's attempts and the controller's failures in fit's goodput ledger
+    pump = SinkPump(sink, events, stall_timeout_s=cfg.stall_timeout_s, ledger=getattr(events, "goodput", None))
     try:
         # controller_poll: a report waits for the controller's next poll, 2 s apart by default (transports/ray_train/faults.py),
         # and each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);

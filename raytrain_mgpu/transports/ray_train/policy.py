@@ -33,8 +33,8 @@ from ray.train import UserCallback
 class CheckpointAnnouncer(UserCallback):
     """Tells the driver (its ``on_checkpoint``, through the run's progress channel ``sink``) of each checkpoint
     Ray Train registers: called in the controller once every rank's report is in and the upload is done, in
-    report order, once each. ``scheme``: the storage URI's (``s3``, ...; None for a local path), which Ray Train's
-    paths leave out."""
+    report order, once each; and of each failure its poll finds (:meth:`after_exception`). ``scheme``: the storage
+    URI's (``s3``, ...; None for a local path), which Ray Train's paths leave out."""
 
     def __init__(self, sink, scheme: Optional[str]):
         self.sink, self.scheme = sink, scheme
@@ -46,6 +46,14 @@ class CheckpointAnnouncer(UserCallback):
             self.sink.put.remote("checkpoint", f"{self.scheme}://{checkpoint.path}" if self.scheme else checkpoint.path)
         except Exception:  # progress never fails training (the controller would fail the run)
             logger.exception("could not tell the driver of checkpoint %s", checkpoint.path)
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        """A worker group failed, found by the controller's poll: when, for the driver's goodput ledger (the
+        attempt's end; ``driver/goodput.py``)."""
+        try:
+            self.sink.put.remote("failed", time.time())
+        except Exception:
+            logger.debug("could not tell the driver of a failure", exc_info=True)
 
 
 if DefaultFailurePolicy is not None:
