@@ -16,7 +16,7 @@ from torch import nn
 import raytrain_mgpu as rtm
 from raytrain_mgpu.cli import _build_parser
 from raytrain_mgpu.models import build_model
-from raytrain_mgpu.models.checkpointing import compile_blocks
+from raytrain_mgpu.models.checkpointing import BLOCKS_COMPILE_FROM, compile_blocks
 from raytrain_mgpu.driver.preflight import check_model_builds
 
 # 5 blocks: Flatten, Linear+ReLU (64 -> 16), two Linear+ReLU (16 -> 16), the classifier; 22 steps an epoch
@@ -27,6 +27,10 @@ CLOSE = dict(rel=1e-4, abs=1e-4)
 def _in_process(storage: str, **fields) -> rtm.TrainResult:
     cfg = rtm.TrainConfig(**{**DP, **fields, "num_workers": 1, "runner": "local", "storage_path": storage})
     return rtm.fit(cfg, stream=io.StringIO())
+
+
+blocks_compile = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < BLOCKS_COMPILE_FROM,
+                                    reason=f"compile='blocks' needs torch >= {BLOCKS_COMPILE_FROM}")
 
 
 def _graphs() -> int:
@@ -58,6 +62,7 @@ def six_layers(input_shape, num_classes):
 
 
 @pytest.mark.slow
+@blocks_compile
 def test_compile_blocks_compiles_each_block_in_place_and_trains_the_curve_eager_does(tmp_path):
     eager = _in_process(str(tmp_path / "eager"), model=six_layers, model_kwargs={})
     before = _graphs()
@@ -70,6 +75,7 @@ def test_compile_blocks_compiles_each_block_in_place_and_trains_the_curve_eager_
     assert list(blocks.load_model().state_dict()) == list(eager.load_model().state_dict())
 
 
+@blocks_compile
 def test_compile_blocks_keeps_the_modules_their_classes_and_names():
     model = build_model("mlp", (1, 8, 8), 10, {"widths": [16, 16, 16]})
     names, classes = list(model.state_dict()), [type(m) for m in model]
@@ -80,6 +86,20 @@ def test_compile_blocks_keeps_the_modules_their_classes_and_names():
     model(torch.zeros(4, 1, 8, 8)).sum().backward()
     assert _graphs() - before == 4  # Flatten, the 64 -> 16 block, one graph for both 16 -> 16 blocks, the classifier
     assert compile_blocks(build_model("mlp", (1, 8, 8), 10, {}), dry_run=True) == 4
+
+
+def test_compile_blocks_is_refused_on_a_torch_whose_module_compile_compiles_nothing(monkeypatch):
+    """torch 2.10-2.13 skip nn.Module's own call in dynamo: compile='blocks' would train eagerly without a word.
+    Refused with the config's model check (before Ray), naming the version and the two ways out."""
+    import raytrain_mgpu.models.checkpointing as blocks
+
+    cfg = rtm.TrainConfig(model="mlp", compile="blocks", use_gpu=False)
+    monkeypatch.setattr(blocks.torch, "__version__", "2.13.0+cpu")
+    with pytest.raises(ValueError, match=r"compiles nothing on torch 2.13.0\+cpu .* Upgrade torch to >=2.14, or "
+                                         r"set compile=True"):
+        check_model_builds(cfg, (1, 8, 8), 10)
+    monkeypatch.setattr(blocks.torch, "__version__", "2.14.1")
+    check_model_builds(cfg, (1, 8, 8), 10)
 
 
 def test_compile_blocks_is_refused_before_ray_where_it_cannot_work():
@@ -128,6 +148,7 @@ def _fsdp_rank(rank: int, world: int, out: str) -> None:
 
 
 @pytest.mark.slow
+@blocks_compile
 def test_compile_blocks_under_fsdp_trains_the_curve_eager_fsdp_does(tmp_path):
     import _forkserver
     _forkserver.start_gloo_ranks(_fsdp_rank, (str(tmp_path),))

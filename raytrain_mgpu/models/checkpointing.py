@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -62,6 +63,11 @@ def checkpoint_blocks(model: nn.Module, every: int) -> int:
     return len(chosen)
 
 
+BLOCKS_COMPILE_FROM = "2.14"
+"""The oldest torch whose ``nn.Module.compile`` compiles the module's call: on 2.10-2.13, checked by running a
+compiled block, dynamo skips ``nn.Module._call_impl`` (a torch file) and the block runs eagerly, with no error."""
+
+
 def compile_blocks(model: nn.Module, dry_run: bool = False) -> int:
     """``torch.compile`` each block of ``model`` in place (``nn.Module.compile``: the module, its class and its
     parameter names stay); how many blocks. ``dry_run``: only check that the model has blocks.
@@ -75,13 +81,16 @@ def compile_blocks(model: nn.Module, dry_run: bool = False) -> int:
     except ValueError as exc:
         raise ValueError(f"TrainConfig.compile='blocks' compiles each block, and {exc} Or set compile=True "
                          f"(the whole model).") from None
+    if torch.torch_version.TorchVersion(torch.__version__) < BLOCKS_COMPILE_FROM:
+        raise ValueError(f"TrainConfig.compile='blocks' compiles each block with nn.Module.compile, which compiles "
+                         f"nothing on torch {torch.__version__} (dynamo skips nn.Module's own call before torch "
+                         f"{BLOCKS_COMPILE_FROM}: the blocks would run eagerly). Upgrade torch to "
+                         f">={BLOCKS_COMPILE_FROM}, or set compile=True (the whole model).")
     if not dry_run:
-        import torch._dynamo
-
         # Every block's compiled call is the one code object nn.Module._call_impl, whose compiled versions dynamo
         # caches together: 8 by default, after which it runs the rest eagerly (measured: a 6-block nn.Sequential
         # needs 12, one a block in training and in evaluation). Room for both modes and a second shape a block.
-        config = torch._dynamo.config
+        config = torch._dynamo.config  # imported with torch
         config.recompile_limit = max(config.recompile_limit, 4 * len(blocks))
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * len(blocks))
         for block in blocks:
