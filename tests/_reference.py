@@ -141,7 +141,7 @@ def _evaluate(cfg, data, strategies, models, replica_batch: int) -> dict:
             model.eval()
             meter = EpochMeter(CPU, strategy.objective)
             for x, y in test_loader(cfg.data, data.test, rank, len(models), replica_batch, CPU):
-                loss, outputs = strategy.compute_loss(model, x, y)
+                loss, outputs = strategy.placement.compute_loss(strategy, model, x, y)
                 meter.add(loss.float(), outputs, y)
             meters.append(meter)
     return eval_columns(*meters[0].split(_sum_over_ranks(meters)))
@@ -183,7 +183,7 @@ def train_replicas(fields: dict, world: int = 2) -> tuple:
                 for strategy, model, rank_batches, meter in zip(strategies, models, batches, meters):
                     for _ in range(accum):
                         x, y = next(rank_batches)
-                        loss, outputs = strategy.compute_loss(model, x, y)
+                        loss, outputs = strategy.placement.compute_loss(strategy, model, x, y)
                         (loss / accum).backward()
                         meter.add(loss, outputs, y)
                 for params in zip(*(model.parameters() for model in models)):

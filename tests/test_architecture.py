@@ -147,7 +147,7 @@ def test_every_strategy_is_two_named_steps_on_the_worker_or_its_own_runner():
     assert {p for p, _ in steps.values()} == set(PLACEMENTS) and {r for _, r in steps.values()} == set(REPLICATIONS)
     ctx = WorkerContext(0, 1, 0, 1, 0, ("cpu",))
     cfg = rtm.TrainConfig().parallel
-    assert repr(build_worker(STRATEGIES["ddp2"], cfg, ctx)) == "WorkerStrategy('ddp2': data_parallel, then replicate)"
+    assert repr(build_worker(STRATEGIES["ddp2"], cfg, ctx)) == "DataParallelSteps('ddp2': data_parallel, then replicate)"
     with pytest.raises(RuntimeError, match="runs in its own actor group"):
         build_worker(STRATEGIES["pipeline"], cfg, ctx)
 

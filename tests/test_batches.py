@@ -106,7 +106,8 @@ def test_every_strategy_trains_dict_batches_like_the_plain_model(name, devices):
                           strategy=name, num_workers=1, gpus_per_worker=devices)
     strategy = build_worker(get_strategy(name), cfg.parallel, WorkerContext(0, 1, 0, 1, 0, (CPU,) * devices), OBJECTIVE)
     model = strategy.setup_model(_fresh())
-    got = _sgd(model, lambda m, x, y: strategy.compute_loss(m, x, y)[0], data, unwrap=strategy.unwrap)
+    got = _sgd(model, lambda m, x, y: strategy.placement.compute_loss(strategy, m, x, y)[0], data,
+               unwrap=strategy.unwrap)
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
@@ -114,7 +115,7 @@ def test_every_strategy_trains_dict_batches_like_the_plain_model(name, devices):
     meter = EpochMeter(CPU, OBJECTIVE)
     with torch.no_grad():
         for x, y in data:
-            loss, outputs = strategy.compute_loss(model, x, y)
+            loss, outputs = strategy.placement.compute_loss(strategy, model, x, y)
             meter.add(loss, outputs, y)
     loss_sum, samples, totals = meter.split(meter.totals.tolist())
     assert samples == 27 and totals["digit_accuracy"][1] == totals["parity_accuracy"][1] == 27

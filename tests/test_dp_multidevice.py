@@ -52,7 +52,7 @@ def _plain_step(model, x, y):
 
 def _strategy_step(strategy, model, x, y):
     wrapped = strategy.setup_model(model)
-    loss, logits = strategy.compute_loss(wrapped, x, y)
+    loss, logits = strategy.placement.compute_loss(strategy, wrapped, x, y)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in strategy.unwrap(wrapped).named_parameters()}
     return (loss.detach(), logits.detach().argmax(1), grads), wrapped

@@ -99,14 +99,14 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
     engine = ray_train_engine(dict(epochs=3), 0, 1, RunState(epoch=1, step=10, history=[row]), storage)
     engine.reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])))
     engine.transport.reporter = SimpleNamespace(flush=lambda: order.append("flushed"))
-    strategy = engine.steps.strategy
-    state_dict = strategy.state_dict
+    replication = engine.steps.replication
+    state_dict = replication.state_dict
 
     def slow_state_dict(model):  # the model's serialisation, slow: training stands still for it
         time.sleep(SAVE_S)
         return state_dict(model)
 
-    monkeypatch.setattr(strategy, "state_dict", slow_state_dict)
+    monkeypatch.setattr(replication, "state_dict", slow_state_dict)
     started = time.perf_counter()
     engine.checkpoints.saver.save(row, send_row=True)
     stall = time.perf_counter() - started

@@ -337,7 +337,7 @@ def test_model_zoo_builders_take_the_plain_models_steps_on_data_parallel_strateg
         x = torch.randn(ZOO_BATCH, 3, 32, 32, generator=generator)
         y = torch.randint(0, 10, (ZOO_BATCH,), generator=generator)
         rng = torch.get_rng_state()  # mobilenet's dropout: the same masks for both
-        loss, outputs = wrapper.compute_loss(wrapped, x, y)
+        loss, outputs = wrapper.placement.compute_loss(wrapper, wrapped, x, y)
         loss.backward()
         torch.set_rng_state(rng)
         want = _plain_loss(plain, x, y, devices)
@@ -352,7 +352,7 @@ def test_model_zoo_builders_take_the_plain_models_steps_on_data_parallel_strateg
             opt.step()
             opt.zero_grad()
     # The checkpoint is the plain model's state, which the same factory's model (same argument filtering) loads.
-    saved = wrapper.state_dict(wrapped)
+    saved = wrapper.replication.state_dict(wrapper.unwrap(wrapped))
     assert saved.keys() == initial.keys() and all(type(v) is torch.Tensor for v in saved.values())
     for name, param in plain_params.items():
         torch.testing.assert_close(saved[name], param.detach(), rtol=1e-4, atol=1e-6, msg=name)

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         model = strategy.setup_model(_build_model(cfg, strategy, INPUT_SHAPE, NUM_CLASSES))
     growth = measured.peak
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    full = strategy.state_dict(model)  # collective; the full state on rank 0
+    full = strategy.replication.state_dict(strategy.unwrap(model))  # collective; the full state on rank 0
     if rank == 0:
         torch.save(full, os.path.join(out_dir, "fsdp_initial.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

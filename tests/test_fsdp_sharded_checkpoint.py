@@ -2,7 +2,7 @@
 on 2 it reshards to the same full state; the driver consolidates the model.
 
 Four local processes (gloo ranks forked by ``tests/_forkserver.py``, no Ray) shard an MLP with AdamW as the
-loop does (``FSDPStrategy.setup_model``), take a step, and save with ``WorkerStrategy.save_sharded``, each
+loop does (``DataParallelSteps.setup_model``), take a step, and save with ``FSDPReplication.save_sharded``, each
 rank into its own folder, as each Ray Train worker does; the folders are then merged, as Ray Train's upload of
 every rank's folder into one checkpoint does (through Ray: ``tests/test_strategies.py``'s fsdp fit). The peak
 resident set size growth during the save is measured as ``tests/test_fsdp_memory.py`` measures start-up; the
@@ -57,7 +57,8 @@ def _step(strategy, model, optimizer, seed: int) -> None:
     x, y = torch.randn(8, *INPUT_SHAPE, generator=generator), torch.randint(0, NUM_CLASSES, (8,), generator=generator)
     rank, world = strategy.ctx.world_rank, strategy.ctx.world_size
     per = 8 // world
-    loss, _ = strategy.compute_loss(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    mine = slice(rank * per, (rank + 1) * per)
+    loss, _ = strategy.placement.compute_loss(strategy, model, x[mine], y[mine])
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -113,9 +114,10 @@ def _save_on_four(rank: int, world: int, out: str) -> None:
     _step(strategy, model, optimizer, seed=0)
     own = os.path.join(out, f"rank{rank}")  # each Ray Train worker's own local folder
     with _PeakGrowth() as sharded:
-        strategy.save_sharded(model, optimizer, os.path.join(own, ckpt_format.SHARDED_DIR))
+        strategy.replication.save_sharded(model, optimizer, os.path.join(own, ckpt_format.SHARDED_DIR))
     with _PeakGrowth() as gathered:  # the old checkpoint: the full model and optimizer state on rank 0
-        full = strategy.state_dict(model), strategy.optimizer_state_dict(model, optimizer)
+        replication = strategy.replication
+        full = replication.state_dict(model), replication.optimizer_state_dict(model, optimizer)
     if rank == 0:
         torch.save({"model": full[0]}, os.path.join(out, "full_after_step0.pt"))
     del full
@@ -123,8 +125,9 @@ def _save_on_four(rank: int, world: int, out: str) -> None:
     # writes (slowed here) in a thread of their own.
     restore = _slowed_writes()
     began = time.perf_counter()
-    writing = strategy.save_sharded(model, optimizer, os.path.join(out, f"async{rank}", ckpt_format.SHARDED_DIR),
-                                    asynchronous=True)
+    writing = strategy.replication.save_sharded(model, optimizer,
+                                                os.path.join(out, f"async{rank}", ckpt_format.SHARDED_DIR),
+                                                asynchronous=True)
     returned, written_at_return = time.perf_counter() - began, writing.done()
     writing.result()
     written = time.perf_counter() - began
@@ -147,10 +150,10 @@ def _save_on_four(rank: int, world: int, out: str) -> None:
                          for a, b in zip(model.parameters(), restarted_model.parameters()))
     # A second asynchronous save, after that step: its host copy goes into the first one's buffers.
     staged = _staged(strategy)
-    strategy.save_sharded(model, optimizer, os.path.join(out, f"async2-{rank}", ckpt_format.SHARDED_DIR),
-                          asynchronous=True).result()
+    strategy.replication.save_sharded(model, optimizer, os.path.join(out, f"async2-{rank}", ckpt_format.SHARDED_DIR),
+                                      asynchronous=True).result()
     reused = bool(staged) and staged == _staged(strategy)
-    strategy.save_sharded(model, optimizer, os.path.join(out, f"sync2-{rank}", ckpt_format.SHARDED_DIR))
+    strategy.replication.save_sharded(model, optimizer, os.path.join(out, f"sync2-{rank}", ckpt_format.SHARDED_DIR))
     dist.barrier()
     if rank == 0:
         for r in range(world):
@@ -173,8 +176,8 @@ def _staged(strategy) -> list:
 
 def _resume_on_two(rank: int, world: int, out: str) -> None:
     strategy, model, optimizer = _setup(rank, world)
-    strategy.load_sharded(model, optimizer, os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
-    full = strategy.state_dict(model)  # collective: gathered to rank 0
+    strategy.replication.load_sharded(model, optimizer, os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
+    full = strategy.replication.state_dict(model)  # collective: gathered to rank 0
     steps = {s["step"].item() for s in optimizer.state.values()}
     if rank == 0:
         torch.save({"model": full, "adam_steps": sorted(steps)}, os.path.join(out, "resumed_on_two.pt"))

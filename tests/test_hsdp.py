@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, out: str, interleaved: bool = False) -> None:
         F.cross_entropy(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    full = strategy.state_dict(model)  # collective: the unsharded weights on rank 0
+    full = strategy.replication.state_dict(strategy.unwrap(model))  # collective: the unsharded weights on rank 0
     if rank == 0:
         torch.save(full, os.path.join(out, "weights.pt"))
     with open(os.path.join(out, f"facts-{rank}.json"), "w") as f:

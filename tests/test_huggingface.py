@@ -79,7 +79,7 @@ def test_ddp_takes_the_plain_models_steps_on_a_transformers_model(gloo_group):
         plain.parameters(), cfg.optim)
     batch = torch.utils.data.DataLoader(token_classes(cfg.data).train, batch_size=8)
     for step, (x, y) in zip(range(2), batch):
-        loss, outputs = wrapper.compute_loss(wrapped, x, y)  # the dict as keyword arguments, loss over .logits
+        loss, outputs = wrapper.placement.compute_loss(wrapper, wrapped, x, y)  # the dict as keyword arguments, loss over .logits
         loss.backward()
         want = torch.nn.functional.cross_entropy(plain(**x).logits, y)
         want.backward()

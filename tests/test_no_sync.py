@@ -10,6 +10,7 @@ matters, not the kernels) must not change that.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 
@@ -35,7 +36,8 @@ def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) 
                               num_samples=8 * ACCUM * world * STEPS, strategy="ddp", batch_size=8 * ACCUM * world,
                               grad_accum_steps=ACCUM, optimizer="sgd", epochs=1), rank=rank, world=world)
     steps = engine.steps
-    model, strategy = steps.model, steps.strategy
+    model = steps.model
+    steps.replication = copy.copy(steps.replication)  # this engine's own: its no_sync is replaced below
     assert isinstance(model, DistributedDataParallel)
     calls = [0]
 
@@ -47,9 +49,10 @@ def _count_allreduces(rank: int, world: int, compiled: bool, no_sync_mode: str) 
     if compiled:
         steps.model = torch.compile(model, backend="eager")
     if no_sync_mode == "off":  # what the loop would do with no no_sync at all
-        strategy.no_sync = lambda m: contextlib.nullcontext()
+        steps.replication.no_sync = lambda m: contextlib.nullcontext()
     elif no_sync_mode == "wrapper_check":  # an earlier check: the compiled wrapper is no DDP
-        strategy.no_sync = lambda m: m.no_sync() if isinstance(m, DistributedDataParallel) else contextlib.nullcontext()
+        steps.replication.no_sync = lambda m: (m.no_sync() if isinstance(m, DistributedDataParallel)
+                                               else contextlib.nullcontext())
     engine.train_epoch(0)
     return calls[0]
 

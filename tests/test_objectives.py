@@ -196,11 +196,11 @@ def test_a_fit_step_and_the_meter_take_a_model_returning_logits_in_a_dict():
     wrapped.forward = lambda x: {"logits": base(x)}
     x, y = torch.randn(8, 3), torch.randint(0, 4, (8,))
     strategy = _strategy("ddp", 1, Objective())
-    loss_dict, outputs = strategy.compute_loss(wrapped, x, y)
+    loss_dict, outputs = strategy.placement.compute_loss(strategy, wrapped, x, y)
     loss_dict.backward()
     grads = [p.grad.clone() for p in base.parameters()]
     base.zero_grad()
-    loss_plain, plain_outputs = strategy.compute_loss(base, x, y)
+    loss_plain, plain_outputs = strategy.placement.compute_loss(strategy, base, x, y)
     loss_plain.backward()
     assert torch.equal(loss_dict, loss_plain)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, base.parameters()))
@@ -321,11 +321,11 @@ def test_dp_balanced_trains_a_user_loss_like_the_plain_model_and_adds_the_metric
     want = _sgd_steps(_fresh(), lambda m, x, y: squared_error(m(x), y), batches)
     strategy = _strategy("dp_balanced", 3, objective)
     model = strategy.setup_model(_fresh())
-    got = _sgd_steps(model, lambda m, x, y: strategy.compute_loss(m, x, y)[0], batches)
+    got = _sgd_steps(model, lambda m, x, y: strategy.placement.compute_loss(strategy, m, x, y)[0], batches)
     _assert_same_weights(got, want, "dp_balanced")
     # Only the pairs cross devices (10 targets on 3 devices: 4, 4, 2); they add up to the whole batch's.
     x, y = batches[0]
-    _, predictions = strategy.compute_loss(model, x, y)
+    _, predictions = strategy.placement.compute_loss(strategy, model, x, y)
     assert isinstance(predictions, Predictions)
     whole = objective.measure(model(x), y)
     for (got_sum, got_count), (want_sum, want_count) in zip(predictions.pairs, whole):
@@ -339,13 +339,14 @@ def test_ddp2_computes_info_nce_on_the_nodes_whole_batch():
     want = _sgd_steps(_fresh(embedder), lambda m, x, y: info_nce(m(x), y), batches)
     strategy = _strategy("ddp2", 2, objective)
     model = strategy.setup_model(_fresh(embedder))
-    got = _sgd_steps(model, lambda m, x, y: strategy.compute_loss(m, x, y)[0], batches, unwrap=strategy.unwrap)
+    got = _sgd_steps(model, lambda m, x, y: strategy.placement.compute_loss(strategy, m, x, y)[0], batches,
+                     unwrap=strategy.unwrap)
     _assert_same_weights(got, want, "ddp2")
     assert type(model).__name__ == "StandInDataParallel"  # the node's 2 devices each ran a slice
     # The loss needs the whole batch: per device (dp_balanced's rule) it is another loss.
     per_device = _strategy("dp_balanced", 2, objective)
     x, y = batches[0]
-    per_device_loss = per_device.compute_loss(per_device.setup_model(_fresh(embedder)), x, y)[0]
+    per_device_loss = per_device.placement.compute_loss(per_device, per_device.setup_model(_fresh(embedder)), x, y)[0]
     assert not torch.allclose(per_device_loss, info_nce(_fresh(embedder)(x), y))
 
 

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.parallel import build_worker
-from raytrain_mgpu.parallel.steps import DataParallelSteps
 from raytrain_mgpu.checkpointing.contents import Restored, build_model, restore_rng, rng_state
 from raytrain_mgpu.engine.run_state import RunState
 from raytrain_mgpu.strategies import WorkerContext, get_strategy
@@ -31,7 +30,7 @@ def _ctx(rank: int, world: int = 2) -> WorkerContext:
 
 def _rank_model(rank: int):
     cfg = TrainConfig(**CFG)
-    steps = DataParallelSteps(build_worker(get_strategy("ddp"), cfg.parallel, _ctx(rank)))
+    steps = build_worker(get_strategy("ddp"), cfg.parallel, _ctx(rank))
     return build_model(cfg, steps, SimpleNamespace(input_shape=(12,), num_classes=50))
 
 

@@ -38,9 +38,9 @@ def _engine(monkeypatch, log_every_n_steps: int, sink) -> tuple:
                               grad_accum_steps=ACCUM, optimizer="sgd", lr=0.5, lr_schedule="cosine",
                               grad_clip_norm=0.5, epochs=2, log_every_n_steps=log_every_n_steps), sink=sink)
     assert engine.feed.steps_per_epoch == STEPS_PER_EPOCH and engine.feed.accum == ACCUM
-    strategy, optimizer = engine.steps.strategy, engine.optimizer
+    placement, optimizer = engine.steps.placement, engine.optimizer
     seen = {"losses": [], "lrs": [], "norms": []}
-    compute_loss, clip = strategy.compute_loss, torch.nn.utils.clip_grads_with_norm_
+    compute_loss, clip = placement.compute_loss, torch.nn.utils.clip_grads_with_norm_
 
     def recorded_loss(*args):
         loss, outputs = compute_loss(*args)
@@ -52,7 +52,7 @@ def _engine(monkeypatch, log_every_n_steps: int, sink) -> tuple:
         seen["norms"].append(norm.item())  # the total norm the clip used
         seen["lrs"].append(optimizer.param_groups[0]["lr"])
 
-    monkeypatch.setattr(strategy, "compute_loss", recorded_loss)
+    monkeypatch.setattr(placement, "compute_loss", recorded_loss)
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", recorded_clip)
     return engine, seen
 

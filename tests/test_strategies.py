@@ -29,11 +29,8 @@ from raytrain_mgpu.models import build_model
 from raytrain_mgpu.parallel import build_worker
 from raytrain_mgpu.strategies import WorkerContext, get_strategy, strategy_names
 from raytrain_mgpu.engine.objectives import Predictions
-from raytrain_mgpu.parallel.steps import DataParallelSteps
 from raytrain_mgpu.engine.precision import capture as autocast_state
 from raytrain_mgpu.parallel.placement import SplitModel, call_with_autocast
-from raytrain_mgpu.engine.loop import Engine
-from raytrain_mgpu.transports.base import Transport
 
 CPU = torch.device("cpu")
 MULTI_DEVICE = ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2", "fsdp")
@@ -64,7 +61,7 @@ def _batch(model_name: str, n: int):
 def _step(strategy, model, x, y):
     """Loss, predicted classes and gradients (by parameter name) of one strategy step."""
     wrapped = strategy.setup_model(model)
-    loss, logits = strategy.compute_loss(wrapped, x, y)
+    loss, logits = strategy.placement.compute_loss(strategy, wrapped, x, y)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in strategy.unwrap(wrapped).named_parameters()}
     return loss.detach(), logits.detach().argmax(dim=1), grads, wrapped
@@ -192,7 +189,7 @@ def test_dp_balanced_matches_plain_loss_gradients_and_predictions(model_name, ba
     loss, predictions, grads, _ = _step(strategy, _model(model_name), x, y)
     _assert_same_step((loss, predictions, grads), want)
     # Only argmax indices travel: the meter gets Predictions, never the logits.
-    assert isinstance(strategy.compute_loss(_model(model_name), x, y)[1], Predictions)
+    assert isinstance(strategy.placement.compute_loss(strategy, _model(model_name), x, y)[1], Predictions)
 
 
 def test_mp_splits_by_parameters_and_matches_plain_gradients():
@@ -204,7 +201,7 @@ def test_mp_splits_by_parameters_and_matches_plain_gradients():
     split = got[3]
     assert isinstance(split, SplitModel) and len(split.block_devices) == 4  # Flatten, 2 x Linear+ReLU, Linear
     # The checkpoint keys are the unsplit model's.
-    assert strategy.state_dict(split).keys() == _model("mlp").state_dict().keys()
+    assert strategy.replication.state_dict(strategy.unwrap(split)).keys() == _model("mlp").state_dict().keys()
 
 
 def test_mp_explicit_balance_and_a_model_that_places_itself():
@@ -259,10 +256,10 @@ def test_ddp_unused_parameters_error_names_the_option(gloo_group):
     strategy = _strategy("ddp")
     model = DistributedDataParallel(TwoHeads())
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    strategy.compute_loss(model, x, y)[0].backward()
+    strategy.placement.compute_loss(strategy, model, x, y)[0].backward()
     with pytest.raises(RuntimeError, match=r"Parameters that got no gradient: unused.weight, unused.bias. Set "
                                            r"TrainConfig.find_unused_parameters=True .* or static_graph=True"):
-        strategy.compute_loss(model, x, y)
+        strategy.placement.compute_loss(strategy, model, x, y)
 
 
 def test_fsdp_on_cpu_with_gloo_matches_plain_and_saves_full_state(gloo_group):
@@ -270,7 +267,7 @@ def test_fsdp_on_cpu_with_gloo_matches_plain_and_saves_full_state(gloo_group):
     want = _plain_step(_model("lenet"), x, y)
     strategy = _strategy("fsdp")
     model = strategy.setup_model(_model("lenet"))
-    loss, logits = strategy.compute_loss(model, x, y)
+    loss, logits = strategy.placement.compute_loss(strategy, model, x, y)
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     _assert_same_step((loss.detach(), logits.argmax(1), grads), want)
@@ -278,21 +275,22 @@ def test_fsdp_on_cpu_with_gloo_matches_plain_and_saves_full_state(gloo_group):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     optimizer.step()
     first_block = model[0]._get_fsdp_state()._fsdp_param_group  # torch keeps the flag private
-    with strategy.no_sync(model):
+    with strategy.replication.no_sync(model):
         assert first_block.reduce_grads is False
     assert first_block.reduce_grads is True
     # Checkpoints hold the full, unsharded state under the plain model's keys.
-    state = strategy.state_dict(model)
+    state = strategy.replication.state_dict(strategy.unwrap(model))
     assert state.keys() == _model("lenet").state_dict().keys()
     assert all(type(v) is torch.Tensor for v in state.values())
-    optim_state = strategy.optimizer_state_dict(model, optimizer)
+    optim_state = strategy.replication.optimizer_state_dict(strategy.unwrap(model), optimizer)
     assert set(optim_state["state"]) == set(state)  # keyed by parameter name, not by shard
     fresh = strategy.setup_model(_model("lenet"))
-    strategy.load_state_dict(fresh, state)
+    strategy.replication.load_state_dict(strategy.unwrap(fresh), state)
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    strategy.load_optimizer_state_dict(fresh, fresh_optimizer, optim_state)
-    assert all(torch.equal(a, b) for a, b in zip(strategy.state_dict(fresh).values(), state.values()))
-    reloaded = strategy.optimizer_state_dict(fresh, fresh_optimizer)["state"]
+    strategy.replication.load_optimizer_state_dict(strategy.unwrap(fresh), fresh_optimizer, optim_state)
+    again = strategy.replication.state_dict(strategy.unwrap(fresh))
+    assert all(torch.equal(a, b) for a, b in zip(again.values(), state.values()))
+    reloaded = strategy.replication.optimizer_state_dict(strategy.unwrap(fresh), fresh_optimizer)["state"]
     assert all(torch.equal(reloaded[k]["momentum_buffer"], v["momentum_buffer"]) for k, v in optim_state["state"].items())
 
 
@@ -311,10 +309,11 @@ def test_fsdp_cpu_offload_takes_the_same_steps_with_every_shard_under_the_offloa
         assert (policies == {CPUOffloadPolicy}) if offload else (CPUOffloadPolicy not in policies), policies
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for _ in range(2):  # the second step uses the momentum the first left (on the host when offloaded)
-            strategy.compute_loss(model, x, y)[0].backward()
+            strategy.placement.compute_loss(strategy, model, x, y)[0].backward()
             optimizer.step()
             optimizer.zero_grad()
-        runs[offload] = strategy.state_dict(model), strategy.optimizer_state_dict(model, optimizer)["state"]
+        replication = strategy.replication
+        runs[offload] = replication.state_dict(model), replication.optimizer_state_dict(model, optimizer)["state"]
     assert runs[True][0].keys() == runs[False][0].keys()
     assert all(torch.equal(runs[True][0][k], v) for k, v in runs[False][0].items())
     assert all(torch.equal(runs[True][1][k]["momentum_buffer"], v["momentum_buffer"]) for k, v in runs[False][1].items())
@@ -338,16 +337,14 @@ def test_bf16_mixed_trains_on_cpu(name, gloo_group):
     strategy = _strategy(name, devices=2 if name in ("dp", "dp_balanced", "mp", "ddp_mp", "ddp2") else 1,
                          precision="bf16-mixed")
     model = strategy.setup_model(_model("lenet"))
-    before = copy.deepcopy(strategy.state_dict(model))
-    # bf16 really in use: the engine's own autocast (set on its step runner), and every Linear/Conv output in bf16.
+    before = copy.deepcopy(strategy.replication.state_dict(strategy.unwrap(model)))
+    # bf16 really in use: the step runner's own autocast, and every Linear/Conv output in bf16.
     seen = []
     for module in strategy.unwrap(model).modules():
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             module.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    steps = DataParallelSteps(strategy)
-    Engine(rtm.TrainConfig(precision="bf16-mixed"), None, steps, Transport(), None)
-    with steps.autocast():
-        loss, _ = strategy.compute_loss(model, x, y)
+    with strategy.autocast():  # the run's precision, from its config (cfg.parallel)
+        loss, _ = strategy.placement.compute_loss(strategy, model, x, y)
     assert seen and set(seen) == {torch.bfloat16}, seen
     if name == "fsdp":  # FSDP2 also all-gathers and computes with bf16 parameters
         policy = strategy.unwrap(model)._get_fsdp_state()._mp_policy
@@ -359,7 +356,7 @@ def test_bf16_mixed_trains_on_cpu(name, gloo_group):
     for key, grad in grads.items():
         assert nn.functional.cosine_similarity(grad.flatten(), want[key].flatten(), dim=0) > 0.98, key
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    after = strategy.state_dict(model)
+    after = strategy.replication.state_dict(strategy.unwrap(model))
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
@@ -374,7 +371,7 @@ def test_strategies_step_on_one_gpu(name, gloo_group):
     x, y = _batch("lenet", 16)
     want = _plain_step(_model("lenet").to(device), x.to(device), y.to(device))
     model = strategy.setup_model(_model("lenet"))
-    loss, logits = strategy.compute_loss(model, x.to(device), y.to(device))
+    loss, logits = strategy.placement.compute_loss(strategy, model, x.to(device), y.to(device))
     loss.backward()
     grads = {n: p.grad for n, p in strategy.unwrap(model).named_parameters()}
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}

@@ -188,7 +188,7 @@ def _user_plan_rank(rank: int, world: int, out: str) -> None:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    full = strategy.state_dict(model)  # collective
+    full = strategy.replication.state_dict(strategy.unwrap(model))  # collective
     with open(os.path.join(out, f"layouts-{rank}.json"), "w") as f:
         json.dump(_layouts(model), f)
     if rank == 0:

@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, port: int, fields: dict, steps: int, out: str) 
     shapes = type("Shapes", (), {"input_shape": tuple(cfg.input_shape), "num_classes": cfg.num_classes})
     model = strategy.setup_model(build_model(cfg, _Rank(), shapes))
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    replica, replicas = strategy.data_shard()
+    replica, replicas = strategy.shard
     rows = cfg.batch_size // replicas
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.num_classes, (cfg.batch_size, cfg.input_shape[0] + 1), generator=generator)

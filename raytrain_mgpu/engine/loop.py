@@ -32,7 +32,6 @@ from typing import Callable, Optional
 import torch
 
 from raytrain_mgpu.engine.liveness import POSITION
-from raytrain_mgpu.engine.precision import Precision
 from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerStep, StepContext,
                                                Steps)
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
@@ -87,11 +86,6 @@ class Engine:
         self.ctx = steps.ctx
         self.rank, self.world = self.ctx.world_rank, self.ctx.world_size
         self.reporter = transport.reporter if self.rank == 0 else None  # the run's events come from rank 0
-        # the run's precision on this rank's compute device ("cpu" under GPU emulation): its forwards' autocast
-        steps.precision = Precision(cfg.precision, steps.device.type)
-        steps.autocast = steps.precision.autocast
-        steps.channels_last = cfg.channels_last
-        steps.save_trainable = cfg.save == "trainable"
         self.window: Optional[StepWindow] = None
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
 
@@ -153,8 +147,6 @@ class Engine:
                                       grad_norm=steps.grad_norm,
                                       agree=steps.agree_found_inf if steps.agrees_on_overflow else None)
         self.checkpoints.start()
-        steps.step_context = StepContext(self.rank, self.world, steps.device, cfg.precision, steps.objective.loss,
-                                         list(steps.objective.names))
         self.observer.start(self.state.step)  # the profiler's window, from here
         if self.reporter is not None:
             self.reporter.startup(entered, time.time(), self.state.checkpoint)
@@ -191,7 +183,8 @@ class Engine:
         next_batch = feed.batches(batches, meter, window, self.observer.first_batch)
         context, watch = steps.step_context, cfg.on_nonfinite == "stop"
         context.epoch, self.end_step.epoch = epoch, epoch + 1
-        bad = torch.zeros((), dtype=torch.int64, device=steps.device) if watch else None
+        if watch:  # the loss sum after every step: on the device, counted once an epoch
+            meter.watch_loss(spe - done)
         for _ in range(done, spe):
             if at_max_steps(cfg, state.step):
                 break
@@ -199,8 +192,8 @@ class Engine:
             POSITION.at_step(state.step)
             context.step = state.step
             steps.train_step(next_batch, meter, window, self.scaler, feed.accum)
-            if watch:  # steps since the epoch's loss sum turned NaN or infinite: on the device, read once an epoch
-                bad += meter.loss_not_finite()
+            if watch:
+                meter.record_step()
             state.step += 1
             done += 1
             scalars = self.end_step(state.step)
@@ -218,7 +211,8 @@ class Engine:
         state.step_in_epoch = 0
         self.partials = None
         POSITION.mark("epoch end")
-        return self._epoch_row(epoch, meter, done, bad)
+        # steps since the epoch's loss sum turned NaN or infinite (it stays so): read with the epoch's row
+        return self._epoch_row(epoch, meter, done, meter.loss_not_finite() if watch else None)
 
     def _epoch_row(self, epoch: int, meter: EpochMeter, steps_done: int, bad: Optional[torch.Tensor] = None) -> dict:
         steps = self.steps

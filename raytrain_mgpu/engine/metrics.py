@@ -77,7 +77,10 @@ class EpochMeter:
         elif isinstance(outputs, Predictions):  # measured where the outputs live
             pairs = outputs.pairs
         else:
-            pairs = self.objective.measure(outputs, to_device(y, first_tensor(outputs).device))
+            where = first_tensor(outputs).device
+            # targets already there (the usual case) are not moved: even a no-op .to() is a dispatched op a step
+            pairs = self.objective.measure(outputs, y if isinstance(y, torch.Tensor) and y.device == where
+                                           else to_device(y, where))
         loss = loss.detach()
         if self.finite_only:
             loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
@@ -110,13 +113,26 @@ class EpochMeter:
         """``{name: (sum, count)}`` from :meth:`extra_sums`' values (summed over ranks)."""
         return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(sorted(self.extras))}
 
+    def watch_loss(self, num_steps: int) -> None:
+        """``on_nonfinite="stop"``: room for the loss sum after each of the epoch's next ``num_steps`` steps
+        (:meth:`record_step`; :meth:`loss_not_finite` counts the non-finite ones)."""
+        self._after_step = torch.empty(num_steps, dtype=torch.float64, device=self._device_sums.device)
+        self._recorded = 0
+
+    def record_step(self) -> None:
+        """After a step: the loss sum so far, kept on the device (one copy, no read). A finiteness test every step
+        cost ~4 ops (~80 us CPU a step of a small MLP, 1.2x its plain torch step); one per epoch does here."""
+        self._after_step.select(0, self._recorded).copy_(self._slots[0])
+        self._recorded += 1
+
     def loss_not_finite(self) -> torch.Tensor:
-        """Whether the loss summed so far is NaN or infinite (a 0-d tensor on the device: no read)."""
-        return ~torch.isfinite(self._slots[0])
+        """How many recorded steps ended with the loss sum NaN or infinite (a 0-d tensor on the device: no read).
+        The sum stays non-finite once it is, so they are the last ones: the first is the epoch's first such step."""
+        return (~torch.isfinite(self._after_step[:self._recorded])).sum()
 
     def _accumulate(self, slot: int, value) -> None:
-        if isinstance(value, torch.Tensor):
-            self._slots[slot].add_(value.detach())  # in place on the device: no sync
+        if isinstance(value, torch.Tensor):  # in place on the device: no sync (and no detach op where none is needed)
+            self._slots[slot].add_(value.detach() if value.requires_grad else value)
         else:
             self._host_sums[slot] += value
 

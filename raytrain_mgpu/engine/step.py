@@ -130,10 +130,12 @@ class OptimizerStep:
 class Steps:
     """What a strategy gives the engine on one rank (the defaults are a data-parallel worker's).
 
-    Set by the runner before the engine starts: ``ctx`` (a ``WorkerContext``), ``device`` (where the step's
-    sums live), ``objective``; ``reads_data``/``sees_loss``: this rank loads batches / computes the loss;
-    ``shard``: ``(replica index, replicas)`` of this rank's data; ``loader_batch``: samples per loader batch;
-    ``part``: the suffix of this rank's checkpoint files (``""``, ``"-stage1"``).
+    Set by the runner's constructor, from the run's config: ``ctx`` (a ``WorkerContext``), ``device`` (where the
+    step's sums live), ``objective``, ``precision`` (``engine/precision.Precision``: the forwards' autocast, the
+    engine's grad scaler), ``step_context`` (what a user's own step receives; the engine moves its epoch and
+    step); ``reads_data``/``sees_loss``: this rank loads batches / computes the loss; ``shard``:
+    ``(replica index, replicas)`` of this rank's data; ``loader_batch``: samples per loader batch; ``part``: the
+    suffix of this rank's checkpoint files (``""``, ``"-stage1"``). The engine sets nothing on its runner.
     """
 
     reads_data = sees_loss = True
@@ -143,7 +145,7 @@ class Steps:
     part = ""
     sharded = False  # every rank writes its own shards of one checkpoint (fsdp)
     save_trainable = False  # save="trainable": a checkpoint's model part holds the trainable parameters and buffers
-    step_context: Optional[StepContext] = None  # what a user's own step receives (set by the engine)
+    step_context: StepContext  # what a user's own step receives (made by the runner, moved on by the engine)
 
     def build_on_meta(self) -> bool:
         """Whether this rank builds the model on ``meta`` (fsdp's ranks but 0: rank 0's weights reach them)."""

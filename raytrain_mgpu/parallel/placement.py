@@ -49,10 +49,10 @@ from raytrain_mgpu.models.partition import blocks_of, plan_partition
 from raytrain_mgpu.engine.objectives import Objective, Predictions, add_pairs, move_pairs
 from raytrain_mgpu.engine.precision import capture, entered
 from raytrain_mgpu.parallel import _dp_ops
-from raytrain_mgpu.parallel.worker import ModelWrapper, explain_ddp_error
+from raytrain_mgpu.parallel.worker import ModelWrapper, explain_ddp_error, unwrap
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.parallel.worker import WorkerStrategy
+    from raytrain_mgpu.parallel.steps import DataParallelSteps
 
 __all__ = ["Placement", "PLACEMENTS", "SplitModel", "StandInDataParallel", "AutocastDataParallel",
            "call_with_autocast", "place_model", "wrap_data_parallel"]
@@ -70,16 +70,17 @@ class Placement:
     def place(self, model: nn.Module, ctx, cfg) -> nn.Module:
         return model.to(self.input_device(ctx, cfg))
 
-    def compute_loss(self, worker: "WorkerStrategy", model: nn.Module, x, y) -> Tuple[torch.Tensor, object]:
+    def compute_loss(self, worker: "DataParallelSteps", model: nn.Module, x, y) -> Tuple[torch.Tensor, object]:
         try:
             outputs = call_model(model, x)
         except RuntimeError as exc:
-            explained = explain_ddp_error(exc, worker.unwrap(model))
+            explained = explain_ddp_error(exc, unwrap(model))
             if explained is None:
                 raise
             raise explained from exc
         where = first_tensor(outputs).device
-        y = to_device(y, where)
+        if not (isinstance(y, torch.Tensor) and y.device == where):  # even a no-op .to() is a dispatched op a step
+            y = to_device(y, where)
         loss = worker.objective.loss(outputs, y)
         if where == worker.device:
             return loss, outputs
@@ -87,7 +88,7 @@ class Placement:
         return loss.to(worker.device), Predictions(pairs, [outputs], worker.device)
 
 
-    def run_step(self, worker: "WorkerStrategy", model: nn.Module, x, y, step_fn, ctx) -> tuple:
+    def run_step(self, worker: "DataParallelSteps", model: nn.Module, x, y, step_fn, ctx) -> tuple:
         """A user's step on the whole micro-batch: ``(loss, outputs or None, extras)`` (``split_step_output``)."""
         return split_step_output(step_fn(model, (x, y), ctx), worker.device)
 
@@ -195,7 +196,7 @@ class BalancedPlacement(Placement):
     name = "balanced"
     spans_devices = True
 
-    def compute_loss(self, worker: "WorkerStrategy", model: nn.Module, x, y):
+    def compute_loss(self, worker: "DataParallelSteps", model: nn.Module, x, y):
         parts = self._slice_losses(worker, model, x, y)
         total = sum(n for _, _, n, _ in parts)
         # Scalars only cross devices here: per device one float for the loss, two per metric.
@@ -203,7 +204,7 @@ class BalancedPlacement(Placement):
         pairs = add_pairs([move_pairs(part_pairs, worker.device) for _, part_pairs, _, _ in parts])
         return loss, Predictions(pairs, [outputs for *_, outputs in parts], worker.device)
 
-    def run_step(self, worker: "WorkerStrategy", model: nn.Module, x, y, step_fn, ctx) -> tuple:
+    def run_step(self, worker: "DataParallelSteps", model: nn.Module, x, y, step_fn, ctx) -> tuple:
         """A user's step on every device's slice (the loss where each slice's outputs are), averaged by targets."""
         devices = list(worker.ctx.devices)
         state = capture(worker.device.type)
@@ -228,7 +229,7 @@ class BalancedPlacement(Placement):
         return loss, None, extras
 
     @staticmethod
-    def _slice_losses(worker: "WorkerStrategy", model: nn.Module, x, y) -> List[tuple]:
+    def _slice_losses(worker: "DataParallelSteps", model: nn.Module, x, y) -> List[tuple]:
         devices = list(worker.ctx.devices)
         state = capture(worker.device.type)
         if len(devices) == 1:

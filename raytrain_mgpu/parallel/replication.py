@@ -38,7 +38,7 @@ from raytrain_mgpu.models.partition import blocks_of
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.parallel.worker import WorkerStrategy
+    from raytrain_mgpu.parallel.steps import DataParallelSteps
 
 __all__ = ["Replication", "REPLICATIONS", "ddp_kwargs", "ddp_no_sync"]
 
@@ -51,7 +51,7 @@ class Replication:
     def build_on_meta(self, ctx) -> bool:
         return False
 
-    def wrap(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+    def wrap(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
         return model
 
     def no_sync(self, model: nn.Module) -> ContextManager:
@@ -112,7 +112,7 @@ class DDPReplication(Replication):
 
     name = "replicate"  # as torch.distributed's composable replicate(), which is DDP
 
-    def wrap(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+    def wrap(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
         if worker.ctx.world_size == 1:
             return model  # one replica: nothing to all-reduce
         one_gpu = not worker.placement.spans_devices and worker.device.type == "cuda"
@@ -188,7 +188,7 @@ class FSDPReplication(Replication):
     def build_on_meta(self, ctx) -> bool:
         return ctx.world_rank != 0
 
-    def wrap(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+    def wrap(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
         """Shard on meta, allocate the shards on the device, fill them from rank 0's CPU model."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -202,7 +202,7 @@ class FSDPReplication(Replication):
         _broadcast_buffers(model, extra, buffers_on)
         return model
 
-    def _shard(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+    def _shard(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self._mesh(model, worker)
@@ -219,7 +219,7 @@ class FSDPReplication(Replication):
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         return model
 
-    def _mesh(self, model: nn.Module, worker: "WorkerStrategy"):
+    def _mesh(self, model: nn.Module, worker: "DataParallelSteps"):
         """The mesh FSDP shards over (collective): every worker's, or HSDP's (replicate x shard); with tensor
         parallel the data dimension of a 2-D mesh, the plan applied (a subclass in ``parallel/tensor_parallel.py``)."""
         from torch.distributed.device_mesh import init_device_mesh

@@ -5,7 +5,7 @@ workers, when each node holds a multiple of T), and the groups are the data-para
 paths to ``torch.distributed.tensor.parallel`` styles, applied with ``parallelize_module`` on the ``tensor`` sub-mesh;
 then FSDP2 shards over ``data`` (``fsdp``: :class:`TensorParallelFSDP`), or FSDP2's ``replicate`` all-reduces over it
 (``ddp``: :class:`TensorParallelReplicate`), as torchtitan composes them: torch's own collectives, none written
-here. The ranks of a tensor group read the same batch (``WorkerStrategy.data_shard``) and the first of them counts
+here. The ranks of a tensor group read the same batch (``DataParallelSteps.shard``) and the first of them counts
 it in the epoch's sums.
 
 Plans, first found wins: the user's (``tensor_parallel_plan``, style names from ``config_sections``), the
@@ -31,7 +31,7 @@ from torch import nn
 from raytrain_mgpu.parallel.replication import FSDPReplication, shard_groups_across_nodes
 
 if TYPE_CHECKING:
-    from raytrain_mgpu.parallel.worker import WorkerStrategy
+    from raytrain_mgpu.parallel.steps import DataParallelSteps
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def check_model_plan(cfg, input_shape: tuple, num_classes: int) -> None:
                          f"slice of the sequence between layers). Set input_shape to a multiple of it.")
 
 
-def tensor_parallel_mesh(model: nn.Module, worker: "WorkerStrategy"):
+def tensor_parallel_mesh(model: nn.Module, worker: "DataParallelSteps"):
     """Build the ``("data", "tensor")`` mesh (collective), refuse tensor groups that span nodes, apply the plan on
     ``tensor``; returns the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -201,7 +201,7 @@ def tensor_parallel_mesh(model: nn.Module, worker: "WorkerStrategy"):
 class TensorParallelFSDP(FSDPReplication):
     """``fsdp`` with tensor parallel: the plan on ``tensor``, then FSDP2 shards over ``data``."""
 
-    def _mesh(self, model: nn.Module, worker: "WorkerStrategy"):
+    def _mesh(self, model: nn.Module, worker: "DataParallelSteps"):
         return tensor_parallel_mesh(model, worker)["data"]
 
 
@@ -215,7 +215,7 @@ class TensorParallelReplicate(FSDPReplication):
     def build_on_meta(self, ctx) -> bool:
         return False  # ddp's placement moves the built model to the device first; rank 0's weights still reach all
 
-    def _shard(self, model: nn.Module, worker: "WorkerStrategy") -> nn.Module:
+    def _shard(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         return replicate(model, mesh=tensor_parallel_mesh(model, worker)["data"])

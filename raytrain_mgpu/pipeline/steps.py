@@ -22,7 +22,8 @@ from raytrain_mgpu.engine.batches import flatten, split, unflatten
 from raytrain_mgpu.models.partition import Partition, build_stage_modules
 from raytrain_mgpu.pipeline.executor import PipelineExecutor, busy_of
 from raytrain_mgpu.pipeline.schedule import Order, build_order, forward_only, ideal_bubble_fraction
-from raytrain_mgpu.engine.loop import Steps
+from raytrain_mgpu.engine.precision import Precision
+from raytrain_mgpu.engine.step import StepContext, Steps
 from raytrain_mgpu.engine.step_scalars import WindowedMeter, stage_scalars
 
 __all__ = ["PipelineSteps", "microbatch_rows"]
@@ -46,6 +47,9 @@ class PipelineSteps(Steps):
     def __init__(self, stage, partition: Partition):
         self.stage, self.partition, self.cfg = stage, partition, stage.cfg
         self.ctx, self.device, self.objective = stage.ctx, stage.device, stage.objective
+        self.precision = Precision(self.cfg.precision, self.device.type)  # the executor's autocast, fp16's scaler
+        self.step_context = StepContext(self.ctx.world_rank, self.ctx.world_size, self.device, self.cfg.precision,
+                                        self.objective.loss, list(self.objective.names))
         self.reads_data, self.sees_loss = stage.is_first, stage.is_last
         self.shard = (stage.replica, stage.num_replicas)
         self.part = f"-stage{stage.prank}"

@@ -220,16 +220,15 @@ def data_parallel_steps(cfg, ctx, data):
     """The data-parallel step runner of ``cfg``'s strategy on the rank ``ctx`` describes."""
     from raytrain_mgpu.engine.objectives import Objective
     from raytrain_mgpu.parallel import build_worker
-    from raytrain_mgpu.parallel.steps import DataParallelSteps
     from raytrain_mgpu.strategies import get_strategy
 
-    strategy = build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes))
     step = None
     if cfg.train_step is not None:
         from raytrain_mgpu.config.factories import load_factory
 
         step = load_factory(cfg.train_step, "train_step")
-    return DataParallelSteps(strategy, cfg.compile, step)
+    return build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes),
+                        user_step=step, save_trainable=cfg.save == "trainable")
 
 
 def local_refusal(cfg, plan) -> Optional[str]:
