@@ -142,8 +142,8 @@ def _save_on_four(rank: int, world: int, out: str) -> None:
     _step(strategy, model, optimizer, seed=1)
     # A restart on 4 workers: fresh shards and optimizer, loaded from the merged folder.
     restarted, restarted_model, restarted_optimizer = _setup(rank, world)
-    restarted.load_sharded(restarted_model, restarted_optimizer,
-                           os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
+    restarted.replication.load_sharded(restarted_model, restarted_optimizer,
+                                       os.path.join(out, "merged", ckpt_format.SHARDED_DIR))
     same_shards = all(torch.equal(a, b) for a, b in zip(saved, _locals(restarted_model, restarted_optimizer)))
     _step(restarted, restarted_model, restarted_optimizer, seed=1)
     same_next_step = all(torch.equal(a.to_local(), b.to_local())
