@@ -254,9 +254,8 @@ class Saver:
         data = engine.data
         self.shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
         # this rank's clock of the last checkpoint and each save's stall (checkpoint_every_n_minutes, "auto": the MTBF
-        # is the run's, over its GPUs, or its workers on CPU)
-        devices = len(engine.steps.memory_devices()) if engine.steps.device.type == "cuda" else 1
-        self.since_save = SaveClock(num_devices=engine.world * devices)
+        # is the run's, over the devices its workers compute on: GPUs, emulated ones, or one CPU a worker)
+        self.since_save = SaveClock(num_devices=engine.world * len(engine.steps.ctx.devices))
 
     def save(self, metrics: dict, partial: Optional[dict] = None, send_row: bool = False) -> None:
         """``metrics``: the epoch's row (``send_row``: rank 0 adds this save's time to its ``checkpoint_s`` and
