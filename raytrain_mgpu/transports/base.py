@@ -96,7 +96,7 @@ class Transport:
         if heartbeat is not None:
             heartbeat.stop()
         if self.reporter is not None:
-            getattr(self.reporter, "ended", lambda: None)()  # its last step, for the goodput ledger (driver/goodput.py)
+            self.reporter.ended()  # its last step, for the goodput ledger (driver/goodput.py)
             self.reporter.flush()
 
 
