@@ -100,7 +100,7 @@ def test_the_driver_waits_for_the_last_announcement_a_bounded_time(monkeypatch):
 def test_the_driver_waits_for_no_announcement_of_a_checkpoint_an_earlier_fit_registered():
     """A resumed fit that registered no checkpoint of its own (every save skipped) ends with the one it resumed
     from: its announcement came in the earlier fit, and this one does not wait for it."""
-    from raytrain_mgpu.transports.ray_train.driver import _registered_before
+    from raytrain_mgpu.transports.attempt import _registered_before
 
     assert _registered_before("/runs/r/checkpoint_epoch000003", {"resumed_from": "/runs/r/checkpoint_epoch000003/"})
     assert not _registered_before("/runs/r/checkpoint_epoch000004", {"resumed_from": "s3://b/r/checkpoint_epoch000003"})
@@ -133,7 +133,7 @@ def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo
     from test_wiring import ray_train_engine
 
     from raytrain_mgpu.engine.run_state import RunState
-    from raytrain_mgpu.transports.ray_train import worker as ray_train
+    from raytrain_mgpu.transports.ray_train import store as ray_store
 
     modes, latest = [], {}
 
@@ -144,7 +144,7 @@ def test_the_last_save_of_a_run_uploads_synchronously(monkeypatch, storage, gloo
 
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
-    monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray_store, "wait_until_report_collected", lambda: None)
     monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: None))
     for rank in (0, 1):
         for epoch in (1, 2):

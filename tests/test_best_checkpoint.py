@@ -110,24 +110,24 @@ def _checkpoint(folder: Path, name: str, cfg: TrainConfig, history: list, weight
 
 
 def test_a_folder_transport_keeps_the_last_n_and_a_copy_of_the_best(tmp_path):
-    """The pipeline's and the in-process runner's checkpoints (``transports/base.FolderTransport``): each
+    """The pipeline's and the in-process runner's checkpoints (``checkpointing/store.FolderStore``): each
     published, all but the newest ``num_checkpoints_to_keep`` deleted, a new best's model copied aside."""
     from raytrain_mgpu.checkpointing.contents import Commit, checkpoint_name
-    from raytrain_mgpu.transports.base import FolderTransport
+    from raytrain_mgpu.checkpointing.store import FolderStore
 
     cfg = TrainConfig(monitor="test_loss", keep_best=True, num_checkpoints_to_keep=2, storage_path=str(tmp_path),
                       name="run")
-    transport, folder = FolderTransport(cfg, 0, "attempt0"), RunFolder.of(cfg)
+    store, folder = FolderStore(cfg, 0, "attempt0"), RunFolder.of(cfg)
     losses = [0.9, 0.4, 0.6, 0.7, 0.8]
     for epoch in range(1, len(losses) + 1):
         history = _rows(*losses[:epoch])
         state = RunState(epoch=epoch, step=10 * epoch, history=history)
         name = checkpoint_name(epoch)
-        directory = transport.begin(name, history[-1], step=False, final=epoch == len(losses), sharded=False)
+        directory = store.begin(name, history[-1], step=False, final=epoch == len(losses), sharded=False)
         ckpt_format.write_checkpoint(directory, meta=None, history=history,
                                      model_state={"w": torch.full((2,), float(epoch))})
         is_best = best_row(history, "test_loss", "min") is history[-1]
-        transport.commit(Commit(name, directory, history[-1], checkpoint_meta(cfg, state, {}), is_best, None, None,
+        store.commit(Commit(name, directory, history[-1], checkpoint_meta(cfg, state, {}), is_best, None, None,
                                 False, epoch == len(losses)))
     assert [c.name for c in folder.checkpoints()] == ["checkpoint_epoch000004", "checkpoint_epoch000005"]
     best = folder.best_checkpoint()

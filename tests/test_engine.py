@@ -141,7 +141,7 @@ def test_a_checkpoint_of_the_pipelines_earlier_layout_still_resumes(tmp_path):
 
     from raytrain_mgpu.checkpointing import files as ckpt_format
     from raytrain_mgpu.checkpointing.contents import read
-    from raytrain_mgpu.transports.base import CheckpointSource
+    from raytrain_mgpu.checkpointing.store import CheckpointSource
 
     cfg = rtm.TrainConfig(model="mlp", strategy="pipeline", num_stages=2, batch_size=32)
     folder = tmp_path / "checkpoint_epoch000001_step000000030"

@@ -25,7 +25,7 @@ from raytrain_mgpu.checkpointing import manager as checkpoint_manager
 from raytrain_mgpu.engine.metrics import EpochMeter
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.engine.run_state import RunState
-from raytrain_mgpu.transports.ray_train import worker as ray_train
+from raytrain_mgpu.transports.ray_train import store as ray_store
 from raytrain_mgpu.transports.ray_train import uploads as ray_uploads
 
 MLP = dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64, optimizer="sgd", lr=0.1,
@@ -94,11 +94,11 @@ def test_an_epochs_checkpoint_time_is_in_its_row_its_history_and_reaches_the_dri
     monkeypatch.setattr(ray.train, "get_context",
                         lambda: SimpleNamespace(get_storage=lambda: SimpleNamespace(persist_current_checkpoint=upload)))
     monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
-    monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray_store, "wait_until_report_collected", lambda: None)
     row = {"epoch": 1, "checkpoint_s": 0.25, "eval_s": 0.0}  # 0.25 s of the epoch's step checkpoints
     engine = ray_train_engine(dict(epochs=3), 0, 1, RunState(epoch=1, step=10, history=[row]), storage)
-    engine.reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])))
-    engine.transport.reporter = SimpleNamespace(flush=lambda: order.append("flushed"))
+    engine.checkpoints.saver.reporter = SimpleNamespace(epoch=lambda row: order.append(("row", row["checkpoint_s"])))
+    engine.checkpoints.store.reporter = SimpleNamespace(flush=lambda: order.append("flushed"))
     replication = engine.steps.replication
     state_dict = replication.state_dict
 

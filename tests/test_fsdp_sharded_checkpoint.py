@@ -249,15 +249,15 @@ def test_the_asynchronous_save_writes_the_same_checkpoint(saved):
 
 
 class _WritingLeftOpen:
-    """A run folder transport (tests/_engine.py's) that lets a sharded save go on writing after the save returns,
-    as Ray Train's does for every save but a run's last; it keeps the save's Future (``writing``) and publishes
-    nothing."""
+    """A run folder store (tests/_engine.py's transport's) that lets a sharded save go on writing after the save
+    returns, as Ray Train's does for every save but a run's last; it keeps the save's Future (``writing``) and
+    publishes nothing."""
 
-    def __init__(self, transport):
-        self.transport, self.writing = transport, None
+    def __init__(self, store):
+        self.store, self.writing = store, None
 
     def __getattr__(self, name):
-        return getattr(self.transport, name)
+        return getattr(self.store, name)
 
     def asynchronous(self, step: bool, final: bool) -> bool:
         return True
@@ -274,7 +274,8 @@ def _engine_saves(rank: int, world: int, out: str) -> None:
 
     engine = make_engine(dict(model="mlp", model_kwargs={"widths": [32]}, dataset="digits", batch_size=64,
                               epochs=2, strategy="fsdp", storage_path=out), rank=rank, world=world, setup=False)
-    engine.transport = _WritingLeftOpen(engine.transport)
+    store = _WritingLeftOpen(engine.transport.checkpoint_store())
+    engine.transport.checkpoint_store = lambda: store
     engine.setup()
     _slowed_writes()
     saves = {}
@@ -283,11 +284,11 @@ def _engine_saves(rank: int, world: int, out: str) -> None:
             os.environ[ASYNC_SHARDED_ENV] = "1"
         else:
             os.environ.pop(ASYNC_SHARDED_ENV, None)
-        engine.transport.writing = None
+        store.writing = None
         began = time.perf_counter()
         engine.checkpoints.saver.save({"epoch": 1})  # in the training thread, as after an epoch
         returned = time.perf_counter() - began
-        writing = engine.transport.writing
+        writing = store.writing
         saves[switch] = {"returned_s": returned, "future": writing is not None,
                          "written_at_return": writing is None or writing.done()}
         if writing is not None:
@@ -298,7 +299,7 @@ def _engine_saves(rank: int, world: int, out: str) -> None:
 
 
 def test_the_engines_sharded_save_returns_before_its_write_where_the_switch_asks_for_it(tmp_path):
-    """``RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE=1`` and a transport that allows it: the engine's save returns to the training
+    """``RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE=1`` and a store that allows it: the engine's save returns to the training
     thread before its (slowed) write is done; unset, it returns once the write is done."""
     _forkserver.start_gloo_ranks(_engine_saves, (str(tmp_path),))
     for rank in range(2):

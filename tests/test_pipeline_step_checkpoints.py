@@ -1,5 +1,5 @@
 """The pipeline's step checkpoints: written by the engine's saver on every stage actor and published in the run
-folder by its transport (``checkpointing/contents.py``, ``transports/base.FolderTransport``).
+folder by its store (``checkpointing/contents.py``, ``checkpointing/store.FolderStore``).
 
 Unit tests: a checkpoint is published only once every rank's part is in, ``meta.json`` last (until then it
 is no resume point); a failed write raises at the save and publishes nothing; every rank's partial epoch sums
@@ -32,7 +32,7 @@ from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.checkpointing.contents import PARTIALS, Commit, checkpoint_name
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta
-from raytrain_mgpu.transports.base import FolderTransport
+from raytrain_mgpu.checkpointing.store import FolderStore
 from _pipeline_reference import train_pipeline, train_unsplit
 
 PIPE = dict(model="mlp", model_kwargs={"widths": [32, 32]}, dataset="_pipe_probe:digits", strategy="pipeline",
@@ -75,8 +75,8 @@ def test_a_step_checkpoint_is_no_resume_point_until_every_part_is_written_then_m
     cfg = rtm.TrainConfig(**dict(PIPE, dataset="digits"), storage_path=str(tmp_path), name="run",
                           checkpoint_every_n_steps=EVERY, num_checkpoints_to_keep=5)
     barrier, reporter, folder = threading.Barrier(2, timeout=30), _Reporter(), RunFolder.of(cfg)
-    ranks = [FolderTransport(cfg, 0, "attempt0", reporter, barrier=barrier.wait),
-             FolderTransport(cfg, 1, "attempt0", barrier=barrier.wait)]
+    ranks = [FolderStore(cfg, 0, "attempt0", reporter, barrier=barrier.wait),
+             FolderStore(cfg, 1, "attempt0", barrier=barrier.wait)]
     present_at_meta = []
     write = ckpt_format.write_checkpoint
 

@@ -107,7 +107,7 @@ def test_scaler_state_survives_a_checkpoint_round_trip(tmp_path):
         loop.end_step(1)
     want = loop.scaler.state_dict()
     assert want["scale"] == 2.0**15 and want["_growth_tracker"] == 2
-    loop.state = RunState(epoch=1, step=3)
+    loop.state = loop.checkpoints.saver.state = RunState(epoch=1, step=3)
     loop.checkpoints.saver.save({"epoch": 1})  # the engine's save, through its transport into the run folder
     fresh = _engine(storage)  # set up from the run folder's newest checkpoint, as a resumed run
     assert fresh.state.step == 3 and fresh.state.attempt == 1

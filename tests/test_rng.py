@@ -63,7 +63,7 @@ def test_resume_continues_each_ranks_stream(tmp_path):
     storage = str(tmp_path / "runs")
     loop = _engine(storage)
     torch.manual_seed(123)  # somewhere in the run's stream
-    loop.state = RunState(epoch=1, step=2)
+    loop.state = loop.checkpoints.saver.state = RunState(epoch=1, step=2)
     loop.checkpoints.saver.save({"epoch": 1})
     draws = torch.rand(5)  # what the run would have drawn next
     torch.manual_seed(999)  # a restart starts from anywhere

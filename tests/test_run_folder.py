@@ -69,15 +69,15 @@ def test_a_checkpoint_published_in_the_folder_resumes_past_ray_trains_record(tmp
     (tmp_path / RAY_TRAIN_SNAPSHOT).write_text(json.dumps(
         {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_epoch000001"}}))
     folder = RunFolder(str(tmp_path))
-    assert folder.state().step == 22 and folder.newest_checkpoint(ray_latest=None) is None  # nothing published
+    assert folder.state().step == 22 and folder.newest_checkpoint(registered=None) is None  # nothing published
     published = _checkpoint(tmp_path, "checkpoint_epoch000003", 3, 66)
     meta = json.loads((published / "meta.json").read_text())
     (published / "meta.json").write_text(json.dumps({**meta, "published": True}))
     assert folder.state().step == 66
     # a Ray Train worker's choice, with Ray's latest as it has it: the same rule
-    assert folder.newest_checkpoint(ray_latest=str(tmp_path / "checkpoint_epoch000001")).name == "checkpoint_epoch000003"
-    assert folder.newest_checkpoint(ray_latest=str(published)).name == "checkpoint_epoch000003"  # as far: the same
-    assert folder.newest_checkpoint(ray_latest=str(tmp_path / "checkpoint_epoch000002")).name == "checkpoint_epoch000003"
+    assert folder.newest_checkpoint(registered=str(tmp_path / "checkpoint_epoch000001")).name == "checkpoint_epoch000003"
+    assert folder.newest_checkpoint(registered=str(published)).name == "checkpoint_epoch000003"  # as far: the same
+    assert folder.newest_checkpoint(registered=str(tmp_path / "checkpoint_epoch000002")).name == "checkpoint_epoch000003"
 
 
 def test_history_is_written_by_rename_with_every_rows_keys(tmp_path):

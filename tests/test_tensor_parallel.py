@@ -151,7 +151,7 @@ def test_a_sharded_checkpoint_resumed_by_a_layout_that_reads_whole_state_is_refu
     import contextlib
 
     from raytrain_mgpu.checkpointing import files as ckpt_format
-    from raytrain_mgpu.checkpointing.manager import CheckpointSource
+    from raytrain_mgpu.checkpointing.store import CheckpointSource
     from raytrain_mgpu.checkpointing.contents import read
     from raytrain_mgpu.engine.run_state import RunState, checkpoint_meta
 

@@ -25,6 +25,7 @@ from raytrain_mgpu.transports import collective_timeouts, retry
 from raytrain_mgpu.transports.actor_group.stage import StageWorker
 from raytrain_mgpu.engine.run_state import RunState
 from raytrain_mgpu.transports.ray_train import worker as ray_train
+from raytrain_mgpu.transports.ray_train import store as ray_store
 from raytrain_mgpu.transports.ray_train import uploads as ray_uploads
 
 COLLECT_AFTER_S = 0.3  # the stand-in controller takes each report this long after it was queued
@@ -51,7 +52,7 @@ def ray_train_engine(fields: dict, rank: int, world: int, state: RunState, stora
     engine.transport = ray_train.RayTrainTransport(engine.cfg, engine.ctx, None)
     engine.reporter = engine.transport.reporter if rank == 0 else None
     engine.setup()
-    engine.state = state
+    engine.state = engine.checkpoints.saver.state = state  # the run state the saver was handed
     return engine
 
 
@@ -154,7 +155,7 @@ def test_a_checkpoint_uploaded_in_the_background_is_reported_before_its_write_an
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     monkeypatch.setattr(train_context, "get_train_context", lambda: controller)
     monkeypatch.setattr(engine_checkpoint, "all_gather_objects", gather)
-    monkeypatch.setattr(ray_train.tempfile, "tempdir", str(tmp_path))  # the folder outlives the upload here
+    monkeypatch.setattr(ray_store.tempfile, "tempdir", str(tmp_path))  # the folder outlives the upload here
 
     if kind == "step":  # 10 steps into epoch 2 of 2: a step checkpoint
         state, args = RunState(epoch=1, step=32, step_in_epoch=10, history=[{"epoch": 1}]), dict(partial={"samples": 320})
@@ -162,7 +163,7 @@ def test_a_checkpoint_uploaded_in_the_background_is_reported_before_its_write_an
         state, args = RunState(epoch=1, step=22, history=[{"epoch": 1}]), dict(send_row=True)
     engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), rank, 2, state, storage)
     if rank == 0:
-        engine.transport.reporter = engine.reporter = _Reporter(events)
+        engine.checkpoints.store.reporter = engine.checkpoints.saver.reporter = _Reporter(events)
     engine.checkpoints.saver.save({"epoch": 1, "step": state.step}, **args)
     events.append("returned")
     controller.thread.join(timeout=30)
@@ -204,7 +205,7 @@ def test_a_step_checkpoint_whose_write_fails_is_never_uploaded(monkeypatch, stor
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: ray_storage))
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
-    monkeypatch.setattr(ray_train, "wait_until_report_collected", lambda: None)
+    monkeypatch.setattr(ray_store, "wait_until_report_collected", lambda: None)
     monkeypatch.setattr(ray_uploads, "wait_until_report_collected", lambda: None)
     engine = ray_train_engine(dict(epochs=2, checkpoint_every_n_steps=10), 0, 1,
                               RunState(epoch=1, step=10, step_in_epoch=10, history=[]), storage)

@@ -3,8 +3,8 @@ transport (``checkpointing/files.py`` describes the files).
 
 A save (:class:`Saver`), the same on every rank, whatever carries it:
 
-1. the transport gives this rank a folder (:meth:`Transport.begin`: a Ray Train run's own local folder, or
-   the run folder's temporary one);
+1. the checkpoint store gives this rank a folder (``CheckpointStore.begin``, ``checkpointing/store.py``: a Ray
+   Train run's own local folder, or the run folder's temporary one);
 2. the step runner writes this rank's part into it: the whole model and optimizer (a data-parallel rank
    0: ``model.pt``, ``train_state.pt``), a pipeline stage's (``model-stage{p}.pt``,
    ``train_state-stage{p}.pt``), or every rank its shards (``sharded/``, fsdp);
@@ -13,7 +13,8 @@ A save (:class:`Saver`), the same on every rank, whatever carries it:
 4. rank 0 adds the run's common train state (LR schedule, grad scaler, the generators, the partial sums)
    to ``train_state.pt``, the history to ``history.json`` (after adding the save's time to the row's
    ``checkpoint_s``) and sends the epoch's row to the driver;
-5. the transport commits it (``meta.json`` last, where the files are published; Ray Train's report).
+5. the store commits it (``meta.json`` last, published in the run folder or reported to Ray Train, the best
+   copy, pruning).
 
 Names: ``checkpoint_epoch{E:06d}`` after epoch E, ``checkpoint_epoch{E:06d}_step{S:09d}`` for a step
 checkpoint after global step S of the epoch after E: names sort by age, and ``num_checkpoints_to_keep``
@@ -33,7 +34,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from raytrain_mgpu.engine.batches import shape_record
 from raytrain_mgpu.checkpointing import files as ckpt_format
 from raytrain_mgpu.engine.metrics import all_gather_objects
 from raytrain_mgpu.config.code import monitor_mode
@@ -41,7 +41,6 @@ from raytrain_mgpu.engine.run_state import RunState, best_row, checkpoint_meta
 from raytrain_mgpu.engine.step import NonFiniteError
 from raytrain_mgpu.checkpointing.preemption import SaveClock
 from raytrain_mgpu.checkpointing.step_checkpoints import STEP_IN_EPOCH
-from raytrain_mgpu.checkpointing.run_folder import PUBLISHED_KEY
 from raytrain_mgpu.engine import optim
 from raytrain_mgpu.models import build_model as build_named_model
 from raytrain_mgpu.models.checkpointing import checkpoint_blocks
@@ -51,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["checkpoint_name", "CHECKPOINT_PREFIX", "PARTIALS", "Restored", "Commit", "read", "build_model",
            "build_optimizer", "build_scheduler", "load_train_state", "restore_rng", "rng_state", "seed_rank_stream",
-           "Saver", "seal"]
+           "Saver"]
 
 CHECKPOINT_PREFIX = "checkpoint_epoch"
 ASYNC_SHARDED_ENV = "RAYTRAIN_MGPU_ASYNC_SHARDED_SAVE"
@@ -126,12 +125,12 @@ class Restored(NamedTuple):
     state: RunState
     model_state: Optional[dict] = None
     train_state: Optional[dict] = None  # the common one with this rank's part (its optimizer) on top
-    source: object = None               # the transport's CheckpointSource (a sharded one is read again)
+    source: object = None               # the store's CheckpointSource (a sharded one is read again)
     sharded: bool = False
 
 
 def read(cfg, source, steps, rank: int) -> Restored:
-    """This rank's view of the checkpoint ``source`` (a transport's ``CheckpointSource``; None: a new run)."""
+    """This rank's view of the checkpoint ``source`` (the store's ``CheckpointSource``; None: a new run)."""
     if source is None:
         return Restored(RunState())
     with source.open() as directory:
@@ -233,12 +232,12 @@ def restore_rng(restored: Restored, seed: int, ctx, step: int) -> None:
 
 
 class Commit(NamedTuple):
-    """One rank's finished part of a checkpoint, handed to its transport (``Transport.commit``)."""
+    """One rank's finished part of a checkpoint, handed to its store (``CheckpointStore.commit``)."""
 
     name: str
-    directory: str              # this rank's folder (``Transport.begin``)
+    directory: str              # this rank's folder (``CheckpointStore.begin``)
     metrics: dict               # what the rank reports with it (the epoch's row, or where the step stands)
-    meta: Optional[dict]        # rank 0: meta.json, written last by the transport
+    meta: Optional[dict]        # rank 0: meta.json, written last by the store
     is_best: bool               # keep_best: this epoch is the best so far (the same on every rank)
     best_model: Optional[dict]  # rank 0 of a sharded run: the gathered model for the best copy
     writing: object             # a Future while the sharded save still writes (asynchronous), else None
@@ -247,24 +246,26 @@ class Commit(NamedTuple):
 
 
 class Saver:
-    """The engine's saves (see the module docstring); ``save`` on every rank at the same points."""
+    """A rank's saves (see the module docstring); ``save`` on every rank at the same points. It is handed what it
+    saves: the step runner (the model, and this rank's files of it), the optimizer, LR schedule and grad scaler, the
+    run state, and the checkpoint ``store`` its transport gave; ``reporter``: rank 0's events (None elsewhere);
+    ``shape_info``: the data's shape and classes for ``meta.json``."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        data = engine.data
-        self.shape_info = {"input_shape": shape_record(data.input_shape), "num_classes": data.num_classes}
+    def __init__(self, cfg, steps, store, reporter, shape_info: dict, state: RunState, optimizer, scheduler, scaler):
+        self.cfg, self.steps, self.store, self.reporter, self.shape_info = cfg, steps, store, reporter, shape_info
+        self.state, self.optimizer, self.scheduler, self.scaler = state, optimizer, scheduler, scaler
+        self.rank = steps.ctx.world_rank
         # this rank's clock of the last checkpoint and each save's stall (checkpoint_every_n_minutes, "auto": the MTBF
         # is the run's, over the devices its workers compute on: GPUs, emulated ones, or one CPU a worker)
-        self.since_save = SaveClock(num_devices=engine.world * len(engine.steps.ctx.devices))
+        self.since_save = SaveClock(num_devices=steps.ctx.world_size * len(steps.ctx.devices))
 
     def save(self, metrics: dict, partial: Optional[dict] = None, send_row: bool = False) -> None:
         """``metrics``: the epoch's row (``send_row``: rank 0 adds this save's time to its ``checkpoint_s`` and
         sends it to the driver) or, for a step checkpoint, where it stands with ``partial`` this rank's sums."""
-        e = self.engine
-        cfg, state, steps, transport = e.cfg, e.state, e.steps, e.transport
+        cfg, state, steps, store = self.cfg, self.state, self.steps, self.store
         started = time.perf_counter()
         step, final = partial is not None, state.finished(cfg)
-        is_best = (e.rank == 0 and cfg.keep_best and not step
+        is_best = (self.rank == 0 and cfg.keep_best and not step
                    and best_row(state.history, cfg.monitor, monitor_mode(cfg)) is state.history[-1])
         # One collective for all: every rank's random generators and partial sums, rank 0's verdict on keep_best,
         # and whether every rank's weights are finite (a checkpoint of non-finite weights is never written).
@@ -274,19 +275,19 @@ class Saver:
             return
         is_best = gathered[0][2]
         name = checkpoint_name(state.epoch, state.step if step else None)
-        directory = transport.begin(name, metrics, step=step, final=final, sharded=steps.sharded)
+        directory = store.begin(name, metrics, step=step, final=final, sharded=steps.sharded)
         try:
             writing, files = None, {}
             if steps.sharded:  # collective; asynchronous with the upload: training waits for the copy to host only
-                asynchronous = os.environ.get(ASYNC_SHARDED_ENV) == "1" and transport.asynchronous(step, final)
-                writing = steps.write_sharded(e.optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR),
+                asynchronous = os.environ.get(ASYNC_SHARDED_ENV) == "1" and store.asynchronous(step, final)
+                writing = steps.write_sharded(self.optimizer, os.path.join(directory, ckpt_format.SHARDED_DIR),
                                               asynchronous=asynchronous)
             else:
-                files = steps.checkpoint_files(e.optimizer)
+                files = steps.checkpoint_files(self.optimizer)
             best_model = steps.model_state() if steps.sharded and is_best else None  # collective: to rank 0
             meta = None
-            if e.rank == 0:
-                common = {"scheduler": e.scheduler.state_dict(), "scaler": e.scaler.state_dict(),
+            if self.rank == 0:
+                common = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                           "rng_per_rank": [rng for rng, *_ in gathered]}
                 if step:
                     common[PARTIALS] = [part for _, part, *_ in gathered]
@@ -296,21 +297,21 @@ class Saver:
                     extra[ckpt_format.SHARDED_KEY] = True
                 meta = checkpoint_meta(cfg, state, self.shape_info, **extra, **steps.meta_extra())
             _written(directory, name, lambda: ckpt_format.write_files(directory, files))
-            if e.rank == 0:
+            if self.rank == 0:
                 if send_row:
                     metrics["checkpoint_s"] = metrics.get("checkpoint_s", 0.0) + time.perf_counter() - started
                 _written(directory, name, lambda: ckpt_format.write_checkpoint(directory, meta=None,
                                                                                history=state.history))
         except BaseException as exc:
-            transport.abort(exc)
+            store.abort(exc)
             raise
         reported = None
-        if e.rank == 0 and send_row and e.reporter is not None:
+        if self.rank == 0 and send_row and self.reporter is not None:
             try:
-                e.reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
+                self.reporter.epoch(metrics)  # the progress line, before the checkpoint's announcement
             except BaseException as exc:  # a user's callback raised (in-process): the checkpoint is published first
                 reported = exc
-        transport.commit(Commit(name, directory, metrics, meta, is_best, best_model, writing, step, final))
+        store.commit(Commit(name, directory, metrics, meta, is_best, best_model, writing, step, final))
         self.since_save.saved(time.perf_counter() - started)  # the training thread's stall for this save
         if reported is not None:
             raise reported
@@ -318,21 +319,14 @@ class Saver:
     def _not_finite(self, metrics: dict, ranks: list, send_row: bool) -> None:
         """Weights that are not finite are never checkpointed: ``on_nonfinite="stop"`` (and ``skip``, which should
         never get here) stops the run; ``ignore`` trains on without this checkpoint, saying so."""
-        e = self.engine
-        if e.cfg.on_nonfinite != "ignore":
-            raise NonFiniteError("the weights are not finite", e.state.epoch + (0 if send_row else 1), e.state.step,
-                                 ranks)
-        if send_row and e.reporter is not None:
-            e.reporter.epoch(metrics)
-        if e.reporter is not None:
-            e.reporter.notice(f"checkpoint at step {e.state.step} not written: the weights are not finite on "
+        state, reporter = self.state, self.reporter
+        if self.cfg.on_nonfinite != "ignore":
+            raise NonFiniteError("the weights are not finite", state.epoch + (0 if send_row else 1), state.step, ranks)
+        if send_row and reporter is not None:
+            reporter.epoch(metrics)
+        if reporter is not None:
+            reporter.notice(f"checkpoint at step {state.step} not written: the weights are not finite on "
                               f"rank(s) {', '.join(map(str, ranks))} (on_nonfinite='ignore')")
-
-
-def seal(directory: str, meta: dict, published: bool = False) -> None:
-    """A checkpoint's last write, every transport's: ``meta.json``, which marks it complete (``published``: put in
-    place in the run folder by this package, not registered by Ray Train: ``RunFolder.newest_checkpoint``)."""
-    ckpt_format.write_checkpoint(directory, meta={**meta, PUBLISHED_KEY: True} if published else meta, history=None)
 
 
 def _written(directory: str, name: str, write) -> None:

@@ -1,4 +1,5 @@
-"""Preemption notices on the workers: a step checkpoint saved right away, then training goes on.
+"""The checkpoint triggers (:class:`PreemptionCheck`: every N steps, every N minutes, a preemption notice) and the
+notices on the workers: a step checkpoint saved right away, then training goes on.
 
 In Ray a preemption notice is a node drain with reason ``DRAIN_NODE_REASON_PREEMPTION`` and a
 deadline (``raytrain-mgpu spot-watch`` issues it on a spot node: ``driver/spot_watch.py``).
@@ -124,7 +125,9 @@ def resume_line(step: int, epoch: int, step_in_epoch: int, steps_per_epoch: int)
 
 
 class PreemptionCheck:
-    """The loop's preemption hook for one run attempt (a restart builds a new one).
+    """The checkpoint triggers of one run attempt (a restart builds a new one): when a step checkpoint is due, every
+    ``checkpoint_every_n_steps``, every ``checkpoint_every_n_minutes`` (any rank's clock) or at the first preemption
+    notice; the epoch's end always saves (``CheckpointManager.save_epoch``).
 
     ``local_notice``: this worker's notice, without a barrier; ``any_rank``: whether any rank saw one
     (:class:`AnyRank`); ``get_info``: the ranks' agreed notice (``ray.train.get_preemption_info`` on Ray Train,

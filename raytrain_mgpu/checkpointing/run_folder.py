@@ -16,8 +16,8 @@ Every runner names its checkpoints ``checkpoint_epoch<E>`` (``_step<S>`` inside 
 :meth:`RunFolder.checkpoints` is the one scanner of all of them.
 
 ``keep_best``: the best checkpoint is kept besides the last ``num_checkpoints_to_keep``: a new best's
-model is copied into ``best_checkpoint/`` (:meth:`RunFolder.save_best`), by Ray Train's rank 0 before
-its report or by the run folder's publisher (``transports/base.FolderTransport``). Ray Train's own
+model is copied into ``best_checkpoint/`` (:meth:`RunFolder.save_best`) by the checkpoint store
+(``checkpointing/store.py``: Ray Train's rank 0 before its report, or the run folder's publisher). Ray Train's own
 ``num_to_keep`` prunes by age (with ``checkpoint_score_attribute`` it would keep the N *best*, and a
 folder deleted behind its back fails its resume); :meth:`RunFolder.prune` does the same for the others.
 """
@@ -43,7 +43,10 @@ __all__ = ["RunFolder", "CheckpointInfo", "HISTORY_FILE", "RAY_TRAIN_SNAPSHOT", 
 
 HISTORY_FILE = "history.parquet"
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
-"""Ray Train's record of its checkpoints; its ``latest_checkpoint_result`` is what it resumes from."""
+"""Ray Train's record of its checkpoints; its ``latest_checkpoint_result`` is what it resumes from. Read here, by the
+folder's reader, not by Ray Train's store (which asks ``ray.train.get_checkpoint``): the readers outside a run (the
+driver's checks, export, ``init_from`` of another run) sit below the transports and must not take a folder Ray Train
+never registered either."""
 BEST_CHECKPOINT = "best_checkpoint"
 """The copy of the best epoch's model (not named ``checkpoint*``: it is never resumed from)."""
 
@@ -152,23 +155,24 @@ class RunFolder:
         infos = self.fs.get_file_info([f"{folder}/{name}" for name in sorted(files)])
         return all(info.type == pafs.FileType.File for info in infos)
 
-    def newest_checkpoint(self, ray_latest: Union[str, None, type(...)] = ...) -> Optional[CheckpointInfo]:
-        """The checkpoint a resume starts from, the one choice every transport and the driver make: the furthest
-        of Ray Train's latest (a folder uploaded by a save that was killed before Ray Train took it is not one)
-        and the checkpoints published in the folder by the other transports (``published`` in ``meta.json``:
-        renamed into place once complete). ``ray_latest``: Ray Train's latest as a worker has it (its path or URI;
-        None: none yet); left out, the one its snapshot in the folder records, and without either kind the
-        furthest complete checkpoint."""
+    def newest_checkpoint(self, registered: Union[str, None, type(...)] = ...) -> Optional[CheckpointInfo]:
+        """The checkpoint a resume starts from, the one choice every store and the driver make: the furthest of the
+        one a store's own system registered last (Ray Train's latest: a folder uploaded by a save that was killed
+        before Ray Train took it is not one) and the checkpoints published in the folder by the run folder's store
+        (``published`` in ``meta.json``: renamed into place once complete). ``registered``: that checkpoint as a rank
+        has it (its path or URI; None: none, the run folder's store, ``CheckpointStore.newest``); left out (a reader
+        outside a run: the driver, export, ``init_from``), the one Ray Train's snapshot in the folder records, and
+        without either kind the furthest complete checkpoint."""
         found = self.checkpoints()
-        if ray_latest is ...:
+        if registered is ...:
             snapshot = self.read_json(self.join(RAY_TRAIN_SNAPSHOT)) or {}
             latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
         else:
-            latest = ray_latest.rstrip("/").rsplit("/", 1)[-1] if ray_latest else None
+            latest = registered.rstrip("/").rsplit("/", 1)[-1] if registered else None
         candidates = [c for c in found if c.name == latest or c.meta.get(PUBLISHED_KEY)]
         if candidates:
             return candidates[-1]
-        return found[-1] if found and ray_latest is ... else None
+        return found[-1] if found and registered is ... else None
 
     def state(self) -> RunState:
         """Where the run stands: a fresh :class:`RunState`, or the one after the newest checkpoint."""
@@ -354,7 +358,7 @@ TMP_PREFIX = ".tmp-"
 
 PUBLISHED_KEY = "published"
 """``meta.json``'s mark of a checkpoint published in the run folder by rank 0 of the pipeline's actor group or
-of the in-process runner (``transports/base.FolderTransport``): complete, and a resume point of its own."""
+of the in-process runner (``checkpointing/store.FolderStore``): complete, and a resume point of its own."""
 
 
 def _order(checkpoint: CheckpointInfo) -> tuple:

@@ -121,7 +121,7 @@ class Engine:
         cfg, steps = self.cfg, self.steps
         self.transport.check_storage()  # this node reads and writes storage_path, before any step
         model = checkpoints.build_model(cfg, steps, self.data)
-        self.checkpoints = CheckpointManager(self)  # when, what, the write and the resume choice
+        self.checkpoints = CheckpointManager(cfg, steps, self.transport.checkpoint_store(), self.reporter, self.data)
         source = self.checkpoints.source()
         if cfg.init_from is not None and (source is None or cfg.save == "trainable"):
             self._init_from(model)  # a resume of this run wins, but a trainable-only checkpoint needs the rest
@@ -146,7 +146,7 @@ class Engine:
         self.end_step = OptimizerStep(cfg, self.optimizer, self.scheduler, steps.clip, self.scaler, self.window,
                                       grad_norm=steps.grad_norm,
                                       agree=steps.agree_found_inf if steps.agrees_on_overflow else None)
-        self.checkpoints.start()
+        self.checkpoints.start(self.state, self.optimizer, self.scheduler, self.scaler, self.transport.preemption())
         self.observer.start(self.state.step)  # the profiler's window, from here
         if self.reporter is not None:
             self.reporter.startup(entered, time.time(), self.state.checkpoint)

@@ -6,50 +6,39 @@ On each rank a transport answers the engine:
 
 - ``reporter``: where rank 0's events go (a progress channel to the driver, or the driver's own
   ``RunEvents``); ``reports_scalars``: which ranks send per-step scalars;
-- ``registered()``: the checkpoint its own system registered last (Ray Train's), for the checkpoint manager's
-  resume choice (``checkpointing/manager.py``), or None;
-- ``begin`` / ``commit`` / ``abort``: where a checkpoint's files go (a folder for this rank, then the
-  checkpoint made whole: Ray Train's report, or published in the run folder);
+- ``checkpoint_store()``: the rank's checkpoint store, handed what only the transport knows
+  (``checkpointing/store.py``: the run folder's, ``FolderStore``; Ray Train's, ``ray_train/store.py``);
 - ``where()``: this rank's node and GPU ids for the history; ``data_shard()``: its Ray Data stream;
   ``preemption()``: how it hears of a node's preemption (nothing, where no notice can come).
 
-:class:`FolderTransport` is the checkpoint half that the pipeline's actors and the in-process runner
-share: every rank writes its part into one temporary folder of the run folder; once all are in, rank 0
-writes ``meta.json`` (last: it marks the checkpoint complete), renames the folder to its name, copies a
-new best aside (``best_checkpoint/``) and deletes all but the newest ``num_checkpoints_to_keep``.
+:class:`FolderTransport` is what the pipeline's actors and the in-process runner share: their checkpoints
+published in the run folder (``FolderStore``), every rank of an attempt writing into one temporary folder.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import tempfile
 from typing import Callable, NamedTuple, Optional
 
-from raytrain_mgpu.config.redact import redact
-from raytrain_mgpu.checkpointing.manager import CheckpointSource
-from raytrain_mgpu.checkpointing.contents import CHECKPOINT_PREFIX, seal
-from raytrain_mgpu.checkpointing.run_folder import TMP_PREFIX, RunFolder
-
-logger = logging.getLogger(__name__)
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
+from raytrain_mgpu.checkpointing.store import CheckpointStore, FolderStore
 
 __all__ = ["Transport", "FolderTransport", "check_writable",
            "RunResult", "rank_devices", "rank_engine", "data_parallel_steps", "runner_for", "local_refusal"]
 
 
 class Transport:
-    """The defaults: no events, nothing to resume, no notices (see the module docstring)."""
+    """The defaults: no events, no notices; each transport hands its own checkpoint store (see the module
+    docstring)."""
 
     reporter = None
 
     def reports_scalars(self, rank: int, steps) -> bool:
         return rank == 0 and self.reporter is not None
 
-    def registered(self) -> Optional[CheckpointSource]:
-        """The checkpoint this transport's own system registered last (Ray Train's), for the checkpoint manager's
-        resume choice (``checkpointing/manager.py``); None where the run folder alone holds them."""
-        return None
+    def checkpoint_store(self) -> CheckpointStore:
+        """This rank's checkpoint store (``checkpointing/store.py``), handed what only this transport knows."""
+        raise NotImplementedError
 
     def where(self) -> dict:
         return {}
@@ -60,19 +49,6 @@ class Transport:
     def preemption(self) -> dict:
         """``PreemptionCheck``'s keyword arguments; ``enabled=False`` where no notice can come."""
         return {"enabled": False}
-
-    def asynchronous(self, step: bool, final: bool) -> bool:
-        """Whether a sharded save may go on writing after the save returns."""
-        return False
-
-    def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> str:
-        raise NotImplementedError
-
-    def commit(self, commit) -> None:
-        raise NotImplementedError
-
-    def abort(self, exc: BaseException) -> None:
-        """A save failed between ``begin`` and ``commit`` on this rank."""
 
     def start_heartbeat(self, rank: int, world_size: int) -> None:
         """Start this rank's heartbeats to the driver, which names a rank that stops making progress
@@ -101,51 +77,15 @@ class Transport:
 
 
 class FolderTransport(Transport):
-    """Checkpoints published in the run folder by its ranks (see the module docstring). ``attempt``: a token
-    of this attempt, so that every rank names the same temporary folder; ``barrier``: waits for every rank
-    (a no-op with one); ``rank`` 0 publishes."""
+    """Checkpoints published in the run folder by its ranks (``FolderStore``). ``attempt``: a token of this attempt,
+    so that every rank names the same temporary folder; ``barrier``: waits for every rank (a no-op with one); ``rank``
+    0 publishes."""
 
     def __init__(self, cfg, rank: int, attempt: str, reporter=None, barrier: Callable[[], object] = lambda: None):
         self.cfg, self.rank, self.attempt, self.reporter, self.barrier = cfg, rank, attempt, reporter, barrier
-        self.folder = RunFolder.of(cfg)
-        self._staging: Optional[str] = None
 
-    def _temporary(self, name: str) -> str:
-        return self.folder.join(f"{TMP_PREFIX}{name}-{self.attempt}")
-
-    def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> str:
-        if self.folder.is_local:  # written in place; a remote folder gets the files on commit
-            path = self._temporary(name)
-            self.folder.fs.create_dir(path, recursive=True)
-            return path
-        self._staging = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")
-        return self._staging
-
-    def commit(self, commit) -> None:
-        tmp = self._temporary(commit.name)
-        if self._staging is not None:  # this rank's files up to the run folder's temporary folder
-            with self.folder.writable(tmp) as target:
-                shutil.copytree(self._staging, target, dirs_exist_ok=True)
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
-        self.barrier()  # every rank's part is there
-        if self.rank != 0:
-            return
-        with self.folder.writable(tmp) as directory:
-            seal(directory, commit.meta, published=True)  # last: marks it complete
-        published = self.folder.publish(tmp, commit.name)
-        if commit.is_best:
-            with self.folder.readable(published.path) as directory:
-                self.folder.save_best(directory)
-        self.folder.prune(CHECKPOINT_PREFIX, self.cfg.num_checkpoints_to_keep)
-        logger.info("checkpoint %s", redact(published.uri))
-        if self.reporter is not None:
-            self.reporter.checkpoint(published.uri)
-
-    def abort(self, exc: BaseException) -> None:
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+    def checkpoint_store(self) -> FolderStore:
+        return FolderStore(self.cfg, self.rank, self.attempt, self.reporter, self.barrier)
 
 
 def check_writable(folder: RunFolder, node: str) -> None:

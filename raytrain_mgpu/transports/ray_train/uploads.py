@@ -1,4 +1,5 @@
-"""Ray Train's side of a checkpoint: reports, and rank 0's asynchronous uploads in order.
+"""Ray Train's side of a checkpoint, for its store (``store.RayTrainStore``): reports, and rank 0's asynchronous
+uploads in order.
 
 A save's folder is reported with Ray Train's ``CheckpointUploadMode.ASYNC``: Ray copies it to ``storage_path``
 in a background thread (one upload at a time, registered in report order, the local folder deleted after its

@@ -3,10 +3,10 @@ driver's side is ``driver.py``.
 
 :func:`train_worker` is the train function ``fit`` hands Ray Train. On every worker it builds the
 strategy's step runner and :class:`RayTrainTransport`, which carries rank 0's events to the driver
-through the run's progress channel (``driver/progress.py``), hands the checkpoint manager Ray Train's latest
-checkpoint, and delivers each checkpoint with ``ray.train.report`` (``transports/ray_train/uploads.py``:
-asynchronous uploads reported before their write, a sharded run's every-rank folders); Ray Train's controller
-tells the driver of each one registered (``policy.CheckpointAnnouncer``). Ray Train's controller restarts the
+through the run's progress channel (``driver/progress.py``) and hands the engine its checkpoint store
+(``store.RayTrainStore``: Ray Train's latest checkpoint to resume from, each checkpoint delivered with
+``ray.train.report``, ``uploads.py``); Ray Train's controller tells the driver of each one registered
+(``policy.CheckpointAnnouncer``). Ray Train's controller restarts the
 group after a failure (``max_failures``) or a preemption (``max_preemption_failures``) from the latest registered
 checkpoint.
 """
@@ -14,26 +14,17 @@ checkpoint.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
-from concurrent.futures import Future
-from typing import Optional
 
 import ray
 import ray.train
-from ray.train import CheckpointUploadMode
 
 from raytrain_mgpu.config.train import TrainConfig
-from raytrain_mgpu.checkpointing.contents import seal
 from raytrain_mgpu.transports.collective_timeouts import name_stuck_ranks
-from raytrain_mgpu.transports.ray_train.faults import wait_until_report_collected
 from raytrain_mgpu.transports.retry import errors_whole
 from raytrain_mgpu.driver.progress import WorkerReporter
-from raytrain_mgpu.checkpointing.run_folder import RunFolder
-from raytrain_mgpu.checkpointing.manager import CheckpointSource
 from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
-from raytrain_mgpu.transports.ray_train.uploads import clean, report, wait_for_previous
+from raytrain_mgpu.transports.ray_train.store import RayTrainStore
 
 __all__ = ["train_worker", "RayTrainTransport"]
 
@@ -72,8 +63,6 @@ class RayTrainTransport(Transport):
         """``sync_uploads``: every save uploads inside its report (``bench-checkpoint`` measures what that costs)."""
         self.cfg, self.ctx, self.rank, self.sync_uploads, self.sink = cfg, ctx, ctx.world_rank, sync_uploads, sink
         self.reporter = WorkerReporter(sink if self.rank == 0 else None)
-        self.last: Optional[str] = None  # the checkpoint this rank reported last (uploads.wait_for_previous)
-        self._save: Optional[dict] = None  # the save between begin and commit
 
     def reports_scalars(self, rank: int, steps) -> bool:
         return rank == 0 and self.reporter.sink is not None
@@ -83,9 +72,8 @@ class RayTrainTransport(Transport):
 
         self.heartbeat = Heartbeat(self.sink, rank, world_size, _attempt_id, self.cfg.stall_timeout_s).start()
 
-    def registered(self) -> Optional[CheckpointSource]:
-        latest = ray.train.get_checkpoint()  # read through Ray Train's storage where the manager resumes from it
-        return None if latest is None else CheckpointSource(latest.path, latest.as_directory)
+    def checkpoint_store(self) -> RayTrainStore:
+        return RayTrainStore(self.cfg, self.rank, self.reporter, sync_uploads=self.sync_uploads)
 
     def where(self) -> dict:
         return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()],
@@ -99,60 +87,6 @@ class RayTrainTransport(Transport):
         from raytrain_mgpu.transports.preemption import ray_train_notices
 
         return ray_train_notices()  # Ray Train's watcher and get_preemption_info
-
-    def asynchronous(self, step: bool, final: bool) -> bool:
-        return not (final or self.sync_uploads)  # the run's last save uploads synchronously: nothing is left to overlap
-
-    def begin(self, name: str, metrics: dict, step: bool, final: bool, sharded: bool) -> Optional[str]:
-        upload = CheckpointUploadMode.ASYNC if self.asynchronous(step, final) else CheckpointUploadMode.SYNC
-        save = self._save = {"upload": upload, "files": self.rank == 0 or sharded, "directory": None, "writing": None}
-        if not save["files"]:  # reported now, without a checkpoint: Ray Train's report is a barrier (uploads.py)
-            ray.train.report(clean(metrics), checkpoint=None)
-            return None
-        wait_for_previous(self.last)  # one upload in flight at most; a failure resumes from it
-        self.last = name
-        save["directory"] = tempfile.mkdtemp(prefix="raytrain-mgpu-ckpt-")  # Ray Train deletes it after upload
-        if upload == CheckpointUploadMode.ASYNC:  # reported before the write, its upload waiting for commit
-            save["writing"] = Future()
-            try:
-                report(metrics, save["directory"], name, upload, save["writing"])
-            except BaseException:
-                self.abort(None)
-                raise
-        return save["directory"]
-
-    def commit(self, commit) -> None:
-        save, self._save = self._save, None
-        if save["files"]:
-            try:
-                if self.rank == 0:
-                    seal(save["directory"], commit.meta)  # meta.json last: Ray Train uploads a complete folder
-                    if commit.is_best:
-                        # Ray Train prunes by age (its score order would keep the N best, not the last N): a new
-                        # best's model is copied aside, one more model write per improvement.
-                        RunFolder.of(self.cfg).save_best(save["directory"], commit.best_model)
-                    if self.reporter is not None:  # the epoch's row in the driver's mailbox before the announcement
-                        self.reporter.flush()
-                if save["writing"] is not None:
-                    save["writing"].set_result(commit.writing)  # Ray Train's upload thread copies it from here
-                    return
-                report(commit.metrics, save["directory"], commit.name, save["upload"], commit.writing)
-            except BaseException as exc:
-                self._save = save
-                self.abort(exc)
-                raise
-        # Held until the controller took the report: a failure after it keeps the checkpoint (faults.py).
-        wait_until_report_collected()
-
-    def abort(self, exc: Optional[BaseException]) -> None:
-        save, self._save = self._save, None
-        if not save:
-            return
-        if save["writing"] is not None and not save["writing"].done():
-            # reported already: its upload fails with the write, before it reads the folder
-            save["writing"].set_exception(exc or RuntimeError("the checkpoint was not written"))
-        if save["directory"] is not None:
-            shutil.rmtree(save["directory"], ignore_errors=True)
 
 
 def _attempt_id() -> str:
