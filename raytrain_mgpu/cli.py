@@ -1,13 +1,11 @@
 """``raytrain-mgpu``: the command line mirror of the Python API.
 
-Every ``TrainConfig`` field is an option (``--batch-size``, ``--no-use-gpu``, ...), its help
-taken from the field's docstring and grouped by the config's sections; ``--config f.yaml``
-supplies defaults that options override. Options are spelled in full (no abbreviations), with
-the config's names in every command (the benchmarks' ``--num-workers``, ``--batch-size``).
-Errors print one clear line (an unknown option: the command's closest one) and exit with status 2.
-
-torch and Ray load only inside the commands that train: ``--help``, ``--version`` and a bad
-option answer in a fraction of a second (tests/test_imports.py holds this).
+Every ``TrainConfig`` field is an option (``--batch-size``, ``--no-use-gpu``, ...), its help taken from the field's
+docstring and grouped by the config's sections; ``--config f.yaml`` supplies defaults that options override. Options
+are spelled in full (no abbreviations), with the config's names in every command (the benchmarks' ``--num-workers``).
+Errors print one clear line (an unknown option: the command's closest one) and exit with status 2. torch and Ray
+load only inside the commands that train: ``--help``, ``--version`` and a bad option answer in a fraction of a second
+(tests/test_imports.py holds this).
 """
 
 from __future__ import annotations
@@ -239,6 +237,8 @@ _MODULE_COMMANDS = {
                          "synchronous vs asynchronous upload of a large model's checkpoint"),
     "bench-preemption": ("raytrain_mgpu.bench.preemption", "what the preemption check costs: the loop's "
                          "check and ray.train.get_preemption_info() against a small DDP step"),
+    "bench-lost-worker": ("raytrain_mgpu.bench.lost_worker", "what a worker killed mid-run costs: a whole-group "
+                          "restart against replica groups, each beside an uninterrupted run"),
     "bench-checkpointing": ("raytrain_mgpu.bench.activation_checkpointing", "what activation checkpointing "
                             "saves and costs: a transformer LM's step with and without it"),
     "bench-tensor-parallel": ("raytrain_mgpu.bench.tensor_parallel", "tensor parallel against fsdp alone: per-rank "

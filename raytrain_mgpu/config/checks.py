@@ -70,6 +70,8 @@ def validate(cfg) -> Dict[str, Any]:
 
     check_worker_range(cfg)  # a count, "auto", or (min, max) with an elastic strategy and a batch every count splits
     if cfg.strategy == "auto":  # resolved, and its choice validated, in fit()
+        if cfg.fault_tolerance == "replica_groups":
+            fail("strategy", "auto", "may choose one replica groups cannot run", "Set strategy='ddp'.")
         return {}
     strategy = get_strategy(cfg.strategy)
     _check_strategy_rules(cfg, strategy)
@@ -82,6 +84,7 @@ def _check_strategy_rules(cfg, strategy) -> None:
     ``use_gpu="auto"`` the config passes where either answer does: a GPU-only option (``precision="16-mixed"``,
     ``sync_batchnorm``) is refused when ``fit`` finds no GPU, not here."""
     from raytrain_mgpu.strategies.base import check_lora_strategy
+    from raytrain_mgpu.strategies.replica_groups import check_replica_groups
     from raytrain_mgpu.strategies.elastic import at_count, worker_range
     from raytrain_mgpu.strategies.layout import is_auto, provisional
 
@@ -93,6 +96,7 @@ def _check_strategy_rules(cfg, strategy) -> None:
             strategy.validate(at_count(planned, worker_range(planned)[1]))
             check_sync_batchnorm(planned, strategy)
             check_lora_strategy(planned, strategy)
+            check_replica_groups(planned, strategy)
             return
         except ValueError as exc:
             errors.append(exc)

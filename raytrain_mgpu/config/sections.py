@@ -27,6 +27,7 @@ Runner = Literal["auto", "local", "ray"]  # where a run trains: the driver's pro
 OnNonfinite = Literal["stop", "skip", "ignore"]  # what a non-finite loss does to a run
 SaveWhat = Literal["full", "trainable"]  # what a checkpoint's model part holds
 Resume = Literal["auto", "never", "must"]  # what a run started again under its name does (driver/preflight.py)
+FaultTolerance = Literal["restart", "replica_groups"]  # what a lost worker costs (engine/replica_groups.py)
 Compile = Union[bool, Literal["blocks"]]  # torch.compile: off, the whole model, or each block in place
 # A tensor-parallel plan's styles (TrainConfig.tensor_parallel_plan's values; parallel/tensor_parallel.py): torch's
 # ColwiseParallel, RowwiseParallel, SequenceParallel, and Hugging Face's names for Colwise with a gathered output

@@ -25,7 +25,7 @@ from raytrain_mgpu.config.names import names_unknown_fields, unknown_fields
 from raytrain_mgpu.config.checks import validate, warn_unused
 from raytrain_mgpu.config.sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
                                            LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
-                                           OnNonfinite, Precision, Resume, Runner, SaveWhat, Schedule)
+                                           OnNonfinite, Precision, Resume, Runner, SaveWhat, Schedule, FaultTolerance)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
 from raytrain_mgpu.config.factories import CODE_FIELDS
 
@@ -223,6 +223,8 @@ class TrainConfig:
     """Where checkpoints and history go: a shared folder or a ``s3://``/``gs://`` URI for multi-node."""
     max_failures: int = 0
     """Restarts of the worker group after a failure (each resumes from the last checkpoint)."""
+    fault_tolerance: FaultTolerance = "restart"
+    """What a lost worker costs: ``restart`` restarts the whole worker group from the last checkpoint; ``replica_groups`` (``ddp``, torchft through Ray Train's ``TorchftConfig``: the ``[ft]`` extra) replaces only the lost worker while the others train on, and the replacement takes a live worker's state (docs/reliability.md: Replica groups)."""
     num_checkpoints_to_keep: int = 2
     """Older checkpoints are deleted."""
     checkpoint_every_n_steps: Optional[int] = None

@@ -33,7 +33,8 @@ epoch's line, loggers and callbacks) that is what the kinds leave out: they add 
 The figures a projection reads (``planning/goodput.py``): ``step_s`` (the mean step), ``checkpoint_s`` (the mean
 stall per save), ``interval_s`` (the mean training time between saves, the stalls not included), ``startup_s`` (the
 first attempt's), ``restart_s`` (from a failed attempt's last step to the next one's first, the mean; None without a
-restart), ``saves``, ``restarts``, ``redone_steps``.
+restart), ``saves``, ``restarts``, ``redone_steps``; with replica groups ``short_steps`` (steps averaged over fewer
+groups than the run has: where a recovered run differs from an uninterrupted one) and ``dropped_steps``.
 """
 
 from __future__ import annotations
@@ -229,7 +230,11 @@ def summarize(sessions: list, rows: list) -> dict:
             "restart_s": sum(spans) / len(spans) if spans else None, "startup_s": first_startup, "step_s": step_s,
             "interval_s": trained / saves if saves else None, "saves": saves,
             "restarts": sum(max(len(session.get("attempts") or []) - 1, 0) for session in sessions),
-            "redone_steps": redone_steps}
+            "redone_steps": redone_steps,
+            # fault_tolerance="replica_groups": steps averaged over fewer groups than the run has (a group lost or
+            # not yet back), steps no group counted (a group lost inside one): engine/replica_groups.py
+            "short_steps": sum(row.get("short_steps") or 0 for row in rows),
+            "dropped_steps": sum(row.get("dropped_steps") or 0 for row in rows)}
 
 
 # ----------------------------------------------------------------------------- reading and showing
@@ -258,4 +263,6 @@ def describe(ledger: dict) -> str:
         return ""
     parts = ", ".join(f"{kind.replace('_', ' ')} {ledger[kind]:.3g} s ({100 * ledger[kind] / wall:.2g} %)"
                       for kind in KINDS if ledger.get(kind))
-    return f"\n  time:       {wall:.1f} s: {parts}"
+    short = (f"; {ledger['short_steps']} steps averaged over fewer replica groups than the run has"
+             if ledger.get("short_steps") else "")
+    return f"\n  time:       {wall:.1f} s: {parts}{short}"

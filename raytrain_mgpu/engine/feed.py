@@ -91,7 +91,10 @@ class Feed:
                            else train_loader(cfg.data, data.train, self.sampler, self.batch, steps.device))
             if cfg.ingest == "ray_data":  # Ray Data streams each replica its share instead
                 self.loader = self._stream(cfg, data, transport, shard, num_shards)
-        self.eval_loaders = {split: test_loader(cfg.data, dataset, shard, num_shards, plan.replica_batch, steps.device)
+        # a replica group evaluates the whole split: its process group, which sums the evaluation, is itself
+        ev_shard, ev_shards = (0, 1) if getattr(steps.ctx, "replica_group", None) else (shard, num_shards)
+        self.eval_loaders = {split: test_loader(cfg.data, dataset, ev_shard, ev_shards, plan.replica_batch,
+                                                steps.device)
                              for split, dataset in (("test", data.test), ("val", data.val)) if dataset is not None}
         self._open: Optional[Prefetcher] = None
 

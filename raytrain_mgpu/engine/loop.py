@@ -39,6 +39,7 @@ from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_re
 from raytrain_mgpu.checkpointing.manager import CheckpointManager
 from raytrain_mgpu.engine.run_state import (RunState, at_max_steps, epoch_row, eval_columns, perplexity_column,
                                              stops_early)
+from raytrain_mgpu.engine.replica_groups import HealedFromPeer, RunOver
 from raytrain_mgpu.engine.step_scalars import StepWindow
 
 __all__ = ["Engine", "Steps", "run_epochs", "evaluation_due", "OptimizerStep", "STEP_EVENTS",
@@ -88,6 +89,7 @@ class Engine:
         self.reporter = transport.reporter if self.rank == 0 else None  # the run's events come from rank 0
         self.window: Optional[StepWindow] = None
         self.partials: Optional[list] = None  # every rank's sums of the epoch a step checkpoint stopped in
+        self.replicas = None  # fault_tolerance="replica_groups": this worker's group (engine/replica_groups.py)
 
     # ------------------------------------------------------------------ the run
 
@@ -101,13 +103,26 @@ class Engine:
             self.transport.finish()
             raise
         try:
-            run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate, self.checkpoints.save_epoch,
-                       has_val=self.data.val is not None)
+            self._train()
         finally:
             self.transport.finish()
             self.feed.close()
             self.observer.close()
+            if self.replicas is not None:
+                self.replicas.shutdown()
         return {"epochs": self.state.epoch, "steps": self.state.step}
+
+    def _train(self) -> None:
+        while True:
+            try:
+                run_epochs(self.cfg, self.state, self.train_epoch, self.evaluate, self.checkpoints.save_epoch,
+                           has_val=self.data.val is not None)
+                return
+            except HealedFromPeer:  # this replica group took a live peer's state: it goes on from its position
+                self.feed.resume_at(self.state.epoch, self.state.step_in_epoch)
+                self.partials = None
+            except RunOver:  # a replacement that came after the run's end
+                return
 
     def setup(self, entered: Optional[float] = None) -> None:
         """Everything before the first step: the model (the run's seed, then the resume point's weights), the step
@@ -146,10 +161,30 @@ class Engine:
         self.end_step = OptimizerStep(cfg, self.optimizer, self.scheduler, steps.clip, self.scaler, self.window,
                                       grad_norm=steps.grad_norm,
                                       agree=steps.agree_found_inf if steps.agrees_on_overflow else None)
+        self.replicas = self.transport.replica_groups(steps.device)
+        if self.replicas is not None:
+            self.replicas.attach(self.replica_state, self.load_replica_state, self.state.step)
         self.checkpoints.start(self.state, self.optimizer, self.scheduler, self.scaler, self.transport.preemption())
         self.observer.start(self.state.step)  # the profiler's window, from here
         if self.reporter is not None:
             self.reporter.startup(entered, time.time(), self.state.checkpoint)
+
+    def replica_state(self) -> dict:
+        """What a replica group that joins late takes from this one (``engine/replica_groups.py``): the weights, the
+        optimizer, LR schedule and grad scaler, and where the run stands."""
+        state = self.state
+        return {"model": self.steps.named_model().state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "run": {"epoch": state.epoch, "step": state.step, "step_in_epoch": state.step_in_epoch,
+                        "history": state.history}}
+
+    def load_replica_state(self, taken: dict) -> None:
+        self.steps.named_model().load_state_dict(taken["model"])
+        self.steps.load_optimizer(self.optimizer, taken)
+        self.scheduler.load_state_dict(taken["scheduler"])
+        self.scaler.load_state_dict(taken["scaler"])
+        for key, value in taken["run"].items():
+            setattr(self.state, key, value)
 
     def _init_from(self, model: torch.nn.Module) -> None:
         """``init_from``'s weights into the model as built (every rank that holds weights: fsdp's rank 0 sends
@@ -185,17 +220,26 @@ class Engine:
         context.epoch, self.end_step.epoch = epoch, epoch + 1
         if watch:  # the loss sum after every step: on the device, counted once an epoch
             meter.watch_loss(spe - done)
+        replicas = self.replicas
+        parameters = steps.parameters() if replicas is not None else None
         for _ in range(done, spe):
             if at_max_steps(cfg, state.step):
                 break
             started = time.perf_counter()
             POSITION.at_step(state.step)
+            if replicas is not None:
+                replicas.begin_step()  # the groups' quorum (a late one heals here)
             context.step = state.step
             steps.train_step(next_batch, meter, window, self.scaler, feed.accum)
             if watch:
                 meter.record_step()
-            state.step += 1
             done += 1
+            if replicas is not None and not replicas.commit(parameters):
+                # not counted (a peer lost inside it): its gradients are dropped and its batch, as torchft does
+                self.optimizer.zero_grad(set_to_none=True)
+                state.step_in_epoch = done
+                continue
+            state.step += 1
             scalars = self.end_step(state.step)
             took = time.perf_counter() - started
             steps.step_time(took)
@@ -226,14 +270,17 @@ class Engine:
         norm = (norm_sum if norm_sum is not None else torch.zeros((), dtype=torch.float64, device=sums.device))
         extras = meter.extra_sums()
         # one all-reduce of every rank's loss, metric and extra sums and counts, its times and its skipped steps
-        reduced = all_reduce_sum(torch.cat([sums, extras, own, norm.reshape(1).to(sums)])).tolist()
+        reduced, groups = all_reduce_sum(torch.cat([sums, extras, own, norm.reshape(1).to(sums)])), 1
+        if self.replicas is not None:  # and over the replica groups of the current quorum
+            reduced, groups = self.replicas.sum_over_groups(reduced)
+        reduced = reduced.tolist()
         totals, extras = reduced[:len(sums)], reduced[len(sums):len(sums) + len(extras)]
         wait_sum, train_sum, checkpoint_sum, reading_sum, eval_sum, skipped, norm_sum = reduced[-7:]
         loss_sum, samples, metric_totals = meter.split(totals)
         # one small object all-gather per epoch: memory peaks, devices, the runner's own record, non-finite steps
         gathered = all_gather_objects((peak_memory_bytes(steps.memory_devices()), self._where(), steps.epoch_stats(),
                                        int(bad) if bad is not None else 0))
-        world, stats = self.world, [stats for _, _, stats, _ in gathered]
+        world, stats = self.world * groups, [stats for _, _, stats, _ in gathered]
         self._stop_if_not_finite(epoch, [b for *_, b in gathered])
         # samples count targets (tokens for LMs); throughput is training throughput: samples over the mean
         # rank's time in steps. checkpoint_s gains the epoch's own checkpoint, eval_s the evaluation.
@@ -250,6 +297,8 @@ class Engine:
             row["tokens_per_s"] = samples / max(train_sum / world, 1e-9)
         if norms:
             row["grad_norm"] = norm_sum / world / norms  # the mean over its steps (every rank has the global norm)
+        if self.replicas is not None:  # steps averaged over fewer groups than the run has, steps not counted
+            row.update(self.replicas.epoch_columns())
         if self.cfg.on_nonfinite == "skip":
             row["skipped_steps"] = int(round(skipped / world))
             self.end_step.skipped = 0

@@ -79,7 +79,9 @@ class DataParallelSteps(Steps):
         self.autocast = self.precision.autocast
         self.compile_model, self.channels_last = cfg.compile, cfg.channels_last
         # a tensor group's ranks read the same batch: its shard is the group's, and its first rank counts it
-        self.shard = (ctx.world_rank // tensor_parallel_size, ctx.world_size // tensor_parallel_size)
+        # a replica group's shard is the group's (engine/replica_groups.py)
+        self.shard = ctx.replica_group or (ctx.world_rank // tensor_parallel_size,
+                                           ctx.world_size // tensor_parallel_size)
         self.counts = ctx.world_rank % tensor_parallel_size == 0
         self.sharded = replication.sharded_checkpoint
         self.step_context = StepContext(ctx.world_rank, ctx.world_size, self.device, cfg.precision,

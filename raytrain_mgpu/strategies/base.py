@@ -42,6 +42,9 @@ class WorkerContext:
     devices: Tuple[torch.device, ...]  # the devices this worker computes on (CPU: one cpu device)
     # Where it would compute on GPUs ("cuda:k", nccl): set by the loop, recorded in the metrics.
     assignment: Optional["DeviceAssignment"] = None
+    # fault_tolerance="replica_groups": (this worker's group, groups). Its process group is itself alone
+    # (world 1 above) and its data shard the group's (engine/replica_groups.py).
+    replica_group: Optional[Tuple[int, int]] = None
 
 
 # TrainConfig fields some strategies read and others ignore (each strategy's ``options_used``);

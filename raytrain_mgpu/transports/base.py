@@ -50,6 +50,10 @@ class Transport:
         """``PreemptionCheck``'s keyword arguments; ``enabled=False`` where no notice can come."""
         return {"enabled": False}
 
+    def replica_groups(self, device):
+        """This worker's ``engine/replica_groups.ReplicaGroups`` (``fault_tolerance="replica_groups"``), or None."""
+        return None
+
     def start_heartbeat(self, rank: int, world_size: int) -> None:
         """Start this rank's heartbeats to the driver, which names a rank that stops making progress
         (``engine/liveness.py``; a Ray run's transports); none by default."""

@@ -16,6 +16,7 @@ from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.driver.runlock import remove_stale_temporaries
 from raytrain_mgpu.transports.base import RunResult
 from raytrain_mgpu.transports.ray_train.worker import train_worker
+from raytrain_mgpu.transports.ray_train.replica_groups import backend_config
 
 __all__ = ["run_train_workers", "run_config", "torch_trainer_class", "start_timeout_s"]
 
@@ -73,7 +74,6 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
     """On the driver: Ray Train's worker group for ``cfg`` (every worker runs :func:`train_worker`). ``events``:
     ``fit``'s ``RunEvents``, fed by the progress channel."""
     from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from raytrain_mgpu.engine import devices
     from raytrain_mgpu.transports import ray_data as ray_ingest
@@ -89,7 +89,7 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
         train_worker,
         train_loop_config={"config": cfg, "plan": plan, "sink": sink},
         # nccl on GPUs; gloo on CPU and under GPU emulation (which records nccl as intended)
-        torch_config=TorchConfig(backend=devices.backend(cfg.use_gpu), timeout_s=int(cfg.collective_timeout_s)),
+        torch_config=backend_config(cfg, devices.backend(cfg.use_gpu)),  # TorchftConfig for replica groups
         # Elastic (min, max): Ray Train starts with what the cluster has room for and restarts the group from
         # the latest checkpoint when that changes (checked every elastic_resize_interval_s while it trains).
         scaling_config=ScalingConfig(num_workers=(plan.min_workers, plan.num_processes) if plan.min_workers
@@ -122,6 +122,9 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
     if pump.failure is not None:  # on the last events, after the run ended
         raise pump.failure
     if result.checkpoint is None:
+        if cfg.fault_tolerance == "replica_groups":  # its checkpoints are the run folder's: none reported to Ray Train
+            state = RunFolder.of(cfg).state()
+            return RunResult(state.history, state.checkpoint, pump.startup)
         return RunResult([], None, pump.startup)
     folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
     last = folder.uri_of(result.checkpoint.path)

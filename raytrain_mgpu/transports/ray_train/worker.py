@@ -25,6 +25,7 @@ from raytrain_mgpu.transports.retry import errors_whole
 from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
 from raytrain_mgpu.transports.ray_train.store import RayTrainStore
+from raytrain_mgpu.transports.ray_train.replica_groups import run_replica_group
 
 __all__ = ["train_worker", "RayTrainTransport"]
 
@@ -39,6 +40,8 @@ def train_worker(payload: dict) -> dict:
     """Entry point of ``TorchTrainer``: ``payload`` = {"config": TrainConfig, "plan": RunPlan, "sink": channel}."""
     entered = time.time()  # the start-up's clock (fit's: TrainResult.startup)
     cfg: TrainConfig = payload["config"]
+    if cfg.fault_tolerance == "replica_groups":  # each worker a torchft replica group of its own
+        return run_replica_group(cfg, payload["plan"], payload.get("sink"), entered)
     ctx = _context(cfg)
     transport = RayTrainTransport(cfg, ctx, payload.get("sink"))
     return rank_engine(cfg, payload["plan"], ctx, transport).run(entered)
