@@ -13,6 +13,11 @@ A first fit step with ``"own_ray": true`` runs before the driver connects: ``fit
 of its own, as in a script without ``ray.init``, and keeps it for the steps after it, which run on it (shut down
 when this process exits); its entry says whether Ray was left running (``ray_left_running``).
 
+A ``stream`` step (``{"kind": "stream", "data_root": "/parquet", "samples": 80}``) reads that many samples of a
+Parquet folder's training split as an ``ingest="ray_data"`` run's stream (``data/parquet_stream.py``), here in the
+driver, and gives where each of its Ray Data tasks ran: ``tasks`` (name, node id, label selector) and ``nodes``
+(node id: address, labels).
+
 A fit step's ``"objects"`` (``{"model": "Net", "loss": "smooth_loss", "metrics": ["hits"]}``) replaces those
 fields with the classes and functions of that name defined below, in this script's ``__main__``: what a
 user's driver script or notebook hands ``TrainConfig``, which Ray must send to its processes by value.
@@ -75,10 +80,46 @@ def _objects(names: dict) -> dict:
     return {k: [here[n] for n in v] if isinstance(v, list) else here[v] for k, v in names.items()}
 
 
+STREAM_TASKS = ("ndarray_to_block", "MapBatches(_read)", "MapBatches(_decode)")  # from_numpy's, read's, decode's
+
+
+def _stream(data_root: str, samples: int, timeout_s: float = 60.0) -> dict:
+    """Read ``samples`` samples of the stream, then the Ray Data tasks this driver's job ran, once the GCS has
+    every kind of them and each finished (task events reach it within about a second, later on a busy machine).
+    From the GCS's own task events: a cluster without a dashboard has no state API."""
+    import numpy as np
+    from ray._private.state import state
+    from ray.core.generated.common_pb2 import TaskStatus
+
+    from raytrain_mgpu.data import build_datasets
+    from raytrain_mgpu.data.parquet_stream import stream_source
+
+    cfg = rtm.TrainConfig(dataset="parquet", data_root=data_root, ingest="ray_data")
+    stream = stream_source(build_datasets(cfg.data).train)
+    read = sum(len(batch["y"]) for batch in stream.dataset(np.arange(samples), epoch=0).iter_batches(batch_size=16))
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = [e for e in state._get_all_task_events()
+                  if e.job_id.hex() == job and e.task_info.name in STREAM_TASKS]
+        tasks = [{"name": e.task_info.name,
+                  "node_id": (e.state_updates.node_id or e.task_info.node_id).hex(),
+                  "label_selector": dict(e.task_info.label_selector)} for e in events]
+        finished = all(TaskStatus.FINISHED in e.state_updates.state_ts_ns for e in events)
+        if ({t["name"] for t in tasks} >= set(STREAM_TASKS) and finished) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    nodes = {n["NodeID"]: {"ip": n["NodeManagerAddress"], "labels": n.get("Labels") or {}}
+             for n in ray.nodes() if n.get("Alive")}
+    return {"read": read, "tasks": tasks, "nodes": nodes}
+
+
 def _run(step: dict) -> dict:
     if step["kind"] == "check_storage":
         preflight.check_storage_reachable(step["storage_path"])
         return {}
+    if step["kind"] == "stream":
+        return _stream(step["data_root"], step["samples"])
     result = rtm.fit(rtm.TrainConfig(**{**step["config"], **_objects(step.get("objects", {}))}))
     if step.get("weights"):
         torch.save(result.load_model().state_dict(), step["weights"])

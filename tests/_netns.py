@@ -12,8 +12,9 @@ Both ends carry the same interface name so that one ``GLOO_SOCKET_IFNAME=rtm0`` 
 every worker. The subnet is private and exists only inside the two namespaces, so no
 traffic leaves them. Namespaces share the file system and PIDs with the host: a folder
 under the test's tmp dir is "shared storage"; ``private_dirs`` are covered, on the worker
-node only, by a tmpfs of its own mount namespace (a path the head sees and the worker
-node does not: a storage path that is not shared).
+node only, by a read-only tmpfs of its own mount namespace (a path the head sees and the
+worker node can neither see nor write: a storage path that is not shared, as where a
+node's mount is missing and its local disk refuses the path).
 
 Ray processes are torn down through ``_ray_nodes`` (by environment marker, never with
 ``ray stop``), then the namespaces are deleted, which deletes the veth pair too.
@@ -117,18 +118,20 @@ class TwoNodeCluster:
             _ip("-n", ns, "link", "set", IFNAME, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
-    def start_worker_node(self) -> None:
-        """(Re)start the worker node; a restarted node gets a fresh marker and temp dir."""
+    def start_worker_node(self, labels: Optional[Dict[str, str]] = None) -> None:
+        """(Re)start the worker node; a restarted node gets a fresh marker and temp dir. ``labels``: Ray node labels
+        (``ray start --labels``) of this node only; a node started again without them has none."""
         prefix = ["ip", "netns", "exec", self.worker_ns]
         if self.private_dirs:
-            mounts = " && ".join(f"mount -t tmpfs rtm-private {d}" for d in self.private_dirs)
+            mounts = " && ".join(f"mount -t tmpfs -o ro rtm-private {d}" for d in self.private_dirs)
             for d in self.private_dirs:
                 d.mkdir(parents=True, exist_ok=True)
             prefix += ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
         attempt = 0 if self.worker is None else int(self.worker.temp_dir.name.rsplit("-", 1)[-1]) + 1
         self.worker = RayNode(self.root / f"w-{attempt}", self.env, prefix=prefix)
         self.worker.start(["--address", self.address, "--node-ip-address", WORKER_IP,
-                           "--num-cpus", str(self.worker_cpus)])
+                           "--num-cpus", str(self.worker_cpus),
+                           *(["--labels", ",".join(f"{k}={v}" for k, v in labels.items())] if labels else [])])
 
     def close(self) -> None:
         for node in (self.worker, self.head):

@@ -8,8 +8,9 @@ session: an idle Ray head and raylet would slow every test that follows). Each m
 folder of its own under the site (``TwoNodeSite.module``), so run, driver and probe names do not
 collide. What the modules need of the cluster, it has for all of them:
 
-- ``root/private``: a folder only the head sees (a tmpfs of the worker node's own mount namespace;
-  test_two_node's refused storage path);
+- ``root/private``: a folder only the head sees (a read-only tmpfs of the worker node's own mount
+  namespace: the worker node can neither see nor write it; test_two_node's storage paths refused by
+  the driver's check and by a worker's);
 - ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S=1`` in every Ray process: Ray Train's preemption watcher
   polls the GCS's draining nodes every 1 s instead of 5 s (test_two_node_spot; the others drain
   nothing);

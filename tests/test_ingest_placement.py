@@ -5,7 +5,8 @@ Without Ray: the choice on made-up clusters (``ray.nodes()``'s entries, ``Capaci
 CPU ingest nodes (label ``ray-subcluster=ingest``) where one is up, else the CPUs beside the training processes,
 printed in the banner's line with each stream's share, and refused where there is none. With the shared Ray
 (one small stream per case, in this process): every task of the stream, ``from_numpy``'s included, carries the
-label selector the choice made and runs on the node it names; with no ingest node, the tasks carry none.
+label selector the choice made and runs on the node it names; with no ingest node, the tasks carry none. On a real
+node started with the label, in a two-node cluster: tests/test_two_node.py.
 """
 
 from __future__ import annotations
