@@ -175,8 +175,9 @@ def download_with_torchvision(dataset: str, class_name: str, root: str, where: s
 
     A file lock makes concurrent callers on one machine (several workers) download once.
     """
-    import filelock  # a torch dependency
-    import torchvision.datasets  # ~1 s import; only when downloading
+    # late: torchvision.datasets is ~1 s of import, only when downloading (filelock: a torch dependency)
+    import filelock
+    import torchvision.datasets
 
     logger.info("%s: downloading into %s with torchvision", dataset, root)
     try:

@@ -15,6 +15,9 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 
 from raytrain_mgpu.data import build_datasets
@@ -23,7 +26,6 @@ from raytrain_mgpu.data.parquet import resolve_uri
 from raytrain_mgpu.data.parquet_table import META_MAX_VALUE, META_MEAN, META_NUM_CLASSES, META_SHAPE, META_STD
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     from raytrain_mgpu.config.sections import DataConfig
 
 __all__ = ["convert_to_parquet"]
@@ -37,8 +39,6 @@ def _numbers(values) -> bytes:
 
 def _binary_column(images: np.ndarray) -> "pa.Array":
     """(rows, ...) uint8 -> one binary value per row, without a Python object per row."""
-    import pyarrow as pa
-
     rows, size = len(images), math.prod(images.shape[1:])
     large = rows * size >= 2**31  # int32 offsets would overflow
     offsets = np.arange(rows + 1, dtype=np.int64 if large else np.int32) * size
@@ -48,8 +48,6 @@ def _binary_column(images: np.ndarray) -> "pa.Array":
 
 
 def _float_column(samples: np.ndarray) -> "pa.Array":
-    import pyarrow as pa
-
     size = math.prod(samples.shape[1:])
     return pa.FixedSizeListArray.from_arrays(pa.array(samples.reshape(-1), pa.float32()), size)
 
@@ -75,8 +73,6 @@ def _split_arrays(dataset, built: Datasets, name: str) -> tuple["pa.Array", np.n
 
 
 def _check_empty(filesystem, root: str, out_uri: str) -> None:
-    import pyarrow.fs as pafs
-
     existing = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     if existing:
         raise ValueError(f"convert out={out_uri!r} already holds {len(existing)} entries (e.g. "
@@ -86,9 +82,6 @@ def _check_empty(filesystem, root: str, out_uri: str) -> None:
 
 def _write_split(filesystem, root: str, split: str, column: "pa.Array", labels: np.ndarray,
                  metadata: dict, names: tuple, sizes: tuple) -> list[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     image_column, label_column = names
     rows_per_file, row_group_size = sizes
     filesystem.create_dir(f"{root}/{split}", recursive=True)

@@ -19,6 +19,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
@@ -107,8 +108,6 @@ def _stored_seq_len(filesystem, path: str) -> Optional[int]:
     """``data tokenize``'s block length in a Parquet file's metadata; None for JSONL or a file without it."""
     if not path.endswith(".parquet"):
         return None
-    import pyarrow.parquet as pq
-
     with arrow_errors(path), filesystem.open_input_file(path) as handle:
         metadata = pq.read_schema(handle).metadata or {}
     return int(metadata[META_SEQ_LEN]) if META_SEQ_LEN in metadata else None

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional, Tuple
 
 import numpy as np
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
 
 from raytrain_mgpu.data.base import Datasets
 from raytrain_mgpu.data.lm_blocks import (META_SEQ_LEN, META_VOCAB_SIZE, TOKEN_COLUMN, check_streamed, held_out,
@@ -146,8 +148,6 @@ def _columns(filesystem, path: str) -> dict:
                                  f'e.g. {{"text": "..."}}.')
             return {k: "text" if isinstance(v, str) else "tokens" if isinstance(v, list) else type(v).__name__
                     for k, v in row.items()}
-        import pyarrow.parquet as pq
-
         with filesystem.open_input_file(path) as handle:
             schema = pq.read_schema(handle)
     kinds = {}
@@ -184,8 +184,6 @@ def _column(cfg, filesystem, files: Tuple[str, ...]) -> Tuple[str, bool, int]:
 def _stored_vocab(filesystem, path: str) -> int:
     if _is_jsonl(path):
         return 0
-    import pyarrow.parquet as pq
-
     with _arrow_errors(path), filesystem.open_input_file(path) as handle:
         metadata = pq.read_schema(handle).metadata or {}
     return int(metadata.get(META_VOCAB_SIZE, b"0"))
@@ -202,7 +200,7 @@ def load_tokenizer(name: str):
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         raise ValueError(f"TrainConfig.tokenizer={name!r}: no such folder. Point tokenizer at a folder saved with "
                          f"save_pretrained (tokenizer.json and tokenizer_config.json).")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # late: optional dependency
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name))
@@ -267,16 +265,12 @@ def _arrays(text: TextPlan, path: str) -> Iterator:
     pa = import_arrow()
     with _arrow_errors(path):
         if _is_jsonl(path):
-            import pyarrow.json as pajson
-
             with text.filesystem.open_input_stream(path) as stream:
                 table = pajson.read_json(stream, read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES))
             column = table.column(text.column).combine_chunks() if table.num_rows else pa.array([], pa.string())
             for start in range(0, len(column), READ_ROWS):
                 yield column.slice(start, READ_ROWS)
             return
-        import pyarrow.parquet as pq
-
         with text.filesystem.open_input_file(path) as handle:
             for batch in pq.ParquetFile(handle).iter_batches(batch_size=READ_ROWS, columns=[text.column]):
                 yield batch.column(0)

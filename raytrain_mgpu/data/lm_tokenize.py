@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING, List, Tuple
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from raytrain_mgpu.data.lm_text import (META_SEQ_LEN, META_VOCAB_SIZE, TOKEN_COLUMN, load_tokenizer, plan,
                                         token_batches)
@@ -82,8 +83,6 @@ def _write_split(text, files, tokenizer, filesystem, folder: str, rows_per_file:
 
 def _write_file(text, blocks: np.ndarray, filesystem, folder: str, paths: List[str]) -> int:
     pa = import_arrow()
-    import pyarrow.parquet as pq
-
     values = pa.array(blocks.reshape(-1), pa.int32())
     column = pa.FixedSizeListArray.from_arrays(values, blocks.shape[1]).cast(pa.list_(pa.int32()))
     metadata = {META_SEQ_LEN: str(text.seq_len).encode(), META_VOCAB_SIZE: str(text.vocab_size).encode()}

@@ -43,6 +43,7 @@ Pixels = Union[np.ndarray, list]  # (rows, *shape) numbers, or one bytes object 
 def import_arrow():
     """pyarrow with the submodules used here, imported on first use (~0.4 s) so that
     importing the dataset registry stays cheap."""
+    # late: pyarrow.dataset and .compute are 0.25 s of CPU to import, only for a run that reads Parquet
     import pyarrow
     import pyarrow.compute
     import pyarrow.dataset
@@ -226,7 +227,7 @@ class ParquetTable:
         return self._decode(value, row)
 
     def _decode(self, value: bytes, row: int) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_image  # ~1 s import; only for encoded images
+        from torchvision.io import ImageReadMode, decode_image  # late: ~1 s import; only for encoded images
 
         mode = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}.get(self.shape[0] if self.shape else 0,
                                                                   ImageReadMode.UNCHANGED)

@@ -73,7 +73,7 @@ def check_transform_spec(field: str, spec) -> None:
 
 
 def _one(part: str, shape: tuple, field: str) -> Callable:
-    from torchvision.transforms import v2
+    from torchvision.transforms import v2  # late: loads torch; the config checks import this module
 
     if part == "random_crop_flip":
         if len(shape) < 2:
@@ -92,7 +92,7 @@ def _one(part: str, shape: tuple, field: str) -> Callable:
 
 def build_transform(spec: str, input_shape: tuple, field: str) -> tuple:
     """``(callable on one x, the shape it returns)`` for a spec and an input of ``input_shape``."""
-    import torch
+    import torch  # late: loads torch; the config checks import this module
 
     if not (isinstance(input_shape, tuple) and all(isinstance(d, int) for d in input_shape)):
         raise ValueError(f"TrainConfig.{field}={spec!r}: transforms apply to one input tensor, but this "
@@ -154,7 +154,7 @@ class TransformedDataset:
         return len(self.dataset)
 
     def _apply(self, x, epoch: int, index: int):
-        import torch
+        import torch  # late: loads torch; the config checks import this module
 
         # The CPU generator only, saved and restored around the call: about 5 us. torch.manual_seed
         # also seeds every CUDA device (about 200 us a call), and the inputs are on the CPU here.

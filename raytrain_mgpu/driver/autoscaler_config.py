@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import ray
+import ray._private.worker
+import yaml
+from ray.util.client import ray as client
+
 logger = logging.getLogger(__name__)
 
 PROC = Path("/proc")
@@ -51,8 +56,6 @@ def read_node_types() -> FoundNodeTypes:
     process started (``ray.init()`` without an address, or ``fit``'s own), which has no autoscaler."""
     node = _local_node()
     if node is None:
-        from ray.util.client import ray as client
-
         if not client.is_connected():  # not connected (unit tests' stand-in nodes): the alive nodes are all
             return FoundNodeTypes()
         return FoundNodeTypes(unknown="connected through Ray Client, this process has no Ray session to match the "
@@ -64,14 +67,10 @@ def read_node_types() -> FoundNodeTypes:
 
 
 def _local_node():
-    import ray._private.worker
-
     return getattr(ray._private.worker, "_global_node", None)
 
 
 def _driver_on_head() -> bool:
-    import ray
-
     here = ray.get_runtime_context().get_node_id()
     return any(n["NodeID"] == here and HEAD_RESOURCE in n["Resources"] for n in ray.nodes() if n.get("Alive"))
 
@@ -155,10 +154,8 @@ def _monitor_home(pid: int, proc: Path) -> str:
 
 
 def _read_file(path: Path) -> FoundNodeTypes:
-    import yaml  # JSON (what `ray up` writes) is YAML too
-
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text())  # JSON (what `ray up` writes) is YAML too
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         return FoundNodeTypes(source=str(path), unknown=f"cannot read the autoscaler config {path}: {exc}")
     try:

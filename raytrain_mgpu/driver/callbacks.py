@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
+from raytrain_mgpu.config.factories import load_factory
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Callback", "RunInfo", "RunEvents", "CallbackError", "load_callbacks", "stop_main_thread_on_failure",
@@ -104,8 +106,6 @@ def _label(field: str, entry) -> str:
 def load_callbacks(entries: list) -> List[Tuple[str, Any]]:
     """``TrainConfig.callbacks`` as ``(label, callback)`` pairs: a ``"module:Class"`` is imported
     and built with no arguments (errors name the entry and the fix); an instance is used as it is."""
-    from raytrain_mgpu.config.factories import load_factory
-
     loaded = []
     for entry in entries or []:
         if isinstance(entry, str):

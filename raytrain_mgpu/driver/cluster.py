@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import ray
+import ray._private.worker
+import torch
 
+from raytrain_mgpu.config.factories import local_modules_to_ship, upload_modules
 from raytrain_mgpu.driver import autoscaler_config
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.driver.preflight import probe_ray_address
-from raytrain_mgpu.driver.worker_nodes import RAY_OWN_RESOURCES
+from raytrain_mgpu.driver.worker_nodes import (RAY_OWN_RESOURCES, check_groups_within_nodes, check_requested,
+                                               only_nodes_with)
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +35,6 @@ def connect(address: Optional[str], verbose: bool, local_has_gpu_check: bool) ->
     address = address or os.environ.get("RAY_ADDRESS")
     probe_ray_address(address)  # seconds instead of ray.init's minutes, and a refused token named
     if address is None and local_has_gpu_check and not devices.is_emulated():
-        import torch
-
         if not torch.cuda.is_available():
             raise ValueError("TrainConfig.use_gpu=True, but this machine has no CUDA GPU and no Ray "
                              "cluster address is set. Set use_gpu=False, pass --address / RAY_ADDRESS "
@@ -64,8 +66,6 @@ _RAYLET_ENV: dict = {}
 
 
 def _local_node():
-    import ray._private.worker
-
     return getattr(ray._private.worker, "_global_node", None)
 
 
@@ -322,8 +322,6 @@ def check_placeable(bundles: List[dict], use_gpu: bool, what: str, capacity: Opt
                     groups_may_span: bool = False) -> None:
     """Raise ValueError if ``bundles`` can never be placed on this cluster (``capacity``: read if not given) on nodes
     that carry ``labels`` (a Ray label selector), with every ``group_size`` consecutive workers on one node."""
-    from raytrain_mgpu.driver.worker_nodes import check_groups_within_nodes, check_requested, only_nodes_with
-
     capacity = capacity if capacity is not None else read_capacity()
     if capacity.node_types_unknown and not _fits(bundles, list(capacity.alive)):
         # it may autoscale, but what it can add is not known here: ask, and let placement_timeout_s bound the wait
@@ -352,8 +350,6 @@ def worker_runtime_env(*specs: str) -> dict:
     - the GPU emulation switch, so every worker and stage actor emulates too, also when the
       driver called ``ray.init`` itself (workers inherit the raylet's environment, not the driver's).
     """
-    from raytrain_mgpu.config.factories import local_modules_to_ship, upload_modules
-
     # On a Ray that connect() started, its raylet has what the driver's environment held then, and a runtime env
     # that sets nothing new lets Ray hand the run its pre-started worker processes (each a Python that has
     # imported Ray already) instead of starting new ones with that env. A value set since (or a Ray started or

@@ -32,16 +32,25 @@ import json
 import logging
 import os
 import posixpath
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+import pyarrow.fs as pafs
+import safetensors.torch
 import torch
 
+from raytrain_mgpu.config.factories import TRUSTED_MODULES_ENV, is_factory, trusted_modules
 from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.checkpointing.files import filesystem
 from raytrain_mgpu.checkpointing.run_folder import run_uri
+from raytrain_mgpu.engine.batches import as_shape
 from raytrain_mgpu.engine.weights import SAFETENSORS_FILE, load_weights, pick_checkpoint, read_checkpoint
+from raytrain_mgpu.models import build_model
+from raytrain_mgpu.models.huggingface import hf_source, is_hf, save_tokenizer
+from raytrain_mgpu.models.lora import apply_lora
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +74,6 @@ def export_checkpoint(checkpoint_path: str, out: str, fmt: str = "safetensors", 
     record = _record(meta, checkpoint_path)
     with _output(out or ".") as folder:
         if fmt == "safetensors":
-            import safetensors.torch
-
             safetensors.torch.save_file(_writable_tensors(state, checkpoint_path), str(folder / weights_file),
                                         metadata={"format": "pt"})  # what transformers' loaders look for
             (folder / CONFIG_FILE).write_text(json.dumps(record, indent=1) + "\n")
@@ -103,11 +110,6 @@ def model_from_meta(meta: dict, source: str, allow_code: bool = False):
     objects (a dataset or loss passed from Python) that a config cannot be built from and the model does
     not need. A model named ``module:function`` is code named by a file in the run folder, so it is built
     only with ``allow_code`` or a module listed in ``RAYTRAIN_MGPU_TRUSTED_MODULES``, as a config file's."""
-    from raytrain_mgpu.config.factories import TRUSTED_MODULES_ENV, is_factory, trusted_modules
-    from raytrain_mgpu.engine.batches import as_shape
-    from raytrain_mgpu.config.train import TrainConfig
-    from raytrain_mgpu.models import build_model
-
     display, config = redact(source), meta.get("config") or {}
     spec = config.get("model", meta.get("model"))
     if isinstance(spec, str) and spec.startswith("<object "):
@@ -125,8 +127,6 @@ def model_from_meta(meta: dict, source: str, allow_code: bool = False):
     model = build_model(cfg.model, as_shape(meta["input_shape"]), meta["num_classes"], cfg.model_kwargs,
                         pretrained=True)  # an hf: model's base weights, from its folder
     if cfg.lora is not None:
-        from raytrain_mgpu.models.lora import apply_lora
-
         model = apply_lora(model, cfg.lora)  # the adapters' values come from the checkpoint
     return model
 
@@ -159,7 +159,7 @@ def _check_format(fmt: str, model) -> None:
                          f"fmt='hf' (CLI: --format hf) or 'safetensors' for the whole model.")
     if fmt in ("hf", "peft") and model is not None:
         try:
-            from transformers import PreTrainedModel
+            from transformers import PreTrainedModel  # late: optional dependency (the lm extra)
         except ImportError:
             raise ValueError(f"fmt={fmt!r} needs transformers (pip install raytrain-mgpu[lm]); or use "
                              f"fmt='safetensors'.") from None
@@ -173,8 +173,6 @@ def _check_format(fmt: str, model) -> None:
 
 
 def _is_peft(model) -> bool:
-    import sys
-
     peft = sys.modules.get("peft")  # a PeftModel means peft is loaded
     return peft is not None and isinstance(model, peft.PeftModel)
 
@@ -196,8 +194,6 @@ def _load_trained(model, state: dict, meta: dict, source: str) -> None:
 def _save_pretrained(model, folder: Path, fmt: str, spec) -> None:
     """``fmt="peft"``: the adapters (``base_model_name_or_path``: the run's ``hf:`` source); ``fmt="hf"``: the model
     (LoRA's adapters merged into the base), with the ``hf:`` model's tokenizer beside it."""
-    from raytrain_mgpu.models.huggingface import hf_source, is_hf, save_tokenizer
-
     if fmt == "peft":
         if is_hf(spec):  # the user's folder, URI or hub id, not a node's cached copy
             for adapter in model.peft_config.values():
@@ -242,8 +238,6 @@ def _writable_tensors(state: dict, source: str) -> dict:
 def _output(out: str) -> Iterator[Path]:
     """A local temporary folder whose files end up in ``out``: moved into a local one (the temporary folder
     is made beside it, so a move is a rename), copied into a storage URI."""
-    import pyarrow.fs as pafs
-
     fs, inner = filesystem(out)
     local = isinstance(fs, pafs.LocalFileSystem)
     if local:

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from dataclasses import asdict
 from typing import Callable, Optional, Union
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_mgpu.engine.liveness import DEFAULT_MIN_S, POSITION, Beat, Stall, stacks
 
@@ -43,8 +47,6 @@ class Heartbeat:
         self.enabled = sink is not None and timeout_s != 0 and world_size > 1
 
     def start(self) -> "Heartbeat":
-        import ray
-
         self.enabled = self.enabled and ray.is_initialized()  # a stage outside Ray (the tests' harness): no beats
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="raytrain-mgpu-heartbeat", daemon=True)
@@ -56,8 +58,6 @@ class Heartbeat:
 
     def _run(self) -> None:
         try:
-            import ray
-
             group = self.group() if callable(self.group) else self.group
             node, node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
         except Exception:  # never in the way of training: no beats
@@ -83,9 +83,6 @@ def fail_stuck(stall: Stall) -> None:
     """Kill the stuck ranks' processes (a zero-CPU task on each one's node): the attempt fails, and the retry
     policy decides what comes next. A node that is gone takes its processes with it; nothing waits longer than
     ten seconds here."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     kill = ray.remote(num_cpus=0, max_retries=0)(_kill)
     refs = []
     for beat in stall.beats:
@@ -101,8 +98,6 @@ def fail_stuck(stall: Stall) -> None:
 
 
 def _kill(pid: int) -> None:
-    import signal
-
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -34,13 +34,17 @@ otherwise.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import logging
 import os
 import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
+import pyarrow.fs as pafs
+
 from raytrain_mgpu.driver.callbacks import Callback, RunInfo
+from raytrain_mgpu.driver.goodput import KINDS
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -66,15 +70,11 @@ def epoch_scalars(row: dict) -> Dict[str, float]:
 def goodput_scalars(result) -> Dict[str, float]:
     """Where the run's time went (``TrainResult.goodput``: ``driver/goodput.py``) as ``goodput/<kind>_s`` scalars,
     logged at the run's last step when it ends."""
-    from raytrain_mgpu.driver.goodput import KINDS
-
     ledger = getattr(result, "goodput", None) or {}
     return {f"goodput/{kind}_s": float(ledger[kind]) for kind in (*KINDS, "wall") if ledger.get(kind) is not None}
 
 
 def _needs(module: str, logger_name: str, extra: str) -> None:
-    import importlib.util
-
     if importlib.util.find_spec(module) is None:
         raise ValueError(f"TrainConfig.loggers={logger_name!r} needs the {module} package, which is not "
                          f"installed. Install it with: pip install 'raytrain-mgpu[{extra}]'.")
@@ -108,8 +108,6 @@ class _LocalCopy:
     def upload(self) -> None:
         if self._tmp is None:
             return
-        import pyarrow.fs as pafs
-
         self.folder.fs.create_dir(self.folder.join(self.name), recursive=True)
         pafs.copy_files(self.path, self.folder.join(self.name), source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=self.folder.fs)
@@ -128,7 +126,7 @@ class TensorBoardLogger(Callback):
         self.folder, self._writer, self._copy, self._redone = folder, None, None, _Redone(0)
 
     def _open(self, purge_step=None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # late: needs tensorboard, an optional dependency
 
         if self._writer is not None:
             self._writer.close()
@@ -247,6 +245,7 @@ class MlflowLogger(Callback):
         self.folder, self.tracking_uri, self._client, self.run_id = folder, tracking_uri, None, None
 
     def on_train_start(self, run: RunInfo) -> None:
+        # late: optional dependency (mlflow-skinny), here and in _log
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -276,7 +275,7 @@ class MlflowLogger(Callback):
             return False
 
     def _log(self, step: int, values: dict) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # late: optional dependency
 
         now = int(time.time() * 1000)
         metrics = [Metric(name, float(value), now, step) for name, value in values.items()]
@@ -307,7 +306,7 @@ class WandbLogger(Callback):
         self.folder, self._run, self._sent = folder, None, (0, set())
 
     def on_train_start(self, run: RunInfo) -> None:
-        import wandb
+        import wandb  # late: optional dependency
 
         kept = self.folder.read_json(self.folder.join(WANDB_RUN_FILE)) or {}
         self._sent = (int(kept.get("step", 0)), set(kept.get("names", [])))

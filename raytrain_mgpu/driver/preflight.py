@@ -33,9 +33,25 @@ import socket
 import uuid
 from typing import List, Optional, Tuple
 
+import pyarrow.fs as pafs
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from raytrain_mgpu.config.factories import code_name
 from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.checkpointing.files import filesystem
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
+from raytrain_mgpu.data import digits, parquet, synthetic, text
+from raytrain_mgpu.data.base import validation_size
+from raytrain_mgpu.data.ray_datasets import RayDataSplits
+from raytrain_mgpu.driver.rerun import check_resume
+from raytrain_mgpu.engine.objectives import Objective
+from raytrain_mgpu.engine.optim import build_optimizer
+from raytrain_mgpu.models import build_model_shapes
+from raytrain_mgpu.models.checkpointing import checkpoint_blocks, compile_blocks
+from raytrain_mgpu.models.huggingface import check_source, is_hf
+from raytrain_mgpu.models.lora import check_targets
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +78,7 @@ def probe_ray_address(address: Optional[str], timeout_s: float = _PROBE_TIMEOUT_
             f"the head's host:port (e.g. 10.0.0.1:6379) or ray://host:10001; an http:// address is the "
             f"dashboard, which `ray job submit --address` takes.")
     try:
+        # late: Ray's private modules may move (an ImportError: ray.init's own checks apply instead)
         import grpc
         from ray._private.authentication.grpc_authentication_client_interceptor import (
             _get_authentication_metadata_tuple)
@@ -113,8 +130,6 @@ def check_storage_reachable(storage_path: str, timeout_s: float = 120.0) -> None
     Needs a connected Ray. On a single node there is nothing to check (Ray Train writes
     the path on the first report). Nodes that join later (autoscaling) are checked by each
     worker there before its first step (``transports/base.check_writable``)."""
-    import ray
-
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) <= 1:
         return
@@ -137,9 +152,6 @@ def check_storage_reachable(storage_path: str, timeout_s: float = 120.0) -> None
 
 
 def _probe_nodes(nodes: list, storage_path: str, marker: str, timeout_s: float) -> List[Tuple[str, str]]:
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     probe = ray.remote(num_cpus=0, max_retries=0)(_node_sees_storage)
     refs = {n["NodeManagerAddress"] + (f" ({n['NodeID'][:8]})" if _duplicate_ips(nodes) else ""):
             probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
@@ -167,8 +179,6 @@ def _node_sees_storage(storage_path: str, marker: str) -> Optional[str]:
     """Runs on one node: None if it sees ``marker`` and can write beside it, else why not."""
     try:
         fs, _ = filesystem(storage_path)
-        import pyarrow.fs as pafs
-
         if fs.get_file_info(marker).type != pafs.FileType.File:
             return (f"does not see {marker} that the driver wrote (a local folder on the driver's machine, "
                     f"or a different mount)")
@@ -212,9 +222,6 @@ def check_run_folder(cfg, data_info: Optional[dict] = None) -> None:
     ``TrainConfig.resume``: ``never`` refuses a folder with a checkpoint, ``must`` one without.
 
     ``data_info``: ``{"input_shape": [...], "num_classes": n, "train_split_size": n}``."""
-    from raytrain_mgpu.driver.rerun import check_resume
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
     folder = RunFolder.of(cfg)
     newest = folder.newest_checkpoint()
     check_resume(cfg, folder.display, newest)  # before run.json is written: a refused run leaves no trace
@@ -249,8 +256,6 @@ def _norm(value):
 def train_split_size(data) -> Optional[int]:
     """Samples in the training split, less what ``val_fraction`` holds out, where that is known without
     reading the data (None: not known cheaply, e.g. a user factory or a fixed-size download)."""
-    from raytrain_mgpu.data.base import validation_size
-
     size = _whole_train_split_size(data)
     if size is None or data.val_fraction is None:
         return size
@@ -258,9 +263,6 @@ def train_split_size(data) -> Optional[int]:
 
 
 def _whole_train_split_size(data) -> Optional[int]:
-    from raytrain_mgpu.data import digits, parquet, synthetic, text
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits
-
     if isinstance(data.dataset, RayDataSplits):
         return data.dataset.num_train  # counted by fit (data/ray_datasets.take)
     if data.dataset == "digits":
@@ -296,19 +298,10 @@ def check_data_fits(cfg, num_classes: Optional[int]) -> Optional[int]:
 
 def check_model_builds(cfg, input_shape: tuple, num_classes: Optional[int]) -> None:
     """Build ``cfg``'s model on ``meta`` and its optimizer over it; errors name the factory and the fix."""
-    from raytrain_mgpu.models import build_model_shapes
-    from raytrain_mgpu.models.checkpointing import checkpoint_blocks, compile_blocks
-    from raytrain_mgpu.engine.objectives import Objective
-    from raytrain_mgpu.engine.optim import build_optimizer
-
-    from raytrain_mgpu.models.huggingface import check_source, is_hf
-
     if is_hf(cfg.model):  # its folder (URI, hub id) and config.json; the weights are the workers' to read
         check_source(cfg.model)
     model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)  # meta, else CPU
     if getattr(cfg, "lora", None) is not None:  # target_modules that name no module fail here, listing the Linears
-        from raytrain_mgpu.models.lora import check_targets
-
         model = check_targets(model, cfg.lora, code_name(cfg.model))
     checkpoint_blocks(model, cfg.activation_checkpointing)  # a model without blocks is refused here, not on a worker
     if cfg.compile == "blocks":
@@ -335,8 +328,6 @@ def _without_dynamo_import():
     check alone. Measured: ``raytrain-mgpu bench-startup --num-workers 2``'s first step ~1 s earlier.
     Where torch's wrapper differs (no ``__wrapped__``), the import just happens.
     """
-    import torch
-
     plain = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
     if plain is None or hasattr(plain, "__dynamo_disable"):
         yield

@@ -16,7 +16,10 @@ from __future__ import annotations
 import json
 from typing import Iterable, List, Optional, Tuple
 
+from raytrain_mgpu.config.code import better_mode
 from raytrain_mgpu.config.redact import redact
+from raytrain_mgpu.strategies import STRATEGIES
+from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
 
 __all__ = ["check_resume", "training_changes", "describe_changes", "NOT_TRAINING_FIELDS"]
 
@@ -83,9 +86,6 @@ def training_changes(cfg, recorded: dict, left_auto: Iterable[str] = ()) -> List
     a field the record lacks (a folder from before it existed), a value ``"auto"``
     on either side and the fields ``left_auto`` names (the user's ``"auto"``, already resolved: what the run
     resolved it to is the run's own); ``mode`` as it resolves for ``monitor``, and not at all without one."""
-    from raytrain_mgpu.strategies import STRATEGIES
-    from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
-
     strategy = STRATEGIES.get(cfg.strategy)
     unread = set(OPTIONAL_FIELDS) - set(strategy.options_used) if strategy is not None else set()
     left_auto = set(left_auto)
@@ -108,8 +108,6 @@ def describe_changes(changes: List[Tuple[str, object, object]]) -> str:
 
 def _mode(values: dict, cfg) -> Optional[str]:
     """How ``values["monitor"]`` ranks epochs, ``"auto"`` resolved with ``cfg``'s metrics; None without a monitor."""
-    from raytrain_mgpu.config.code import better_mode
-
     if values.get("monitor") is None:
         return None
     try:

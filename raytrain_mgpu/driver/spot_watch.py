@@ -25,6 +25,7 @@ time, so Ray restarts the group before the machine goes.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -39,6 +40,7 @@ PREEMPTION_REASON = "DRAIN_NODE_REASON_PREEMPTION"
 
 
 def _gcs(address: str):
+    # late: loads Ray (0.5 s), as in the two functions below; `raytrain-mgpu spot-watch --help` imports this module
     import ray._raylet
     from ray._private import services
 
@@ -47,6 +49,7 @@ def _gcs(address: str):
 
 def own_node_id(address: str, node_ip: Optional[str] = None, timeout_s: float = 60.0) -> str:
     """The hex id of the alive Ray node at this machine's IP (as Ray picks it), waiting for it to register."""
+    # late: loads Ray (see _gcs)
     from ray._private import services
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
@@ -68,7 +71,7 @@ def own_node_id(address: str, node_ip: Optional[str] = None, timeout_s: float = 
 
 def drain_node(address: str, node_id: str, grace_s: float, message: str = "spot termination notice") -> None:
     """``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds grace_s``."""
-    from ray.core.generated import autoscaler_pb2
+    from ray.core.generated import autoscaler_pb2  # late: loads Ray (see _gcs)
 
     deadline_ms = time.time_ns() // 1_000_000 + int(grace_s * 1000)
     accepted, why = _gcs(address).drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value(PREEMPTION_REASON),
@@ -146,8 +149,6 @@ def add_arguments(parser) -> None:
 
 
 def run_and_print(args) -> int:
-    import os
-
     if not args.grace_s >= 0 or args.grace_s == float("inf"):
         raise ValueError(f"spot-watch --grace-s={args.grace_s}: must be a finite number >= 0 "
                          f"(seconds from the notice to the drain's deadline). Set it to e.g. 25 on GCP, 100 on AWS.")

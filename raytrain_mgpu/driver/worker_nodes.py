@@ -91,7 +91,7 @@ def check_groups_within_nodes(bundles: List[dict], group_size: int, what: str, c
 
 
 def _alive_labels() -> List[Dict[str, str]]:
-    import ray
+    import ray  # late: loads Ray (0.5 s); planning.auto_devices imports the rules above without it
 
     return [dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")]
 

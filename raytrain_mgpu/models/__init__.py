@@ -97,7 +97,7 @@ def build_model_shapes(name, input_shape: tuple, num_classes, model_kwargs: dict
     device, no memory, or on CPU where the builder reads values while building (timm:
     ``torch.linspace(...).item()``; a user's ``int(torch.tensor(shape).prod())``), which a meta tensor cannot
     give. A broken factory raises its own error from the CPU build. The caller's random stream is kept."""
-    import torch
+    import torch  # late: loads torch; the name check needs none
 
     try:
         with torch.device("meta"):
@@ -131,7 +131,7 @@ def factory_arguments(factory: Callable, spec: str, input_shape: tuple, num_clas
 
 
 def _build_from_factory(factory_spec, input_shape: tuple, num_classes, model_kwargs: dict) -> nn.Module:
-    from torch import nn
+    from torch import nn  # late: loads torch; the name check needs none
 
     factory, spec = load_factory(factory_spec, "model"), code_name(factory_spec)
     arguments = factory_arguments(factory, spec, input_shape, num_classes, model_kwargs)

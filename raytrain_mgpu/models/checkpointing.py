@@ -105,7 +105,5 @@ def compiled(model: nn.Module, how, blocks_of_model: Optional[nn.Module] = None)
         compile_blocks(model if blocks_of_model is None else blocks_of_model)
         return model
     if how:
-        import torch
-
         return torch.compile(model)
     return model

@@ -124,7 +124,7 @@ def check_source(model: str) -> None:
     if kind == "local":
         _check_local(model, source)
     elif kind == "uri":
-        import pyarrow.fs as pafs
+        import pyarrow.fs as pafs  # late: 0.2 s of import; the config checks import this module
 
         fs, inner = _filesystem(model, source)
         if fs.get_file_info(f"{inner.rstrip('/')}/{CONFIG_FILE}").type != pafs.FileType.File:
@@ -153,11 +153,11 @@ def _check_local(model: str, source: str) -> None:
 
 def _check_hub(model: str, source: str) -> None:
     try:
-        import huggingface_hub
+        import huggingface_hub  # late: optional dependency (transformers brings it)
     except ImportError:
         fail("model", model, "names a Hugging Face hub model, which needs huggingface_hub",
              "pip install raytrain-mgpu[lm] (transformers brings it), or point at a local folder.")
-    from huggingface_hub.utils import LocalEntryNotFoundError
+    from huggingface_hub.utils import LocalEntryNotFoundError  # late: optional dependency
 
     if _offline():
         try:
@@ -174,7 +174,7 @@ def _offline() -> bool:
 
 
 def _filesystem(model: str, source: str):
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # late: 0.2 s of import; the config checks import this module
 
     try:
         return pafs.FileSystem.from_uri(source)
@@ -194,7 +194,7 @@ def config_folder(model: str) -> str:
     if kind == "local":
         return source
     if kind == "hub":
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # late: optional dependency
 
         try:
             return os.path.dirname(hf_hub_download(source, CONFIG_FILE))
@@ -222,7 +222,7 @@ def model_folder(model: str) -> str:
     if kind == "local":
         return source
     if kind == "hub":
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # late: optional dependency
 
         return snapshot_download(source)
     fs, inner = _filesystem(model, source)
@@ -238,7 +238,7 @@ def _cache_root() -> Path:
 def _cache_key(fs, inner: str, source: str) -> str:
     """The URI and every file's path, size and modification time: another folder, or this one changed, is
     another key (one listing of the folder)."""
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # late: 0.2 s of import; the config checks import this module
 
     listing = fs.get_file_info(pafs.FileSelector(inner.rstrip("/"), recursive=True))
     files = sorted((info.path, info.size, str(info.mtime)) for info in listing if info.type == pafs.FileType.File)
@@ -250,7 +250,7 @@ def _cached_copy(fs, inner: str, source: str) -> Path:
     lock, at most :data:`_LOCK_WAIT_S`), into a temporary folder renamed into place, ``_COMPLETE`` last."""
     import fcntl
 
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # late: 0.2 s of import; the config checks import this module
 
     root = _cache_root()
     target = root / _cache_key(fs, inner, source)
@@ -294,6 +294,7 @@ def build(model: str, model_kwargs: dict, pretrained: bool = False, num_classes:
     (``from_pretrained``, float32); otherwise built from ``config.json`` alone on the current default device
     (``meta`` for the driver's checks: no memory; elsewhere random weights). ``num_classes``: the dataset's
     vocabulary, which must fit the model's embeddings."""
+    # late: loads torch, which the config checks need none of; transformers is an optional dependency
     import torch
     import transformers
 
@@ -320,7 +321,7 @@ def build(model: str, model_kwargs: dict, pretrained: bool = False, num_classes:
 
 def model_class(config):
     """The class ``config.architectures`` names (a transformers class), else ``AutoModelForCausalLM``."""
-    import transformers
+    import transformers  # late: optional dependency
 
     names = getattr(config, "architectures", None) or []
     found = getattr(transformers, names[0], None) if names else None
@@ -336,7 +337,7 @@ def save_tokenizer(model: str, out: str) -> bool:
     if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
         logger.info("%s holds no tokenizer: the export has the model's files alone", model)
         return False
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # late: optional dependency
 
     AutoTokenizer.from_pretrained(folder).save_pretrained(out)
     return True

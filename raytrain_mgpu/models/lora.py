@@ -64,7 +64,7 @@ def check_lora(cfg) -> None:
 
 def lora_config(lora: dict):
     """``peft.LoraConfig`` of the ``lora`` mapping (peft's defaults for the keys it leaves out)."""
-    import peft
+    import peft  # late: optional dependency
 
     given = {"r": "r", "alpha": "lora_alpha", "target_modules": "target_modules", "dropout": "lora_dropout"}
     values = {given[key]: (list(value) if isinstance(value, tuple) else value) for key, value in lora.items()}
@@ -73,14 +73,14 @@ def lora_config(lora: dict):
 
 def apply_lora(model, lora: dict):
     """``model`` with adapters (a ``peft.PeftModel``), on the device it is built on (``meta`` included)."""
-    import peft
+    import peft  # late: optional dependency
 
     return peft.get_peft_model(model, lora_config(lora))
 
 
 def linear_names(model) -> List[str]:
     """The last part of the name of every ``nn.Linear`` in ``model``, sorted (what ``target_modules`` lists)."""
-    from torch import nn
+    from torch import nn  # late: loads torch; the config checks import this module
 
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                    if name and isinstance(module, nn.Linear)})

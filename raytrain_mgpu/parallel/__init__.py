@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Type
 from raytrain_mgpu.parallel.placement import PLACEMENTS
 from raytrain_mgpu.parallel.replication import REPLICATIONS
 from raytrain_mgpu.parallel.steps import DataParallelSteps
+from raytrain_mgpu.parallel.tensor_parallel import TENSOR_PARALLEL_REPLICATIONS
 from raytrain_mgpu.parallel.worker import ModelWrapper, unwrap
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ def build_worker(strategy: Type["Strategy"], cfg: "ParallelConfig", ctx: "Worker
     replication = REPLICATIONS[strategy.replication]
     tensor_parallel = strategy.tensor_group_size(cfg)  # the run plan's rule
     if tensor_parallel > 1:
-        from raytrain_mgpu.parallel.tensor_parallel import TENSOR_PARALLEL_REPLICATIONS
-
         replication = TENSOR_PARALLEL_REPLICATIONS.get(strategy.replication, replication)
     return DataParallelSteps(strategy.name, PLACEMENTS[strategy.placement], replication, cfg, ctx, objective,
                              tensor_parallel_size=tensor_parallel, user_step=user_step, save_trainable=save_trainable)

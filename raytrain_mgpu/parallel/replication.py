@@ -25,14 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, ContextManager, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from raytrain_mgpu.checkpointing.files import check_sharded_metadata
 from raytrain_mgpu.models.partition import blocks_of
 
 logger = logging.getLogger(__name__)
@@ -128,10 +136,7 @@ class DDPReplication(Replication):
 def _options(**kwargs):
     """Full (unsharded) state dicts (start-up, ``keep_best``'s copy; checkpoints are sharded): saved gathered to
     rank 0's CPU (``cpu_offload``; the other ranks get an empty dict), loaded from every rank's full copy or
-    sent from rank 0 (``broadcast_from_rank0``).
-    torch.distributed's checkpoint and FSDP modules load only where fsdp runs (0.7 s of import)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
+    sent from rank 0 (``broadcast_from_rank0``)."""
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
@@ -159,8 +164,6 @@ def offload_policy(device: torch.device, cpu_offload: bool):
     """FSDP2's offload policy for shards computed on ``device``: ``CPUOffloadPolicy`` with ``cpu_offload``
     (pinned host memory where the device is a GPU, so the copies overlap compute; plain on a CPU-only host),
     else the no-offload default."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
     return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
 
 
@@ -190,8 +193,6 @@ class FSDPReplication(Replication):
 
     def wrap(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
         """Shard on meta, allocate the shards on the device, fill them from rank 0's CPU model."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         rank0 = worker.ctx.world_rank == 0
         full = model.state_dict() if rank0 else {}  # CPU tensors: they outlive the meta swap below
         extra = _non_persistent_buffers(model) if rank0 else {}
@@ -203,8 +204,6 @@ class FSDPReplication(Replication):
         return model
 
     def _shard(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         mesh = self._mesh(model, worker)
         if worker.cfg.precision == "bf16-mixed":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -222,8 +221,6 @@ class FSDPReplication(Replication):
     def _mesh(self, model: nn.Module, worker: "DataParallelSteps"):
         """The mesh FSDP shards over (collective): every worker's, or HSDP's (replicate x shard); with tensor
         parallel the data dimension of a 2-D mesh, the plan applied (a subclass in ``parallel/tensor_parallel.py``)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         world = worker.ctx.world_size
         shard = worker.cfg.shard_group_size or world
         if shard < world:  # HSDP: consecutive ranks (a node's workers) shard, the groups replicate (torchtitan's dp_replicate x dp_shard)
@@ -242,24 +239,16 @@ class FSDPReplication(Replication):
         return _no_gradient_sync(model)
 
     def state_dict(self, model: nn.Module) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         return get_model_state_dict(model, options=_options(cpu_offload=True))
 
     def load_state_dict(self, model: nn.Module, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         # torch swaps the dict's tensors for shards in place: hand it a copy of the mapping.
         set_model_state_dict(model, dict(state), options=_options())
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         state = {**state, "state": {key: dict(value) for key, value in state["state"].items()}}
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
@@ -276,9 +265,6 @@ class FSDPReplication(Replication):
         returns once the shards are copied to host memory (the only stall) and writes them in a thread;
         the Future is done once they are written. The host copy goes into buffers kept from this worker's
         first asynchronous save (:meth:`_stager`)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": _trainable(model, model_state) if trainable_only else model_state,
                  "optimizer": optimizer_state}
@@ -300,8 +286,7 @@ class FSDPReplication(Replication):
         previous write is done (Ray Train's transport waits for its upload, which waits for the write).
         The cost: one host copy of this rank's share, kept for the run."""
         if self._staging is None:
-            import weakref
-
+            # late: looked up when the stager is made (a test replaces DefaultStager)
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             gpu = any(p.device.type == "cuda" for p in model.parameters())
@@ -315,11 +300,6 @@ class FSDPReplication(Replication):
         """Fill this rank's shards from the sharded checkpoint at ``path`` (every rank's files in it),
         written by any number of ranks: DCP reads the pieces each shard now covers (collective).
         ``trainable_only``: the checkpoint holds the trainable part; the frozen shards stay as built."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-        from raytrain_mgpu.checkpointing.files import check_sharded_metadata
-
         check_sharded_metadata(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": _trainable(model, model_state) if trainable_only else model_state,

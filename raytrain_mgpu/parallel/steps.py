@@ -19,11 +19,15 @@ import contextlib
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from raytrain_mgpu.engine.batches import move_batch
 from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.engine.objectives import Objective
 from raytrain_mgpu.engine.precision import Precision
 from raytrain_mgpu.engine.step import StepContext, Steps
+from raytrain_mgpu.engine.weights import trainable_state
+from raytrain_mgpu.models.checkpointing import compiled
 from raytrain_mgpu.parallel.worker import unwrap
 
 if TYPE_CHECKING:
@@ -39,8 +43,6 @@ def total_norm(grads: list) -> torch.Tensor:
     """The gradients' total 2-norm, also where they are DTensors on different meshes (tensor parallel: a planned
     layer's on the ``(data, tensor)`` mesh, a layer the plan left whole on ``data`` alone), which one norm over all
     of them refuses: each mesh's norm, made whole (a collective on that mesh), then combined."""
-    from torch.distributed.tensor import DTensor
-
     meshes = _by_mesh(grads, lambda grad: grad)
     if len(meshes) == 1:  # one mesh (fsdp, ddp) or none: torch's own
         return torch.nn.utils.get_total_norm(grads)
@@ -50,8 +52,6 @@ def total_norm(grads: list) -> torch.Tensor:
 
 def _by_mesh(items: list, tensor_of: Callable) -> dict:
     """``items`` grouped by the device mesh of ``tensor_of(item)`` (None for a plain tensor), in order."""
-    from torch.distributed.tensor import DTensor
-
     groups: dict = {}
     for item in items:
         tensor = tensor_of(item)
@@ -108,8 +108,6 @@ class DataParallelSteps(Steps):
         if model_state is not None:
             _load(model, model_state, trainable_only=self.save_trainable)
         model = self.setup_model(model)
-        from raytrain_mgpu.models.checkpointing import compiled
-
         # the whole model with its DDP/FSDP wrapper, as Lightning's Fabric does; or the plain model's blocks in place
         self.model = compiled(model, self.compile_model, unwrap(model))
 
@@ -174,8 +172,6 @@ class DataParallelSteps(Steps):
         return norm
 
     def evaluate(self, loader, meter) -> None:
-        from raytrain_mgpu.engine.batches import move_batch
-
         for x, y in loader:
             POSITION.mark("evaluating")
             x, y = move_batch(x, y, self.device, self.channels_last)
@@ -200,8 +196,6 @@ class DataParallelSteps(Steps):
             return {}
         state = self.replication.state_dict(unwrap(self.model))
         if self.save_trainable:  # save="trainable": the frozen weights come back from init_from or the builder
-            from raytrain_mgpu.engine.weights import trainable_state
-
             state = trainable_state(state, self.named_model())
         return {"model.pt": state,
                 "train_state.pt": {"optimizer": self.replication.optimizer_state_dict(unwrap(self.model), optimizer)}}
@@ -213,8 +207,6 @@ class DataParallelSteps(Steps):
     def model_state(self) -> dict:
         state = self.replication.state_dict(unwrap(self.model))
         if self.save_trainable:  # keep_best's gathered copy holds what the checkpoints hold
-            from raytrain_mgpu.engine.weights import trainable_state
-
             state = trainable_state(state, self.named_model())
         return state
 

@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
+from raytrain_mgpu.models import build_model_shapes
+from raytrain_mgpu.models.transformer import TransformerLM
 from raytrain_mgpu.parallel.replication import FSDPReplication, shard_groups_across_nodes
 
 if TYPE_CHECKING:
@@ -41,9 +48,6 @@ __all__ = ["model_plan", "check_model_plan", "tensor_parallel_mesh", "TensorPara
 
 def style(name: str):
     """The ``ParallelStyle`` a plan's style name means (``config_sections.TensorParallelStyle``)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
@@ -55,10 +59,6 @@ def style(name: str):
 
 def transformer_lm_plan(model: nn.Module) -> dict:
     """``{module path: ParallelStyle}`` for the package's ``TransformerLM`` (the module's docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
-
     last = len(model) - 1
     gather = dict(input_layouts=Shard(1), desired_input_layouts=Replicate())  # the sequence, whole again
     plan = {"0.tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -78,8 +78,6 @@ def transformer_lm_plan(model: nn.Module) -> dict:
 def model_plan(model: nn.Module, user_plan: Optional[dict]) -> Tuple[str, dict, dict]:
     """``(where the plan comes from, {path: style name or None}, {path: ParallelStyle})`` for ``model``; ValueError
     naming what to add where there is none."""
-    from raytrain_mgpu.models.transformer import TransformerLM
-
     if user_plan:
         return "tensor_parallel_plan", dict(user_plan), {path: style(name) for path, name in user_plan.items()}
     if isinstance(model, TransformerLM):
@@ -159,9 +157,6 @@ def _split_heads(modules: dict, split: list) -> Dict[str, int]:
 
 def check_model_plan(cfg, input_shape: tuple, num_classes: int) -> None:
     """On the driver, before Ray: ``cfg``'s model (built on ``meta``) has a plan that splits evenly."""
-    from raytrain_mgpu.models import build_model_shapes
-    from raytrain_mgpu.models.transformer import TransformerLM
-
     model = build_model_shapes(cfg.model, input_shape, num_classes, cfg.model_kwargs)
     source, names, _ = model_plan(model, cfg.tensor_parallel_plan)
     check_split(model, names, cfg.tensor_parallel_size, source)
@@ -174,9 +169,6 @@ def check_model_plan(cfg, input_shape: tuple, num_classes: int) -> None:
 def tensor_parallel_mesh(model: nn.Module, worker: "DataParallelSteps"):
     """Build the ``("data", "tensor")`` mesh (collective), refuse tensor groups that span nodes, apply the plan on
     ``tensor``; returns the mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
     world, size = worker.ctx.world_size, worker.tensor_parallel_size
     nodes = [None] * world
     dist.all_gather_object(nodes, worker.ctx.node_rank)  # once, at set-up
@@ -216,8 +208,6 @@ class TensorParallelReplicate(FSDPReplication):
         return False  # ddp's placement moves the built model to the device first; rank 0's weights still reach all
 
     def _shard(self, model: nn.Module, worker: "DataParallelSteps") -> nn.Module:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         return replicate(model, mesh=tensor_parallel_mesh(model, worker)["data"])
 
 

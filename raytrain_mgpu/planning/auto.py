@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass, fields
 from typing import List, Optional, Tuple
 
+import torch
+
 from raytrain_mgpu.checkpointing.run_folder import RunFolder, run_uri
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import check_data
@@ -80,8 +82,6 @@ def cluster_info(cfg, capacity=None) -> ClusterInfo:
 
 
 def _gpu_memory_bytes(cfg, capacity) -> Optional[int]:
-    import torch
-
     budget = getattr(cfg, "memory_budget_bytes", None)
     instead = (f"memory_budget_bytes={budget}" if budget else
                "the estimate without a memory limit (set memory_budget_bytes to one GPU's memory to choose by it)")
@@ -100,11 +100,11 @@ def _gpu_memory_bytes(cfg, capacity) -> Optional[int]:
 
 def _probe_gpu_memory() -> Optional[int]:
     """One GPU's memory, read by a one-GPU task (the driver may have no GPU)."""
-    import ray
+    import ray  # late: loads Ray, read only for GPUs (as read_capacity above)
 
     @ray.remote(num_gpus=1, num_cpus=0)
     def probe() -> int:
-        import torch
+        import torch  # late: imported where the task runs
 
         return int(torch.cuda.get_device_properties(0).total_memory)
 

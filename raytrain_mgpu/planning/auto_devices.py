@@ -74,7 +74,7 @@ def resolve_auto_devices(cfg) -> Tuple[object, str]:
 
 def _gpus_found(cfg) -> Tuple[Tuple[int, ...], str]:
     """``(GPUs per node with any, where)``: the connected (or named) Ray cluster's, else this machine's."""
-    import ray
+    import ray  # late: loads Ray; the rules of this module need neither Ray nor torch
 
     if ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"):
         # late: loads Ray and torch, for a cluster that is up or named
@@ -91,7 +91,7 @@ def _gpus_found(cfg) -> Tuple[Tuple[int, ...], str]:
     emulated = emulated_gpus()
     if emulated:
         return (emulated,), f"on this machine (emulated by {EMULATE_ENV})"
-    import torch
+    import torch  # late: loads torch (see above)
 
     count = torch.cuda.device_count()  # asks the driver (NVML), without starting CUDA in this process
     return ((count,) if count else ()), "on this machine"

@@ -17,6 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from raytrain_mgpu.planning.memory import format_bytes
 
 __all__ = ["RunRow", "Recommendation", "CompareReport", "summarize_history", "check_losses", "losses_comparable",
@@ -162,9 +168,6 @@ def check_losses(rows: List[RunRow], comparable: bool, why_not: str, rtol: float
 
 def losses_comparable(cfg, model) -> tuple:
     """``(True, "")`` if every strategy computes the same thing for this model and config."""
-    from torch import nn
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     if cfg.precision != "32":
         return False, f"precision={cfg.precision!r} rounds differently per split; use precision='32'"
     for name, module in model.named_modules():
@@ -309,10 +312,11 @@ def _memory_panel(ax, rows: list, highs: List[Optional[float]], lows: List[Optio
 
 def draw_chart(report: CompareReport) -> bytes:
     """A PNG: throughput (speed-up annotated), measured and estimated per-device memory (max/min)."""
+    # late: picks matplotlib's Agg backend, which must come before pyplot, when a chart is drawn (not on import)
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib import pyplot as plt  # late: see above
 
     rows = sorted(report.measured(), key=lambda r: r.samples_per_s or 0)  # fastest at the top
     best = report.recommendation.label
@@ -367,8 +371,6 @@ def draw_chart(report: CompareReport) -> bytes:
 
 def _write(path: str, data: bytes) -> None:
     """Temporary name, then rename: a crash mid-write leaves the old file or none, never half."""
-    import pyarrow.fs as pafs
-
     fs, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), str(Path(path)))
     fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
     tmp = f"{inner}.tmp-{uuid.uuid4().hex[:12]}"
@@ -379,9 +381,6 @@ def _write(path: str, data: bytes) -> None:
 
 def write_outputs(report: CompareReport, out_dir: str) -> dict:
     """``compare.md``, ``compare.parquet`` (one row per strategy, skipped ones too) and ``compare.png``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     base = out_dir.rstrip("/")
     paths = {"markdown": f"{base}/{MARKDOWN_FILE}", "parquet": f"{base}/{PARQUET_FILE}", "chart": f"{base}/{CHART_FILE}"}
     _write(paths["markdown"], render_markdown(report).encode())
