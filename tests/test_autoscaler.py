@@ -176,10 +176,10 @@ def test_the_pipeline_gets_past_its_checks_at_zero_gpu_nodes(cold, monkeypatch, 
     class PastTheChecks(Exception):
         pass
 
-    def train_attempt(*args, **kwargs):
+    def drive(*args, **kwargs):
         raise PastTheChecks
 
-    monkeypatch.setattr("raytrain_mgpu.transports.actor_group.runner.train_attempt", train_attempt)
+    monkeypatch.setattr("raytrain_mgpu.transports.actor_group.runner.drive", drive)
     cfg = rtm.TrainConfig(model="mlp", dataset="digits", strategy="pipeline", num_stages=4, num_microbatches=4,
                           use_gpu=True, num_workers=1, storage_path=storage)
     with pytest.raises(PastTheChecks):

@@ -123,8 +123,8 @@ class _Handed(Exception):
 def test_a_label_selector_is_handed_to_ray_trains_scaling_config(monkeypatch, storage):
     """Ray Train places its workers on the labelled nodes by ``ScalingConfig.label_selector``: the trainer that fit's
     Ray Train transport builds is handed it (the trainer captured in place of Ray Train's: no Ray)."""
-    from raytrain_mgpu.driver import progress
     from raytrain_mgpu.strategies.plan import build_plan
+    from raytrain_mgpu.transports import attempt
     from raytrain_mgpu.transports.ray_train import driver
 
     handed = {}
@@ -135,7 +135,7 @@ def test_a_label_selector_is_handed_to_ray_trains_scaling_config(monkeypatch, st
 
     monkeypatch.setattr(driver, "torch_trainer_class", lambda: trainer)
     monkeypatch.setattr(driver, "_start_autoscaling_coordinator", lambda: None)
-    monkeypatch.setattr(progress, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
+    monkeypatch.setattr(attempt, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
     cfg = rtm.TrainConfig(model="mlp", dataset="digits", num_workers=2, use_gpu=False, runner="ray",
                           storage_path=storage, label_selector=SPOT)
     with pytest.raises(_Handed):

@@ -170,7 +170,7 @@ def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
             raise KeyboardInterrupt  # nothing to train here
 
     class Pump:
-        failure = None
+        failure = stall = startup = None
 
         def __init__(self, *args, **kwargs):
             pass
@@ -189,11 +189,11 @@ def _env_when_the_controller_starts(monkeypatch, storage, names) -> list:
     monkeypatch.delenv("COORDINATOR_ASKED", raising=False)
     monkeypatch.setattr(coordinator, "get_or_create_autoscaling_coordinator",
                         lambda: monkeypatch.setenv("COORDINATOR_ASKED", "yes"))
-    from raytrain_mgpu.driver import progress
+    from raytrain_mgpu.transports import attempt
     from raytrain_mgpu.transports.ray_train.driver import run_train_workers
 
-    monkeypatch.setattr(progress, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
-    monkeypatch.setattr(progress, "SinkPump", Pump)
+    monkeypatch.setattr(attempt, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(close=lambda: None)))
+    monkeypatch.setattr(attempt, "SinkPump", Pump)
     cfg = rtm.TrainConfig(**MLP, storage_path=storage)
     with pytest.raises(KeyboardInterrupt):
         run_train_workers(cfg, build_plan(cfg), SimpleNamespace())

@@ -342,6 +342,9 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
     import time
     import socket
 
+    from types import SimpleNamespace
+
+    from raytrain_mgpu.transports import attempt as attempt_driver
     from raytrain_mgpu.transports.actor_group import group
     from raytrain_mgpu.transports.actor_group import runner
     from raytrain_mgpu.engine import loop as engine
@@ -376,12 +379,15 @@ def test_a_killed_drivers_temporary_checkpoints_are_pruned_under_our_lock_only(t
         def started(*args, **kwargs):
             raise _Started()
 
-        # The start of every attempt prunes: the pipeline's (before its actor group) and the in-process runner's
-        # (before its engine), so a failed attempt's half-written checkpoint never outlives the restart.
+        # The start of every attempt prunes (the one attempt driver, transports/attempt.py): the pipeline's (before
+        # its actor group) and the in-process runner's (before its engine), so a failed attempt's half-written
+        # checkpoint never outlives the restart. The pipeline's progress channel: a stand-in (no Ray here).
         monkeypatch.setattr(group, "StageGroup", started)
         monkeypatch.setattr(engine, "Engine", started)
+        monkeypatch.setattr(attempt_driver, "ProgressSink", SimpleNamespace(open=lambda: SimpleNamespace(
+            close=lambda: None, drain=SimpleNamespace(remote=lambda: []))))
         pipe = cfg.replace(strategy="pipeline", num_stages=2)
-        for attempt in (lambda: runner.train_attempt(pipe, build_plan(pipe), None),
+        for attempt in (lambda: attempt_driver.drive(runner.ActorGroupCarrier(pipe, build_plan(pipe), None)),
                         lambda: run_in_process(cfg, build_plan(cfg), None)):
             leftovers[0].mkdir()
             with pytest.raises(_Started):

@@ -355,15 +355,15 @@ def test_a_stage_actors_drain_watcher_sees_its_node_drained_without_a_call_per_c
 def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_failures():
     import ray.exceptions
 
-    from raytrain_mgpu.transports.preemption import was_preemption
+    from raytrain_mgpu.transports.preemption import DrainWatcher, was_preemption
     from raytrain_mgpu.transports.retry import Verdict, run_attempts
 
     died = ray.exceptions.RayError("the stage's node went away")
-    assert was_preemption(died, ["preempted (node a1b2c3d4e5f6): saved step 30"])
-    assert not was_preemption(died, ["resuming at step 30 (epoch 2)"])
+    assert was_preemption(died, DrainWatcher._info({"a1b2c3d4e5f6": 0}))  # a drain noticed: Ray's PreemptionInfo
+    assert not was_preemption(died, None)  # no notice, whatever lines the run printed
     marked = RuntimeError("a peer")
     marked.__cause__ = type("Died", (Exception,), {"preempted": True})()
-    assert was_preemption(marked, [])  # Ray marks an actor that died on a node drained for preemption
+    assert was_preemption(marked)  # Ray marks an actor that died on a node drained for preemption
 
     cfg = TrainConfig(max_failures=0, max_preemption_failures=2)
     tries = []
@@ -380,6 +380,64 @@ def test_a_pipeline_attempt_lost_to_a_preemption_counts_against_max_preemption_f
     with pytest.raises(ray.exceptions.RayError):  # the same failures, not preemptions: max_failures=0
         run_attempts(cfg, attempt, retry, preempted=lambda exc: False)
     assert len(tries) == 1
+
+
+def test_the_drivers_drain_watcher_sees_any_node_of_an_attempts_group_and_asks_once_more_on_a_failure():
+    """The driver watches the nodes of a pipeline attempt's placement group (``actor_group/runner.py``); a failed
+    attempt asks Ray once more (``poll``) before the group is torn down."""
+    from raytrain_mgpu.transports.preemption import DrainWatcher
+
+    drains: dict = {}
+    watcher = DrainWatcher({"node-a", "node-b"}, poll_s=3600, draining=lambda: dict(drains))
+    try:
+        assert watcher.poll() is None
+        drains["node-c"] = 0  # a node outside the group
+        assert watcher.poll() is None
+        drains["node-b"] = 5_000
+        notice = watcher.poll()
+        assert list(notice.preempted_node_to_ranks) == ["node-b"] and notice.deadline_ms == 5_000
+        drains.clear()
+        assert watcher.poll() is notice and watcher.local_notice() is notice  # the first one is kept
+    finally:
+        watcher.close()
+
+
+def test_the_attempt_driver_charges_a_failure_with_a_drain_notice_to_max_preemption_failures(tmp_path):
+    """``transports/attempt.drive`` asks the carrier for a structured notice after each failed attempt: with one, the
+    restart counts against ``max_preemption_failures``; without, against ``max_failures``."""
+    import ray.exceptions
+
+    from raytrain_mgpu.transports.attempt import Carrier, drive
+    from raytrain_mgpu.transports.preemption import DrainWatcher
+    from raytrain_mgpu.transports.retry import Verdict
+
+    class Reclaimed(Carrier):  # the driver's own process: no progress channel to open
+        in_process, what = True, "test attempt"
+
+        def __init__(self, cfg, notice):
+            super().__init__(cfg, None, None)
+            self.notice, self.started = notice, []
+
+        def start(self, sink, attempt):
+            self.started.append(attempt)
+
+        def wait(self):
+            if len(self.started) <= 2:
+                raise ray.exceptions.RayError("the stage's node went away")
+
+        def judge(self, exc):
+            return Verdict(True, "a lost node")
+
+        def preemption(self):
+            return self.notice
+
+    cfg = TrainConfig(storage_path=str(tmp_path), name="reclaimed", max_failures=0, max_preemption_failures=2)
+    preempted = Reclaimed(cfg, DrainWatcher._info({"node-a": 0}))
+    assert drive(preempted) == ([], None, None) and preempted.started == [0, 1, 2]
+    lost = Reclaimed(cfg, None)
+    with pytest.raises(ray.exceptions.RayError) as failed:
+        drive(lost)
+    assert lost.started == [0] and any("training run 'reclaimed' failed" in n for n in failed.value.__notes__)
 
 
 def _ray_up_at_step(out: str, step: int) -> None:

@@ -1,9 +1,9 @@
 """What the user sees on the driver: a start banner, a live bar, one line per epoch.
 
 Workers never print. Rank 0 sends events to the run's ``ProgressSink`` (a channel in a zero-CPU actor on the
-driver's node); a driver thread (``SinkPump``) drains it and hands them on. Runners that live on the driver (the
-pipeline's actor group) call the same object directly: ``fit`` gives both a ``driver.callbacks.RunEvents``, which
-passes them to the ``ProgressPrinter`` and to the loggers and callbacks, and the goodput ledger (``driver/goodput.py``).
+driver's node); a driver thread (``SinkPump``) drains it and hands them on. A rank in the driver's own process hands
+them over directly (``DirectSink``). Both are opened by the attempt driver (``transports/attempt.py``) for ``fit``'s
+``driver.callbacks.RunEvents`` (the ``ProgressPrinter``, the loggers and callbacks) and goodput ledger.
 """
 
 from __future__ import annotations

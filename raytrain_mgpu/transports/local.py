@@ -4,8 +4,8 @@ No Ray, no process group, no DDP wrapper: the engine (``engine/loop.py``) runs h
 reports straight to the driver's ``RunEvents``, and publishes its checkpoints in the run folder
 (``transports/base.FolderTransport``: the same files and names as every transport). It keeps everything
 a run has: the run folder and its lock (``fit``'s), epoch and step checkpoints, resume, ``max_failures``
-restarts from the last checkpoint (``transports/retry.py``), history, progress, loggers, callbacks,
-validation, early stopping, ``keep_best``, a finished run answered from its folder, every precision, GPU
+restarts from the last checkpoint (the attempt driver: ``transports/attempt.py``), history, progress, loggers,
+callbacks, validation, early stopping, ``keep_best``, a finished run answered from its folder, every precision, GPU
 or CPU, and the strategies that train in one process (``ddp`` at world size 1, ``dp``, ``dp_balanced``,
 ``mp`` over the process's devices). Same seed, same data: it ends with the weights one Ray Train worker
 ends with, bit for bit (tests/test_loaders.py).
@@ -21,11 +21,16 @@ import uuid
 
 import torch
 
+from raytrain_mgpu.driver.progress import WorkerReporter
+from raytrain_mgpu.engine.liveness import POSITION
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
+from raytrain_mgpu.transports.attempt import Carrier, drive
 from raytrain_mgpu.transports.base import FolderTransport, RunResult, rank_devices, rank_engine
+from raytrain_mgpu.transports.retry import verdict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_in_process", "LocalTransport"]
+__all__ = ["run_in_process", "LocalTransport", "LocalCarrier"]
 
 
 class LocalTransport(FolderTransport):
@@ -41,39 +46,37 @@ class LocalTransport(FolderTransport):
         return {"gpu_ids": [], "node_ip": "127.0.0.1"}
 
 
-def _judge(exc: BaseException):
-    """The one retry policy (``transports/retry.py``), told whether the failed attempt took a step."""
-    from raytrain_mgpu.engine.liveness import POSITION
-    from raytrain_mgpu.transports.retry import verdict
+class LocalCarrier(Carrier):
+    """The driver's own process as the only rank: an attempt is one engine, built and run here; its events go
+    straight to ``fit``'s ``RunEvents`` (``driver/progress.DirectSink``)."""
 
-    return verdict(exc, stepped=POSITION.stepped)
+    what = "in-process attempt"
+    in_process = True
+
+    def __init__(self, cfg, plan, events):
+        super().__init__(cfg, plan, events)
+        self.threads = torch.get_num_threads()  # the driver's own, given back after (rank_devices sets cpus_per_worker)
+        self.engine, self.entered = None, None
+
+    def start(self, sink, attempt: int) -> None:
+        cfg, self.entered = self.cfg, time.time()
+        reporter = WorkerReporter(sink, min_interval_s=0)  # every step event: nothing to send, nothing to save
+        assignment = rank_devices(cfg, get_strategy(cfg.strategy).devices_per_worker(cfg))
+        ctx = WorkerContext(0, 1, 0, 1, 0, assignment.compute, assignment)
+        self.engine = rank_engine(cfg, self.plan, ctx, LocalTransport(cfg, reporter))
+
+    def wait(self) -> None:
+        self.engine.run(self.entered)
+
+    def stop(self, graceful: bool) -> None:
+        self.engine = None
+        torch.set_num_threads(self.threads)
+
+    def judge(self, exc: BaseException):
+        """The one retry policy, told whether the failed attempt took a step (here, where it was raised)."""
+        return verdict(exc, stepped=POSITION.stepped)
 
 
 def run_in_process(cfg, plan, events) -> RunResult:
-    """Train ``cfg`` (one worker) in this process, retried by the one policy (``transports/retry.py``)."""
-    from raytrain_mgpu.driver.progress import DirectSink, WorkerReporter
-    from raytrain_mgpu.driver.runlock import remove_stale_temporaries
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-    from raytrain_mgpu.strategies import WorkerContext, get_strategy
-    from raytrain_mgpu.transports.retry import run_attempts
-
-    ledger = getattr(events, "goodput", None)  # fit's goodput ledger (driver/goodput.py)
-    sink = DirectSink(events, ledger)
-    reporter = WorkerReporter(sink, min_interval_s=0)  # every step event: nothing to send, nothing to save
-    folder = RunFolder.of(cfg)
-
-    def attempt(_failures: int) -> list:
-        entered = time.time()
-        remove_stale_temporaries(folder)  # a killed attempt's (or driver's) half-written checkpoints
-        assignment = rank_devices(cfg, get_strategy(cfg.strategy).devices_per_worker(cfg))
-        ctx = WorkerContext(0, 1, 0, 1, 0, assignment.compute, assignment)
-        engine = rank_engine(cfg, plan, ctx, LocalTransport(cfg, reporter))
-        engine.run(entered)
-        return engine.state.history  # every epoch trained (one whose weights were not finite has no checkpoint)
-
-    threads = torch.get_num_threads()  # the driver's own, given back after (rank_devices sets cpus_per_worker)
-    try:
-        history = run_attempts(cfg, attempt, _judge, what="in-process attempt", ledger=ledger)
-    finally:
-        torch.set_num_threads(threads)
-    return RunResult(history, folder.state().checkpoint, sink.startup)
+    """Train ``cfg`` (one worker) in this process, its attempts driven by ``transports/attempt.drive``."""
+    return drive(LocalCarrier(cfg, plan, events))

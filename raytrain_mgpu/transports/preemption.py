@@ -1,6 +1,7 @@
-"""The Ray side of preemption notices (the engine's side is ``engine/preemption.PreemptionCheck``): where a
+"""The Ray side of preemption notices (the engine's side is ``checkpointing/preemption.PreemptionCheck``): where a
 worker's notice comes from, Ray Train's watcher where no notice can come, a pipeline stage's own watcher of
-Ray's draining nodes, and whether a failed attempt was a preemption.
+Ray's draining nodes (also the driver's, of an attempt's actor group), and whether a failed attempt was a
+preemption.
 
 Where no notice can come, no watcher (:func:`watcher_where_notices_come`). Ray Train starts its
 watcher, one more actor process, when the worker group has started, so its start (importing Ray
@@ -78,14 +79,17 @@ def _draining_nodes() -> dict:
 
 
 class DrainWatcher:
-    """Notices where Ray Train's watcher does not run (a pipeline's stage actors): a thread polls Ray's draining
-    nodes every ``poll_s`` (Ray Train's interval, 5 s) and keeps this node's drain; :meth:`local_notice` reads it
-    (no call), :meth:`agreed` asks Ray once a rank has seen one. ``draining``: the poll (tests pass fakes)."""
+    """Notices where Ray Train's watcher does not run: a thread polls Ray's draining nodes every ``poll_s`` (Ray
+    Train's interval, 5 s) and keeps the first drain of ``node_id`` (one node id, or several: a pipeline stage
+    watches its own node, the driver the nodes of an attempt's actor group); :meth:`local_notice` reads it (no
+    call), :meth:`poll` asks once more, :meth:`agreed` asks Ray once a rank has seen one. ``draining``: the poll
+    (tests pass fakes)."""
 
-    def __init__(self, node_id: str, poll_s: Optional[float] = None, draining: Callable[[], dict] = _draining_nodes):
+    def __init__(self, node_id, poll_s: Optional[float] = None, draining: Callable[[], dict] = _draining_nodes):
         import threading
 
-        self.node_id, self.draining = node_id, draining
+        self.node_ids = {node_id} if isinstance(node_id, str) else set(node_id)
+        self.draining = draining
         self.poll_s = poll_s if poll_s is not None else float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5))
         self._seen = None
         self._stop = threading.Event()
@@ -94,13 +98,21 @@ class DrainWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if self.poll() is not None:
+                return
+
+    def poll(self):
+        """The first drain of a watched node, asked of Ray now unless one was seen already (None: none; a poll that
+        fails is asked again next time)."""
+        if self._seen is None:
             try:
                 drains = self.draining()
-            except Exception:  # the next poll asks again
-                continue
-            if self.node_id in drains:
-                self._seen = self._info({self.node_id: drains[self.node_id]})
-                return
+            except Exception:
+                return None
+            mine = {node: deadline for node, deadline in drains.items() if node in self.node_ids}
+            if mine:
+                self._seen = self._info(mine)
+        return self._seen
 
     @staticmethod
     def _info(drains: dict):
@@ -119,16 +131,17 @@ class DrainWatcher:
             drains = self.draining()
         except Exception:
             drains = {}
-        return self._info(drains) if drains else (self._seen or self._info({self.node_id: 0}))
+        return self._info(drains) if drains else (self._seen or self._info(dict.fromkeys(self.node_ids, 0)))
 
     def close(self) -> None:
         self._stop.set()
 
 
-def was_preemption(exc: BaseException, notices: list) -> bool:
-    """Whether a failed attempt was lost to a preemption: a notice reached the driver during it (``notices``: its
-    lines), or an actor died with its node drained for preemption (Ray marks the error)."""
-    if any(line.startswith("preempted") for line in notices):
+def was_preemption(exc: BaseException, notice=None) -> bool:
+    """Whether a failed attempt was lost to a preemption: a drain of one of its nodes was noticed (``notice``: the
+    structured notice, e.g. :meth:`DrainWatcher.poll`'s, or None), or an actor died with its node drained for
+    preemption (Ray marks the error)."""
+    if notice is not None:
         return True
     while exc is not None:
         if getattr(exc, "preempted", False):

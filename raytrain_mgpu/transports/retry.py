@@ -25,7 +25,8 @@ the workers' resources not granted within placement_timeout_s  no
 =============================================================  ===========
 
 Ray Train's controller asks its failure policy (``transports/ray_train/policy.py``), which asks
-:func:`verdict`; the pipeline's actor group and the in-process runner run :func:`run_attempts` with it. The
+:func:`verdict`; for the pipeline's actor group and the in-process runner the attempt driver
+(``transports/attempt.py``) runs :func:`run_attempts` with it. The
 verdict on "before the first step" is made where the error was raised (the worker knows whether it stepped),
 carried to the driver on the exception (``errors.crossing``).
 """

@@ -3,10 +3,10 @@
 :func:`run_pipeline` is called by :func:`raytrain_mgpu.api.fit` (through ``transports.carrier``) for strategies
 with ``runner == "actor_group"``, with Ray connected and the config validated. An attempt places the stage actors
 (``group.py``), forms their process group, and has every actor run the engine (``stage.StageWorker.run``: the same
-loop, checkpoints and restore as a Ray Train worker's); the driver only carries their events to ``fit``'s
-``RunEvents`` (the progress channel of ``driver/progress.py``) and tears the group down. A failed attempt (an
-actor that died, a stage that lost its peer) restarts from the last checkpoint while ``max_failures`` allows
-(the one retry policy: ``transports/retry.py``).
+loop, checkpoints and restore as a Ray Train worker's). :class:`ActorGroupCarrier` starts, waits for and tears
+down one group; the attempt driver (``transports/attempt.py``) owns the rest: the progress channel, the cleanup,
+the failure, the restarts from the last checkpoint while ``max_failures`` allows (a node drained for preemption:
+``max_preemption_failures``) and the result.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import time
 import uuid
 from typing import Optional
 
-
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
+from raytrain_mgpu.transports.attempt import Carrier, drive
 from raytrain_mgpu.transports.base import RunResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_pipeline"]
+__all__ = ["run_pipeline", "ActorGroupCarrier"]
 
 
 def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
@@ -67,61 +67,63 @@ def _partition(cfg: TrainConfig, group=None):
     return choose_partition(cfg, profile=group.profile)
 
 
-class _Noticed:
-    """``fit``'s events, the driver's lines (notices) also kept: whether a failed attempt was a preemption."""
+class ActorGroupCarrier(Carrier):
+    """The pipeline's stage actors: an actor group each attempt (``group.py``), every actor running the engine
+    (``stage.StageWorker.run``); the driver watches the group's nodes for a drain (a preemption: the attempt's
+    failure counts against ``max_preemption_failures``)."""
 
-    def __init__(self, events, notices: list):
-        self.events, self.notices = events, notices
+    what = "pipeline attempt"
 
-    def banner(self, line: str) -> None:
-        self.notices.append(line)
-        self.events.banner(line)
+    def __init__(self, cfg: TrainConfig, plan: RunPlan, events):
+        super().__init__(cfg, plan, events)
+        # replica 0's first and last stage send the per-step scalars (one stage: it sends both)
+        self.scalar_sources = 1 if cfg.num_stages == 1 else 2
+        self.group = self.watcher = self.sink = None
 
-    def __getattr__(self, name):
-        return getattr(self.events, name)
+    def start(self, sink, attempt: int) -> None:
+        from raytrain_mgpu.transports.actor_group.group import StageGroup
 
-
-def train_attempt(cfg: TrainConfig, plan: RunPlan, events, notices: Optional[list] = None) -> Optional[dict]:
-    """One actor group: start it, run the engine on every actor, always tear down; rank 0's start-up times.
-    ``notices``: the driver's lines of this attempt are added to it (a preemption's among them)."""
-    notices = [] if notices is None else notices
-    from raytrain_mgpu.transports.actor_group.group import StageGroup
-    from raytrain_mgpu.driver.progress import ProgressSink, SinkPump
-    from raytrain_mgpu.driver.runlock import remove_stale_temporaries
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
-    remove_stale_temporaries(RunFolder.of(cfg))  # a failed attempt's (or killed driver's) half-written checkpoints
-    partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
-    group, sink = StageGroup(cfg, plan), ProgressSink.open()
-    # replica 0's first and last stage send the per-step scalars (one stage: it sends both)
-    pump = SinkPump(sink, _Noticed(events, notices), scalar_sources=1 if cfg.num_stages == 1 else 2,
-                    stall_timeout_s=cfg.stall_timeout_s,  # every stage's heartbeats judged
-                    ledger=getattr(events, "goodput", None))  # fit's goodput ledger (driver/goodput.py)
-    try:
+        cfg, plan = self.cfg, self.plan
+        partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
+        self.group, self.sink = StageGroup(cfg, plan), sink
         started = time.perf_counter()
-        group.start()
-        partition = partition or _partition(cfg, group)
-        infos = group.setup(partition)
+        self.group.start()
+        self.watcher = _drain_watcher(self.group)
+        partition = partition or _partition(cfg, self.group)
+        infos = self.group.setup(partition)
         logger.info("%s: %d replica(s) x %d stages (%s, partition %s); %s; %d steps per epoch; rank: node %s "
                     "(set up in %.1f s)", cfg.strategy, plan.replicas, cfg.num_stages, cfg.schedule,
                     list(partition.counts), plan.describe(), infos[0]["steps_per_epoch"],
                     ", ".join(f"{info['rank']}: {info['node_ip']}" for info in infos), time.perf_counter() - started)
-        try:
-            with pump:
-                group.call("run", uuid.uuid4().hex[:12], sink)
-        except Exception as exc:
-            if pump.stall is None:
-                raise
-            from raytrain_mgpu.errors import StuckRankError
 
-            raise StuckRankError(pump.stall.line, pump.stall.ranks, pump.stall.report) from exc
-        group.shutdown(graceful=True)
-        if pump.failure is not None:
-            raise pump.failure
-        return pump.startup
-    finally:
-        group.shutdown()
-        sink.close()
+    def wait(self) -> None:
+        self.group.call("run", uuid.uuid4().hex[:12], self.sink)
+
+    def preemption(self):
+        return None if self.watcher is None else self.watcher.poll()
+
+    def stop(self, graceful: bool) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
+        if self.group is not None:
+            self.group.shutdown(graceful=graceful)  # graceful: the process groups destroyed while every actor idles
+            self.group = None
+
+
+def _drain_watcher(group):
+    """A watcher of Ray's draining nodes for the nodes ``group``'s placement group holds, or None where they
+    cannot be read (a stand-in group): a failed attempt is then a preemption only where Ray marks its error."""
+    import ray.util
+
+    from raytrain_mgpu.transports.preemption import DrainWatcher
+
+    try:
+        nodes = set(ray.util.placement_group_table(group.pg)["bundles_to_node_id"].values())
+    except Exception as exc:
+        logger.debug("the stage actors' nodes are not known (%s): no drain watcher", exc)
+        return None
+    return DrainWatcher(nodes)
 
 
 def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult:
@@ -129,9 +131,6 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
     if there is one, restart after failures (``max_failures``). ``plan``: ``fit``'s (None: built here); ``events``:
     ``fit``'s ``RunEvents``."""
     from raytrain_mgpu.driver.cluster import check_placeable
-    from raytrain_mgpu.transports.preemption import was_preemption
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-    from raytrain_mgpu.transports.retry import run_attempts
 
     plan = plan if plan is not None else build_plan(cfg)  # fit hands its plan down; direct callers get the same
     if plan.runner != "actor_group":
@@ -142,22 +141,4 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
     check_placeable(list(plan.bundles), cfg.use_gpu,
                     f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}",
                     labels=cfg.label_selector)
-    first: list = []
-    notices: list = []  # this attempt's lines: a preemption notice counts its failure against max_preemption_failures
-
-    def attempt(_failures: int) -> None:
-        notices.clear()
-        first.append(train_attempt(cfg, plan, events, notices))
-
-    try:
-        run_attempts(cfg, attempt, preempted=lambda exc: was_preemption(exc, notices), what="pipeline attempt",
-                     ledger=getattr(events, "goodput", None))
-    except Exception as exc:  # the stage's own error, out of Ray's wrapper, with where the checkpoints are
-        from raytrain_mgpu.transports.retry import whole_failure
-
-        failed = whole_failure(cfg, exc)
-        if failed is exc:
-            raise
-        raise failed from exc
-    state = RunFolder.of(cfg).state()
-    return RunResult(state.history, state.checkpoint, next((s for s in first if s), None))
+    return drive(ActorGroupCarrier(cfg, plan, events))

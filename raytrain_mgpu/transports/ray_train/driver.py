@@ -1,11 +1,11 @@
-"""The Ray Train transport's driver side: ``fit``'s worker group (:func:`run_train_workers`), Ray Train's trainer with
-the one retry policy in its controller (:func:`torch_trainer_class`), its run config, and the failure ``fit`` raises
-(:func:`whole_failure`). Each worker runs ``worker.train_worker``."""
+"""The Ray Train transport's driver side: ``fit``'s worker group (:func:`run_train_workers`: its carrier, the rest of
+the attempt is ``transports/attempt.py``'s), Ray Train's trainer with the one retry policy in its controller
+(:func:`torch_trainer_class`), its run config, and the failure ``fit`` raises (:func:`_whole`). Each worker runs
+``worker.train_worker``."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import ray
 import ray.train
@@ -13,12 +13,12 @@ import ray.train
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.driver.cluster import worker_runtime_env as _worker_runtime_env
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
-from raytrain_mgpu.driver.runlock import remove_stale_temporaries
+from raytrain_mgpu.transports.attempt import Carrier, drive
 from raytrain_mgpu.transports.base import RunResult
 from raytrain_mgpu.transports.ray_train.worker import train_worker
 from raytrain_mgpu.transports.ray_train.replica_groups import backend_config
 
-__all__ = ["run_train_workers", "run_config", "torch_trainer_class", "start_timeout_s"]
+__all__ = ["run_train_workers", "RayTrainCarrier", "run_config", "torch_trainer_class", "start_timeout_s"]
 
 
 def start_timeout_s() -> float:
@@ -71,20 +71,51 @@ def torch_trainer_class():
 
 
 def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
-    """On the driver: Ray Train's worker group for ``cfg`` (every worker runs :func:`train_worker`). ``events``:
-    ``fit``'s ``RunEvents``, fed by the progress channel."""
+    """On the driver: Ray Train's worker group for ``cfg`` (every worker runs :func:`train_worker`), its attempt
+    driven by ``transports/attempt.drive``. ``events``: ``fit``'s ``RunEvents``, fed by the progress channel."""
+    return drive(RayTrainCarrier(cfg, plan, events))
+
+
+class RayTrainCarrier(Carrier):
+    """Ray Train's worker group: ``trainer.fit()`` is the attempt's start and wait, and its controller restarts
+    the group by the one retry policy (:func:`torch_trainer_class`); its last checkpoint is Ray Train's latest."""
+
+    retries_itself = True
+    late_announcements = True  # the controller announces the last checkpoint, not ordered with the run's end
+
+    def start(self, sink, attempt: int) -> None:
+        _start_autoscaling_coordinator()
+        self.trainer, self.result = _trainer(self.cfg, self.plan, sink), None
+
+    def wait(self) -> None:
+        from raytrain_mgpu.driver.callbacks import stop_main_thread_on_failure
+        from raytrain_mgpu.transports.ray_train.faults import controller_poll
+        from raytrain_mgpu.transports.preemption import watcher_where_notices_come
+
+        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (faults.py), and
+        # each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);
+        # no preemption watcher on a Ray this process started (transports/preemption.py)
+        with stop_main_thread_on_failure(self.events), controller_poll(min(self.cfg.placement_timeout_s, 60.0)), \
+                watcher_where_notices_come():
+            self.result = self.trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
+
+    def latest(self):
+        checkpoint = getattr(self.result, "checkpoint", None)
+        return None if checkpoint is None else checkpoint.path
+
+    def whole(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, ray.train.TrainingFailedError):
+            return _whole(self.cfg, exc, self.plan)
+        return super().whole(exc)
+
+
+def _trainer(cfg: TrainConfig, plan, sink):
+    """Ray Train's trainer of ``cfg``, its rank 0 reporting to ``sink`` (the run's progress channel)."""
     from ray.train import ScalingConfig
 
     from raytrain_mgpu.engine import devices
     from raytrain_mgpu.transports import ray_data as ray_ingest
-    from raytrain_mgpu.driver.callbacks import stop_main_thread_on_failure
-    from raytrain_mgpu.transports.ray_train.faults import controller_poll
-    from raytrain_mgpu.transports.preemption import watcher_where_notices_come
-    from raytrain_mgpu.driver.progress import ProgressSink, SinkPump
 
-    remove_stale_temporaries(RunFolder.of(cfg))  # e.g. a best-checkpoint copy a killed rank 0 left half-written
-    _start_autoscaling_coordinator()
-    sink = ProgressSink.open()
     trainer = torch_trainer_class()(
         train_worker,
         train_loop_config={"config": cfg, "plan": plan, "sink": sink},
@@ -102,37 +133,7 @@ def run_train_workers(cfg: TrainConfig, plan, events) -> RunResult:
         **ray_ingest.trainer_datasets(cfg),
     )
     trainer.placement_timeout_s = cfg.placement_timeout_s
-    # every rank's heartbeats judged; rank 0's attempts and the controller's failures in fit's goodput ledger
-    pump = SinkPump(sink, events, stall_timeout_s=cfg.stall_timeout_s, ledger=getattr(events, "goodput", None))
-    try:
-        # controller_poll: a report waits for the controller's next poll, 2 s apart by default (transports/ray_train/faults.py),
-        # and each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);
-        # no preemption watcher on a Ray this process started (checkpointing/preemption.py)
-        with stop_main_thread_on_failure(events), pump, controller_poll(min(cfg.placement_timeout_s, 60.0)), \
-                watcher_where_notices_come():
-            result = trainer.fit()  # a callback's failure aborts the run (stop_main_thread_on_failure)
-    except BaseException as exc:
-        if pump.failure is not None:  # the run was stopped for it: the callback's error, named
-            raise pump.failure
-        if isinstance(exc, ray.train.TrainingFailedError):
-            raise _whole(cfg, exc, pump.stall, plan) from exc
-        raise
-    finally:
-        sink.close()
-    if pump.failure is not None:  # on the last events, after the run ended
-        raise pump.failure
-    if result.checkpoint is None:
-        if cfg.fault_tolerance == "replica_groups":  # its checkpoints are the run folder's: none reported to Ray Train
-            state = RunFolder.of(cfg).state()
-            return RunResult(state.history, state.checkpoint, pump.startup)
-        return RunResult([], None, pump.startup)
-    folder = RunFolder.of(cfg)  # history.json only: the model files stay where they are
-    last = folder.uri_of(result.checkpoint.path)
-    if not _registered_before(result.checkpoint.path, pump.startup):  # this fit's: its announcement may be on its way
-        pump.wait_for_checkpoint(last)  # the controller's sends are not ordered with the run's end
-    if pump.failure is not None:
-        raise pump.failure
-    return RunResult(folder.checkpoint_history(result.checkpoint.path), last, pump.startup)
+    return trainer
 
 
 def _start_autoscaling_coordinator() -> None:
@@ -170,7 +171,7 @@ def run_config(cfg: TrainConfig, sink=None):
         callbacks=[] if sink is None else [CheckpointAnnouncer(sink, RunFolder.of(cfg).scheme)])
 
 
-def _whole(cfg: TrainConfig, error, stall, plan) -> BaseException:
+def _whole(cfg: TrainConfig, error, plan) -> BaseException:
     """``retry.whole_failure`` of Ray Train's ``TrainingFailedError``: its workers' failures, or its controller's
     (a worker group whose resources were never granted: what is pending, and the fix)."""
     from raytrain_mgpu.driver.cluster import pending_message
@@ -180,11 +181,4 @@ def _whole(cfg: TrainConfig, error, stall, plan) -> BaseException:
     placement = (pending_message(list(plan.bundles), f"strategy={cfg.strategy!r}", cfg.placement_timeout_s)
                  if type(controller).__name__ == "WorkerGroupStartupTimeoutError" else None)
     return whole_failure(cfg, controller if isinstance(controller, BaseException) else error,
-                         getattr(error, "worker_failures", None), stall, placement)
-
-
-def _registered_before(path: str, startup: Optional[dict]) -> bool:
-    """Whether the run's last checkpoint is the one its first attempt resumed from (this fit registered none, e.g.
-    every save skipped for non-finite weights): announced by an earlier ``fit``, not by this one's controller."""
-    resumed = (startup or {}).get("resumed_from")
-    return bool(resumed) and os.path.basename(resumed.rstrip("/")) == os.path.basename(path.rstrip("/"))
+                         getattr(error, "worker_failures", None), placement=placement)
