@@ -32,6 +32,8 @@ ALLOWED = {
     # A benchmark of the pipeline runner configures that strategy, as a user's config does:
     # a keyword value passed to TrainConfig, not a branch on it.
     ("bench/pipeline.py", "pipeline"),
+    # The lost-worker benchmark configures the one strategy replica groups run with, as a user's config does.
+    ("bench/lost_worker.py", "ddp"),
 }
 
 

@@ -38,6 +38,7 @@ def _examples() -> dict:
     from raytrain_mgpu.driver.callbacks import CallbackError
     from raytrain_mgpu.engine.step import NonFiniteError
     from raytrain_mgpu.transports.collective_timeouts import CollectiveTimeoutError
+    from raytrain_mgpu.engine.replica_groups import HealedFromPeer, RunOver
 
     return {cls: example for example in (
         WorkerError("mymodule.MyError", "it broke", "Traceback ...\nmymodule.MyError: it broke\n",
@@ -51,6 +52,8 @@ def _examples() -> dict:
         PipelineStepError("stage 1 failed at 1F0"),
         ScheduleError("an order that deadlocks"),
         _UsageError("train: unknown flag --x"),
+        HealedFromPeer("replica group 1 healed at step 950"),  # the engine's control flow: never leaves a rank
+        RunOver("the run's other groups had finished"),
     ) for cls in [type(example)]}
 
 
