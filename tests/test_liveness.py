@@ -103,8 +103,9 @@ def test_a_rank_that_cannot_write_the_storage_fails_before_its_first_step_naming
     folder = RunFolder(str(blocked / "run"))
     with pytest.raises(OSError, match=r"node 10\.0\.0\.3 cannot write and read TrainConfig.storage_path: "
                                       r".*blocked/run \((FileExistsError|NotADirectoryError|OSError): .*\)\. "
-                                      r"Checkpoints would fail there\. Mount the storage on every node"):
+                                      r"Checkpoints would fail there\. Mount the storage on every node") as refused:
         check_writable(folder, "10.0.0.3")
+    assert refused.value.errno is not None  # kept: the retry policy reads it (a read-only mount is not retried)
     check_writable(RunFolder(str(tmp_path / "fine" / "run")), "10.0.0.3")  # writes, reads, deletes
     assert list((tmp_path / "fine" / "run").iterdir()) == []
 
@@ -116,3 +117,14 @@ def test_a_rank_that_cannot_write_the_storage_fails_before_its_first_step_naming
     with pytest.raises(OSError, match="cannot write and read TrainConfig.storage_path"):
         engine.run()
     assert not POSITION.stepped and POSITION.phase == "setup"  # not a step, not a checkpoint's late failure
+
+
+def test_a_storage_that_refuses_writes_is_not_retried_but_a_hiccup_is():
+    import errno
+
+    from raytrain_mgpu.transports.retry import verdict
+
+    for refused in (errno.EROFS, errno.EACCES, errno.EPERM):
+        assert not verdict(OSError(refused, "node 10.0.0.3 cannot write and read ...")).retryable, refused
+    assert verdict(OSError(errno.EIO, "a hiccup")).retryable
+    assert verdict(OSError("no errno")).retryable

@@ -115,7 +115,9 @@ def check_writable(folder: RunFolder, node: str) -> None:
                    f"the same path (NFS, EFS, a shared disk), or use a bucket URI such as s3://bucket/runs that every "
                    f"node has credentials for.")
         try:
-            error = type(exc)(message) if isinstance(exc, OSError) else OSError(message)
+            # its errno kept: the retry policy tells a read-only mount (not retried) from a hiccup
+            error = (type(exc)(exc.errno, message) if isinstance(exc, OSError) and exc.errno is not None
+                     else type(exc)(message) if isinstance(exc, OSError) else OSError(message))
         except Exception:  # an OSError type that takes other arguments
             error = OSError(message)
         raise error from exc

@@ -33,6 +33,7 @@ carried to the driver on the exception (``errors.crossing``).
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -53,6 +54,9 @@ _PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "r
               "communicator was aborted", "timed out", "timeout", "socket closed", "connection refused")
 """A collective's words when a peer died or never came (gloo, NCCL): the error of the ranks left behind."""
 _MISSING = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# A storage that refuses writes (a read-only mount, a refused access) raises a plain OSError with one of these: the
+# same node refuses them again, as a PermissionError would be
+_REFUSED = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class Verdict(NamedTuple):
@@ -102,7 +106,7 @@ def verdict(exc: BaseException, stepped: Optional[bool] = None) -> Verdict:
         return Verdict(False, "out of memory: the same batch size needs the same memory")
     if isinstance(exc, (ImportError, ValueError)):
         return Verdict(False, "a configuration or code error: a retry raises it again")
-    if isinstance(exc, _MISSING):
+    if isinstance(exc, _MISSING) or (isinstance(exc, OSError) and exc.errno in _REFUSED):
         return Verdict(False, "a missing file or a refused permission")
     if names & set(_LOST):
         return Verdict(True, "a lost process or node")
