@@ -44,7 +44,7 @@ def _config(storage: str, **fields) -> "rtm.TrainConfig":
 
 
 def _group(index: int, count: int, storage: str, lighthouse: str, port: int, barrier, out: str,
-           kill_after: int, park: dict) -> None:
+           kill_after: int, park: dict, worker_group: str = "local", fields: dict = None) -> None:
     """One replica group's process: a world of one, its engine trained to the end (or killed after step
     ``kill_after``); ``park``: wait after step ``park["step"]`` until ``park["file"]`` exists."""
     import torch.distributed as dist
@@ -61,7 +61,7 @@ def _group(index: int, count: int, storage: str, lighthouse: str, port: int, bar
     os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
-    cfg = _config(storage)
+    cfg = _config(storage, **(fields or {}))
     data = build_datasets(cfg.data)
     assignment = resolve_devices(False, 1)
     ctx = WorkerContext(0, 1, 0, 1, 0, assignment.compute, assignment, replica_group=(index, count))
@@ -85,7 +85,7 @@ def _group(index: int, count: int, storage: str, lighthouse: str, port: int, bar
                 time.sleep(0.05)
 
     STEP_EVENTS.append(events)
-    transport = LocalTransport(cfg, index, count, None, worker_group="local", barrier=barrier.wait)
+    transport = LocalTransport(cfg, index, count, None, worker_group=worker_group, barrier=barrier.wait)
     engine = Engine(cfg, build_plan(cfg, len(data.train)), data_parallel_steps(cfg, ctx, data), transport, data)
     engine.run()
     transport.run_over()
@@ -104,11 +104,12 @@ def lighthouse():
     server.shutdown()
 
 
-def _start(tmp_path: Path, lighthouse: str, barrier, index: int, kill_after: int = -1, park: dict = None):
+def _start(tmp_path: Path, lighthouse: str, barrier, index: int, kill_after: int = -1, park: dict = None,
+           worker_group: str = "local", fields: dict = None):
     from raytrain_mgpu.transports.placement import free_address
 
     process = _forkserver.process(_group, (index, 2, str(tmp_path / "runs"), lighthouse, free_address()[1], barrier,
-                                           str(tmp_path), kill_after, park or {}))
+                                           str(tmp_path), kill_after, park or {}, worker_group, fields))
     process.start()
     return process
 
@@ -170,6 +171,29 @@ def test_a_killed_group_is_replaced_heals_from_the_survivor_and_both_end_equal(t
     assert 20 <= alone < 132, history0  # from its step 21 until the replacement joined (after step 40)
     assert history0[-1]["short_steps"] == 0, history0  # both again by the last epoch
     assert history0[-1]["test_accuracy"] > 0.8
+
+
+@pytest.mark.timeout(300)
+def test_when_every_group_is_lost_the_new_groups_resume_from_the_leaders_step_checkpoint(tmp_path, lighthouse):
+    fields = {"checkpoint_every_n_steps": 10}
+    barrier = _forkserver.context().Barrier(2)
+    lost = [_start(tmp_path, lighthouse, barrier, index, kill_after=25, fields=fields) for index in (0, 1)]
+    for process in lost:
+        process.join(BOUND_S)
+        assert process.exitcode == -signal.SIGKILL, process.exitcode
+    # Ray Train's whole-group restart: a new worker group (its own marks), both groups again
+    barrier = _forkserver.context().Barrier(2)
+    again = [_start(tmp_path, lighthouse, barrier, index, worker_group="local2", fields=fields) for index in (0, 1)]
+    for index, process in enumerate(again):
+        _join(process, f"group {index} after the restart")
+    (history0, weights0), = _results(tmp_path, 0)
+    (history1, weights1), = _results(tmp_path, 1)
+    assert [row["step"] for row in history0] == [44, 88, 132]
+    for key in weights0:
+        assert torch.equal(weights0[key], weights1[key]), key
+    # resumed (attempt 1) from a step checkpoint the leading group wrote: without one it would start again at 0
+    assert [row["attempt"] for row in history0] == [1, 1, 1], history0
+    assert history0[0]["short_steps"] == 0
 
 
 @pytest.mark.timeout(300)

@@ -66,6 +66,7 @@ def _fit(root: Path, mode: str, kill_step: int, steps: int) -> dict:
     result = rtm.fit(rtm.TrainConfig(
         model="mlp", dataset="raytrain_mgpu.bench.lost_worker:killing_digits", data_root=str(probe), strategy="ddp",
         num_workers=2, use_gpu=False, runner="ray", epochs=-(-steps // 44), max_steps=steps, batch_size=32, lr=0.05,
+        lr_schedule="cosine",
         fault_tolerance=mode, max_failures=2, storage_path=str(probe / "runs"), name="lost-worker"))
     wall = time.perf_counter() - started
     return {"wall_s": wall, "accuracy": result.history[-1].get("test_accuracy"),
