@@ -118,7 +118,7 @@ def test_choices_are_the_literal_types_values():
     literal = {name for name, hint in hints.items() if typing.get_origin(hint) is typing.Literal}
     # optimizer, lr_schedule and loss: Union[Literal, str] (a name or "module:function"), checked as factories
     assert literal == {"precision", "lr_scaling", "schedule", "placement", "mode", "ingest", "runner",
-                       "on_nonfinite", "save", "resume"}
+                       "on_nonfinite", "save", "resume", "fault_tolerance"}
     for name in sorted(literal):
         valid = list(typing.get_args(hints[name]))
         with pytest.raises(ValueError, match=rf"TrainConfig.{name}='bogus': is not one of "

@@ -43,7 +43,7 @@ def _config(storage: str, **fields) -> "rtm.TrainConfig":
                               "use_gpu": False, "storage_path": storage, "name": "rg", **fields})
 
 
-def _group(index: int, count: int, storage: str, lighthouse: str, port: int, barrier, out: str,
+def _group(index: int, count: int, storage: str, lighthouse: str, barrier, out: str,
            kill_after: int, park: dict, worker_group: str = "local", fields: dict = None) -> None:
     """One replica group's process: a world of one, its engine trained to the end (or killed after step
     ``kill_after``); ``park``: wait after step ``park["step"]`` until ``park["file"]`` exists."""
@@ -58,9 +58,12 @@ def _group(index: int, count: int, storage: str, lighthouse: str, port: int, bar
     from raytrain_mgpu.transports.base import data_parallel_steps
     from raytrain_mgpu.transports.ray_train.replica_groups import ReplicaGroupTransport
 
-    os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # the group's store on a port the OS picks (a port picked first and bound later may be taken in between);
+    # torchft's manager finds it through MASTER_ADDR/MASTER_PORT, as Ray Train sets them
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     cfg = _config(storage, **(fields or {}))
     data = build_datasets(cfg.data)
     assignment = resolve_devices(False, 1)
@@ -85,7 +88,8 @@ def _group(index: int, count: int, storage: str, lighthouse: str, port: int, bar
                 time.sleep(0.05)
 
     STEP_EVENTS.append(events)
-    transport = LocalTransport(cfg, index, count, None, worker_group=worker_group, barrier=barrier.wait)
+    transport = LocalTransport(cfg, index, count, None, worker_group=worker_group,
+                               barrier=lambda: barrier.wait(BOUND_S))
     engine = Engine(cfg, build_plan(cfg, len(data.train)), data_parallel_steps(cfg, ctx, data), transport, data)
     engine.run()
     transport.run_over()
@@ -93,24 +97,32 @@ def _group(index: int, count: int, storage: str, lighthouse: str, port: int, bar
     (outdir / f"history-{index}-{pid}.json").write_text(json.dumps(engine.state.history))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def lighthouse():
+    """A lighthouse of the test's own: a group left over from another test would count as a live peer."""
     from torchft.coordination import LighthouseServer
 
     from raytrain_mgpu.transports.ray_train.replica_groups import LIGHTHOUSE
 
     server = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
     yield server.address()
+    for process in _STARTED:  # none outlives its test
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+    _STARTED.clear()
     server.shutdown()
+
+
+_STARTED: list = []
 
 
 def _start(tmp_path: Path, lighthouse: str, barrier, index: int, kill_after: int = -1, park: dict = None,
            worker_group: str = "local", fields: dict = None):
-    from raytrain_mgpu.transports.placement import free_address
-
-    process = _forkserver.process(_group, (index, 2, str(tmp_path / "runs"), lighthouse, free_address()[1], barrier,
-                                           str(tmp_path), kill_after, park or {}, worker_group, fields))
+    process = _forkserver.process(_group, (index, 2, str(tmp_path / "runs"), lighthouse, barrier, str(tmp_path),
+                                           kill_after, park or {}, worker_group, fields))
     process.start()
+    _STARTED.append(process)
     return process
 
 
