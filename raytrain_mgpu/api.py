@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import torch
 from torch import nn
 
 from raytrain_mgpu.engine.batches import as_shape, shape_record
@@ -25,8 +26,12 @@ from raytrain_mgpu.driver.cluster import check_placeable, connect, keep_ray_star
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import check_data
 from raytrain_mgpu.data.ray_datasets import take as take_ray_datasets
+from raytrain_mgpu.engine.weights import load_weights, read_weights
 from raytrain_mgpu.models import build_model
+from raytrain_mgpu.models.lora import apply_lora
+from raytrain_mgpu.planning.auto import RESUMING, previous_layout, resolve_auto
 from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
+from raytrain_mgpu.planning.compare import compare as compare_with
 from raytrain_mgpu.strategies.elastic import describe_range
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.driver.preflight import (check_data_fits, check_model_builds, check_run_folder,
@@ -38,6 +43,8 @@ from raytrain_mgpu.engine.run_state import stops_early
 from raytrain_mgpu.driver.runlock import RunLock
 from raytrain_mgpu.driver.progress import ProgressPrinter
 from raytrain_mgpu.driver.callbacks import RunEvents, RunInfo, load_callbacks
+from raytrain_mgpu.driver.export import export_run
+from raytrain_mgpu.driver.loggers import build_loggers
 from raytrain_mgpu.driver.goodput import Ledger, read_ledger
 from raytrain_mgpu.strategies import get_strategy
 from raytrain_mgpu.transports import carrier
@@ -88,20 +95,14 @@ class TrainResult:
         with ckpt_format.local_checkpoint(path) as directory:
             meta = ckpt_format.read_meta(directory)
             state = ckpt_format.load_model_state(directory)
-        import torch
-
         with torch.random.fork_rng(devices=[]):  # built on the run's seed, as training built it; the caller's stream kept
             torch.manual_seed(self.config.seed)
             model = build_model(self.config.model, as_shape(meta["input_shape"]), meta["num_classes"],
                                 self.config.model_kwargs, pretrained=True)  # an hf: model's base weights
             if self.config.lora is not None:  # a peft.PeftModel: the adapters' A drawn as training drew it
-                from raytrain_mgpu.models.lora import apply_lora
-
                 torch.manual_seed(self.config.seed)
                 model = apply_lora(model, self.config.lora)
         if self.config.save == "trainable":  # the frozen weights: from init_from (or the builder), as training had
-            from raytrain_mgpu.engine.weights import load_weights, read_weights
-
             if self.config.init_from is not None:
                 load_weights(model, read_weights(self.config.init_from)[0], self.config.init_strict,
                              self.config.init_from)
@@ -116,8 +117,6 @@ class TrainResult:
         adapters merged, an ``hf:`` model's tokenizer beside it), or LoRA's adapter folder (``format="peft"``), in
         ``out`` (default ``<run>/export``); consolidated on this machine, also from a sharded (fsdp) run. The written
         paths. The CLI's ``raytrain-mgpu export RUN`` is the same."""
-        from raytrain_mgpu.driver.export import export_run
-
         # this config's model (code from Python too), with its adapters
         model = self.load_model(best=best) if format in ("hf", "peft") else None
         return export_run(self.path, out=out, fmt=format, best=best, model=model)
@@ -151,8 +150,6 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
     try:
         auto_record = {}
         if cfg.strategy == "auto":
-            from raytrain_mgpu.planning.auto import RESUMING, previous_layout
-
             previous = previous_layout(cfg)  # a resumed (or finished) auto run keeps its layout: no Ray needed
             if previous:
                 cfg, auto_record = cfg.replace(**previous), {"auto_strategy": previous["strategy"],
@@ -176,8 +173,6 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
             keep_ray_started(started)  # the next fit in this process finds it up
         connected = time.time()
         if cfg.strategy == "auto":
-            from raytrain_mgpu.planning.auto import resolve_auto
-
             # validated and model-checked; auto_measure times the candidates with `compare`
             # (this module's: planning never imports the api)
             cfg, auto_record = resolve_auto(cfg, compare=compare)
@@ -223,8 +218,6 @@ def fit(cfg: TrainConfig, stream=None) -> TrainResult:
 def _watchers(cfg: TrainConfig):
     """The loggers and callbacks as ``(label, callback)``, and ``cfg`` without callback objects:
     the config is shipped to workers and recorded in checkpoints, where only names travel."""
-    from raytrain_mgpu.driver.loggers import build_loggers
-
     watchers = build_loggers(cfg) + load_callbacks(cfg.callbacks)
     if any(not isinstance(entry, str) for entry in cfg.callbacks):
         cfg = cfg.replace(callbacks=[entry for entry in cfg.callbacks if isinstance(entry, str)])
@@ -338,7 +331,5 @@ def compare(cfg: TrainConfig, strategies: Optional[List[str]] = None, steps: int
     (default ``<storage_path>/compare-<time>``). ``stream``: where each run's progress
     lines go (default: nowhere).
     """
-    from raytrain_mgpu.planning.compare import compare as compare_with
-
     return compare_with(cfg, strategies, steps, warmup_steps, memory_budget_bytes, out_dir,
                         storage_path=storage_path, batch_search=batch_search, stream=stream, fit=fit)

@@ -25,7 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
+from raytrain_mgpu import __version__
 from raytrain_mgpu.config import yaml_values as _yaml
+from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu._cli_options import (Parser as _Parser, UsageError as _UsageError, WordList, plain as _plain,
                                         renamed, split_commas)
 from raytrain_mgpu.config.train import TrainConfig
@@ -132,8 +134,6 @@ _ALLOW_CODE_HELP = ("let the --config file name code (model or dataset 'module:f
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from raytrain_mgpu import __version__
-
     parser = _Parser(prog="raytrain-mgpu", description=_plain(__doc__.split("\n")[0]))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
@@ -274,6 +274,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # a bad value fails here, before torch and Ray load
+    # late: torch and Ray (2.6 s of import, with the api) load for a run, not for --help or a bad value
     from raytrain_mgpu.api import fit
     from raytrain_mgpu.driver.goodput import describe
 
@@ -290,7 +291,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    from raytrain_mgpu.api import compare
+    from raytrain_mgpu.api import compare  # late: torch and Ray, as in _train
 
     report = compare(cfg, strategies=args.strategies, steps=args.steps, warmup_steps=args.measure_after_steps,
                      out_dir=args.out_dir, batch_search=args.batch_search, stream=sys.stdout)
@@ -301,14 +302,14 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    from raytrain_mgpu.tune import search
+    from raytrain_mgpu.tune import search  # late: torch and Ray, as in _train
 
     search(cfg, args.param, args.trials, args.metric, None, args.scheduler, stream=sys.stdout)
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from raytrain_mgpu.data.convert import convert_to_parquet
+    from raytrain_mgpu.data.convert import convert_to_parquet  # late: torch (2.2 s of import), not for --help
 
     cfg = TrainConfig(dataset=args.dataset, data_root=args.data_root, download=args.download)
     paths = convert_to_parquet(cfg.data, args.out, rows_per_file=args.rows_per_file)
@@ -317,7 +318,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from raytrain_mgpu.data.lm_tokenize import tokenize_to_parquet
+    from raytrain_mgpu.data.lm_tokenize import tokenize_to_parquet  # late: torch (2.3 s of import), not for --help
 
     cfg = TrainConfig(dataset="text", data_root=args.data_root, tokenizer=args.tokenizer, seq_len=args.seq_len,
                       text_column=args.text_column)
@@ -327,7 +328,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from raytrain_mgpu import plot  # matplotlib loads here, not for --help
+    from raytrain_mgpu import plot  # late: torch (2.6 s of import) and then matplotlib load here, not for --help
 
     if args.live:
         print(f"redrawing every {args.every:g} s until every run finishes (Ctrl-C stops)", flush=True)
@@ -339,8 +340,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from raytrain_mgpu.config.redact import redact
-    from raytrain_mgpu.driver.export import export_run  # torch loads here, not for --help
+    from raytrain_mgpu.driver.export import export_run  # late: torch (2.4 s of import) loads here, not for --help
 
     paths = export_run(args.run, out=args.out, fmt=args.format, best=args.best, allow_code=args.allow_code)
     print(f"wrote {len(paths)} file(s):")
@@ -351,14 +351,15 @@ def _export(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.short_epochs:
+        # late: a benchmark loads when it runs (--help imports none: tests/test_imports.py), and torch and Ray with it
         from raytrain_mgpu.bench import short_epochs
 
         return short_epochs.run_and_print(args)
     if args.step_scalars:
-        from raytrain_mgpu.bench import step_scalars
+        from raytrain_mgpu.bench import step_scalars  # late: see short_epochs above
 
         return step_scalars.run_and_print(args)
-    from raytrain_mgpu.bench import ddp as bench
+    from raytrain_mgpu.bench import ddp as bench  # late: see short_epochs above
 
     return bench.run_and_print(args)
 
@@ -388,8 +389,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _export(args)
         return _tokenize(args) if args.data_command == "tokenize" else _convert(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
-        from raytrain_mgpu.config.redact import redact
-
         # A bad value is one line; a runtime failure may carry a grid or per-rank causes.
         text = " ".join(str(exc).split()) if isinstance(exc, ValueError) else str(exc)
         print(f"raytrain-mgpu: error: {redact(text)}", file=sys.stderr)

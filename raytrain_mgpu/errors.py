@@ -114,6 +114,8 @@ def _arrives_whole(exc: BaseException) -> bool:
     """Whether ``exc`` pickles and unpickles (as Ray does: with cloudpickle, by value for ``__main__``'s
     classes) into the same type with the same message and notes."""
     try:
+        # late: this module is standard library only (the config's checks raise its errors, and --help imports
+        # no Ray); only a rank's failure, in a process that runs Ray already, asks Ray's cloudpickle
         from ray import cloudpickle as dumper
     except ImportError:  # outside Ray: the standard pickle
         dumper = pickle

@@ -123,11 +123,13 @@ def draw_runs(runs: Dict[str, List[dict]], metric: Optional[str] = None, _logged
     every panel, train is solid, test dashed. A column a run lacks (or holds no number in)
     is skipped with one log line (once per ``_logged`` set: a live plot's redraws share one).
     """
+    # late: picks matplotlib's Agg backend, which must come before pyplot, when a chart is drawn (not on import: a
+    # notebook that imports this module keeps its own backend until then); matplotlib takes 0.5 s to import
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib import pyplot as plt  # late: see above
+    from matplotlib.ticker import MaxNLocator  # late: see above
 
     metric_columns = _metric_columns(runs, metric)
     logged = set() if _logged is None else _logged
@@ -169,7 +171,7 @@ def _write_png(fig, out: str) -> None:
     """``out`` (a path or URI): temporary name, then rename, so a reader never sees half a PNG."""
     import io
 
-    from matplotlib import pyplot as plt
+    from matplotlib import pyplot as plt  # late: after draw_runs chose the backend
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)

@@ -28,8 +28,19 @@ import math
 import re
 from typing import Callable, Dict, List, Optional, Sequence
 
+import ray
+from ray import tune
+
+from raytrain_mgpu.api import fit
+from raytrain_mgpu.config import yaml_values as _yaml
+from raytrain_mgpu.config.code import better_mode, monitor_keys
+from raytrain_mgpu.config.factories import is_factory
 from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.driver import cluster  # by module: tests replace cluster.connect
 from raytrain_mgpu.driver.callbacks import Callback
+from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
+from raytrain_mgpu.strategies.plan import build_plan
+from raytrain_mgpu.transports.base import local_refusal
 
 __all__ = ["trainable", "max_concurrent_trials", "parse_param", "search", "default_metric", "TRIAL_RESOURCES"]
 
@@ -65,8 +76,6 @@ class _ReportEpochs(Callback):
         self._report()  # the last epoch, or one no checkpoint followed
 
     def _report(self) -> None:
-        from ray import tune
-
         if self._pending is not None:
             pending, self._pending = self._pending, None
             tune.report(pending)
@@ -74,9 +83,6 @@ class _ReportEpochs(Callback):
 
 def in_trial(cfg: TrainConfig) -> bool:
     """Whether ``cfg``'s trials train inside their own process (one worker, nothing only Ray provides)."""
-    from raytrain_mgpu.strategies.plan import build_plan
-    from raytrain_mgpu.transports.base import local_refusal
-
     return cfg.runner != "ray" and cfg.strategy != "auto" and local_refusal(cfg.replace(runner="local"),
                                                                            build_plan(cfg)) is None
 
@@ -84,17 +90,10 @@ def in_trial(cfg: TrainConfig) -> bool:
 def trainable(cfg: TrainConfig) -> Callable:
     """A Ray Tune trainable whose trials run ``fit(cfg.replace(**trial values))``, one run folder each; in the
     trial's own process, with the worker's resources, where the run can (:func:`in_trial`)."""
-    from ray import tune
-
-    from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
-    from raytrain_mgpu.strategies.plan import build_plan
-
     cfg, _ = resolve_auto_devices(cfg)  # read once here: every trial trains the same layout
     inside = in_trial(cfg)
 
     def run_trial(values: dict) -> None:
-        from raytrain_mgpu.api import fit
-
         trial = tune.get_context().get_trial_id()
         trial_cfg = cfg.replace(**values, name=f"{cfg.name}-{trial}", **({"runner": "local"} if inside else {}))
         fit(trial_cfg.replace(callbacks=[*cfg.callbacks, _ReportEpochs(trial_cfg.epochs)]))
@@ -106,16 +105,11 @@ def trainable(cfg: TrainConfig) -> Callable:
 def max_concurrent_trials(cfg: TrainConfig, resources: Optional[Dict[str, float]] = None) -> int:
     """How many runs of ``cfg`` the cluster (``ray.cluster_resources()``, or ``resources``) holds at once;
     1 for ``strategy="auto"``, whose layout each trial's ``fit`` chooses from the whole cluster."""
-    from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
-    from raytrain_mgpu.strategies.plan import build_plan
-
     if cfg.strategy == "auto":
         return 1
     cfg, _ = resolve_auto_devices(cfg)  # use_gpu/num_workers "auto": the layout the trials will have
 
     if resources is None:
-        import ray
-
         resources = ray.cluster_resources()
     needed: Dict[str, float] = {}
     for bundle in build_plan(cfg).bundles:
@@ -131,10 +125,6 @@ _PARAM = re.compile(r"^(?P<name>\w+)=(?P<kind>grid|choice|uniform|loguniform|ran
 def parse_param(text: str):
     """``name=kind:values`` (``lr=loguniform:1e-4:1e-1``, ``batch_size=grid:32,64``, ``optimizer=choice:sgd,adamw``,
     ``uniform:lo:hi``, ``randint:lo:hi``) as ``(name, Tune search space)``; errors name the fix."""
-    from ray import tune
-
-    from raytrain_mgpu.config import yaml_values as _yaml
-
     match = _PARAM.match(text.strip())
     fix = ("Write NAME=KIND:VALUES with KIND one of grid, choice (comma-separated values), uniform, loguniform, "
            "randint (LOW:HIGH), e.g. lr=loguniform:1e-4:1e-1.")
@@ -167,8 +157,6 @@ def default_metric(cfg: TrainConfig) -> str:
     if cfg.monitor is not None:
         return cfg.monitor
     split = "val" if cfg.val_fraction is not None or (isinstance(cfg.dataset, dict) and "val" in cfg.dataset) else "test"
-    from raytrain_mgpu.config.factories import is_factory
-
     accuracy = "accuracy" in cfg.metrics if cfg.metrics is not None else (
         isinstance(cfg.dataset, str) and not is_factory(cfg.dataset))
     return f"{split}_{'accuracy' if accuracy else 'loss'}"
@@ -182,8 +170,6 @@ def search(cfg: TrainConfig, params: Sequence[str], trials: int = 8, metric: Opt
 
     ``metric`` None: :func:`default_metric`. ``mode`` None: ``cfg.mode``, which by default follows the metric
     (accuracy maximised, a loss minimised: ``config_code.better_mode``)."""
-    from raytrain_mgpu.config.code import better_mode, monitor_keys
-
     space = dict(parse_param(p) for p in params)  # bad input fails before Ray
     metric = metric or default_metric(cfg)
     if metric not in monitor_keys(cfg):
@@ -192,15 +178,11 @@ def search(cfg: TrainConfig, params: Sequence[str], trials: int = 8, metric: Opt
     mode = better_mode(metric, cfg.metrics, mode or cfg.mode)
     if not trials >= 1:
         raise ValueError(f"--trials {trials}: at least 1 trial. Set --trials 8, say.")
-    from ray import tune
-
-    from raytrain_mgpu.driver.cluster import connect
-    from raytrain_mgpu.planning.auto_devices import resolve_auto_devices
-
     cfg, devices_line = resolve_auto_devices(cfg)  # use_gpu/num_workers "auto": the GPUs found, the layout on them
     if devices_line and stream is not None:
         stream.write(f"devices: {devices_line}\n")
-    connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)  # a local Ray for the CLI, as fit starts one
+    # a local Ray for the CLI, as fit starts one
+    cluster.connect(cfg.address, cfg.verbose, local_has_gpu_check=cfg.use_gpu)
     asha = tune.schedulers.ASHAScheduler(max_t=cfg.epochs, grace_period=1) if scheduler == "asha" else None
     tuner = tune.Tuner(trainable(cfg), param_space=space,
                        tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=trials, scheduler=asha,

@@ -41,6 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pyarrow.fs as pafs
 import torch
 
 from raytrain_mgpu.config.factories import code_record
@@ -131,6 +132,8 @@ def consolidate_sharded(directory: str, key: str) -> dict:
     # DCP's own reading of a checkpoint without the model, as format_utils.dcp_to_torch_save does it (the
     # public dcp.load fills a copy of an empty state dict), asked for one key: the optimizer's state
     # (twice the model's, AdamW) stays on disk.
+    # late: torch.distributed.checkpoint takes 0.77 s to import; the driver (the api, export, plot) imports this
+    # module and needs it only to read a sharded checkpoint (a rank has it already, through parallel/)
     from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -241,8 +244,6 @@ def check_resumable(meta: dict, model, strategy: str, directory: str) -> None:
 
 def filesystem(path: str):
     """``(pyarrow FileSystem, path in it)`` for a local path or a storage URI."""
-    import pyarrow.fs as pafs
-
     if "://" in path:
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), path
@@ -252,8 +253,6 @@ def filesystem(path: str):
 def local_checkpoint(path: str) -> Iterator[str]:
     """A local folder with the checkpoint at ``path`` (a local path or a storage URI; a
     remote one is downloaded into a temporary folder for the time of the ``with``)."""
-    import pyarrow.fs as pafs
-
     fs, inner = filesystem(path)
     if isinstance(fs, pafs.LocalFileSystem):
         yield inner

@@ -34,6 +34,9 @@ import math
 import time
 from typing import Callable, Optional
 
+import torch
+import torch.distributed as dist
+
 from raytrain_mgpu.data.ingest import resumes_mid_epoch
 from raytrain_mgpu.engine.run_state import at_max_steps
 from raytrain_mgpu.checkpointing.step_checkpoints import step_checkpoint_due
@@ -96,9 +99,6 @@ class AnyRank:
 
     def __call__(self, seen: list) -> list:
         """Every flag of ``seen`` true on some rank (one all-reduce of all of them)."""
-        import torch
-        import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return list(seen)
         if self._group is None:

@@ -27,9 +27,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import tempfile
 import uuid
+from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Union
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.checkpointing.files import HISTORY_FILE as CHECKPOINT_HISTORY_FILE
@@ -99,8 +105,6 @@ class RunFolder:
     @property
     def is_local(self) -> bool:
         """A folder of this machine's filesystem (also for ``file://``): paths work as they are."""
-        import pyarrow.fs as pafs
-
         return isinstance(self.fs, pafs.LocalFileSystem)
 
     def join(self, *names: str) -> str:
@@ -116,16 +120,12 @@ class RunFolder:
         return f"{self.scheme}://{path}" if self.scheme else path
 
     def _exists(self, path: str, directory: bool = False) -> bool:
-        import pyarrow.fs as pafs
-
         kind = self.fs.get_file_info(path).type
         return kind == (pafs.FileType.Directory if directory else pafs.FileType.File)
 
     # ------------------------------------------------------------------ checkpoints
 
     def _folders(self, prefix: str) -> list:
-        import pyarrow.fs as pafs
-
         entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return sorted((e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith(prefix)),
                       key=lambda e: e.base_name)
@@ -142,8 +142,6 @@ class RunFolder:
 
     def _shards_there(self, path: str) -> bool:
         """Whether a sharded checkpoint's ``.metadata`` and every file it names are in ``path``."""
-        import pyarrow.fs as pafs
-
         folder = f"{path}/{SHARDED_DIR}"
         try:
             with self.fs.open_input_stream(f"{folder}/.metadata") as stream:
@@ -192,8 +190,6 @@ class RunFolder:
         if self.is_local:
             yield path
             return
-        import pyarrow.fs as pafs
-
         with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-read-") as local:
             pafs.copy_files(path, local, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
             yield local
@@ -205,8 +201,6 @@ class RunFolder:
             self.fs.create_dir(path, recursive=True)
             yield path
             return
-        import pyarrow.fs as pafs
-
         with tempfile.TemporaryDirectory(prefix="raytrain-mgpu-write-") as local:
             yield local
             pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
@@ -237,8 +231,6 @@ class RunFolder:
         return CheckpointInfo(name, final, self.uri_of(final), meta)
 
     def _copy_meta_last(self, source: str, dest: str) -> None:
-        import pyarrow.fs as pafs
-
         files = [e.path for e in self.fs.get_file_info(pafs.FileSelector(source, recursive=True))
                  if e.type == pafs.FileType.File]
         for path in sorted(files, key=lambda p: p.endswith(f"/{META_FILE}")):
@@ -255,9 +247,6 @@ class RunFolder:
         """The best copy, the one way every transport makes it: the model parts, ``meta.json`` and ``history.json``
         of the local checkpoint ``directory`` into :data:`BEST_CHECKPOINT` (no train state: it is loaded, not
         resumed); ``model_state``: a sharded checkpoint's model, gathered, written as ``model.pt`` instead."""
-        import shutil
-        from pathlib import Path
-
         tmp = self.temporary(BEST_CHECKPOINT)
         with self.writable(tmp) as target:
             if model_state is not None:
@@ -300,8 +289,6 @@ class RunFolder:
 
     def read_history(self) -> Optional[list]:
         """``history.parquet`` as a list of rows, or None when there is none."""
-        import pyarrow.parquet as pq
-
         path = self.join(HISTORY_FILE)
         if not self._exists(path):
             return None
@@ -311,9 +298,6 @@ class RunFolder:
         """``history.parquet``: temporary name, then rename, so a crash leaves the previous one, never half."""
         if not rows:
             return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         self.fs.create_dir(self.path, recursive=True)
         tmp = self.join(f".{HISTORY_FILE}.tmp-{uuid.uuid4().hex[:12]}")
         keys = list(dict.fromkeys(key for row in rows for key in row))  # every row's keys, not only the first's

@@ -21,8 +21,13 @@ from raytrain_mgpu.config.names import SPELLED_OTHERWISE, check_number, did_you_
 from raytrain_mgpu.config.factories import function_name, is_factory, is_object
 from raytrain_mgpu.config.code import (check_callbacks, check_code_choices, check_lr_schedule, check_metrics,
                                        check_model_and_dataset, check_monitor, check_objective_signatures, is_code)
+from raytrain_mgpu.config.sections import TensorParallelStyle
 from raytrain_mgpu.config.units import parse_bytes
+from raytrain_mgpu.data import check_data_fields
+from raytrain_mgpu.data.ingest import check_ingest
+from raytrain_mgpu.models import check_model_name
 from raytrain_mgpu.models.huggingface import absolute, is_hf, run_label
+from raytrain_mgpu.models.lora import check_lora
 
 __all__ = ["validate", "warn_unused", "fail", "coerce", "check_fields", "check_name", "choices"]
 
@@ -54,18 +59,14 @@ def validate(cfg) -> Dict[str, Any]:
         model = run_label(model) if is_hf(model) else model  # "hf:/models/llama-3" -> "hf.llama-3"
         # one plain folder name: "torchvision.models:resnet18" -> "torchvision.models.resnet18"
         cfg.name = "-".join(str(part).replace(":", ".") for part in (model, dataset, cfg.strategy))
-    # The registries import torch: imported here, not at module top, so the config imports light.
-    from raytrain_mgpu.data import check_data_fields
-    from raytrain_mgpu.data.ingest import check_ingest
-    from raytrain_mgpu.models import check_model_name
-    from raytrain_mgpu.models.lora import check_lora
-
     check_model_name(cfg.model)
     cfg.model = absolute(cfg.model)  # hf:./folder, read from the driver's working folder: a worker's is another
     check_lora(cfg)  # LoRA's settings on an hf: model (sets save="trainable": checkpoints hold the adapters)
     check_data_fields(cfg)  # the dataset name, loader workers and transforms
     check_ingest(cfg)  # ingest="ray_data": the datasets Ray Data streams (data/ingest.py)
-    from raytrain_mgpu.strategies import get_strategy  # imports torch: after the cheap name checks
+    # late: strategies/ sits above the config (the one upward import tests/test_imports.py allows): at the top, every
+    # strategy would load with the config (--help too), and a strategy importing the config would make a cycle
+    from raytrain_mgpu.strategies import get_strategy
     from raytrain_mgpu.strategies.elastic import check_worker_range
 
     check_worker_range(cfg)  # a count, "auto", or (min, max) with an elastic strategy and a batch every count splits
@@ -83,6 +84,7 @@ def _check_strategy_rules(cfg, strategy) -> None:
     no device is read at construction; ``fit`` lays it out on the devices found and checks again). With
     ``use_gpu="auto"`` the config passes where either answer does: a GPU-only option (``precision="16-mixed"``,
     ``sync_batchnorm``) is refused when ``fit`` finds no GPU, not here."""
+    # late: strategies/, as in validate
     from raytrain_mgpu.strategies.base import check_lora_strategy
     from raytrain_mgpu.strategies.replica_groups import check_replica_groups
     from raytrain_mgpu.strategies.elastic import at_count, worker_range
@@ -105,7 +107,7 @@ def _check_strategy_rules(cfg, strategy) -> None:
 
 def unused_options(cfg, strategy_cls) -> Dict[str, Any]:
     """The optional fields ``cfg`` sets (to other than their default) that ``strategy_cls`` never reads."""
-    from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS
+    from raytrain_mgpu.strategies.base import OPTIONAL_FIELDS  # late: strategies/, as in validate
 
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     return {option: getattr(cfg, option) for option in OPTIONAL_FIELDS
@@ -120,7 +122,7 @@ def warn_unused(unused: Dict[str, Any], strategy: str, stacklevel: int) -> None:
     """
     if not unused:
         return
-    from raytrain_mgpu.strategies import STRATEGIES
+    from raytrain_mgpu.strategies import STRATEGIES  # late: strategies/, as in validate
 
     for option, value in unused.items():
         users = sorted(name for name, cls in STRATEGIES.items() if option in cls.options_used)
@@ -195,8 +197,6 @@ def check_fields(cfg) -> None:
 
 def _check_tensor_parallel(cfg) -> None:
     """``tensor_parallel_plan``'s shape and styles (whether its paths exist is checked on the model, before Ray)."""
-    from raytrain_mgpu.config.sections import TensorParallelStyle
-
     plan, styles = cfg.tensor_parallel_plan, typing.get_args(TensorParallelStyle)
     if plan is not None and not (isinstance(plan, dict) and plan and all(
             isinstance(k, str) and k.strip() and v in styles for k, v in plan.items())):

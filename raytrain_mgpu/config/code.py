@@ -14,7 +14,10 @@ import typing
 from typing import Any, Dict, Literal
 
 from raytrain_mgpu.config.names import check_number, did_you_mean, fail, is_int
-from raytrain_mgpu.config.factories import check_factory_spec, code_name, function_name, is_factory, is_object
+from raytrain_mgpu.config.factories import (check_factory_spec, code_name, function_name, is_factory, is_object,
+                                           load_factory)
+from raytrain_mgpu.config.sections import Metric  # objectives.METRICS' names, without torch
+from raytrain_mgpu.data.ray_datasets import is_ray_datasets
 
 __all__ = ["FACTORY_RE", "factory_choices", "is_code", "check_code_choices", "check_lr_schedule", "check_metrics",
            "check_model_and_dataset", "check_callbacks", "check_signature", "check_objective_signatures"]
@@ -114,8 +117,6 @@ def check_signature(field: str, spec: Any, shape: str, count: int, fix: str, lis
     read passes. ``listed``: the whole list, for a list's entry."""
     import inspect
 
-    from raytrain_mgpu.config.factories import load_factory
-
     function = load_factory(spec, field)
     try:
         signature = inspect.signature(function)
@@ -144,8 +145,6 @@ def check_objective_signatures(cfg) -> None:
 
 def check_metrics(cfg) -> None:
     """``metrics``: None or a list of names, ``module:function`` entries or functions, reported under distinct names."""
-    from raytrain_mgpu.config.sections import Metric  # objectives.METRICS' names, without torch
-
     metrics = cfg.metrics
     valid = typing.get_args(Metric)
     fix = f"Write a list, e.g. metrics=['mae'] or ['my_metrics:within_tenth'], of {list(valid)} or your functions."
@@ -171,8 +170,6 @@ def check_metrics(cfg) -> None:
 def check_model_and_dataset(cfg) -> None:
     """``model`` and ``dataset``: a registry name, a ``package.module:function``, or (from Python) the class
     or function itself; the registries' names are checked by ``models.check_model_name`` and ``data``."""
-    from raytrain_mgpu.data.ray_datasets import is_ray_datasets
-
     torch = sys.modules.get("torch")  # a model object means torch is loaded: no import for a config of names
     if torch is not None and isinstance(cfg.model, torch.nn.Module):
         fail("model", f"<{type(cfg.model).__name__} instance>", "is a built model, but every worker builds its own "
@@ -241,8 +238,6 @@ def better_mode(key: str, metrics=None, mode: str = "auto") -> str:
         return "max" if _HIGHER_IS_BETTER[name] else "min"
     for entry in metrics or ():
         if is_factory(entry) and function_name(entry) == name:
-            from raytrain_mgpu.config.factories import load_factory
-
             higher = getattr(load_factory(entry, "metrics"), "higher_is_better", None)
             if isinstance(higher, bool):
                 return "max" if higher else "min"

@@ -201,6 +201,7 @@ def send_objects_by_value(cfg) -> None:
     ``py_driver_sys_path``), not the runtime environment's ``py_modules``. Without this, such a module
     elsewhere stopped the run at the controller's start: ``No module named ...``
     (``tests/test_ray_datasets.py``, whose test module is on pytest's path only)."""
+    # late: Ray (0.25 s of import) stays out of the config, which --help and TrainConfig(...) import
     from ray import cloudpickle
 
     for _, spec in _objects(cfg):
@@ -211,7 +212,7 @@ def send_objects_by_value(cfg) -> None:
 def check_objects_ship(cfg) -> None:
     """Every class or function given from Python pickles as Ray will send it to the workers (cloudpickle,
     after :func:`send_objects_by_value`); one that does not fails here, before Ray, naming it and the fix."""
-    from ray import cloudpickle
+    from ray import cloudpickle  # late: see send_objects_by_value
 
     for field, spec in _objects(cfg):
         try:
@@ -271,6 +272,7 @@ def upload_modules(paths: list) -> list:
     ``ray.init``; a per-run ``worker_runtime_env`` needs URIs. This does the upload step
     ``ray.init`` does (a private Ray function, so it is kept to this one place).
     """
+    # late: Ray, as in send_objects_by_value
     import ray
     from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
 

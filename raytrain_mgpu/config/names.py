@@ -8,6 +8,8 @@ import functools
 import math
 from typing import Any, Iterable
 
+from raytrain_mgpu.errors import UnknownFieldError
+
 __all__ = ["fail", "is_int", "is_number", "check_number", "did_you_mean", "SPELLED_OTHERWISE", "OTHER_FIELD_NAMES",
            "unknown_fields", "names_unknown_fields"]
 
@@ -75,8 +77,6 @@ OTHER_FIELD_NAMES = {"learning_rate": "lr", "max_epochs": "epochs", "num_epochs"
 
 def unknown_fields(unknown: list, valid: Iterable[str], source: str, what: str = "field"):
     """The error for names that are not ``TrainConfig`` fields (``valid``): each with the closest field, if one is."""
-    from raytrain_mgpu.errors import UnknownFieldError
-
     valid = list(valid)
     named = "; ".join(f"{name!r}.{did_you_mean(name, valid, OTHER_FIELD_NAMES) or ' No field is close.'}"
                       for name in unknown)

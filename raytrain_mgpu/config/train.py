@@ -21,13 +21,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Tuple, Union
 
+import yaml
+
 from raytrain_mgpu.config.names import names_unknown_fields, unknown_fields
 from raytrain_mgpu.config.checks import validate, warn_unused
 from raytrain_mgpu.config.sections import (Balance, Compile, DataConfig, Ingest, Logger, Loss, LrScaling,
                                            LrSchedule, MonitorMode, OptimConfig, Optimizer, ParallelConfig, Placement,
                                            OnNonfinite, Precision, Resume, Runner, SaveWhat, Schedule, FaultTolerance)
 from raytrain_mgpu.data.transforms import factory_parts  # string parsing only: no torch
-from raytrain_mgpu.config.factories import CODE_FIELDS
+from raytrain_mgpu.config.factories import CODE_FIELDS, check_file_factories, code_record
+from raytrain_mgpu.config import yaml_values as _yaml
 
 # ----------------------------------------------------------------------------- user config
 
@@ -327,11 +330,6 @@ class TrainConfig:
         in ``RAYTRAIN_MGPU_TRUSTED_MODULES`` (see ``config/factories.py``). ``overrides`` are the
         caller's own and are not restricted.
         """
-        import yaml
-
-        from raytrain_mgpu.config import yaml_values as _yaml
-        from raytrain_mgpu.config.factories import check_file_factories
-
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file.")
@@ -362,8 +360,6 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """The fields as plain data; a class or function from Python as its record (``_factory.code_record``:
         qualified name and source hash), which is what a run folder keeps and compares on a resume."""
-        from raytrain_mgpu.config.factories import code_record
-
         values = dataclasses.asdict(self)
         for key, value in values.items():
             if isinstance(value, tuple):

@@ -40,6 +40,7 @@ from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 import torch
+from torch.utils.data import Subset
 
 from raytrain_mgpu.data.lm_blocks import TokenBlocks, token_samples
 from raytrain_mgpu.data.parquet import ParquetImageDataset
@@ -96,6 +97,8 @@ def placement(nodes: List[dict], held_cpus: float, held_by_node: Optional[dict] 
 def _current_placement() -> Placement:
     """:func:`placement` on the connected cluster, for this process's training placement group (a Ray Train
     worker's, a pipeline stage's; none in a process outside one, e.g. ``bench-data``'s)."""
+    # late: Ray (0.25 s of import), only where a split streams through Ray Data: engine/feed.py imports this module,
+    # and importing the engine loads no Ray
     import ray
     from ray.util import get_current_placement_group, placement_group_table
 
@@ -114,8 +117,6 @@ def stream_source(dataset) -> Optional["ParquetStream"]:
     """The Ray Data stream of a worker's map-style training split, where it is Parquet (images, or ``text``'s
     token blocks; under a held-out validation split's ``Subset`` and a ``TransformedDataset``); None for other
     readers."""
-    from torch.utils.data import Subset
-
     inner = dataset.dataset if isinstance(dataset, TransformedDataset) else dataset
     positions = np.arange(len(inner), dtype=np.int64)
     if isinstance(inner, Subset):
@@ -151,7 +152,7 @@ class ParquetStream:
 
     def dataset(self, indices: np.ndarray, epoch: int):
         """The Ray Dataset of ``indices``' samples, in that order: ``{"x": float32, "y": int64}``."""
-        import ray.data
+        import ray.data  # late: Ray Data, only when the split streams (see _current_placement)
 
         indices = np.asarray(indices, np.int64)
         with _stream_context(_current_placement()):
@@ -175,7 +176,7 @@ def _stream_context(where: Placement):
     """Datasets made here keep their blocks' order, and run every task (``from_numpy``'s too) where ``where``
     says, planning with its CPUs (a Dataset copies the current ``DataContext`` when made); the process's context
     is left as it was."""
-    import ray.data
+    import ray.data  # late: Ray Data, only when the split streams (see _current_placement)
 
     context = ray.data.DataContext.get_current()
     options = context.execution_options

@@ -44,6 +44,8 @@ import threading
 import time
 from typing import List, Optional
 
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Ledger", "read_ledger", "summarize", "describe", "LEDGER_FILE", "KINDS"]
@@ -243,8 +245,6 @@ def summarize(sessions: list, rows: list) -> dict:
 def read_ledger(run: str) -> dict:
     """The ledger of the run folder ``run`` (a path or URI), from its ``goodput.json`` and history, without Ray.
     FileNotFoundError for a run folder without one (a run trained before the ledger was kept, or none there)."""
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
     folder = RunFolder(run)
     record = folder.read_json(folder.join(LEDGER_FILE))
     if not record or not record.get("sessions"):

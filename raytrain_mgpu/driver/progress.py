@@ -16,6 +16,10 @@ import uuid
 from typing import Optional
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_mgpu.driver.heartbeat import fail_stuck
+from raytrain_mgpu.engine.liveness import Beat, Judge
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +118,6 @@ class ProgressSink:
     def open(cls) -> "ProgressSink":
         """A new channel, in the driver's mailbox (started here if this driver has none on this Ray, or
         it died)."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         context = ray.get_runtime_context()
         here = context.get_node_id()
         key = (context.get_job_id(), here)
@@ -292,8 +294,6 @@ class SinkPump:
                  stall_timeout_s: Optional[float] = 0, ledger=None):
         """``stall_timeout_s``: the ranks' heartbeats are judged (``engine/liveness.py``; None: the default
         threshold, 0: not judged); ``ledger``: every event is also recorded there (``driver/goodput.py``)."""
-        from raytrain_mgpu.engine.liveness import Judge
-
         self.sink, self.printer, self.interval_s = sink, printer, interval_s
         self.record = getattr(ledger, "event", lambda kind, payload: None)  # never raises
         self.judge = Judge(stall_timeout_s)
@@ -363,8 +363,6 @@ class SinkPump:
         self._judge()
 
     def _beat(self, payload: dict) -> None:
-        from raytrain_mgpu.engine.liveness import Beat
-
         self.judge.add(Beat(**payload), time.monotonic())
 
     def _judge(self) -> None:
@@ -372,8 +370,6 @@ class SinkPump:
         stall = self.judge.stall(time.monotonic())
         if stall is None:
             return
-        from raytrain_mgpu.driver.heartbeat import fail_stuck
-
         self.stall = stall
         logger.warning("%s\n%s", stall.line, stall.report)
         self._call(self.printer.banner, f"raytrain-mgpu: {stall.line}")

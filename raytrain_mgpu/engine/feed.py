@@ -19,6 +19,11 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from raytrain_mgpu.config.factories import load_factory
+from raytrain_mgpu.data.parquet_stream import stream_source
+from raytrain_mgpu.data.ray_datasets import PlannedRows
+from raytrain_mgpu.engine import stream
+from raytrain_mgpu.engine.batches import move_batch
 from raytrain_mgpu.engine.liveness import POSITION
 from raytrain_mgpu.engine.loaders import prefetch, test_loader, train_loader
 from raytrain_mgpu.engine.prefetch import Prefetcher
@@ -103,18 +108,12 @@ class Feed:
         and decoded by Ray Data's tasks: ``data/parquet_stream.py``), a user's materialized Ray Dataset in the same
         order (its rows by position: ``data/ray_datasets.PlannedRows``), or another Ray Dataset of theirs in Ray
         Data's order (the transport's shard)."""
-        from raytrain_mgpu.data.parquet_stream import stream_source
-        from raytrain_mgpu.data.ray_datasets import PlannedRows
-        from raytrain_mgpu.engine import stream
-
         source = data.train if isinstance(data.train, PlannedRows) else stream_source(data.train)
         if source is not None:
             self.sampler = stream.PlannedSampler(data.train, source.run_starts(), num_replicas=num_shards,
                                                  rank=shard, seed=self.cfg.seed)
             self._streams = True  # the rows come from Ray Data: none to prefetch here
             return stream.PlannedStream(self.sampler, self.batch, self.steps_per_epoch * self.accum, source)
-        from raytrain_mgpu.config.factories import load_factory
-
         collate = None if cfg.collate is None else load_factory(cfg.collate, "collate")
         loader = stream.ShardLoader(transport.data_shard(), self.batch, self.steps_per_epoch * self.accum, cfg.seed,
                                     shard, collate)
@@ -144,7 +143,6 @@ class Feed:
         """``next_batch()``: the next batch on the step runner's device, its wait counted as data wait; ``first``
         sees the first one (the FLOPs' shapes)."""
         device, channels_last = self.steps.device, self.cfg.channels_last
-        from raytrain_mgpu.engine.batches import move_batch
 
         def next_batch() -> tuple:
             nonlocal first

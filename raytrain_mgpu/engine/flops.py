@@ -23,8 +23,10 @@ import re
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_mgpu.engine.batches import call_model
 from raytrain_mgpu.engine import devices
@@ -87,8 +89,6 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def _count(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
     with FlopCounterMode(display=False) as counter:
         loss = loss_fn(call_model(model, inputs), targets)
         loss.backward()
@@ -119,8 +119,6 @@ def _count_on_meta(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callabl
 
 
 def _count_on_device(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> int:
-    import torch.distributed as dist
-
     if (model.training and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
             and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         raise ValueError("step_flops: the model does not run on the meta device, and on its own device its "

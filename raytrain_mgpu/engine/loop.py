@@ -31,7 +31,11 @@ from typing import Callable, Optional
 
 import torch
 
+from raytrain_mgpu.checkpointing import contents as checkpoints
+from raytrain_mgpu.engine.feed import Feed
 from raytrain_mgpu.engine.liveness import POSITION
+from raytrain_mgpu.engine.observe import Observer
+from raytrain_mgpu.engine.weights import load_weights, read_weights
 from raytrain_mgpu.engine.step import (STEP_EVENTS, NonFiniteError, OptimizerStep, StepContext,
                                                Steps)
 from raytrain_mgpu.engine.metrics import (EpochMeter, all_gather_objects, all_reduce_sum, barrier_s,
@@ -127,12 +131,7 @@ class Engine:
     def setup(self, entered: Optional[float] = None) -> None:
         """Everything before the first step: the model (the run's seed, then the resume point's weights), the step
         runner's placement, the data feed, optimizer, LR schedule, grad scaler, their states and every RNG."""
-        from raytrain_mgpu.checkpointing import contents as checkpoints
-        from raytrain_mgpu.engine.feed import Feed
-
         entered = time.time() if entered is None else entered
-        from raytrain_mgpu.engine.observe import Observer
-
         cfg, steps = self.cfg, self.steps
         self.transport.check_storage()  # this node reads and writes storage_path, before any step
         model = checkpoints.build_model(cfg, steps, self.data)
@@ -189,8 +188,6 @@ class Engine:
     def _init_from(self, model: torch.nn.Module) -> None:
         """``init_from``'s weights into the model as built (every rank that holds weights: fsdp's rank 0 sends
         them on); rank 0 tells the driver what matched."""
-        from raytrain_mgpu.engine.weights import load_weights, read_weights
-
         if self.steps.build_on_meta():
             return
         state, info = read_weights(self.cfg.init_from)

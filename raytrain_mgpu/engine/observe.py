@@ -26,6 +26,11 @@ from typing import Optional
 
 import torch
 
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
+from raytrain_mgpu.engine import flops  # by module: tests replace flops.peak_flops_per_s
+from raytrain_mgpu.engine.batches import head
+from raytrain_mgpu.engine.profiling import StepProfiler
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Observer"]
@@ -37,32 +42,25 @@ class Observer:
     """One rank's measurements beside training (see the module docstring)."""
 
     def __init__(self, engine, model: torch.nn.Module):
-        from raytrain_mgpu.engine.flops import peak_flops_per_s
-
         self.engine = engine
         cfg, steps = engine.cfg, engine.steps
         self.flops_per_step: Optional[float] = None
         self._model = self._meta_copy(model) if engine.rank == 0 else None  # counted on the first batch
-        self.peak = peak_flops_per_s(steps.device, cfg.precision)
+        self.peak = flops.peak_flops_per_s(steps.device, cfg.precision)
         self.devices = engine.world * len(steps.memory_devices())
         self.profiler = None
         self._trace_dir: Optional[str] = None
 
     @staticmethod
     def _meta_copy(model: torch.nn.Module) -> Optional[torch.nn.Module]:
-        from raytrain_mgpu.engine.flops import meta_copy
-
         try:
-            return meta_copy(model)
+            return flops.meta_copy(model)
         except Exception as exc:  # a model that cannot be copied: no MFU column
             logger.debug("no meta copy of the model for its FLOPs: %s", exc)
             return None
 
     def first_batch(self, x, y) -> None:
         """Rank 0's first batch of the attempt: the FLOPs of a step, on a few of its rows' shapes (once)."""
-        from raytrain_mgpu.engine.batches import head
-        from raytrain_mgpu.engine.flops import step_flops
-
         model, self._model = self._model, None
         if model is None:
             return
@@ -70,7 +68,8 @@ class Observer:
         try:
             rows = min(_FLOP_SAMPLES, engine.plan.micro_batch)
             x, y = head(x, rows), head(y, rows)
-            self.flops_per_step = step_flops(model, x, y, engine.steps.objective.loss) * engine.plan.global_batch / rows
+            per_row = flops.step_flops(model, x, y, engine.steps.objective.loss) / rows
+            self.flops_per_step = per_row * engine.plan.global_batch
         except Exception as exc:  # a model FlopCounterMode cannot run on meta: no MFU column
             logger.debug("FLOPs of a step not counted: %s", exc)
 
@@ -79,8 +78,6 @@ class Observer:
         window = self.engine.cfg.profile_steps
         if window is None or step >= window[1]:
             return
-        from raytrain_mgpu.engine.profiling import StepProfiler
-
         self._trace_dir = tempfile.mkdtemp(prefix="raytrain-mgpu-profile-")
         self.profiler = StepProfiler(self._trace_dir, self.engine.rank, window[0], window[1],
                                      self.engine.steps.device.type, current_step=step)
@@ -104,12 +101,10 @@ class Observer:
 
     def columns(self, steps: int, training_s: float) -> dict:
         """The epoch row's ``flops_per_step`` and ``mfu`` (None where not counted, or no peak is known)."""
-        from raytrain_mgpu.engine.flops import mfu
-
         if self.flops_per_step is None:
             return {"flops_per_step": None, "mfu": None}
         return {"flops_per_step": self.flops_per_step,
-                "mfu": mfu(self.flops_per_step, steps, training_s, self.peak, self.devices)}
+                "mfu": flops.mfu(self.flops_per_step, steps, training_s, self.peak, self.devices)}
 
     def close(self) -> None:
         """The run's end (or failure): a trace still recording is written, and every trace goes to ``<run>/profile``."""
@@ -120,8 +115,6 @@ class Observer:
             profiler.close()
             files = [f for f in os.listdir(self._trace_dir) if f.endswith(".json")]
             if files:
-                from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
                 folder = RunFolder.of(self.engine.cfg)
                 with folder.writable(folder.join("profile")) as target:
                     for name in files:

@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence
 
-from raytrain_mgpu.config.redact import redact
 from raytrain_mgpu.config.code import monitor_mode
+from raytrain_mgpu.config.factories import code_record
+from raytrain_mgpu.config.redact import redact
 
 __all__ = ["RunState", "at_max_steps", "META_KEYS", "EPOCH_KEYS", "checkpoint_meta", "epoch_row", "best_row", "stops_early",
            "metric_columns", "eval_columns", "perplexity_column"]
@@ -125,8 +126,6 @@ def best_record(cfg, history: list) -> dict:
 
 def checkpoint_meta(cfg, state: RunState, shape_info: dict, **extra) -> dict:
     """``meta.json`` of the checkpoint after ``state``; ``shape_info``: input_shape, num_classes."""
-    from raytrain_mgpu.config.factories import code_record
-
     return {"model": code_record(cfg.model), "dataset": code_record(cfg.dataset), "strategy": cfg.strategy,
             "epoch": state.epoch,
             "step": state.step, "attempt": state.attempt, **best_record(cfg, state.history), **extra,

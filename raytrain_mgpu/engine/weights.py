@@ -24,6 +24,8 @@ import pickle
 from pathlib import Path
 from typing import List, NamedTuple, Optional, Tuple
 
+import pyarrow.fs as pafs
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -52,8 +54,6 @@ def read_weights(source: str, best: bool = False) -> Tuple[dict, dict]:
     display = redact(source)
     if not isinstance(source, str) or not source:
         raise ValueError(f"weights source {display!r} is not a path: pass {_SOURCES}.")
-    import pyarrow.fs as pafs
-
     fs, inner = filesystem(source)
     kind = fs.get_file_info(inner).type
     if kind == pafs.FileType.NotFound:
@@ -78,8 +78,6 @@ def read_weights(source: str, best: bool = False) -> Tuple[dict, dict]:
 def pick_checkpoint(run: str, best: bool = False) -> CheckpointInfo:
     """The newest (``best``: the best) complete checkpoint of run folder ``run``; errors say what is missing."""
     display = redact(run)
-    import pyarrow.fs as pafs
-
     folder = RunFolder(run)
     if folder.fs.get_file_info(folder.path).type != pafs.FileType.Directory:
         raise ValueError(f"run folder {display!r} does not exist. Check the path ({{storage_path}}/{{name}}).")
@@ -120,16 +118,12 @@ def _file_kind(source: str) -> str:
 
 
 def _read_file(fs, inner: str, source: str) -> dict:
-    import pyarrow.fs as pafs
-
     kind, display = _file_kind(source), redact(source)
     local = inner if isinstance(fs, pafs.LocalFileSystem) else None
     if local is None:  # remote: one file, read into memory (the state dict ends up there anyway)
         with fs.open_input_stream(inner) as stream:
             data = stream.read()
     if kind == "safetensors":
-        import safetensors.torch
-
         try:
             return safetensors.torch.load_file(local) if local else safetensors.torch.load(data)
         except Exception as exc:  # noqa: BLE001 - SafetensorError, or a header that is not JSON

@@ -16,6 +16,7 @@ from statistics import mean
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.data._utils.collate import default_collate
 
 from raytrain_mgpu.engine.batches import flatten, split, unflatten
@@ -181,8 +182,6 @@ class PipelineSteps(Steps):
     def agree_found_inf(self, scaler, optimizer) -> None:
         """fp16, after ``scaler.unscale_``: every rank's overflow verdict becomes every rank's (one all-reduce of a
         flag on the device), so each stage's scaler skips the same steps and keeps the same scale."""
-        import torch.distributed as dist
-
         found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # torch's own record of it
         # A stage without gradients (parameter-free blocks) has no verdict of its own, but takes part in the
         # all-reduce (the others wait for it) and records the agreed one (scaler.step needs one to step).

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from raytrain_mgpu.transports.actor_group.runner import run_pipeline
+from raytrain_mgpu.transports.local import run_in_process
+
 __all__ = ["carrier"]
 
 
@@ -21,13 +24,11 @@ def carrier(runner: str, plan) -> Callable:
     """The transport's run function for ``fit``'s choice (``runner_for``, then the plan's runner):
     ``run(cfg, plan, events) -> RunResult``."""
     if runner == "local":
-        from raytrain_mgpu.transports.local import run_in_process
-
         return run_in_process
     if plan.runner == "actor_group":
-        from raytrain_mgpu.transports.actor_group.runner import run_pipeline
-
         return run_pipeline
+    # late: Ray Train and its transport (1.1 s of import over the api's) are only for a run on its workers, not for
+    # the in-process runner nor the pipeline's actor group
     from raytrain_mgpu.transports.ray_train.driver import run_train_workers
 
     return run_train_workers

@@ -26,6 +26,7 @@ from typing import Optional
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.driver.progress import DirectSink, ProgressSink, SinkPump
 from raytrain_mgpu.driver.runlock import remove_stale_temporaries
+from raytrain_mgpu.errors import StuckRankError
 from raytrain_mgpu.transports.base import RunResult
 from raytrain_mgpu.transports.preemption import was_preemption
 from raytrain_mgpu.transports.retry import Verdict, run_attempts, verdict, whole_failure
@@ -167,8 +168,6 @@ def _attempt(carrier: Carrier, events, ledger, run: _Run, number: int) -> None:
             if pump.failure is not None:  # the run was stopped for it (or failed first): the callback's error, named
                 raise pump.failure
             if isinstance(exc, Exception) and pump.stall is not None:
-                from raytrain_mgpu.errors import StuckRankError
-
                 raise StuckRankError(pump.stall.line, pump.stall.ranks, pump.stall.report) from exc
             raise
         graceful = True

@@ -20,8 +20,17 @@ from __future__ import annotations
 import os
 from typing import Callable, NamedTuple, Optional
 
+import torch
+
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.checkpointing.store import CheckpointStore, FolderStore
+from raytrain_mgpu.config.factories import load_factory
+from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.engine.devices import resolve_devices
+from raytrain_mgpu.engine.objectives import Objective
+from raytrain_mgpu.strategies import get_strategy
+from raytrain_mgpu.strategies.elastic import is_elastic
+from raytrain_mgpu.transports.placement import node_ip
 
 __all__ = ["Transport", "FolderTransport", "check_writable",
            "RunResult", "rank_devices", "rank_engine", "data_parallel_steps", "runner_for", "local_refusal"]
@@ -63,8 +72,6 @@ class Transport:
         (``RunFolder.check_writable``), so that a node without the storage (a mount missing on a node that joined
         later, no credentials) fails now, named, not at its first checkpoint. Where the transport has no config
         (tests' stand-ins), nothing is checked."""
-        from raytrain_mgpu.transports.placement import node_ip
-
         cfg = getattr(self, "cfg", None)
         if cfg is not None:
             check_writable(RunFolder.of(cfg), node_ip())
@@ -140,10 +147,6 @@ class RunResult(NamedTuple):
 def rank_devices(cfg, num_devices: int, gpu_ids=None):
     """The first thing every rank does, in the process that computes: its torch threads (``cpus_per_worker``), its
     devices (``gpu_ids``: the ones Ray gave it; ``engine/devices.resolve_devices``) and CUDA's current device."""
-    import torch
-
-    from raytrain_mgpu.engine.devices import resolve_devices
-
     torch.set_num_threads(cfg.cpus_per_worker)
     assignment = resolve_devices(cfg.use_gpu, num_devices, gpu_ids)
     if assignment.compute[0].type == "cuda":
@@ -154,7 +157,8 @@ def rank_devices(cfg, num_devices: int, gpu_ids=None):
 def rank_engine(cfg, plan, ctx, transport, data=None, steps=None):
     """One rank's engine, whichever transport carries it (``.run(entered)`` trains): its datasets (unless given),
     its step runner (the data-parallel one unless given: a pipeline stage brings its own)."""
-    from raytrain_mgpu.data import build_datasets
+    # late: the engine (0.3 s of import over what the api loads) runs on a rank; the driver imports this module for
+    # runner_for and the result; and tests replace engine.loop.Engine
     from raytrain_mgpu.engine.loop import Engine
 
     data = data if data is not None else build_datasets(cfg.data)
@@ -164,14 +168,12 @@ def rank_engine(cfg, plan, ctx, transport, data=None, steps=None):
 
 def data_parallel_steps(cfg, ctx, data):
     """The data-parallel step runner of ``cfg``'s strategy on the rank ``ctx`` describes."""
-    from raytrain_mgpu.engine.objectives import Objective
+    # late: parallel/ (1.0 s of import: FSDP, tensor parallel, DCP) is the worker side; a Ray run's driver, which
+    # imports this module, never builds a step runner
     from raytrain_mgpu.parallel import build_worker
-    from raytrain_mgpu.strategies import get_strategy
 
     step = None
     if cfg.train_step is not None:
-        from raytrain_mgpu.config.factories import load_factory
-
         step = load_factory(cfg.train_step, "train_step")
     return build_worker(get_strategy(cfg.strategy), cfg.parallel, ctx, Objective.of(cfg, data.num_classes),
                         user_step=step, save_trainable=cfg.save == "trainable")
@@ -179,9 +181,6 @@ def data_parallel_steps(cfg, ctx, data):
 
 def local_refusal(cfg, plan) -> Optional[str]:
     """Why ``cfg`` cannot train in the driver's process (None: it can)."""
-    from raytrain_mgpu.strategies import get_strategy
-    from raytrain_mgpu.strategies.elastic import is_elastic
-
     if plan.runner != "train_workers":
         return f"strategy={cfg.strategy!r} runs its stages in an actor group of their own"
     if is_elastic(cfg) or plan.num_processes != 1:

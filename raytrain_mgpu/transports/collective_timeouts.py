@@ -28,6 +28,8 @@ import os
 import time
 from typing import Callable, List, Optional
 
+import torch.distributed as dist
+
 from raytrain_mgpu.transports.placement import node_ip as _node_ip
 
 logger = logging.getLogger(__name__)
@@ -72,8 +74,6 @@ def name_stuck_ranks(timeout_of: Callable[..., float]) -> Callable[[Callable], C
 def _register():
     """Record this rank's node and PID in the store; (store, rank, world size) or Nones."""
     try:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return None, 0, 1
         store = dist.distributed_c10d._get_default_store()

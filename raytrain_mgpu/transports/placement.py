@@ -8,26 +8,24 @@ from __future__ import annotations
 import socket
 from typing import List
 
+import ray
+
 __all__ = ["node_ip", "ray_gpu_ids", "free_address"]
 
 
 def node_ip() -> str:
     """The IP of the Ray node this process runs on (loopback outside Ray)."""
     try:
-        import ray
-
         return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    except Exception:  # Ray not installed or not connected: local processes
+    except Exception:  # Ray not connected: local processes
         return "127.0.0.1"
 
 
 def ray_gpu_ids() -> List[str]:
     """The Ray GPU ids this process holds (empty outside Ray): distinct per stage actor on a node."""
     try:
-        import ray
-
         return [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
-    except Exception:  # Ray not installed or not connected: local processes
+    except Exception:  # Ray not connected: local processes
         return []
 
 

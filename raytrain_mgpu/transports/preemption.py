@@ -24,6 +24,9 @@ import contextlib
 import os
 from typing import Callable, Iterator, Optional
 
+import ray._private.state
+import ray._private.worker
+
 from raytrain_mgpu.transports.ray_train.faults import WATCHER_ENV
 
 __all__ = ["watcher_where_notices_come", "ray_started_here", "ray_train_notices", "DrainWatcher", "was_preemption",
@@ -33,8 +36,6 @@ __all__ = ["watcher_where_notices_come", "ray_started_here", "ray_train_notices"
 def ray_started_here() -> bool:
     """Whether this process's ``ray.init()`` started the Ray instance it is connected to (not joined
     one by address). Ray keeps that on its node object (``ray_init_cluster``); a Ray without it: False."""
-    import ray._private.worker
-
     return bool(getattr(getattr(ray._private.worker, "_global_node", None), "ray_init_cluster", False))
 
 
@@ -53,7 +54,8 @@ def watcher_where_notices_come() -> Iterator[None]:
 
 
 def ray_preemption_info():
-    import ray.train  # only on a Ray Train worker (the loop without Ray never checks)
+    # late: Ray Train (0.96 s of import) is only on its workers; the in-process runner imports this module too
+    import ray.train
 
     return ray.train.get_preemption_info()
 
@@ -61,6 +63,7 @@ def ray_preemption_info():
 def ray_local_notice():
     """The notice Ray Train's watcher handed to this worker (``mark_preempt``), or None: what
     ``get_preemption_info`` broadcasts from rank 0, read here without its barrier."""
+    # late: Ray Train, only on its workers (see ray_preemption_info); and tests replace the context's get_train_context
     from ray.train.v2._internal.execution.context import get_train_context
 
     return get_train_context().preemption_context.preemption_info
@@ -73,8 +76,6 @@ def ray_train_notices() -> dict:
 
 def _draining_nodes() -> dict:
     """Ray's draining nodes, ``{node id: deadline in ms}`` (what Ray Train's watcher polls)."""
-    import ray._private.state
-
     return ray._private.state.state.get_draining_nodes() or {}
 
 
@@ -116,7 +117,7 @@ class DrainWatcher:
 
     @staticmethod
     def _info(drains: dict):
-        from ray.train.v2.api.preemption import PreemptionInfo
+        from ray.train.v2.api.preemption import PreemptionInfo  # late: Ray Train (see ray_preemption_info)
 
         deadlines = [d for d in drains.values() if d]
         return PreemptionInfo(deadline_ms=min(deadlines) if deadlines else None,

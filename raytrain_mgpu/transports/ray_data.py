@@ -28,12 +28,19 @@ import os
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
+import ray
 import torch
+
+from raytrain_mgpu.data.ingest import RAY_DATA_DATASETS
+from raytrain_mgpu.data.parquet import TEST_EVERY, discover
+from raytrain_mgpu.data.parquet_stream import placement
+from raytrain_mgpu.data.parquet_table import ParquetTable
+from raytrain_mgpu.data.ray_datasets import RayDataSplits, datasets_to_split
+from raytrain_mgpu.driver import cluster  # by module: tests replace cluster.read_capacity
 
 if TYPE_CHECKING:
     from raytrain_mgpu.config.train import TrainConfig
     from raytrain_mgpu.config.sections import DataConfig
-    from raytrain_mgpu.data.parquet_table import ParquetTable
 
 __all__ = ["trainer_datasets", "train_dataset", "check_cpus_left"]
 
@@ -56,11 +63,9 @@ def trainer_datasets(cfg: "TrainConfig") -> dict:
     """``TorchTrainer`` keyword arguments: a user's own Ray Datasets as ``datasets=`` with the ``DataConfig``
     that splits ``train``; nothing otherwise (the ``parquet`` stream is made by each worker, in its planned
     order: ``data/parquet_stream.py``)."""
-    from raytrain_mgpu.data.ray_datasets import RayDataSplits, datasets_to_split
-
     if cfg.ingest != "ray_data" or not isinstance(cfg.dataset, RayDataSplits):
         return {}
-    from ray.train import DataConfig
+    from ray.train import DataConfig  # late: Ray Train (0.64 s of import over the api's, which imports this module)
 
     datasets = cfg.dataset.datasets  # the evaluated splits go to every worker whole
     if datasets is None:
@@ -82,13 +87,9 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Opti
     for its alive nodes, without labels)."""
     if cfg.ingest != "ray_data":
         return None
-    from raytrain_mgpu.data.ingest import RAY_DATA_DATASETS
-    from raytrain_mgpu.data.parquet_stream import placement
-    from raytrain_mgpu.driver.cluster import read_capacity
-
     if nodes is None:
         nodes = _alive_nodes() if capacity is None else [{"Resources": dict(n)} for n in capacity.alive]
-    capacity = capacity if capacity is not None else read_capacity()
+    capacity = capacity if capacity is not None else cluster.read_capacity()
     bundles = plan.bundles  # the run plan's: every process of either runner
     held = sum(bundle.get("CPU", 0) for bundle in bundles)
     where = placement(nodes, held)
@@ -112,8 +113,6 @@ def check_cpus_left(cfg: "TrainConfig", plan, capacity=None, nodes=None) -> Opti
 
 
 def _alive_nodes() -> list:
-    import ray
-
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
@@ -124,10 +123,7 @@ def train_dataset(data_cfg: "DataConfig", transform=None):
     ``transform``: the hook for a per-sample transform (a function of one normalised sample
     tensor), applied in the same ``map_batches`` task; None today.
     """
-    import ray.data
-
-    from raytrain_mgpu.data.parquet import TEST_EVERY, discover
-    from raytrain_mgpu.data.parquet_table import ParquetTable
+    import ray.data  # late: Ray Data (0.2 s of import), only for this stream; the api imports this module
 
     filesystem, train_files, test_files = discover(data_cfg)  # the split rules of the loader path
     table = ParquetTable(filesystem, train_files, data_cfg.image_column, data_cfg.label_column)

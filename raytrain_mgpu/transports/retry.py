@@ -39,6 +39,10 @@ import logging
 import os
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
 
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
+from raytrain_mgpu.engine.liveness import POSITION
+from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, crossing, worker_note
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Verdict", "verdict", "unwrap", "root_cause", "sent_whole", "errors_whole", "failure_note", "whole_failure",
@@ -85,8 +89,6 @@ def verdict(exc: BaseException, stepped: Optional[bool] = None) -> Verdict:
     """Whether a restart from the last checkpoint can fix ``exc``, and why. ``stepped``: whether the attempt
     that raised it had taken a step (None: unknown, as on the driver; the worker's verdict, carried on the
     exception, is used when there is one)."""
-    from raytrain_mgpu.errors import StuckRankError, WorkerError
-
     exc = unwrap(exc)
     carried = getattr(exc, "retryable" if isinstance(exc, WorkerError) else "raytrain_mgpu_retryable", None)
     if isinstance(carried, bool):
@@ -139,9 +141,6 @@ def sent_whole(exc: BaseException, rank: int, node: str, pid: int) -> BaseExcept
     """A worker's ``exc``, ready for the trip to the driver (``errors.crossing``) with this policy's verdict made
     here, where the original type is known and whether this attempt took a step
     (``engine/liveness.POSITION``). Raise what it returns (the same exception when it travels whole)."""
-    from raytrain_mgpu.errors import crossing
-    from raytrain_mgpu.engine.liveness import POSITION
-
     return crossing(exc, rank, node, pid, retryable=verdict(exc, stepped=POSITION.stepped).retryable)
 
 
@@ -169,8 +168,6 @@ def errors_whole(where: Callable[..., Optional[Tuple[int, str]]]) -> Callable[[C
 
 def failure_note(cfg) -> str:
     """The note every transport adds to the error ``fit`` raises: where the run's checkpoints are, and how to resume."""
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
     return (f"training run {cfg.name!r} failed. Checkpoints written so far are kept in {RunFolder.of(cfg).display}; "
             f"run again with the same name and storage_path to resume.")
 
@@ -183,8 +180,6 @@ def whole_failure(cfg, error: BaseException, failures: Optional[Dict[int, BaseEx
     found stuck (``stall``: the heartbeats' verdict); a :class:`~raytrain_mgpu.errors.PlacementTimeoutError` with
     the ``placement`` message for resources never granted; else ``error`` out of Ray's wrappers. Noted with where
     the run's checkpoints are (:func:`failure_note`)."""
-    from raytrain_mgpu.errors import PlacementTimeoutError, StuckRankError, WorkerError, add_note, worker_note
-
     if stall is not None:
         exc = StuckRankError(stall.line, stall.ranks, stall.report)
     elif placement is not None:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytrain_mgpu.errors import PlacementTimeoutError
 from raytrain_mgpu.driver.cluster import pending_message, worker_runtime_env
 from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.data.ray_datasets import RayDataSplits, driver_shards
 from raytrain_mgpu.models.partition import Partition
 from raytrain_mgpu.transports.actor_group.stage import StageWorker
 from raytrain_mgpu.strategies.plan import RunPlan
@@ -90,8 +91,6 @@ class StageGroup:
         """A user's own Ray Datasets: each replica's actors get its share of a fresh equal split of ``train`` (the
         first stage reads it) and the evaluated splits whole. An attempt after a failure splits anew. (The
         ``parquet`` stream is made by each first stage itself: ``data/parquet_stream.py``.)"""
-        from raytrain_mgpu.data.ray_datasets import RayDataSplits, driver_shards
-
         if self.cfg.ingest != "ray_data" or not isinstance(self.cfg.dataset, RayDataSplits):
             return
         shards = driver_shards(self.cfg, self.plan.replicas)

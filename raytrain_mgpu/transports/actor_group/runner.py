@@ -16,10 +16,17 @@ import time
 import uuid
 from typing import Optional
 
+import ray.util
+
+from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.driver import cluster  # by module: tests replace cluster.read_capacity
+from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
+from raytrain_mgpu.transports.actor_group import group as actor_group  # by module: tests replace its StageGroup
 from raytrain_mgpu.transports.attempt import Carrier, drive
 from raytrain_mgpu.transports.base import RunResult
+from raytrain_mgpu.transports.preemption import DrainWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +39,7 @@ def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
     Counted against what the cluster can have (:func:`raytrain_mgpu.driver.cluster.read_capacity`):
     on an autoscaling cluster with no GPU node up yet, the GPUs its node types can add.
     """
-    from raytrain_mgpu.driver.cluster import read_capacity
-
-    capacity = read_capacity()
+    capacity = cluster.read_capacity()
     if capacity.node_types_unknown:  # what it can add is not known here: placement_timeout_s bounds the wait
         return
     for key in ("GPU", "CPU"):
@@ -53,9 +58,6 @@ def _check_resources(cfg: TrainConfig, bundles: list, replicas: int) -> None:
 def _partition(cfg: TrainConfig, group=None):
     """The checkpoint's partition on a resume (its optimizer state is per stage), else the configured one;
     ``balance="time"`` is measured by the first actor (``group``), after a cheap check without it."""
-    from raytrain_mgpu.pipeline.plan import check_splittable, choose_partition, partition_from_checkpoint
-    from raytrain_mgpu.checkpointing.run_folder import RunFolder
-
     state = RunFolder.of(cfg).state()
     if state.checkpoint is not None and state.partition is not None:
         return partition_from_checkpoint(cfg, state.partition, state.checkpoint)
@@ -81,11 +83,9 @@ class ActorGroupCarrier(Carrier):
         self.group = self.watcher = self.sink = None
 
     def start(self, sink, attempt: int) -> None:
-        from raytrain_mgpu.transports.actor_group.group import StageGroup
-
         cfg, plan = self.cfg, self.plan
         partition = _partition(cfg)  # a model that cannot be split fails before any actor starts
-        self.group, self.sink = StageGroup(cfg, plan), sink
+        self.group, self.sink = actor_group.StageGroup(cfg, plan), sink
         started = time.perf_counter()
         self.group.start()
         self.watcher = _drain_watcher(self.group)
@@ -114,10 +114,6 @@ class ActorGroupCarrier(Carrier):
 def _drain_watcher(group):
     """A watcher of Ray's draining nodes for the nodes ``group``'s placement group holds, or None where they
     cannot be read (a stand-in group): a failed attempt is then a preemption only where Ray marks its error."""
-    import ray.util
-
-    from raytrain_mgpu.transports.preemption import DrainWatcher
-
     try:
         nodes = set(ray.util.placement_group_table(group.pg)["bundles_to_node_id"].values())
     except Exception as exc:
@@ -130,15 +126,13 @@ def run_pipeline(cfg: TrainConfig, plan: Optional[RunPlan], events) -> RunResult
     """Train ``cfg`` with its pipeline strategy; resume from the newest checkpoint of ``{storage_path}/{name}``
     if there is one, restart after failures (``max_failures``). ``plan``: ``fit``'s (None: built here); ``events``:
     ``fit``'s ``RunEvents``."""
-    from raytrain_mgpu.driver.cluster import check_placeable
-
     plan = plan if plan is not None else build_plan(cfg)  # fit hands its plan down; direct callers get the same
     if plan.runner != "actor_group":
         raise ValueError(f"TrainConfig.strategy={cfg.strategy!r} is not a pipeline strategy; fit() runs it "
                          f"with Ray Train workers.")
     # The placement check of the stage actors (fit leaves it to this runner: the fix is in its terms)
     _check_resources(cfg, list(plan.bundles), plan.replicas)
-    check_placeable(list(plan.bundles), cfg.use_gpu,
-                    f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}",
-                    labels=cfg.label_selector)
+    cluster.check_placeable(list(plan.bundles), cfg.use_gpu,
+                            f"strategy={cfg.strategy!r} with {plan.replicas} replica(s) x num_stages={cfg.num_stages}",
+                            labels=cfg.label_selector)
     return drive(ActorGroupCarrier(cfg, plan, events))

@@ -14,21 +14,28 @@ import logging
 from datetime import timedelta
 from typing import List, Optional
 
+import ray
 import torch
 import torch.distributed as dist
 from torch.utils.data._utils.collate import default_collate
 
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.data import build_datasets
+from raytrain_mgpu.data.ray_datasets import use_shards
+from raytrain_mgpu.driver.heartbeat import Heartbeat
+from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.models import build_model
 from raytrain_mgpu.models.partition import Partition, blocks_of, profile_costs
 from raytrain_mgpu.engine.objectives import Objective
 from raytrain_mgpu.pipeline.p2p import Comm, build_groups, nccl_semantics, warm_up
 from raytrain_mgpu.pipeline.schedule import build_order, channel_sequences, num_virtual_stages, stage_rank
+from raytrain_mgpu.pipeline.steps import PipelineSteps
 from raytrain_mgpu.engine import devices
 from raytrain_mgpu.transports.placement import free_address, node_ip, ray_gpu_ids
+from raytrain_mgpu.transports.preemption import DrainWatcher
 from raytrain_mgpu.engine.feed import steps_per_epoch
 from raytrain_mgpu.transports.base import FolderTransport, rank_devices, rank_engine
+from raytrain_mgpu.strategies import WorkerContext
 from raytrain_mgpu.strategies.plan import RunPlan, build_plan
 from raytrain_mgpu.transports.collective_timeouts import name_stuck_ranks
 from raytrain_mgpu.transports.retry import errors_whole
@@ -44,16 +51,12 @@ class StageTransport(FolderTransport):
     folder by rank 0 once every stage's part is in (a barrier over the group's gloo group)."""
 
     def __init__(self, cfg, stage: "StageWorker", attempt: str, sink):
-        from raytrain_mgpu.driver.progress import WorkerReporter
-
         reports = stage.replica == 0 and (stage.is_first or stage.is_last)
         super().__init__(cfg, stage.rank, attempt, WorkerReporter(sink if reports else None),
                          barrier=lambda: dist.barrier(group=stage.gloo))
         self.stage, self.sink = stage, sink
 
     def start_heartbeat(self, rank: int, world_size: int) -> None:
-        from raytrain_mgpu.driver.heartbeat import Heartbeat
-
         # every stage of this attempt shares its token; outside Ray (local stages) nothing is sent
         self.heartbeat = Heartbeat(self.sink, rank, world_size, self.attempt, self.cfg.stall_timeout_s).start()
 
@@ -69,10 +72,6 @@ class StageTransport(FolderTransport):
     def preemption(self) -> dict:
         """A node's preemption (a drain): this actor's own watcher of Ray's draining nodes. A stage outside Ray
         (local processes) hears of none: asking Ray for its node there would start a Ray instance of its own."""
-        import ray
-
-        from raytrain_mgpu.transports.preemption import DrainWatcher
-
         if not ray.is_initialized():
             return super().preemption()
         self.watcher = DrainWatcher(ray.get_runtime_context().get_node_id())
@@ -119,8 +118,6 @@ class StageWorker:
         """``ingest="ray_data"``: this replica's share of the training stream (read by its first stage) and, for the
         user's own Ray Datasets, the evaluated splits' iterators (before ``setup``)."""
         self.data_shard = shards
-        from raytrain_mgpu.data.ray_datasets import use_shards
-
         use_shards(shards)
 
     def profile_blocks(self) -> List[float]:
@@ -133,8 +130,6 @@ class StageWorker:
 
     def setup(self, master_addr: str, master_port: int, partition: Partition) -> dict:
         """Join the process group, create every channel's communicator, read the data's description."""
-        from raytrain_mgpu.strategies import WorkerContext
-
         cfg = self.cfg
         backend = devices.backend(cfg.use_gpu)
         if self.device.type == "cuda":
@@ -175,8 +170,6 @@ class StageWorker:
         """Train the run's remaining epochs with the engine (every rank at once); ``attempt``: this attempt's token
         (the checkpoints' temporary folders), ``sink``: the run's progress channel. An error reaches the driver
         whole, with its verdict (a stuck peer named)."""
-        from raytrain_mgpu.pipeline.steps import PipelineSteps
-
         self.steps = PipelineSteps(self, self.partition)
         transport = StageTransport(self.cfg, self, attempt, sink)
         engine = rank_engine(self.cfg, self.plan, self.ctx, transport, self.data, self.steps)
@@ -192,6 +185,4 @@ class StageWorker:
 
 def _in_ray() -> bool:
     """Whether this stage is a Ray actor (the tests' local stages keep their errors in their process)."""
-    import ray
-
     return ray.is_initialized()

@@ -9,12 +9,22 @@ import os
 
 import ray
 import ray.train
+import ray.train.torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 from raytrain_mgpu.config.train import TrainConfig
+from raytrain_mgpu.driver.callbacks import stop_main_thread_on_failure
+from raytrain_mgpu.driver.cluster import pending_message
 from raytrain_mgpu.driver.cluster import worker_runtime_env as _worker_runtime_env
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
+from raytrain_mgpu.engine import devices
+from raytrain_mgpu.transports import ray_data as ray_ingest
 from raytrain_mgpu.transports.attempt import Carrier, drive
 from raytrain_mgpu.transports.base import RunResult
+from raytrain_mgpu.transports.preemption import watcher_where_notices_come
+from raytrain_mgpu.transports.retry import whole_failure
+from raytrain_mgpu.transports.ray_train.faults import START_TIMEOUT_ENV, controller_poll
+from raytrain_mgpu.transports.ray_train.policy import CheckpointAnnouncer, OneRetryPolicy
 from raytrain_mgpu.transports.ray_train.worker import train_worker
 from raytrain_mgpu.transports.ray_train.replica_groups import backend_config
 
@@ -24,8 +34,6 @@ __all__ = ["run_train_workers", "RayTrainCarrier", "run_config", "torch_trainer_
 def start_timeout_s() -> float:
     """How long each of Ray Train's waits for a worker group's resources lasts (its environment variable, as the
     controller reads it)."""
-    from raytrain_mgpu.transports.ray_train.faults import START_TIMEOUT_ENV
-
     try:
         return float(os.environ.get(START_TIMEOUT_ENV, 60.0))
     except ValueError:
@@ -43,11 +51,9 @@ def torch_trainer_class():
     and 18.6-18.8 CPU-s per fit with it, 11.0-11.3 s and 15.2-16.1 CPU-s without. With datasets
     (``ingest="ray_data"``) the callback stays. A Ray Train without these hooks gets its own trainer.
     Tested both ways by counting the actors (tests/test_fit.py, tests/test_ray_ingest.py)."""
-    from ray.train.torch import TorchTrainer
-
-    from raytrain_mgpu.transports.ray_train.policy import OneRetryPolicy
-
+    TorchTrainer = ray.train.torch.TorchTrainer  # read when called: tests replace it
     try:
+        # late: a private module of Ray Train's, guarded: another Ray Train may not have it
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     except ImportError:  # another Ray Train: its own trainer, unchanged
         return TorchTrainer
@@ -88,10 +94,6 @@ class RayTrainCarrier(Carrier):
         self.trainer, self.result = _trainer(self.cfg, self.plan, sink), None
 
     def wait(self) -> None:
-        from raytrain_mgpu.driver.callbacks import stop_main_thread_on_failure
-        from raytrain_mgpu.transports.ray_train.faults import controller_poll
-        from raytrain_mgpu.transports.preemption import watcher_where_notices_come
-
         # controller_poll: a report waits for the controller's next poll, 2 s apart by default (faults.py), and
         # each wait for the worker group's resources lasts Ray's 60 s (less, for a shorter placement_timeout_s);
         # no preemption watcher on a Ray this process started (transports/preemption.py)
@@ -111,11 +113,6 @@ class RayTrainCarrier(Carrier):
 
 def _trainer(cfg: TrainConfig, plan, sink):
     """Ray Train's trainer of ``cfg``, its rank 0 reporting to ``sink`` (the run's progress channel)."""
-    from ray.train import ScalingConfig
-
-    from raytrain_mgpu.engine import devices
-    from raytrain_mgpu.transports import ray_data as ray_ingest
-
     trainer = torch_trainer_class()(
         train_worker,
         train_loop_config={"config": cfg, "plan": plan, "sink": sink},
@@ -144,6 +141,7 @@ def _start_autoscaling_coordinator() -> None:
     ``raytrain-mgpu bench-startup``; Ray's own function (an internal module, hence the guard), so the actor
     is the one Ray Train would create."""
     try:
+        # late: a private module of Ray Data's, guarded (another Ray may not have it); tests replace its function
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator)
     except ImportError:  # another Ray version: the controller creates it, as without this
@@ -154,10 +152,6 @@ def _start_autoscaling_coordinator() -> None:
 def run_config(cfg: TrainConfig, sink=None):
     """Ray Train's ``RunConfig`` of ``cfg``: where, how many checkpoints, which failures to retry; the driver told
     of each checkpoint through ``sink`` (the run's progress channel)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
-
-    from raytrain_mgpu.transports.ray_train.policy import CheckpointAnnouncer
-
     return RunConfig(
         name=cfg.name, storage_path=cfg.storage_path,
         # The last N by age, no checkpoint_score_attribute: with one, num_to_keep keeps the N
@@ -174,9 +168,6 @@ def run_config(cfg: TrainConfig, sink=None):
 def _whole(cfg: TrainConfig, error, plan) -> BaseException:
     """``retry.whole_failure`` of Ray Train's ``TrainingFailedError``: its workers' failures, or its controller's
     (a worker group whose resources were never granted: what is pending, and the fix)."""
-    from raytrain_mgpu.driver.cluster import pending_message
-    from raytrain_mgpu.transports.retry import whole_failure
-
     controller = getattr(error, "controller_failure", None)
     placement = (pending_message(list(plan.bundles), f"strategy={cfg.strategy!r}", cfg.placement_timeout_s)
                  if type(controller).__name__ == "WorkerGroupStartupTimeoutError" else None)

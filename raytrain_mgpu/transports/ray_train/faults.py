@@ -53,6 +53,8 @@ def wait_until_report_collected(timeout_s: float = 300.0) -> None:
     """Call right after ``ray.train.report`` on every rank: returns once Ray Train's
     controller has taken this rank's report (or after ``timeout_s``, with a warning)."""
     try:
+        # late: Ray Train (0.96 s of import), only on its workers: the in-process runner imports this module through
+        # transports/preemption.py; a Ray Train whose internals moved is answered below; tests replace the function
         from ray.train.v2._internal.execution.context import get_train_context
 
         pending = get_train_context().get_result_queue()

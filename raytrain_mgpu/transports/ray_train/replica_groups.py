@@ -30,11 +30,15 @@ from typing import Optional
 import ray
 import ray.train
 import ray.train.collective
+from ray.train.torch import TorchConfig
+from ray.train.v2._internal.execution import context as train_context  # by module: tests replace get_train_context
+from ray.train.v2.torch.torchft_config import TorchftConfig  # Ray's side of torchft: torchft itself loads on use
 
 from raytrain_mgpu.checkpointing.run_folder import RunFolder
 from raytrain_mgpu.checkpointing.store import FolderStore
 from raytrain_mgpu.driver.progress import WorkerReporter
 from raytrain_mgpu.engine.replica_groups import ReplicaGroups
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
 
 __all__ = ["backend_config", "run_replica_group", "ReplicaGroupTransport", "LIGHTHOUSE", "QUORUM_TIMEOUT_S"]
@@ -52,12 +56,8 @@ twice it): what a hung (not dead) peer costs the others once. A dead peer's sock
 def backend_config(cfg, backend: str):
     """Ray Train's backend config for ``cfg``: ``TorchftConfig`` with the lighthouse above for replica groups, else
     its plain ``TorchConfig``."""
-    from ray.train.torch import TorchConfig
-
     if cfg.fault_tolerance != "replica_groups":
         return TorchConfig(backend=backend, timeout_s=int(cfg.collective_timeout_s))
-    from ray.train.v2.torch.torchft_config import TorchftConfig
-
     return TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE), backend=backend,
                          timeout_s=int(cfg.collective_timeout_s))
 
@@ -147,8 +147,6 @@ class ReplicaGroupTransport(Transport):
 
 def run_replica_group(cfg, plan, sink, entered: float) -> dict:
     """``train_worker``'s run for a replica group: this worker as a world of one reading its group's shard."""
-    from raytrain_mgpu.strategies import WorkerContext, get_strategy
-
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     assignment = rank_devices(cfg, get_strategy(cfg.strategy).devices_per_worker(cfg), ray.get_gpu_ids())
@@ -162,6 +160,4 @@ def run_replica_group(cfg, plan, sink, entered: float) -> dict:
 def _worker_group_id() -> str:
     """Ray Train's worker group, named by its synchronization actor: a replacement joins the same one, a whole-group
     restart makes a new one (Ray Train's internal context: the Ray this package pins)."""
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    return get_train_context().get_synchronization_actor()._actor_id.hex()[:12]
+    return train_context.get_train_context().get_synchronization_actor()._actor_id.hex()[:12]

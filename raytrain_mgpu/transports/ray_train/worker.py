@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import ray
 import ray.train
+import torch.distributed as dist
 
 from raytrain_mgpu.config.train import TrainConfig
 from raytrain_mgpu.transports.collective_timeouts import name_stuck_ranks
 from raytrain_mgpu.transports.retry import errors_whole
+from raytrain_mgpu.driver.heartbeat import Heartbeat
 from raytrain_mgpu.driver.progress import WorkerReporter
+from raytrain_mgpu.strategies import WorkerContext, get_strategy
 from raytrain_mgpu.transports.base import Transport, rank_devices, rank_engine
+from raytrain_mgpu.transports.preemption import ray_train_notices
 from raytrain_mgpu.transports.ray_train.store import RayTrainStore
 from raytrain_mgpu.transports.ray_train.replica_groups import run_replica_group
 
@@ -49,8 +54,6 @@ def train_worker(payload: dict) -> dict:
 
 def _context(cfg: TrainConfig):
     """This worker's rank start (``transports/base.rank_devices``) and its ranks, as Ray Train numbers them."""
-    from raytrain_mgpu.strategies import WorkerContext, get_strategy
-
     ctx = ray.train.get_context()
     # GPUs: this worker's ray.get_gpu_ids() through CUDA_VISIBLE_DEVICES (as Ray Train's
     # get_devices); under emulation the same cuda:k are recorded and the CPU computes.
@@ -71,8 +74,6 @@ class RayTrainTransport(Transport):
         return rank == 0 and self.reporter.sink is not None
 
     def start_heartbeat(self, rank: int, world_size: int) -> None:
-        from raytrain_mgpu.driver.heartbeat import Heartbeat
-
         self.heartbeat = Heartbeat(self.sink, rank, world_size, _attempt_id, self.cfg.stall_timeout_s).start()
 
     def checkpoint_store(self) -> RayTrainStore:
@@ -87,8 +88,6 @@ class RayTrainTransport(Transport):
         return ray.train.get_dataset_shard("train")
 
     def preemption(self) -> dict:
-        from raytrain_mgpu.transports.preemption import ray_train_notices
-
         return ray_train_notices()  # Ray Train's watcher and get_preemption_info
 
 
@@ -96,10 +95,6 @@ def _attempt_id() -> str:
     """An id every worker of this worker group shares (its heartbeats' group): rank 0 writes a fresh one into the
     group's c10d store, which Ray Train makes anew for every group; the others read it (called in the heartbeat
     thread: the wait for rank 0 keeps no step waiting)."""
-    import uuid
-
-    import torch.distributed as dist
-
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         store.set(_ATTEMPT_KEY, uuid.uuid4().hex)
