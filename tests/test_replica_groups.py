@@ -31,6 +31,7 @@ import raytrain_mgpu as rtm
 import _forkserver
 from _reference import train_replicas
 
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's INFO lines (a quorum a step), read when it is first imported
 pytest.importorskip("torchft")
 
 MLP = dict(model="mlp", dataset="digits", strategy="ddp", batch_size=32, lr=0.05, epochs=3, seed=0)
@@ -83,6 +84,7 @@ def _group(index: int, count: int, storage: str, lighthouse: str, barrier, out: 
         if step == kill_after:
             os.kill(pid, signal.SIGKILL)
         if park and step == park["step"]:
+            (outdir / f"parked-{index}").write_text(str(step))
             deadline = time.monotonic() + BOUND_S
             while not Path(park["file"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -131,6 +133,13 @@ def _results(tmp_path: Path, index: int) -> list:
             for h in sorted(tmp_path.glob(f"history-{index}-*.json"))]
 
 
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"{path.name} not written within {BOUND_S} s"
+
+
 def _join(process, what: str) -> None:
     process.join(BOUND_S)
     assert process.exitcode == 0, f"{what} exited with {process.exitcode}"
@@ -163,10 +172,11 @@ def test_a_killed_group_is_replaced_heals_from_the_survivor_and_both_end_equal(t
     lost = _start(tmp_path, lighthouse, barrier, 1, kill_after=20)
     lost.join(BOUND_S)
     assert lost.exitcode == -signal.SIGKILL, lost.exitcode
+    # started once the survivor has trained alone to its step 40 (a replacement started at once may beat the
+    # lighthouse's 1 s heartbeat timeout, and the survivor's quorum then waits for it instead of going on alone)
+    _wait_for(tmp_path / "parked-0")
     replacement = _start(tmp_path, lighthouse, barrier, 1)
-    deadline = time.monotonic() + BOUND_S
-    while not list(tmp_path.glob(f"joined-1-{replacement.pid}")) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for(tmp_path / f"joined-1-{replacement.pid}")
     (tmp_path / "replacement").write_text("1")
     _join(survivor, "the survivor")
     _join(replacement, "the replacement")
@@ -180,7 +190,7 @@ def test_a_killed_group_is_replaced_heals_from_the_survivor_and_both_end_equal(t
     for row0, row1 in zip(history0, history1):
         assert (row1["train_loss"], row1["samples_per_s"] > 0) == (row0["train_loss"], True)
     alone = sum(row["short_steps"] for row in history0)
-    assert 20 <= alone < 132, history0  # from its step 21 until the replacement joined (after step 40)
+    assert 20 <= alone < 132, history0  # its steps 21-40 at least: the replacement started after them
     assert history0[-1]["short_steps"] == 0, history0  # both again by the last epoch
     assert history0[-1]["test_accuracy"] > 0.8
 
