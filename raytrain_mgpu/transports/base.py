@@ -18,6 +18,8 @@ published in the run folder (``FolderStore``), every rank of an attempt writing 
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -103,10 +105,6 @@ def check_writable(folder: RunFolder, node: str) -> None:
     """Write, read back and delete a small file in ``folder`` from ``node`` (a rank before its first step), or raise
     the ``OSError`` that stopped it (of the same type: the retry policy tells a refused mount from a hiccup), naming
     the node, the path and the cause."""
-    import os
-    import socket
-    import uuid
-
     try:
         probe = folder.join(f".reach-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         folder.fs.create_dir(folder.path, recursive=True)
