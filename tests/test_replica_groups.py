@@ -140,6 +140,14 @@ def _wait_for(path: Path) -> None:
     assert path.exists(), f"{path.name} not written within {BOUND_S} s"
 
 
+def _train_both(tmp_path: Path, lighthouse: str, **options) -> None:
+    """Both groups started together (a barrier of their own) and trained to the end."""
+    barrier = _forkserver.context().Barrier(2)
+    groups = [_start(tmp_path, lighthouse, barrier, index, **options) for index in (0, 1)]
+    for index, process in enumerate(groups):
+        _join(process, f"group {index}")
+
+
 def _join(process, what: str) -> None:
     process.join(BOUND_S)
     assert process.exitcode == 0, f"{what} exited with {process.exitcode}"
@@ -147,10 +155,7 @@ def _join(process, what: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_two_groups_that_lose_nobody_train_what_two_ddp_replicas_train(tmp_path, lighthouse):
-    barrier = _forkserver.context().Barrier(2)
-    groups = [_start(tmp_path, lighthouse, barrier, index) for index in (0, 1)]
-    for index, process in enumerate(groups):
-        _join(process, f"group {index}")
+    _train_both(tmp_path, lighthouse)
     reference, reference_history = train_replicas({**MLP, "num_workers": 2})
     (history0, weights0), = _results(tmp_path, 0)
     (history1, weights1), = _results(tmp_path, 1)
@@ -204,10 +209,7 @@ def test_when_every_group_is_lost_the_new_groups_resume_from_the_leaders_step_ch
         process.join(BOUND_S)
         assert process.exitcode == -signal.SIGKILL, process.exitcode
     # Ray Train's whole-group restart: a new worker group (its own marks), both groups again
-    barrier = _forkserver.context().Barrier(2)
-    again = [_start(tmp_path, lighthouse, barrier, index, worker_group="local2", fields=fields) for index in (0, 1)]
-    for index, process in enumerate(again):
-        _join(process, f"group {index} after the restart")
+    _train_both(tmp_path, lighthouse, worker_group="local2", fields=fields)
     (history0, weights0), = _results(tmp_path, 0)
     (history1, weights1), = _results(tmp_path, 1)
     assert [row["step"] for row in history0] == [44, 88, 132]
@@ -222,16 +224,13 @@ def test_when_every_group_is_lost_the_new_groups_resume_from_the_leaders_step_ch
 def test_a_replacement_that_comes_after_the_end_stops_instead_of_training_alone(tmp_path, lighthouse):
     from raytrain_mgpu.checkpointing.run_folder import RunFolder
 
-    barrier = _forkserver.context().Barrier(2)
-    groups = [_start(tmp_path, lighthouse, barrier, index) for index in (0, 1)]
-    for index, process in enumerate(groups):
-        _join(process, f"group {index}")
+    _train_both(tmp_path, lighthouse)
     # Its run folder's newest checkpoint is removed, as if the replacement had read the folder before the last one
     # was published: it resumes from epoch 2, finds itself alone in its first quorum and the run marked finished.
     folder = Path(RunFolder.of(_config(str(tmp_path / "runs"))).path)
     for last in folder.glob("checkpoint_epoch000003*"):
         shutil.rmtree(last)
-    late = _start(tmp_path, lighthouse, barrier, 1)
+    late = _start(tmp_path, lighthouse, None, 1)  # the run's start mark is there: a replacement waits for nobody
     _join(late, "the late replacement")
     late_history = json.loads((tmp_path / f"history-1-{late.pid}.json").read_text())
     assert [row["step"] for row in late_history] == [44, 88], late_history  # trained nothing past its resume point
@@ -275,3 +274,29 @@ def test_the_ledger_counts_the_steps_averaged_by_fewer_groups():
     assert (ledger["short_steps"], ledger["dropped_steps"]) == (20, 1)
     assert "20 steps averaged over fewer replica groups" in describe(ledger)
     assert summarize([session], [{**row, "short_steps": 0} for row in rows])["short_steps"] == 0
+
+
+@pytest.mark.parametrize("device, group", [("cuda:0", "ProcessGroupNCCL"), ("cpu", "ProcessGroupGloo")])
+def test_the_groups_meet_over_nccl_on_a_gpu_and_gloo_on_cpu(device, group, monkeypatch):
+    """The one CUDA decision replica groups make (a machine without a GPU records it: torchft's classes stand in)."""
+    import torchft
+    import torchft.checkpointing.pg_transport as pg_transport
+
+    from raytrain_mgpu.engine.replica_groups import ReplicaGroups
+
+    made = {}
+
+    def recorder(name):
+        def make(*args, **kwargs):
+            made[name] = (args, kwargs)
+            return name
+        return make
+
+    for name in ("ProcessGroupNCCL", "ProcessGroupGloo", "Manager"):
+        monkeypatch.setattr(torchft, name, recorder(name))
+    monkeypatch.setattr(pg_transport, "PGTransport", recorder("PGTransport"))
+    ReplicaGroups(1, 2, torch.device(device), "run", timeout_s=7.0)
+    assert group in made and ({"ProcessGroupNCCL", "ProcessGroupGloo"} - {group}).isdisjoint(made)
+    assert made["PGTransport"][1]["device"] == torch.device(device)  # the healing state travels on that device
+    manager = made["Manager"][1]
+    assert (manager["pg"], manager["replica_id"], manager["use_async_quorum"]) == (group, "run-group1", False)
